@@ -1,0 +1,85 @@
+"""nox sessions for the nanoqwen monorepo.
+
+    nox -s tests      CPU test suite (what CI runs); fetches the real 0.5B test model when it can
+    nox -s lint       ruff over every package
+    nox -s demo       fetch Qwen2.5-Coder-0.5B, pack it to INT4, generate code from a chat prompt
+    nox -s gpu_tests  GPU test suite, run on a machine with a Hopper GPU, in its existing environment
+    nox -s bench      benchmarks on a GPU machine, in its existing environment
+
+`gpu_tests` and `bench` use the interpreter nox runs under (`venv_backend="none"`): the GPU machine
+has torch, CuPy and the rest preinstalled and no network, so nothing may be downloaded there. The
+packages are put on `PYTHONPATH` from their `src/` folders instead of being installed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ["nanoqwen-format", "nanoqwen-quant", "nanoqwen-kernels", "nanoqwen-runtime", "nanoqwen-cli"]
+# torch first and pinned: on the CPU machines `torch==2.13.0` is a CPU build on local disk, while an
+# unpinned requirement can pull a multi-GB CUDA build.
+TORCH_CPU = "torch==2.13.0"
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "gguf>=0.10", "tokenizers>=0.19"]
+DEMO_MODEL_DIR = ROOT / ".cache"
+
+nox.options.sessions = ["tests", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install_packages(session: nox.Session) -> None:
+    session.install(TORCH_CPU)
+    session.install(*[arg for pkg in PACKAGES for arg in ("-e", f"packages/{pkg}")])
+
+
+def _src_pythonpath() -> str:
+    paths = [str(ROOT / "packages" / pkg / "src") for pkg in PACKAGES]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return os.pathsep.join(paths)
+
+
+def _test_paths() -> list[str]:
+    return ["tests", *[f"packages/{pkg}/tests" for pkg in PACKAGES]]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """CPU tests. The model tests run when the registry can be reached, and skip with a reason otherwise."""
+    _install_packages(session)
+    session.install(*TEST_DEPS)
+    # The test model download is a fetch, not part of a unit test: do it once here, into the cache.
+    # Failure is not fatal: the tests that need the model skip and say why.
+    session.run("python", "tools/testmodel.py", success_codes=[0, 1])
+    session.run("pytest", "-m", "not gpu", *_test_paths(), *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu_tests(session: nox.Session) -> None:
+    """GPU tests, in the machine's existing environment (no installs, no downloads)."""
+    env = {"PYTHONPATH": _src_pythonpath(), "NANOQWEN_REQUIRE_GPU": "1"}
+    session.run("python", "-m", "pytest", "-m", "gpu", *_test_paths(), *session.posargs, env=env)
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """Kernel microbenchmarks and the engine benchmark on the GPU (writes bench/results/)."""
+    env = {"PYTHONPATH": _src_pythonpath()}
+    session.run("python", "-m", "nanoqwen_cli.main", "bench", *session.posargs, env=env)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "packages", "tests", "tools", "noxfile.py")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Fetch the real Qwen2.5-Coder-0.5B-Instruct, pack it to INT4 and generate a Python function."""
+    _install_packages(session)
+    gguf = session.run("python", "tools/testmodel.py", silent=True).strip().splitlines()[-1]
+    session.run("python", "tools/demo.py", gguf, str(DEMO_MODEL_DIR), *session.posargs)
