@@ -1,0 +1,212 @@
+"""Configuration of the CUDA engine: the model geometry read from a container, and the engine's knobs.
+
+Two dataclasses and nothing else:
+
+- `ModelGeometry` is the Qwen2 shape (hidden size, heads, layers, ...) taken from the container's
+  `config` metadata map (HF `config.json` key names, see docs/DESIGN.md). Derived sizes (the fused qkv
+  width, GQA group, bytes per KV token) are computed once in `__post_init__`.
+- `EngineConfig` is everything the engine does not read from the file: KV memory budget, page size,
+  batch limits, prefill chunk, graph or eager mode, op backend. Behaviour is never read from a file
+  name or an environment variable: the CLI builds an `EngineConfig` from its flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Decode batches are padded up to one of these sizes; one CUDA graph is captured per size. Powers of
+# two keep the padding waste under 2x and the number of graphs (and their memory) small.
+GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Qwen2 decoder shape. Field names follow HF `config.json` where one exists."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    # derived
+    q_dim: int = field(init=False)
+    kv_dim: int = field(init=False)
+    qkv_dim: int = field(init=False)
+    group: int = field(init=False)  # query heads per KV head (GQA)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "vocab_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"model config: {self.num_attention_heads} query heads are not a multiple of "
+                             f"{self.num_key_value_heads} KV heads")
+        object.__setattr__(self, "q_dim", self.num_attention_heads * self.head_dim)
+        object.__setattr__(self, "kv_dim", self.num_key_value_heads * self.head_dim)
+        object.__setattr__(self, "qkv_dim", self.q_dim + 2 * self.kv_dim)
+        object.__setattr__(self, "group", self.num_attention_heads // self.num_key_value_heads)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelGeometry:
+        """Build from the container's `config` metadata map (HF key names)."""
+        arch = config.get("architecture", "qwen2")
+        if arch != "qwen2":
+            raise ValueError(f"model config: architecture {arch!r} is not supported (only 'qwen2')")
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "num_key_value_heads", "intermediate_size", "vocab_size") if k not in config]
+        if missing:
+            raise ValueError(f"model config: missing keys {missing}")
+        eos = config.get("eos_token_id", ())
+        eos = (eos,) if isinstance(eos, int) else tuple(int(e) for e in (eos or ()))
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return cls(
+            hidden_size=int(config["hidden_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=int(config["num_attention_heads"]),
+            num_key_value_heads=int(config["num_key_value_heads"]),
+            head_dim=int(head_dim),
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            rope_theta=float(config.get("rope_theta", 1_000_000.0)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            eos_token_ids=eos,
+        )
+
+    def to_config(self) -> dict[str, Any]:
+        """The `config` metadata map for a container (inverse of `from_config`)."""
+        return {
+            "architecture": "qwen2", "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": None,
+            "eos_token_id": list(self.eos_token_ids), "pad_token_id": None,
+        }
+
+    def kv_bytes_per_token(self) -> int:
+        """bf16 K and V over all layers for one token."""
+        return self.num_hidden_layers * 2 * self.kv_dim * 2
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.kv_bytes_per_token() * block_size
+
+
+# Qwen2.5-Coder-7B and 0.5B shapes (../shared/TEST-MODELS.md); used by the synthetic builder and bench.
+QWEN25_7B = ModelGeometry(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=18944, vocab_size=152064,
+                          max_position_embeddings=32768, eos_token_ids=(151645, 151643))
+QWEN25_05B = ModelGeometry(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                           num_key_value_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
+                           max_position_embeddings=32768, tie_word_embeddings=True,
+                           eos_token_ids=(151645, 151643))
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. Nothing here is read from the file; the CLI maps its flags onto these fields.
+
+    KV pool size: `kv_memory_bytes` when given, otherwise `kv_memory_fraction` of the device memory
+    that is free after the weights and the step workspace are allocated.
+    """
+
+    device: str = "cuda"
+    # "kernels": nanoqwen_kernels launchers (the fast path, needs sm_90). "torch": plain-torch ops on the
+    # same paged layout (CPU tests and debugging). Chosen explicitly; never switched behind your back.
+    backend: str = "kernels"
+    # "graph": decode steps replay a CUDA graph captured per batch bucket. "eager": launch every kernel
+    # from Python each step (debugging; ~Python-bound).
+    mode: str = "graph"
+    block_size: int = 16
+    kv_memory_bytes: int | None = None
+    kv_memory_fraction: float = 0.90
+    # Hard cap on the number of KV blocks (tests use it to force preemption); None = as many as fit.
+    num_blocks: int | None = None
+    max_batch: int = 64  # running sequences at most; == the largest graph bucket
+    # Context limit per sequence (prompt + generated). None = the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # Tokens per prefill step (summed over the sequences in it). 2048 keeps the GEMM path efficient and
+    # the activation workspace at 2048 x 37888 bf16 (155 MB) for the 7B gate_up output.
+    prefill_chunk: int = 2048
+    # Admission keeps this fraction of blocks free for running sequences to grow into, so that a new
+    # arrival does not immediately cause a preemption.
+    admit_watermark: float = 0.01
+    verify: bool = False  # verify the container's checksums while loading
+    seed: int = 0
+    graph_buckets: tuple[int, ...] = GRAPH_BUCKETS
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("kernels", "torch"):
+            raise ValueError(f"EngineConfig.backend must be 'kernels' or 'torch', got {self.backend!r}")
+        if self.mode not in ("graph", "eager"):
+            raise ValueError(f"EngineConfig.mode must be 'graph' or 'eager', got {self.mode!r}")
+        if self.mode == "graph" and not self.device.startswith("cuda"):
+            raise ValueError("EngineConfig.mode='graph' needs a CUDA device; use mode='eager' on the CPU")
+        if self.backend == "kernels" and not self.device.startswith("cuda"):
+            raise ValueError("EngineConfig.backend='kernels' needs a CUDA device; "
+                             "use backend='torch' on the CPU")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if not 0.0 < self.kv_memory_fraction <= 0.98:
+            raise ValueError(f"kv_memory_fraction must be in (0, 0.98], got {self.kv_memory_fraction}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise ValueError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (one is the padding block), got {self.num_blocks}")
+        if self.max_batch <= 0 or self.max_batch > max(self.graph_buckets):
+            raise ValueError(f"max_batch must be in 1..{max(self.graph_buckets)}, got {self.max_batch}")
+        if self.prefill_chunk < self.block_size:
+            raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be >= block_size "
+                             f"({self.block_size})")
+        self.graph_buckets = tuple(sorted(b for b in self.graph_buckets if b <= self._bucket_cap()))
+
+    def _bucket_cap(self) -> int:
+        cap = 1
+        while cap < self.max_batch:
+            cap *= 2
+        return cap
+
+    def bucket_for(self, batch: int) -> int:
+        """Smallest graph bucket holding `batch` sequences."""
+        for b in self.graph_buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"batch {batch} exceeds the largest bucket {self.graph_buckets[-1]}")
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '500MB', '1.5G', '123456' -> bytes (binary units for Gi/Mi/Ki and bare G/M/K)."""
+    s = text.strip().replace(" ", "")
+    units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 10**9, "mb": 10**6, "kb": 10**3,
+             "g": 2**30, "m": 2**20, "k": 2**10, "b": 1}
+    low = s.lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if low.endswith(suffix):
+            number = low[: -len(suffix)]
+            try:
+                value = float(number)
+            except ValueError:
+                break
+            if value <= 0:
+                break
+            return int(value * units[suffix])
+    try:
+        value = int(s)
+    except ValueError:
+        raise ValueError(f"cannot parse a memory size from {text!r} "
+                         "(examples: 24GiB, 500MB, 123456)") from None
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return value

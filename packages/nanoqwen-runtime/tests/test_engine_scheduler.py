@@ -1,0 +1,201 @@
+"""CPU tests of the engine's scheduler, block manager and step metadata.
+
+A fake model stands in for the GPU: it writes a tag (seq id, position, token) into a fake KV pool at
+the page/slot the step inputs name, and "attends" by checking that every cached position of every
+sequence still holds its own tag. Any accounting slip (a page owned twice, a page freed while in use,
+a stale page table, a padded row writing into a live page) shows up as a wrong tag.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from nanoqwen_runtime.engine.metadata import build_step_inputs
+from nanoqwen_runtime.engine.scheduler import (
+    BlockManager,
+    FinishReason,
+    Request,
+    Scheduler,
+    SeqStatus,
+)
+from nanoqwen_runtime.kv_cache import BlockAllocator
+from nanoqwen_runtime.sampling import SamplingParams
+
+EOS = 7
+
+
+def make(num_blocks=64, block_size=4, max_batch=8, max_model_len=256, chunk=32, watermark=0.0):
+    bm = BlockManager(BlockAllocator(num_blocks), num_blocks, block_size)
+    return Scheduler(bm, max_batch=max_batch, max_model_len=max_model_len, prefill_chunk=chunk,
+                     admit_watermark=watermark)
+
+
+class FakeModel:
+    """Tags in a fake KV pool; checks every sequence's cached prefix at every step."""
+
+    def __init__(self, sched: Scheduler, eos_prob: float, rng: random.Random, buckets=(1, 2, 4, 8, 16)):
+        bm = sched.blocks
+        self.sched, self.rng, self.eos_prob, self.buckets = sched, rng, eos_prob, buckets
+        self.bs = bm.block_size
+        self.max_pages = -(-sched.max_model_len // self.bs)
+        self.pool = np.full((bm.num_blocks, self.bs), -1, np.int64)
+        self.steps = 0
+
+    @staticmethod
+    def tag(seq_id, pos, tok):
+        return (seq_id * 1_000_003 + pos) * 1009 + tok
+
+    def step(self, plan):
+        pad_to = None
+        if plan.kind == "decode":
+            pad_to = next(b for b in self.buckets if b >= len(plan.seqs))
+        inp = build_step_inputs(plan, block_size=self.bs, max_pages=self.max_pages,
+                                padding_block=self.sched.blocks.padding_block, pad_to=pad_to)
+        qs = inp.query_start
+        for b in range(inp.num_rows):
+            for t in range(qs[b], qs[b + 1]):
+                p = int(inp.positions[t])
+                page = inp.page_table[b, p // self.bs]
+                if b >= inp.num_real:
+                    assert page == self.sched.blocks.padding_block
+                    continue
+                self.pool[page, p % self.bs] = self.tag(plan.seqs[b].seq_id, p, int(inp.input_ids[t]))
+        # "attention": every real row reads its whole context
+        for b, seq in enumerate(plan.seqs):
+            ctx = int(inp.context_lens[b])
+            assert inp.positions[qs[b + 1] - 1] == ctx - 1
+            for p in range(ctx):
+                got = self.pool[inp.page_table[b, p // self.bs], p % self.bs]
+                assert got == self.tag(seq.seq_id, p, seq.tokens[p]), (seq.seq_id, p)
+        self.steps += 1
+        out = {}
+        for seq, smp in zip(plan.seqs, plan.sample, strict=True):
+            if smp:
+                out[seq.seq_id] = EOS if self.rng.random() < self.eos_prob else 100 + self.rng.randrange(900)
+        return out
+
+
+def finish_checks(sched: Scheduler, received):
+    for seq in received:
+        sp = seq.request.params
+        if seq.tokens[-1] == EOS:
+            sched.finish(seq, FinishReason.EOS)
+        elif seq.num_generated >= sp.max_tokens:
+            sched.finish(seq, FinishReason.LENGTH)
+
+
+def test_refusals_are_clear():
+    s = make(num_blocks=9, block_size=4, max_model_len=64)
+    assert "empty prompt" in s.refusal_reason(Request([]))
+    assert "context limit" in s.refusal_reason(Request([1] * 64))
+    why = s.refusal_reason(Request([1] * 10, SamplingParams(max_tokens=60)))
+    assert "exceeds the context limit" in why
+    assert "whole pool has 8" in s.refusal_reason(Request([1] * 30, SamplingParams(max_tokens=3)))
+    assert "SamplingParams" in s.refusal_reason(Request([1], params={"top_p": 0.0}))
+    assert s.refusal_reason(Request([1] * 20, SamplingParams(max_tokens=12))) is None
+
+
+def test_prefill_then_decode_exact_blocks():
+    s = make(num_blocks=32, block_size=4, chunk=8)
+    seq = s.add(Request(list(range(1, 11)), SamplingParams(max_tokens=5), ignore_eos=True))
+    model = FakeModel(s, 0.0, random.Random(0))
+    plan = s.schedule()
+    assert plan.kind == "prefill" and plan.query_lens == [8] and plan.sample == [False]
+    assert len(seq.blocks) == 2
+    s.commit(plan, model.step(plan))
+    plan = s.schedule()
+    assert plan.kind == "prefill" and plan.query_lens == [2] and plan.sample == [True]
+    s.commit(plan, model.step(plan))
+    assert seq.num_generated == 1 and seq.in_decode and len(seq.blocks) == 3
+    plan = s.schedule()
+    assert plan.kind == "decode" and plan.start_pos == [10]
+    s.commit(plan, model.step(plan))
+    assert len(seq.blocks) == 3  # 11 tokens cached + 1 new = 12 -> 3 pages
+    s.finish(seq, FinishReason.LENGTH)
+    assert s.blocks.num_used == 0 and s.blocks.num_free == 31
+    s.blocks.check(s.live())
+
+
+def test_preemption_resumes_and_keeps_tokens():
+    # 6 usable blocks of 4 tokens; two sequences of 8-token prompts growing to 20 tokens each cannot
+    # both be resident: the younger is preempted, recomputed later, and both finish with all tokens.
+    s = make(num_blocks=7, block_size=4, chunk=64, max_model_len=32)
+    rng = random.Random(1)
+    model = FakeModel(s, 0.0, rng)
+    seqs = [s.add(Request(list(range(1 + 10 * i, 9 + 10 * i)), SamplingParams(max_tokens=12)))
+            for i in range(2)]
+    steps = 0
+    while s.has_work:
+        plan = s.schedule()
+        assert plan is not None
+        finish_checks(s, s.commit(plan, model.step(plan)))
+        s.blocks.check(s.live())
+        steps += 1
+        assert steps < 500
+    assert s.num_preemptions >= 1
+    assert all(q.status is SeqStatus.FINISHED and q.num_generated == 12 for q in seqs)
+    assert s.blocks.num_used == 0
+
+
+def test_padding_rows_only_touch_padding_block():
+    s = make(num_blocks=40, block_size=4)
+    model = FakeModel(s, 0.0, random.Random(2), buckets=(4, 8))
+    for i in range(3):
+        s.add(Request([5 + i] * 5, SamplingParams(max_tokens=4)))
+    while s.has_work:
+        plan = s.schedule()
+        finish_checks(s, s.commit(plan, model.step(plan)))
+    assert (model.pool[s.blocks.padding_block] == -1).all()  # padded rows skipped writing in the fake
+    assert s.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_randomized_1000_requests(seed):
+    """1000 requests, random prompt/output lengths and sampling, arriving between steps; some ask for
+    more than fits. Each completes or is refused with a reason; blocks return to zero; no sequence
+    ever reads another's K/V."""
+    rng = random.Random(seed)
+    s = make(num_blocks=97, block_size=8, max_batch=16, max_model_len=512, chunk=96, watermark=0.02)
+    model = FakeModel(s, eos_prob=0.02, rng=rng)
+    pending = []
+    for i in range(1000):
+        n = rng.choice([1, 2, rng.randrange(3, 40), rng.randrange(40, 300), rng.randrange(300, 700)])
+        sp = SamplingParams(max_tokens=rng.choice([1, rng.randrange(2, 60), rng.randrange(60, 400)]),
+                            temperature=rng.choice([0.0, 0.7, 1.3]), top_p=rng.choice([1.0, 0.9]),
+                            top_k=rng.choice([0, 40]), seed=rng.randrange(2**31))
+        pending.append(Request([rng.randrange(100, 1000) for _ in range(n)], sp, request_id=str(i)))
+    refused, done, seqs = [], [], []
+    steps = 0
+    while pending or s.has_work:
+        for _ in range(rng.choice([0, 0, 1, 3, 8])):  # requests join between steps
+            if pending:
+                r = pending.pop(0)
+                why = s.refusal_reason(r)
+                if why:
+                    refused.append((r, why))
+                else:
+                    seqs.append(s.add(r))
+        plan = s.schedule()
+        if plan is None:
+            assert not s.has_work
+            continue
+        assert len(plan.seqs) <= 16
+        received = s.commit(plan, model.step(plan))
+        finish_checks(s, received)
+        for q in received:
+            if q.status is SeqStatus.FINISHED:
+                done.append(q)
+        s.blocks.check(s.live())
+        steps += 1
+        assert steps < 200_000
+    assert len(done) + len(refused) == 1000
+    assert refused and all(isinstance(why, str) and why for _, why in refused)
+    assert all(q.status is SeqStatus.FINISHED for q in seqs)
+    for q in done:
+        assert q.finish_reason in (FinishReason.EOS, FinishReason.LENGTH)
+        if q.finish_reason is FinishReason.LENGTH:
+            assert q.num_generated == q.request.params.max_tokens
+    assert s.blocks.num_used == 0 and s.blocks.num_free == s.blocks.usable_blocks
+    assert s.num_preemptions > 0  # the pool is small enough that preemption is exercised
