@@ -1,0 +1,160 @@
+"""Run-time side of the kernels: device check, module cache, current-stream launch, input checks.
+
+Every launcher in this package goes through `launch()`: it looks up the kernel in the op family's
+module (compiled at first use by `build.load_module`, one module per family and device), wraps the
+current torch stream as a CuPy `ExternalStream` and launches on it. Nothing here allocates device
+memory or synchronises the host, so launches can be captured in a CUDA graph once each family has
+been loaded (call `warm_up()` before capture: loading a module is not capturable).
+
+Only sm_90 (Hopper) is supported: `require_sm90` raises `UnsupportedDeviceError` on anything else;
+there is no slower fallback path.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from . import build
+from .specs import SPECS
+
+
+class UnsupportedDeviceError(RuntimeError):
+    """The tensor is not on a CUDA device of compute capability 9.0 (H100/H200)."""
+
+
+_lock = threading.Lock()
+_modules: dict[tuple[str, int], object] = {}
+_functions: dict[tuple[str, str, int], object] = {}
+_streams: dict[tuple[int, int], object] = {}
+_checked_devices: set[int] = set()
+
+
+def require_sm90(device: torch.device) -> int:
+    """Device index of `device`, after checking it is a CUDA GPU with compute capability 9.0."""
+    if device.type != "cuda":
+        raise UnsupportedDeviceError(f"nanoqwen kernels need CUDA tensors, got device {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _checked_devices:
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) != (9, 0):
+            name = torch.cuda.get_device_name(index)
+            raise UnsupportedDeviceError(
+                f"nanoqwen kernels are built for sm_90a (H100/H200) only; device {index} ({name}) is "
+                f"sm_{major}{minor}. There is no fallback path: use a Hopper GPU."
+            )
+        _checked_devices.add(index)
+    return index
+
+
+def get_function(family: str, kernel: str, device_index: int):
+    """The `cupy.RawKernel` named `kernel` in op family `family` on the given device."""
+    key = (family, kernel, device_index)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    import cupy
+
+    with _lock:
+        mkey = (family, device_index)
+        module = _modules.get(mkey)
+        if module is None:
+            if family not in SPECS:
+                raise KeyError(f"no kernel family {family!r}; known: {sorted(SPECS)}")
+            with cupy.cuda.Device(device_index):
+                module = build.load_module(SPECS[family])
+            _modules[mkey] = module
+        with cupy.cuda.Device(device_index):
+            fn = module.get_function(kernel)
+        _functions[key] = fn
+    return fn
+
+
+def current_stream(device_index: int):
+    """The current torch stream on `device_index`, as a (cached) `cupy.cuda.ExternalStream`."""
+    ptr = torch.cuda.current_stream(device_index).cuda_stream
+    key = (device_index, ptr)
+    stream = _streams.get(key)
+    if stream is None:
+        import cupy
+
+        stream = cupy.cuda.ExternalStream(ptr, device_index)
+        _streams[key] = stream
+    return stream
+
+
+def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0) -> None:
+    """Launch `family.kernel` on the current torch stream. `args` are numpy scalars (see `ptr`)."""
+    fn = get_function(family, kernel, device_index)
+    if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
+        fn.max_dynamic_shared_size_bytes = shared_mem
+    import cupy
+
+    with cupy.cuda.Device(device_index), current_stream(device_index):
+        fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+
+
+def warm_up(families=None, device: torch.device | None = None) -> None:
+    """Compile/load the given op families (all by default) so later launches can be graph-captured."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    index = require_sm90(device)
+    import cupy
+
+    for family in families or SPECS:
+        if (family, index) not in _modules:
+            with _lock, cupy.cuda.Device(index):
+                _modules[(family, index)] = build.load_module(SPECS[family])
+
+
+# ---------------------------------------------------------------------------------------------------
+# argument helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    """Kernel argument for a tensor's data pointer (0 for None)."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(v: int) -> np.int32:
+    if not -(2**31) <= v < 2**31:
+        raise ValueError(f"{v} does not fit in int32")
+    return np.int32(v)
+
+
+def f32(v: float) -> np.float32:
+    return np.float32(v)
+
+
+def check(
+    t: torch.Tensor,
+    name: str,
+    dtype: torch.dtype,
+    shape: tuple | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = True,
+    align: int = 16,
+) -> None:
+    """Raise ValueError/TypeError naming `name` if `t` has the wrong type, dtype, shape, layout or device.
+
+    `shape` entries that are None are not checked.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if shape is not None:
+        bad = t.dim() != len(shape) or any(
+            s is not None and s != d for s, d in zip(shape, t.shape, strict=True)
+        )
+        if bad:
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    if t.numel() > 0 and t.data_ptr() % align != 0:
+        raise ValueError(f"{name}: data pointer must be {align}-byte aligned")

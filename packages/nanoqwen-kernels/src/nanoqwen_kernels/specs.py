@@ -1,0 +1,26 @@
+"""The registry of kernel families: the one build description of every CUDA source in the package.
+
+Each entry is a `build.KernelSpec`: its `.cu` entry files under `csrc/`, extra compiler options, and
+the hot kernels that the CPU CI test (`tests/test_build.py`) requires to compile with a zero stack
+frame and no spills. Both the first-use NVRTC compile (`build.load_module`) and the ahead-of-time nvcc
+compile (`build.compile_nvcc`) read this dict and nothing else. To add a family: add its `.cu` file
+and one entry here.
+"""
+
+from __future__ import annotations
+
+from .build import KernelSpec
+
+SPECS: dict[str, KernelSpec] = {
+    "layer_ops": KernelSpec(
+        name="layer_ops",
+        sources=("layer_ops.cu",),
+        hot_kernels=(
+            "rms_norm_bf16",
+            "fused_add_rms_norm_bf16",
+            "silu_mul_bf16",
+            "embedding_gather_bf16",
+            "qkv_rope_kv_write_bf16",
+        ),
+    ),
+}

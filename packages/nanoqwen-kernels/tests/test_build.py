@@ -1,0 +1,69 @@
+"""CPU CI: every kernel family in the registry compiles with nvcc for sm_90a, and hot kernels use no
+local memory (zero stack frame, no spill stores or loads in ptxas's report).
+
+Needs only `nvcc` (no GPU); skips with a reason when it is not installed. Also unit-tests the ptxas
+report parser and the cache key, so a silently broken parser cannot pass the spill check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from nanoqwen_kernels import build
+from nanoqwen_kernels.specs import SPECS
+
+needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed on this machine")
+
+_REPORT = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'hot_a' for 'sm_90a'
+ptxas info    : Function properties for hot_a
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers, 380 bytes cmem[0]
+ptxas info    : Compiling entry function 'cold_b' for 'sm_90a'
+ptxas info    : Function properties for cold_b
+    24 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 380 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_report():
+    res = build.parse_ptxas_report(_REPORT)
+    assert set(res) == {"hot_a", "cold_b"}
+    assert res["hot_a"] == build.KernelResources("hot_a", 40, 0, 0, 0)
+    assert not res["hot_a"].uses_local_memory
+    assert res["cold_b"] == build.KernelResources("cold_b", 255, 24, 8, 4)
+    assert res["cold_b"].uses_local_memory
+
+
+def test_source_hash_tracks_options_and_is_stable():
+    spec = next(iter(SPECS.values()))
+    assert build.source_hash(spec) == build.source_hash(spec)
+    other = dataclasses.replace(spec, options=spec.options + ("-DNQ_TEST_ONLY=1",))
+    assert build.source_hash(other) != build.source_hash(spec)
+
+
+def test_spec_rejects_missing_source():
+    with pytest.raises(ValueError, match="not found"):
+        build.KernelSpec(name="x", sources=("no_such_file.cu",))
+
+
+def test_every_source_file_is_in_a_spec():
+    """A .cu file that no spec builds would escape CI: each entry file belongs to exactly one family."""
+    listed = [s for spec in SPECS.values() for s in spec.sources]
+    assert len(listed) == len(set(listed))
+    on_disk = {p.name for p in build.CSRC_DIR.glob("*.cu")}
+    assert on_disk == set(listed)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_family_compiles_without_local_memory(family, tmp_path):
+    spec = SPECS[family]
+    cubin, report = build.compile_nvcc(spec, tmp_path)
+    assert cubin.stat().st_size > 0
+    missing = [k for k in spec.hot_kernels if k not in report]
+    assert not missing, f"hot kernels not found in ptxas report: {missing}; report has {sorted(report)}"
+    bad = {k: report[k] for k in spec.hot_kernels if report[k].uses_local_memory}
+    assert not bad, f"hot kernels use local memory (stack frame / spills): {bad}"
