@@ -23,4 +23,16 @@ SPECS: dict[str, KernelSpec] = {
             "qkv_rope_kv_write_bf16",
         ),
     ),
+    "attention": KernelSpec(
+        name="attention",
+        sources=("attention.cu",),
+        hot_kernels=(
+            "paged_attention_decode_hd128",
+            "paged_attention_decode_hd64",
+            "paged_attention_prefill_hd128",
+            "paged_attention_prefill_hd64",
+            "paged_attention_combine_hd128",
+            "paged_attention_combine_hd64",
+        ),
+    ),
 }

@@ -1,0 +1,495 @@
+// Paged attention for decode and chunked prefill (sm_90a), one kernel family for both.
+//
+// What it computes. For every query row (token i of sequence b, query head h) and its KV head
+// kvh = h / G (G = n_heads / n_kv_heads query heads per KV head):
+//     pos = context_len[b] - query_len[b] + i                        (absolute position of the token)
+//     out = softmax(q . K[0..pos]^T / sqrt(head_dim)) . V[0..pos]    (causal, fp32 accumulation)
+// K and V come from the paged cache of DESIGN.md: k_cache / v_cache are
+// [num_blocks, n_kv_heads, block_size, head_dim] bf16, and token p of sequence b lives in page
+// page_table[b, p / block_size], slot p % block_size. Decode is query_len == 1.
+//
+// Work split. A CTA owns one (row tile, KV head, KV split, sequence). A row tile packs ROWS query rows
+// of ONE KV head as (token, head-in-group) pairs, row r -> token r / G, head r % G, so every K/V tile
+// is loaded once for all G query heads that share it (GQA) and fed to tensor cores (mma.sync
+// m16n8k16 bf16, fp32 accumulate) as the B operand. Decode has G <= 16 rows per sequence: one 16-row
+// MMA tile, and the 4 consumer warps split each KV tile's tokens between them instead (KV_WARPS = 4).
+// Prefill has 4 warps x 16 rows and each warp sees the whole KV tile (KV_WARPS = 1). The KV range of
+// a CTA (every token its last row may see) is cut into TILE-token tiles and those tiles into
+// num_splits contiguous splits (flash-decoding), so one long sequence fills all SMs; the combine
+// kernel merges the splits by their log-sum-exp. Split s of a sequence with n tiles takes tiles
+// [s * ceil(n / S), ...): the partition is computed on the device from context_lens, so a captured
+// graph serves every length up to the plan's maximum.
+//
+// Pipeline (warp-specialized). Warp 0 is the producer: it reads the page table and copies whole KV
+// tiles into an NSTAGES-deep shared-memory ring with 16-byte cp.async (XOR-swizzled rows so that
+// ldmatrix is bank-conflict free). Token rows past the CTA's KV limit, and therefore every slot of a
+// partial tail page that holds no token yet, are zero-filled (cp.async src-size 0) without touching
+// global memory or the page table: stale or NaN cache contents never reach the math. Completion is
+// signalled with cp.async.mbarrier.arrive.noinc on the stage's "full" mbarrier (count 32, one per
+// producer lane); every consumer thread arrives on the stage's "empty" mbarrier when done reading.
+// After the split-role branch nothing uses __syncthreads(): consumers synchronize among themselves
+// with a named barrier (bar.sync 1, 32 * CONSUMER_WARPS) that the producer never reaches.
+//
+// Epilogue. Each consumer warp leaves (m, l, O) per row in shared memory (reusing the ring, which is
+// drained by then); all consumer threads merge the KV_WARPS partial states in a fixed order (the
+// result is bit-identical run to run) and write either the final bf16 row (num_splits == 1) or an fp32
+// row normalized by its own sum plus its log2-sum-exp for the combine kernel.
+#pragma once
+
+#include "common.cuh"  // bf16_t (raw bits: no toolkit headers), f32x2_to_bf16x2
+
+namespace nq_attn {
+
+constexpr int TILE = 64;           // KV tokens per pipeline stage
+constexpr int CONSUMER_WARPS = 4;  // math warps per CTA; warp 0 is the producer on top of these
+constexpr int THREADS = 32 * (CONSUMER_WARPS + 1);
+constexpr int CONSUMER_BARRIER = 1;  // named barrier id (0 is __syncthreads)
+
+struct Params {
+  const bf16_t* q;           // [total_q, n_heads, head_dim], token stride q_stride (elements)
+  const bf16_t* k_cache;     // [num_blocks, n_kv_heads, block_size, head_dim]
+  const bf16_t* v_cache;     // same shape as k_cache
+  const int* page_table;     // [B, page_table_stride]
+  const int* context_lens;   // [B]: tokens in the cache, new ones included
+  const int* qo_start;       // [B + 1]: row b's query tokens are q[qo_start[b] : qo_start[b + 1]]
+  bf16_t* out;               // [total_q, n_heads, head_dim] contiguous (num_splits == 1)
+  float* work_o;             // [num_splits, work_rows, n_heads, head_dim] (num_splits > 1)
+  float* work_lse;           // [num_splits, work_rows, n_heads], log2 domain
+  long long q_stride;
+  int page_table_stride;
+  int work_rows;
+  int n_heads;
+  int n_kv_heads;
+  int log2_block_size;
+  int num_splits;
+  int num_row_tiles;
+  float scale_log2;  // softmax scale * log2(e)
+};
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 2^x on the SFU (ex2.approx: relative error ~2^-22, 2^-inf = +0), as flash attention does.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- mbarrier, cp.async, named barriers ---------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.shared::cta.b64 st, [%0];\n\t}" ::"r"(smem_addr(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "WAIT_%=:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+      "@!done bra WAIT_%=;\n\t}" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// 16-byte async copy; src_bytes == 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async_16_zfill(unsigned dst, const void* src, unsigned src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
+// The mbarrier receives one arrival once every cp.async this thread issued so far has landed.
+__device__ __forceinline__ void cp_async_arrive_noinc(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+__device__ __forceinline__ void consumer_sync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(CONSUMER_BARRIER), "n"(32 * CONSUMER_WARPS) : "memory");
+}
+
+// ---- tensor-core fragments ----------------------------------------------------------------------
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
+                                            unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
+                                                  unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// d += a (16x16, row) * b (16x8, col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a [rows, HD] bf16 tile (XOR swizzle: the 8 rows
+// one ldmatrix phase reads sit in 8 different 16-byte bank groups).
+template <int HD>
+__device__ __forceinline__ unsigned tile_offset(int row, int chunk) {
+  return (unsigned)(row * (HD * 2) + ((chunk ^ (row & 7)) << 4));
+}
+
+// ---- the CTA's share of the work ----------------------------------------------------------------
+
+struct Work {
+  int b, kvh, row0, rows_total, qlen, ctx, qs, tile_begin, n_tiles, split, kv_limit;
+};
+
+template <int ROW_WARPS>
+__device__ __forceinline__ bool cta_work(const Params& p, Work& w) {
+  constexpr int ROWS = 16 * ROW_WARPS;
+  const int G = p.n_heads / p.n_kv_heads;
+  w.b = blockIdx.z;
+  w.kvh = blockIdx.y;
+  w.split = blockIdx.x % p.num_splits;
+  // Row tiles in reverse: under the causal mask the last rows have the most work, start them first.
+  const int row_tile = p.num_row_tiles - 1 - (int)(blockIdx.x / p.num_splits);
+  w.qs = p.qo_start[w.b];
+  w.qlen = p.qo_start[w.b + 1] - w.qs;
+  w.ctx = p.context_lens[w.b];
+  w.rows_total = w.qlen * G;
+  w.row0 = row_tile * ROWS;
+  if (w.row0 >= w.rows_total) return false;
+  const int last_token = (min(w.row0 + ROWS, w.rows_total) - 1) / G;
+  w.kv_limit = max(0, min(w.ctx, w.ctx - w.qlen + last_token + 1));
+  const int tiles = (w.kv_limit + TILE - 1) / TILE;
+  const int per_split = (tiles + p.num_splits - 1) / p.num_splits;
+  w.tile_begin = w.split * per_split;
+  w.n_tiles = max(0, min(tiles - w.tile_begin, per_split));
+  return true;
+}
+
+// ---- producer warp ------------------------------------------------------------------------------
+
+template <int HD, int NSTAGES>
+__device__ __forceinline__ void produce(const Params& p, const Work& w, unsigned char* ring,
+                                        unsigned long long* full, unsigned long long* empty, int lane) {
+  constexpr int CHUNKS = HD / 8;             // 16-byte chunks per token row
+  constexpr int ROWS_PER_PASS = 32 / CHUNKS;  // token rows one warp instruction covers
+  constexpr int TILE_BYTES = TILE * HD * 2;
+  const int bs_mask = (1 << p.log2_block_size) - 1;
+  const int* pt = p.page_table + (long long)w.b * p.page_table_stride;
+  const long long head_off = (long long)w.kvh << p.log2_block_size;  // in token rows
+  const int chunk = lane % CHUNKS;
+  for (int it = 0; it < w.n_tiles; ++it) {
+    const int stage = it % NSTAGES;
+    if (it >= NSTAGES) mbar_wait(&empty[stage], ((it / NSTAGES) - 1) & 1);
+    const int tok0 = (w.tile_begin + it) * TILE;
+    // Lane j holds the page id of the tile's j-th page (read only for pages holding a live token).
+    const int first_page = tok0 >> p.log2_block_size;
+    const int pages_in_tile = max(1, TILE >> p.log2_block_size);
+    int page_id = 0;
+    if (lane < pages_in_tile && ((first_page + lane) << p.log2_block_size) < w.kv_limit)
+      page_id = pt[first_page + lane];
+    const unsigned k_dst = smem_addr(ring + stage * 2 * TILE_BYTES);
+    const unsigned v_dst = k_dst + TILE_BYTES;
+#pragma unroll 4
+    for (int r0 = 0; r0 < TILE; r0 += ROWS_PER_PASS) {
+      const int row = r0 + lane / CHUNKS;
+      const int tok = tok0 + row;
+      const int page = __shfl_sync(0xffffffffu, page_id, (tok >> p.log2_block_size) - first_page);
+      const bool live = tok < w.kv_limit;
+      const long long elem =
+          ((((long long)page * p.n_kv_heads) << p.log2_block_size) + head_off + (tok & bs_mask)) * HD +
+          chunk * 8;
+      const unsigned off = tile_offset<HD>(row, chunk);
+      cp_async_16_zfill(k_dst + off, live ? p.k_cache + elem : p.k_cache, live ? 16u : 0u);
+      cp_async_16_zfill(v_dst + off, live ? p.v_cache + elem : p.v_cache, live ? 16u : 0u);
+    }
+    cp_async_arrive_noinc(&full[stage]);
+  }
+  cp_async_wait_all();
+}
+
+// ---- consumer warps -----------------------------------------------------------------------------
+
+// One consumer warp: 16 query rows against TPW tokens of every KV tile.
+template <int HD, int NSTAGES, int ROW_WARPS, int KV_WARPS>
+__device__ __forceinline__ void consume(const Params& p, const Work& w, unsigned char* ring,
+                                        unsigned char* q_smem, unsigned long long* full,
+                                        unsigned long long* empty, int cw, int lane, float* sm_ml) {
+  constexpr int ROWS = 16 * ROW_WARPS;
+  constexpr int TPW = TILE / KV_WARPS;  // tokens of a tile this warp handles
+  constexpr int SUB = TPW < 32 ? TPW : 32;  // tokens per softmax step: 32 keeps prefill from spilling
+  constexpr int NT = SUB / 8;                // score n-tiles per step
+  constexpr int KS = HD / 16;           // k-steps of q . k
+  constexpr int TILE_BYTES = TILE * HD * 2;
+  constexpr int OSTRIDE = HD + 8;  // fp32 row stride of the epilogue buffer (pad: fewer bank conflicts)
+  const int G = p.n_heads / p.n_kv_heads;
+  const int row_warp = cw / KV_WARPS;
+  const int kv_warp = cw % KV_WARPS;
+  const int g = lane >> 2, t = lane & 3;
+
+  // This warp's 16 query rows go to its own slice of the Q buffer (swizzled like the KV tiles) and
+  // feed the MMAs through ldmatrix: holding them in registers would cost 2 * HD / 8 more per thread.
+  // Padding rows (past the last query) are zeros. Rows g and g + 8 keep their causal limits.
+  unsigned char* q_warp = q_smem + row_warp * 16 * HD * 2;
+#pragma unroll
+  for (int i = lane; i < 16 * (HD / 8); i += 32) {
+    const int rr = i / (HD / 8), c = i % (HD / 8);
+    const int r = w.row0 + row_warp * 16 + rr;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (r < w.rows_total)
+      v = *reinterpret_cast<const uint4*>(p.q + (long long)(w.qs + r / G) * p.q_stride +
+                                          (w.kvh * G + r % G) * HD + c * 8);
+    *reinterpret_cast<uint4*>(q_warp + tile_offset<HD>(rr, c)) = v;
+  }
+  __syncwarp();
+  const unsigned q_base = smem_addr(q_warp);
+  int limit[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = w.row0 + row_warp * 16 + g + half * 8;
+    limit[half] = r < w.rows_total ? w.ctx - w.qlen + r / G + 1 : w.kv_limit;  // padding: any finite row
+  }
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {neg_inf(), neg_inf()};
+  float l[2] = {0.f, 0.f};
+
+  for (int it = 0; it < w.n_tiles; ++it) {
+    const int stage = it % NSTAGES;
+    mbar_wait(&full[stage], (it / NSTAGES) & 1);
+    const unsigned k_base = smem_addr(ring + stage * 2 * TILE_BYTES);
+    const unsigned v_base = k_base + TILE_BYTES;
+#pragma unroll 1
+    for (int sub = 0; sub < TPW / SUB; ++sub) {
+      const int trow0 = kv_warp * TPW + sub * SUB;  // first token row of this step inside the tile
+
+      // S = Q K^T over this step's SUB tokens.
+      float s[NT][4];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        unsigned qa[4];
+        ldmatrix_x4(qa[0], qa[1], qa[2], qa[3],
+                    q_base + tile_offset<HD>((lane & 7) + (((lane >> 3) & 1) << 3), ks * 2 + (lane >> 4)));
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          const int row = trow0 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+          const int chunk = ks * 2 + ((lane >> 3) & 1);
+          unsigned b0, b1, b2, b3;
+          ldmatrix_x4(b0, b1, b2, b3, k_base + tile_offset<HD>(row, chunk));
+          mma_bf16(s[2 * np], qa, b0, b1);
+          mma_bf16(s[2 * np + 1], qa, b2, b3);
+        }
+      }
+
+      // Mask and online softmax (log2 domain). Row `half` owns s[n][2*half], s[n][2*half+1].
+      const int tok_base = (w.tile_begin + it) * TILE + trow0 + 2 * t;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mx = neg_inf();
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tok = tok_base + n * 8 + e;
+            const float v = tok < limit[half] ? s[n][2 * half + e] * p.scale_log2 : neg_inf();
+            s[n][2 * half + e] = v;
+            mx = fmaxf(mx, v);
+          }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[half], mx);
+        const float m_use = m_new == neg_inf() ? 0.f : m_new;  // a fully masked row so far stays at 0
+        const float alpha = fast_exp2(m[half] - m_use);
+        m[half] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = fast_exp2(s[n][2 * half + e] - m_use);
+            s[n][2 * half + e] = pv;
+            sum += pv;
+          }
+        }
+        l[half] = l[half] * alpha + sum;
+#pragma unroll
+        for (int j = 0; j < HD / 8; ++j) {
+          o[j][2 * half] *= alpha;
+          o[j][2 * half + 1] *= alpha;
+        }
+      }
+
+      // O += P V: P from the score registers (bf16), V fragments by transposing ldmatrix.
+      unsigned pa[SUB / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < SUB / 16; ++kk) {
+        pa[kk][0] = f32x2_to_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = f32x2_to_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = f32x2_to_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = f32x2_to_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int kk = 0; kk < SUB / 16; ++kk) {
+        const int row = trow0 + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+        for (int jp = 0; jp < HD / 16; ++jp) {
+          unsigned b0, b1, b2, b3;
+          ldmatrix_x4_trans(b0, b1, b2, b3, v_base + tile_offset<HD>(row, jp * 2 + (lane >> 4)));
+          mma_bf16(o[2 * jp], pa[kk], b0, b1);
+          mma_bf16(o[2 * jp + 1], pa[kk], b2, b3);
+        }
+      }
+    }
+    mbar_arrive(&empty[stage]);
+  }
+
+  // Epilogue part 1: full row sums, then (m, l, O) of this warp into shared memory.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+  }
+  consumer_sync();  // every consumer warp is done reading the ring: reuse it for O
+  float* sm_o = reinterpret_cast<float*>(ring) + kv_warp * ROWS * OSTRIDE;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row_warp * 16 + g + half * 8;
+    if (t == 0) {
+      sm_ml[(kv_warp * ROWS + r) * 2] = m[half];
+      sm_ml[(kv_warp * ROWS + r) * 2 + 1] = l[half];
+    }
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j)
+      *reinterpret_cast<float2*>(&sm_o[r * OSTRIDE + j * 8 + 2 * t]) =
+          make_float2(o[j][2 * half], o[j][2 * half + 1]);
+  }
+}
+
+// Epilogue part 2, all consumer threads: merge the KV_WARPS partial states of each row in a fixed
+// order and write the row (bf16 final output, or fp32 partial + log2-sum-exp for the combine).
+template <int HD, int ROW_WARPS, int KV_WARPS>
+__device__ __forceinline__ void finalize(const Params& p, const Work& w, const float* sm_o,
+                                         const float* sm_ml, int ctid) {
+  constexpr int ROWS = 16 * ROW_WARPS;
+  constexpr int OSTRIDE = HD + 8;
+  constexpr int VEC = HD / 4;  // float4 columns per row
+  const int G = p.n_heads / p.n_kv_heads;
+  for (int i = ctid; i < ROWS * VEC; i += 32 * CONSUMER_WARPS) {
+    const int r = i / VEC, c = (i % VEC) * 4;
+    const int rg = w.row0 + r;
+    if (rg >= w.rows_total) continue;
+    const int tok = w.qs + rg / G, head = w.kvh * G + rg % G;
+    float mx = neg_inf();
+#pragma unroll
+    for (int k = 0; k < KV_WARPS; ++k) mx = fmaxf(mx, sm_ml[(k * ROWS + r) * 2]);
+    float L = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (mx != neg_inf()) {
+#pragma unroll
+      for (int k = 0; k < KV_WARPS; ++k) {
+        const float e = exp2f(sm_ml[(k * ROWS + r) * 2] - mx);
+        L += e * sm_ml[(k * ROWS + r) * 2 + 1];
+        const float4 v = *reinterpret_cast<const float4*>(&sm_o[(k * ROWS + r) * OSTRIDE + c]);
+        acc[0] += e * v.x;
+        acc[1] += e * v.y;
+        acc[2] += e * v.z;
+        acc[3] += e * v.w;
+      }
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;  // no live token (empty split or context 0): zeros
+    const long long row_off = (long long)tok * p.n_heads + head;
+    if (p.num_splits == 1) {
+      uint2 packed = make_uint2(f32x2_to_bf16x2(acc[0] * inv, acc[1] * inv), f32x2_to_bf16x2(acc[2] * inv, acc[3] * inv));
+      *reinterpret_cast<uint2*>(p.out + row_off * HD + c) = packed;
+    } else {
+      const long long split_off = (long long)w.split * p.work_rows * p.n_heads;
+      *reinterpret_cast<float4*>(p.work_o + (split_off + row_off) * HD + c) =
+          make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+      if (c == 0) p.work_lse[split_off + row_off] = L > 0.f ? mx + log2f(L) : neg_inf();
+    }
+  }
+}
+
+template <int HD, int NSTAGES, int ROW_WARPS, int KV_WARPS>
+__device__ __forceinline__ void paged_attention(const Params& p) {
+  static_assert(ROW_WARPS * KV_WARPS == CONSUMER_WARPS, "consumer warp grid");
+  static_assert(TILE % (16 * KV_WARPS) == 0, "tokens per warp must be a multiple of 16");
+  constexpr int ROWS = 16 * ROW_WARPS;
+  static_assert(KV_WARPS * ROWS * (HD + 8) * 4 <= NSTAGES * 2 * TILE * HD * 2, "epilogue fits the ring");
+  // Dynamic shared memory: NSTAGES x (K tile, V tile), then the Q tile [ROWS, HD] (smem_bytes()).
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ unsigned long long full[NSTAGES], empty[NSTAGES];
+  __shared__ float sm_ml[KV_WARPS * ROWS * 2];
+
+  Work w;
+  if (!cta_work<ROW_WARPS>(p, w)) return;  // uniform across the CTA: a row tile past the query
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NSTAGES; ++s) {
+      mbar_init(&full[s], 32);
+      mbar_init(&empty[s], 32 * CONSUMER_WARPS);
+    }
+  }
+  __syncthreads();  // the last CTA-wide barrier: roles split below
+
+  if (warp == 0) {
+    produce<HD, NSTAGES>(p, w, ring, full, empty, lane);
+  } else {
+    consume<HD, NSTAGES, ROW_WARPS, KV_WARPS>(p, w, ring, ring + NSTAGES * 2 * TILE * HD * 2, full, empty,
+                                               warp - 1, lane, sm_ml);
+    consumer_sync();  // epilogue buffers complete
+    finalize<HD, ROW_WARPS, KV_WARPS>(p, w, reinterpret_cast<const float*>(ring), sm_ml,
+                                      threadIdx.x - 32);
+  }
+}
+
+// Merge the per-split rows: out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M), M = max_s lse_s.
+// One thread per 4 columns of one (token, head) row; splits with no live token carry lse = -inf.
+template <int HD>
+__device__ __forceinline__ void combine_splits(const Params& p, int total_q) {
+  constexpr int VEC = HD / 4;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long rows = (long long)total_q * p.n_heads;
+  if (i >= rows * VEC) return;
+  const long long row = i / VEC;
+  const int c = (int)(i % VEC) * 4;
+  const long long split_stride = (long long)p.work_rows * p.n_heads;
+  float mx = neg_inf();
+  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.work_lse[s * split_stride + row]);
+  float L = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+  if (mx != neg_inf()) {
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float lse = p.work_lse[s * split_stride + row];
+      if (lse == neg_inf()) continue;
+      const float e = exp2f(lse - mx);
+      const float4 v = *reinterpret_cast<const float4*>(p.work_o + (s * split_stride + row) * HD + c);
+      L += e;
+      acc[0] += e * v.x;
+      acc[1] += e * v.y;
+      acc[2] += e * v.z;
+      acc[3] += e * v.w;
+    }
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  *reinterpret_cast<uint2*>(p.out + row * HD + c) =
+      make_uint2(f32x2_to_bf16x2(acc[0] * inv, acc[1] * inv), f32x2_to_bf16x2(acc[2] * inv, acc[3] * inv));
+}
+
+}  // namespace nq_attn
