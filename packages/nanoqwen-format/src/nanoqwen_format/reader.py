@@ -1,0 +1,325 @@
+"""The .nanoqwen reader: `open(path)` maps the file and parses header, trailer, index and metadata.
+
+Opening reads the 64-byte header, the 64-byte trailer, the index and the metadata, nothing else: no
+tensor byte is touched until an accessor asks for it, so opening a 5 GB file costs a few page
+faults. Every length and offset is checked against the file size (with Python's unbounded ints, so
+nothing overflows) before the bytes it describes are read; the index and metadata checksums are
+checked before they are unpacked. Accessors return zero-copy, read-only numpy views over the mmap;
+views stay valid after `close()` (the mapping is released when the last view is gone).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+import numpy as np
+
+from . import int4, int8
+from .errors import (
+    BadMagicError,
+    ChecksumError,
+    ClosedFileError,
+    EncodingError,
+    HeaderError,
+    IndexChecksumError,
+    LimitExceededError,
+    MalformedIndexError,
+    MetadataChecksumError,
+    MetadataError,
+    MisalignedError,
+    MissingMetadataError,
+    OutOfBoundsError,
+    TensorNotFoundError,
+    TrailerError,
+    TruncatedError,
+    UnsupportedEncodingError,
+    UnsupportedVersionError,
+)
+from .metadata import check_tree, unpack_section
+from .quantized import PLAIN_ENCODINGS, QuantizedTensor, parse_layout
+from .records import TensorRecord, parse_index
+from .spec import (
+    DATA_ALIGN,
+    HEADER_NBYTES,
+    MAGIC,
+    MAJOR,
+    MAX_INDEX_NBYTES,
+    MAX_METADATA_NBYTES,
+    MIN_FILE_NBYTES,
+    TRAILER_MAGIC,
+    TRAILER_NBYTES,
+    xxh3,
+)
+
+__all__ = ["open", "NanoqwenFile"]
+
+_builtin_open = open
+
+
+def open(path) -> NanoqwenFile:  # noqa: A001 - the DESIGN.md name
+    """Open a .nanoqwen file for reading (use as a context manager). Raises FormatError subclasses."""
+    return NanoqwenFile(path)
+
+
+class NanoqwenFile:
+    """A mapped, validated .nanoqwen file.
+
+    Attributes: path, major, minor, data_offset, metadata (dict), records (dict[str, TensorRecord]
+    in file order), index_offset, size (file bytes).
+    """
+
+    def __init__(self, path) -> None:
+        self.path = os.fspath(path)
+        self._mm: mmap.mmap | None = None
+        with _builtin_open(self.path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size < len(MAGIC):
+                raise TruncatedError(
+                    f"file is {size} bytes, too short for the magic", path=self.path, where="header"
+                )
+            head = fh.read(len(MAGIC))
+            if head != MAGIC:
+                raise BadMagicError(
+                    f"first bytes are {head!r}, expected {MAGIC!r}", path=self.path, where="header"
+                )
+            if size < MIN_FILE_NBYTES:
+                raise TruncatedError(
+                    f"file is {size} bytes; a complete file has at least {MIN_FILE_NBYTES}",
+                    path=self.path,
+                    where="header",
+                )
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.size = size
+        try:
+            self._parse()
+        except BaseException:
+            self._release()
+            raise
+
+    # ---- parsing -------------------------------------------------------------------------------
+    def _err(self, cls, where, msg, **kw):
+        return cls(msg, path=self.path, where=where, **kw)
+
+    def _parse(self) -> None:
+        mm, size = self._mm, self.size
+        major, minor, header_nbytes, data_offset = struct.unpack_from("<HHIQ", mm, 8)
+        if major != MAJOR:
+            raise self._err(
+                UnsupportedVersionError,
+                "header",
+                f"file is version {major}.{minor}; this reader supports major version {MAJOR}",
+            )
+        (stored,) = struct.unpack_from("<Q", mm, 56)
+        if xxh3(mm[:56]) != stored:
+            raise self._err(HeaderError, "header", "header checksum mismatch (corrupt header)")
+        if header_nbytes < HEADER_NBYTES or header_nbytes > DATA_ALIGN:
+            raise self._err(HeaderError, "header", f"header_nbytes {header_nbytes} not in 64..4096")
+        if data_offset % DATA_ALIGN or data_offset < DATA_ALIGN:
+            raise self._err(
+                MisalignedError,
+                "header",
+                f"data_offset {data_offset} is not a positive multiple of {DATA_ALIGN}",
+            )
+        self.major, self.minor, self.data_offset = major, minor, data_offset
+
+        t0 = size - TRAILER_NBYTES
+        tr = mm[t0:size]
+        if tr[56:] != TRAILER_MAGIC:
+            raise self._err(
+                TruncatedError,
+                "trailer",
+                "no trailer magic at the end of the file: truncated or never finished",
+            )
+        idx_off, idx_n, idx_h, meta_off, meta_n, meta_h, tr_h = struct.unpack_from("<7Q", tr, 0)
+        if xxh3(tr[:48]) != tr_h:
+            raise self._err(TrailerError, "trailer", "trailer checksum mismatch (corrupt trailer)")
+        if idx_n > MAX_INDEX_NBYTES:
+            raise self._err(
+                LimitExceededError, "trailer", f"index is {idx_n} bytes, over the limit of {MAX_INDEX_NBYTES}"
+            )
+        if meta_n > MAX_METADATA_NBYTES:
+            raise self._err(
+                LimitExceededError,
+                "trailer",
+                f"metadata is {meta_n} bytes, over the limit of {MAX_METADATA_NBYTES}",
+            )
+        if data_offset > t0:
+            raise self._err(
+                TruncatedError, "header", f"data_offset {data_offset} is past the trailer at {t0}"
+            )
+        if idx_off < data_offset or meta_off != idx_off + idx_n or meta_off + meta_n != t0:
+            raise self._err(
+                OutOfBoundsError,
+                "trailer",
+                f"index {idx_off}+{idx_n} and metadata {meta_off}+{meta_n} must be contiguous "
+                f"and end at the trailer ({t0}), after data_offset {data_offset}",
+            )
+        self.index_offset = idx_off
+
+        index_bytes = mm[idx_off : idx_off + idx_n]
+        if xxh3(index_bytes) != idx_h:
+            raise self._err(IndexChecksumError, "index", "index checksum mismatch (corrupt index)")
+        meta_bytes = mm[meta_off : meta_off + meta_n]
+        if xxh3(meta_bytes) != meta_h:
+            raise self._err(
+                MetadataChecksumError, "metadata", "metadata checksum mismatch (corrupt metadata)"
+            )
+
+        index_obj = unpack_section(index_bytes, "index", MalformedIndexError, self.path)
+        self.records: dict[str, TensorRecord] = parse_index(
+            index_obj, data_offset=data_offset, data_end=idx_off, path=self.path
+        )
+        meta = unpack_section(meta_bytes, "metadata", MetadataError, self.path)
+        if not isinstance(meta, dict):
+            raise self._err(MetadataError, "metadata", f"metadata must be a map, got {type(meta).__name__}")
+        check_tree(meta, "metadata", path=self.path)
+        self.metadata: dict = meta
+
+    # ---- metadata accessors ---------------------------------------------------------------------
+    def _meta(self, key: str, typ: type):
+        if key not in self.metadata:
+            raise self._err(MissingMetadataError, "metadata", f"no {key!r} key")
+        v = self.metadata[key]
+        if not isinstance(v, typ):
+            raise self._err(MetadataError, "metadata", f"{key!r} is a {type(v).__name__}, not {typ.__name__}")
+        return v
+
+    @property
+    def config(self) -> dict:
+        """metadata["config"]: the Qwen2 config (HF config.json key names)."""
+        return self._meta("config", dict)
+
+    @property
+    def tokenizer_json(self) -> str:
+        """metadata["tokenizer"]: the HF tokenizer.json content."""
+        return self._meta("tokenizer", str)
+
+    @property
+    def chat_template(self) -> str:
+        """metadata["chat_template"]: the jinja2 chat template."""
+        return self._meta("chat_template", str)
+
+    # ---- tensor accessors -----------------------------------------------------------------------
+    def _rec(self, name: str) -> TensorRecord:
+        self._check_open()
+        try:
+            return self.records[name]
+        except KeyError:
+            raise self._err(TensorNotFoundError, None, f"no tensor named {name!r}") from None
+
+    def _check_open(self) -> None:
+        if self._mm is None:
+            raise self._err(ClosedFileError, None, "file is closed")
+
+    def raw(self, name: str) -> np.ndarray:
+        """Zero-copy read-only np.uint8 [nbytes] view of a tensor's bytes (any encoding)."""
+        rec = self._rec(name)
+        return np.frombuffer(self._mm, dtype=np.uint8, count=rec.nbytes, offset=rec.offset)
+
+    def array(self, name: str) -> np.ndarray:
+        """Zero-copy read-only view of a plain tensor with its shape.
+
+        bf16 -> np.uint16 bit patterns, f16 -> np.float16, f32 -> np.float32.
+        """
+        rec = self._rec(name)
+        if rec.encoding not in PLAIN_ENCODINGS:
+            if rec.is_quantized:
+                raise self._err(
+                    EncodingError, f"tensor {name!r}", f"is {rec.encoding}; use quantized() or dequantize()"
+                )
+            raise self._err(
+                UnsupportedEncodingError, f"tensor {name!r}", f"unknown encoding {rec.encoding!r}"
+            )
+        dt = PLAIN_ENCODINGS[rec.encoding]
+        return np.frombuffer(self._mm, dtype=dt, count=rec.numel, offset=rec.offset).reshape(rec.shape)
+
+    def quantized(self, name: str) -> QuantizedTensor:
+        """QuantizedTensor of zero-copy read-only views of a quantized tensor's parts."""
+        rec = self._rec(name)
+        if not rec.is_quantized:
+            if rec.encoding in PLAIN_ENCODINGS:
+                raise self._err(
+                    EncodingError, f"tensor {name!r}", f"is {rec.encoding}, not quantized; use array()"
+                )
+            raise self._err(
+                UnsupportedEncodingError, f"tensor {name!r}", f"unknown encoding {rec.encoding!r}"
+            )
+        try:
+            lay = parse_layout(rec.encoding, rec.layout, rec.shape, rec.group_size, rec.symmetric)
+        except UnsupportedEncodingError as e:
+            raise self._err(UnsupportedEncodingError, f"tensor {name!r}", e.reason) from None
+        n, k, g = lay.n, lay.k, lay.group_size
+        base = rec.offset
+        if rec.encoding == "int4":
+            qw = np.frombuffer(self._mm, "<u4", n * k // 8, base).reshape(n // 8, k // 128, 32, 4)
+        else:
+            qw = np.frombuffer(self._mm, np.int8, n * k, base).reshape(n, k)
+        scales = np.frombuffer(self._mm, "<u2", n * (k // g), base + lay.scales_offset).reshape(n, k // g)
+        zeros = None
+        if lay.zeros_offset is not None:
+            zeros = np.frombuffer(self._mm, np.uint8, n * (k // g), base + lay.zeros_offset).reshape(
+                n, k // g
+            )
+        return QuantizedTensor(qw, scales, zeros, (n, k), g, lay.symmetric, rec.layout, rec.encoding)
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """np.float32 copy of any known tensor: quantized ones dequantized, plain ones widened."""
+        rec = self._rec(name)
+        if rec.is_quantized:
+            qt = self.quantized(name)
+            return (int4 if rec.encoding == "int4" else int8).dequantize(qt)
+        a = self.array(name)
+        if rec.encoding == "bf16":
+            from . import bf16
+
+            return bf16.to_f32(a)
+        return a.astype(np.float32)
+
+    # ---- integrity ------------------------------------------------------------------------------
+    def verify(self) -> int:
+        """Check every tensor's xxh3-64 (index and metadata were checked at open).
+
+        Returns the number of tensor bytes checked; raises ChecksumError naming the first bad tensor.
+        """
+        self._check_open()
+        view = memoryview(self._mm)
+        total = 0
+        try:
+            for rec in self.records.values():
+                got = xxh3(view[rec.offset : rec.offset + rec.nbytes])
+                if got != rec.checksum:
+                    raise self._err(
+                        ChecksumError,
+                        f"tensor {rec.name!r}",
+                        f"checksum mismatch: stored {rec.checksum:016x}, computed {got:016x}",
+                        tensor=rec.name,
+                    )
+                total += rec.nbytes
+        finally:
+            view.release()
+        return total
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    def _release(self) -> None:
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # numpy views still export the buffer; the mapping goes when they do
+
+    def close(self) -> None:
+        """Release the file. Arrays obtained earlier stay valid."""
+        self._release()
+
+    def __enter__(self) -> NanoqwenFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        version = f"{getattr(self, 'major', '?')}.{getattr(self, 'minor', '?')}"
+        return f"NanoqwenFile({self.path!r}, version {version}, {len(getattr(self, 'records', {}))} tensors)"
