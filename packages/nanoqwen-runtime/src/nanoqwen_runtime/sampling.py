@@ -1,0 +1,146 @@
+"""Sampling parameters, the token sampler and stop-string matching.
+
+- `SamplingParams` validates everything at construction and says what is wrong
+  (`temperature=-1`: "temperature must be >= 0 (0 means greedy)").
+- `Sampler` picks the next token of one sequence from its fp32 logits: greedy when temperature is 0
+  (as llama.cpp and the OpenAI API), otherwise temperature, then top-k, then top-p (nucleus), then a
+  draw from a per-sequence `torch.Generator` seeded from `seed`, so a seeded run repeats exactly.
+- `StopMatcher` finds stop strings in streamed text and holds back the tail that could still become
+  one, so text after (and including) a stop string is never emitted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+
+import torch
+
+__all__ = ["SamplingParams", "Sampler", "StopMatcher", "SamplingError"]
+
+
+class SamplingError(ValueError):
+    """An invalid sampling parameter."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    temperature: >= 0; 0 is greedy (argmax, ties to the lowest id).
+    top_k: 0 disables; otherwise keep the k most likely tokens.
+    top_p: in (0, 1]; 1 disables; otherwise keep the smallest set whose probability reaches top_p.
+    seed: None draws a fresh seed from the OS; an int makes sampling reproducible.
+    max_tokens: generated-token limit (>= 1).
+    stop: strings that end generation (not included in the output).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise SamplingError(f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, int | float) or not (0.0 < p <= 1.0):
+            raise SamplingError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**63):
+            raise SamplingError(f"seed must be an integer in [0, 2^63), got {s!r}")
+        m = self.max_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise SamplingError(f"max_tokens must be an integer >= 1, got {m!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for x in stop:
+            if not isinstance(x, str) or not x:
+                raise SamplingError(f"stop strings must be non-empty strings, got {x!r}")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_(self, **changes) -> SamplingParams:
+        return replace(self, **changes)
+
+
+class Sampler:
+    """Next-token choice for one sequence. `logits`: float [vocab] (any device)."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        self.params = params
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.seed = seed
+        # Draws happen on the CPU: the same seed gives the same tokens on every device.
+        self._gen = torch.Generator(device="cpu")
+        self._gen.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        p = self.params
+        if logits.dim() != 1:
+            raise ValueError(f"Sampler takes logits of shape [vocab], got {tuple(logits.shape)}")
+        if p.greedy:
+            return int(torch.argmax(logits).item())
+        x = logits.float().cpu() / p.temperature
+        if p.top_k and p.top_k < x.numel():
+            vals, idx = torch.topk(x, p.top_k)  # sorted descending
+        else:
+            vals, idx = torch.sort(x, descending=True)
+        probs = torch.softmax(vals, dim=-1)
+        if p.top_p < 1.0:
+            cum = torch.cumsum(probs, dim=-1)
+            # keep token i when the mass before it is < top_p (the token crossing top_p is kept)
+            keep = int(((cum - probs) < p.top_p).sum().item())
+            keep = max(keep, 1)
+            probs = probs[:keep] / probs[:keep].sum()
+            idx = idx[:keep]
+        choice = torch.multinomial(probs, 1, generator=self._gen)
+        return int(idx[choice].item())
+
+
+class StopMatcher:
+    """Incremental stop-string search over streamed text.
+
+    `push(text)` returns (safe_text, stopped): `safe_text` can be shown now; once a stop string is
+    found, everything from its start on is dropped and `stopped` is True. `flush()` returns the held
+    back tail at the end of generation.
+    """
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = tuple(stop)
+        self._pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stop:
+            return text, False
+        buf = self._pending + text
+        first = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
+        if first >= 0:
+            self._pending = ""
+            self.stopped = True
+            return buf[:first], True
+        # hold back the longest suffix of buf that is a proper prefix of some stop string
+        hold = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:n]):
+                    hold = n
+                    break
+        self._pending = buf[len(buf) - hold:] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return "" if self.stopped else out
