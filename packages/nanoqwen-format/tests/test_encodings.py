@@ -15,11 +15,13 @@ import pytest
 
 # Tolerances, one table: (what, bound, why)
 TOL = {
-    # RTN error per element is at most half a quantization step, plus f32 rounding of (q - z) * s.
-    "rtn_int4_sym_steps": 0.5 + 1e-5,
+    # RTN error per element is at most half a step, except at the group maximum, which the bf16
+    # rounding of the scale (relative error <= 2**-9) can push 7.5 * 2**-8 steps past the grid.
+    "rtn_int4_sym_steps": 0.5 + 7.5 * 2**-8 + 1e-5,
     # asymmetric: the zero point is rounded to an integer, so the grid shifts by up to half a step;
-    # values at the ends of the range can then be clipped by at most one step.
-    "rtn_int4_asym_steps": 1.0 + 1e-5,
+    # values at the ends of the range can then be clipped by at most one step (plus the bf16 term).
+    "rtn_int4_asym_steps": 1.0 + 15 * 2**-8 + 1e-5,
+    # int8: absmax / s <= 127 / (1 - 2**-9) < 127.25, so clipping costs < 0.25 step: half a step holds.
     "rtn_int8_steps": 0.5 + 1e-5,
 }
 SIZES = [(8, 128), (24, 384), (40, 640)]

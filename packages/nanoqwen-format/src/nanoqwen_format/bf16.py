@@ -13,7 +13,7 @@ import numpy as np
 
 from .errors import EncodingError
 
-__all__ = ["from_f32", "to_f32", "round_up"]
+__all__ = ["from_f32", "to_f32"]
 
 
 def from_f32(a) -> np.ndarray:
@@ -51,14 +51,3 @@ def to_f32(bits) -> np.ndarray:
         raise EncodingError(f"bf16.to_f32 needs uint16 bit patterns, got dtype {b.dtype}")
     return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
-
-def round_up(a) -> np.ndarray:
-    """Smallest bf16 >= each positive finite float32 value (for quantization scales).
-
-    a: positive finite float array, any shape. Returns np.uint16 bit patterns.
-    """
-    f = np.ascontiguousarray(a, dtype=np.float32)
-    bits = from_f32(f)
-    low = to_f32(bits) < f
-    bits[low] += np.uint16(1)  # positive floats: the next bit pattern is the next larger value
-    return bits

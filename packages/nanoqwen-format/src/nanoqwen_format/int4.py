@@ -98,9 +98,10 @@ def quantize_rtn(w, group_size: int, symmetric: bool) -> QuantizedTensor:
     w: float array [N, K] (N % 8 == 0, K % 128 == 0), converted to float32.
     Symmetric: s = absmax / 7.5, z = 8 (the range -8 s .. 7 s, as GPTQ's symmetric mode).
     Asymmetric: s = (max(w, 0) - min(w, 0)) / 15, z = round(-min / s) in 0..15.
-    Scales are rounded *up* to bf16 (so the group's range still fits the grid: no extra clipping) and
-    q is computed with the stored scale. All-zero groups get scale 1. Error per element <= s/2
-    (symmetric) or <= s (asymmetric, the zero point being an integer).
+    Scales are rounded to the nearest bf16 first and q = clip(rint(w / s) + z, 0, 15) uses the stored
+    scale (nanoqwen_quant's torch RTN/GPTQ grid matches this bit for bit). All-zero groups get scale 1.
+    Error per element <= s/2 + clipping of at most 7.5 * 2**-8 s at the group maximum (the bf16
+    rounding of s), and <= s asymmetric (the zero point is an integer).
     """
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
@@ -116,8 +117,11 @@ def quantize_rtn(w, group_size: int, symmetric: bool) -> QuantizedTensor:
         lo = np.minimum(wg.min(axis=2), 0)
         hi = np.maximum(wg.max(axis=2), 0)
         scale = (hi - lo) / np.float32(15.0)
-    s_bits = bf16.round_up(np.where(scale > 0, scale, np.float32(1.0)))
+    s_bits = bf16.from_f32(np.where(scale > 0, scale, np.float32(1.0)))
     s = bf16.to_f32(s_bits)
+    if not (s > 0).all():  # a subnormal scale can round to bf16 zero
+        s = np.where(s > 0, s, np.float32(1.0))
+        s_bits = bf16.from_f32(s)
     if symmetric:
         zeros = None
         z = np.float32(8.0)

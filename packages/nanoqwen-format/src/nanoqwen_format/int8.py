@@ -58,7 +58,7 @@ def dequantize(qt: QuantizedTensor) -> np.ndarray:
 
 
 def quantize_rtn(w, group_size: int, symmetric: bool = True) -> QuantizedTensor:
-    """Round-to-nearest symmetric int8: s = absmax / 127 (rounded up to bf16), q = clip(rint(w / s)).
+    """Round-to-nearest symmetric int8: s = absmax / 127 (rounded to nearest bf16), q = clip(rint(w / s)).
 
     w: float array [N, K] with K % group_size == 0.
     """
@@ -74,8 +74,11 @@ def quantize_rtn(w, group_size: int, symmetric: bool = True) -> QuantizedTensor:
         raise EncodingError("int8.quantize_rtn: weight has NaN or inf")
     wg = w.reshape(n, k // group_size, group_size)
     scale = np.abs(wg).max(axis=2) / np.float32(127.0)
-    s_bits = bf16.round_up(np.where(scale > 0, scale, np.float32(1.0)))
+    s_bits = bf16.from_f32(np.where(scale > 0, scale, np.float32(1.0)))
     s = bf16.to_f32(s_bits)
+    if not (s > 0).all():  # a subnormal scale can round to bf16 zero
+        s = np.where(s > 0, s, np.float32(1.0))
+        s_bits = bf16.from_f32(s)
     q = np.clip(np.rint(wg / s[:, :, None]), -127, 127).astype(np.int8).reshape(n, k)
     return pack(q, s_bits, group_size)
 
