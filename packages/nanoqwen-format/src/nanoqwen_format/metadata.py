@@ -39,6 +39,10 @@ def unpack_section(data: bytes, what: str, error: type[FormatError], path=None):
             max_map_len=n // 2,
             max_ext_len=0,
         )
+    except msgpack.exceptions.StackError:
+        raise NestingTooDeepError(
+            "msgpack nests deeper than the unpacker's stack", path=path, where=what
+        ) from None
     except msgpack.ExtraData as e:
         raise error(
             f"{len(e.extra)} trailing bytes after the msgpack object", path=path, where=what

@@ -47,6 +47,7 @@ from .spec import (
     MAJOR,
     MAX_INDEX_NBYTES,
     MAX_METADATA_NBYTES,
+    MAX_TENSORS,
     MIN_FILE_NBYTES,
     TRAILER_MAGIC,
     TRAILER_NBYTES,
@@ -167,6 +168,11 @@ class NanoqwenFile:
                 MetadataChecksumError, "metadata", "metadata checksum mismatch (corrupt metadata)"
             )
 
+        count = _array_header_count(index_bytes)
+        if count is not None and count > MAX_TENSORS:  # before unpacking: a list costs 8 bytes/element
+            raise self._err(
+                LimitExceededError, "index", f"{count} tensors, over the limit of {MAX_TENSORS}"
+            )
         index_obj = unpack_section(index_bytes, "index", MalformedIndexError, self.path)
         self.records: dict[str, TensorRecord] = parse_index(
             index_obj, data_offset=data_offset, data_end=idx_off, path=self.path
@@ -323,3 +329,17 @@ class NanoqwenFile:
     def __repr__(self) -> str:
         version = f"{getattr(self, 'major', '?')}.{getattr(self, 'minor', '?')}"
         return f"NanoqwenFile({self.path!r}, version {version}, {len(getattr(self, 'records', {}))} tensors)"
+
+
+def _array_header_count(data: bytes) -> int | None:
+    """Element count declared by a msgpack array header at the start of `data` (None if not an array)."""
+    if not data:
+        return None
+    b = data[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(data) >= 3:
+        return int.from_bytes(data[1:3], "big")
+    if b == 0xDD and len(data) >= 5:
+        return int.from_bytes(data[1:5], "big")
+    return None

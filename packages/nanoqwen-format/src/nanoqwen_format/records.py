@@ -221,7 +221,7 @@ def parse_index(obj, *, data_offset: int, data_end: int, path=None) -> dict[str,
         )
         if name in records:
             raise DuplicateTensorError(f"tensor name {name!r} appears twice", path=path, where=where)
-        check_record(rec, path=path, where=where)
+        # Placement first (alignment, inside the data region, no overlap): these protect memory.
         if rec.offset % TENSOR_ALIGN:
             raise MisalignedError(
                 f"offset {rec.offset} is not a multiple of {TENSOR_ALIGN}", path=path, where=where
@@ -240,6 +240,7 @@ def parse_index(obj, *, data_offset: int, data_end: int, path=None) -> dict[str,
                 path=path,
                 where=where,
             )
+        check_record(rec, path=path, where=where)
         prev_end, prev_name = end, name
         records[name] = rec
     return records
