@@ -8,7 +8,7 @@
 //   paged_attention_combine_hd{64,128}  merges num_splits partial rows by their log-sum-exp
 //
 // Launch (nanoqwen_kernels.attention does it): attention grid (num_row_tiles * num_splits,
-// n_kv_heads, B), 160 threads, dynamic shared memory NSTAGES * 2 * 64 * head_dim * 2 bytes; combine
+// n_kv_heads, B), 160 threads, dynamic shared memory (NSTAGES * 2 + 1) * 64 * head_dim * 2 bytes; combine
 // grid ceil(total_q * n_heads * head_dim / 4 / 256), 256 threads. Arguments are plain scalars and
 // pointers (the order of nq_attn::Params), so any launcher can pass them without a struct layout.
 #include "attention.cuh"

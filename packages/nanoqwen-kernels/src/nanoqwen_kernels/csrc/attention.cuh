@@ -242,8 +242,9 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, unsigned
 
   // This warp's 16 query rows go to its own slice of the Q buffer (swizzled like the KV tiles) and
   // feed the MMAs through ldmatrix: holding them in registers would cost 2 * HD / 8 more per thread.
-  // Padding rows (past the last query) are zeros. Rows g and g + 8 keep their causal limits.
-  unsigned char* q_warp = q_smem + row_warp * 16 * HD * 2;
+  // Every consumer warp has a private slice (decode warps share rows but copy them each), so no
+  // barrier between warps is needed. Padding rows (past the last query) are zeros.
+  unsigned char* q_warp = q_smem + cw * 16 * HD * 2;
 #pragma unroll
   for (int i = lane; i < 16 * (HD / 8); i += 32) {
     const int rr = i / (HD / 8), c = i % (HD / 8);
@@ -433,7 +434,7 @@ __device__ __forceinline__ void paged_attention(const Params& p) {
   static_assert(TILE % (16 * KV_WARPS) == 0, "tokens per warp must be a multiple of 16");
   constexpr int ROWS = 16 * ROW_WARPS;
   static_assert(KV_WARPS * ROWS * (HD + 8) * 4 <= NSTAGES * 2 * TILE * HD * 2, "epilogue fits the ring");
-  // Dynamic shared memory: NSTAGES x (K tile, V tile), then the Q tile [ROWS, HD] (smem_bytes()).
+  // Dynamic shared memory: NSTAGES x (K tile, V tile), then CONSUMER_WARPS Q slices [16, HD].
   extern __shared__ __align__(128) unsigned char ring[];
   __shared__ unsigned long long full[NSTAGES], empty[NSTAGES];
   __shared__ float sm_ml[KV_WARPS * ROWS * 2];

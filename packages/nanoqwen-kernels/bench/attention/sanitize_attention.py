@@ -1,0 +1,47 @@
+"""Reduced paged-attention workload for compute-sanitizer (racecheck, synccheck, memcheck).
+
+    compute-sanitizer --tool racecheck python bench/attention/sanitize_attention.py
+
+Covers both kernels, both head dims, partial tail pages, empty splits, split-KV and the combine, on
+poisoned shuffled caches (see reference_attention.make_paged_case), and checks each result against
+the fp32 reference, so a run that the sanitizer passes also computed the right thing. Prints
+"sanitize_attention: OK" last. Small on purpose: the sanitizer slows kernels down 10-100x.
+"""
+
+from __future__ import annotations
+
+import torch
+from nanoqwen_kernels.attention import AttentionGeometry, plan_decode, plan_prefill
+from nanoqwen_kernels.reference_attention import make_paged_case
+
+
+def _close(out, ref, what):
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    if not torch.isfinite(out).all() or err > 8e-3:
+        raise SystemExit(f"sanitize_attention: {what}: wrong result (relative L2 {err:.2e})")
+
+
+def main() -> None:
+    for nh, nkv, hd in ((28, 4, 128), (14, 2, 64)):
+        lens = [1, 2, 15, 16, 17, 33, 200]
+        case = make_paged_case(nh, nkv, hd, 16, lens, seed=1, max_pages=14)
+        for splits in (1, 3):
+            plan = plan_decode(AttentionGeometry(nh, nkv, hd, 16), max_batch=len(lens), max_context_len=224,
+                               num_splits=splits)
+            out = plan.run(case.q, case.k_cache, case.v_cache, case.page_table, case.context_lens)
+            _close(out, case.reference(), f"decode hd{hd} splits {splits}")
+    nh, nkv, hd = 28, 4, 128
+    ctx, qlen = [16, 100, 70], [16, 37, 1]
+    case = make_paged_case(nh, nkv, hd, 16, ctx, qlen, seed=2, max_pages=7)
+    for splits in (1, 2):
+        plan = plan_prefill(AttentionGeometry(nh, nkv, hd, 16), max_batch=3, max_query_len=37, max_total_q=54,
+                            max_context_len=112, num_splits=splits)
+        out = plan.run(case.q, case.k_cache, case.v_cache, case.page_table, case.context_lens,
+                       case.query_start_loc)
+        _close(out, case.reference(), f"prefill splits {splits}")
+    torch.cuda.synchronize()
+    print("sanitize_attention: OK")
+
+
+if __name__ == "__main__":
+    main()

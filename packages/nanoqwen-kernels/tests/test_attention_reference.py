@@ -1,0 +1,128 @@
+"""CPU tests of the attention reference and of the plan's input rules (no GPU needed).
+
+The reference is the oracle for the CUDA kernels, so it is itself checked against an independent
+formulation: torch's scaled_dot_product_attention on the dense (un-paged) K/V with an explicit causal
+mask, in float64, for decode and chunked-prefill shapes with shuffled page tables.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from nanoqwen_kernels.attention import (
+    MIN_TILES_PER_SPLIT,
+    TILE,
+    AttentionGeometry,
+    choose_num_splits,
+)
+from nanoqwen_kernels.reference_attention import (
+    PAGE_POISON,
+    gather_kv,
+    make_paged_case,
+    paged_attention_reference,
+)
+
+
+def _dense_sdpa(case, n_heads, n_kv):
+    """Independent check: per sequence, SDPA over gathered K/V with a bottom-right causal mask."""
+    group = n_heads // n_kv
+    qsl = case.query_start_loc
+    batch = case.page_table.shape[0]
+    starts = list(range(batch + 1)) if qsl is None else qsl.tolist()
+    out = torch.zeros(case.q.shape, dtype=torch.float64)
+    for b in range(batch):
+        ctx = int(case.context_lens[b])
+        q0, q1 = starts[b], starts[b + 1]
+        if ctx == 0 or q1 == q0:
+            continue
+        k = gather_kv(case.k_cache, case.page_table[b], ctx).double()
+        v = gather_kv(case.v_cache, case.page_table[b], ctx).double()
+        q = case.q[q0:q1].double().transpose(0, 1)  # [nh, qlen, hd]
+        qlen = q1 - q0
+        mask = torch.ones(qlen, ctx, dtype=torch.bool).tril(diagonal=ctx - qlen)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), attn_mask=mask
+        )
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("geom", [(28, 4, 128), (14, 2, 64)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_reference_decode_matches_dense_sdpa(geom, block_size):
+    nh, nkv, hd = geom
+    lens = [1, 5, block_size, block_size + 1, 3 * block_size + 1, 0]
+    case = make_paged_case(nh, nkv, hd, block_size, lens, device="cpu", seed=1)
+    ref = case.reference(torch.float64)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(ref, _dense_sdpa(case, nh, nkv), atol=1e-10, rtol=1e-10)
+    assert (ref[-1] == 0).all()  # context 0: a padding slot gives zeros
+
+
+def test_reference_chunked_prefill_matches_dense_sdpa():
+    nh, nkv, hd, bs = 14, 2, 64, 16
+    ctx, qlen = [7, 40, 33, 100], [7, 16, 1, 37]
+    case = make_paged_case(nh, nkv, hd, bs, ctx, qlen, device="cpu", seed=2)
+    ref = case.reference(torch.float64)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(ref, _dense_sdpa(case, nh, nkv), atol=1e-10, rtol=1e-10)
+
+
+def test_chunked_prefill_equals_whole_prefill_in_reference():
+    """Rows of a chunk attending to the cached prefix equal the same rows of a one-shot prefill."""
+    nh, nkv, hd, bs = 14, 2, 64, 16
+    whole = make_paged_case(nh, nkv, hd, bs, [50], [50], device="cpu", seed=3, strided_q=False)
+    ref_whole = whole.reference(torch.float64)
+    chunk = paged_attention_reference(
+        whole.q[30:], whole.k_cache, whole.v_cache, whole.page_table, whole.context_lens,
+        torch.tensor([0, 20], dtype=torch.int32), dtype=torch.float64,
+    )
+    torch.testing.assert_close(chunk, ref_whole[30:], atol=1e-12, rtol=1e-12)
+
+
+def test_case_pages_are_shuffled_and_poisoned():
+    case = make_paged_case(14, 2, 64, 16, [17, 40], device="cpu", seed=4, max_pages=5)
+    pt = case.page_table
+    assert pt[0, 2:].eq(PAGE_POISON).all() and pt[1, 3:].eq(PAGE_POISON).all()
+    used = torch.cat([pt[0, :2], pt[1, :3]])
+    assert used.unique().numel() == 5  # distinct pages
+    assert torch.isnan(case.k_cache[pt[0, 1], :, 1:]).all()  # tail of the last page: token 17 of 17
+    assert torch.isfinite(case.k_cache[pt[0, 1], :, :1]).all()
+    assert case.q.stride(0) == (14 + 4) * 64  # q is a strided view of a fused QKV row
+
+
+def test_reference_rejects_bad_input():
+    case = make_paged_case(14, 2, 64, 16, [3], [3], device="cpu")
+    with pytest.raises(ValueError, match="context_len"):
+        paged_attention_reference(case.q, case.k_cache, case.v_cache, case.page_table,
+                                  torch.tensor([2], dtype=torch.int32), case.query_start_loc)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention_reference(case.q[:, :13], case.k_cache, case.v_cache, case.page_table,
+                                  case.context_lens, case.query_start_loc)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n_heads=28, n_kv_heads=5, head_dim=128), "multiple"),
+        (dict(n_heads=28, n_kv_heads=4, head_dim=96), "head_dim"),
+        (dict(n_heads=28, n_kv_heads=4, head_dim=128, block_size=12), "power of two"),
+        (dict(n_heads=28, n_kv_heads=4, head_dim=128, block_size=1), "power of two"),
+    ],
+)
+def test_geometry_rejects_unsupported(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionGeometry(**kwargs)
+
+
+def test_split_heuristic():
+    # one 32K sequence of the 7B model: 4 CTAs without splits -> enough splits for two waves of 132 SMs
+    s = choose_num_splits(base_ctas=4, max_context_len=32768, num_sms=132)
+    assert s == 66 and math.ceil(32768 / TILE / s) >= MIN_TILES_PER_SPLIT
+    # a short context never gets splits shorter than MIN_TILES_PER_SPLIT tiles
+    assert choose_num_splits(base_ctas=4, max_context_len=100, num_sms=132) == 1
+    # a big batch already fills the GPU
+    assert choose_num_splits(base_ctas=32 * 4, max_context_len=8192, num_sms=132) == 3
+    assert choose_num_splits(base_ctas=1000, max_context_len=8192, num_sms=132) == 1
