@@ -15,8 +15,8 @@ The lengths, for a step over B sequences holding T new tokens in total (decode: 
     new token); the engine keeps the tokens of sequences whose plan says `sample`.
 
 Decode batches are padded to a graph bucket Bp >= B. Padded rows b in B..Bp-1 get token 0, position 0,
-context_len 1 and a page table that points only at the padding block, so their K/V writes land in
-a page no sequence owns and their sampled tokens are dropped.
+context_len 1 and a page table (and slot_mapping) that points only at the padding block, so their
+K/V writes land in a page no sequence owns and their sampled tokens are dropped.
 
 Sampling parameters ride along per row: temperature (0 = greedy), top_p, top_k, seed and the number
 of tokens the sequence has generated so far (the RNG offset: a replayed graph draws fresh numbers,
@@ -40,6 +40,7 @@ class StepInputs:
     kind: str
     input_ids: np.ndarray     # int32 [T]
     positions: np.ndarray     # int32 [T]
+    slot_mapping: np.ndarray  # int64 [T]   page * block_size + slot of each new token's K/V
     query_start: np.ndarray   # int32 [B + 1]
     context_lens: np.ndarray  # int32 [B]
     page_table: np.ndarray    # int32 [B, max_pages]
@@ -74,6 +75,7 @@ def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, paddin
     T = plan.num_tokens + (rows - B)
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
+    slot_mapping = np.full(T, padding_block * block_size, np.int64)
     query_start = np.zeros(rows + 1, np.int32)
     context_lens = np.ones(rows, np.int32)
     page_table = np.full((rows, max_pages), padding_block, np.int32)
@@ -97,6 +99,9 @@ def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, paddin
         input_ids[t:t + q] = seq.tokens[start:ctx]
         positions[t:t + q] = np.arange(start, ctx, dtype=np.int32)
         page_table[b, :npages] = seq.blocks[:npages]
+        pos = positions[t:t + q].astype(np.int64)
+        pages = page_table[b, pos // block_size].astype(np.int64)
+        slot_mapping[t:t + q] = pages * block_size + pos % block_size
         context_lens[b] = ctx
         t += q
         query_start[b + 1] = t
@@ -112,7 +117,7 @@ def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, paddin
         t += 1
         query_start[b + 1] = t
     sample_rows = query_start[1:] - 1
-    return StepInputs(plan.kind, input_ids, positions, query_start, context_lens, page_table,
+    return StepInputs(plan.kind, input_ids, positions, slot_mapping, query_start, context_lens, page_table,
                       sample_rows.astype(np.int32), temperature, top_p, top_k, seed, offset, B,
                       max_q, max_ctx)
 
@@ -130,6 +135,7 @@ class DeviceStepBuffers:
         i32, f32, i64 = torch.int32, torch.float32, torch.int64
         spec = {
             "input_ids": ((max_tokens,), i32), "positions": ((max_tokens,), i32),
+            "slot_mapping": ((max_tokens,), i64),
             "query_start": ((max_rows + 1,), i32), "context_lens": ((max_rows,), i32),
             "page_table": ((max_rows, max_pages), i32), "sample_rows": ((max_rows,), i32),
             "temperature": ((max_rows,), f32), "top_p": ((max_rows,), f32), "top_k": ((max_rows,), i32),

@@ -1,0 +1,184 @@
+"""The engine's model step: one forward pass of the Qwen2 decoder over the paged KV pool, built from an
+op backend (`ops_torch.TorchOps`, or `ops_kernels.KernelOps` over nanoqwen_kernels), on static
+buffers, with CUDA-graph capture of decode steps per batch bucket.
+
+Per layer, the step launches (kernel backend, decode):
+
+    1 fused add + RMSNorm (input norm; layer 0: plain RMSNorm of the embeddings)
+    2 INT4 GEMV qkv (bias fused where the kernel offers it)
+    3 q/k/v bias + RoPE + paged K/V write
+    4 paged decode attention (split-KV + combine inside the backend)
+    5 INT4 GEMV o_proj
+    6 fused add + RMSNorm (post-attention norm)
+    7 INT4 GEMV gate_up
+    8 SiLU * mul
+    9 INT4 GEMV down
+
+plus, per step: embedding gather, final add + norm, row gather, lm_head GEMV, sampling.
+`ModelRunner.kernels_per_step()` counts the launches by recording them (see `LaunchCounter`).
+
+All activations live in workspace tensors sized for the largest step (`prefill_chunk` tokens or
+`max_batch` rows), so a step allocates nothing and a captured graph always reads and writes the same
+addresses. The workspace memory is counted before the KV pool is sized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import EngineConfig, ModelGeometry
+from .metadata import DeviceStepBuffers, StepInputs
+from .weights import ModelWeights
+
+
+@dataclass
+class Workspace:
+    resid: torch.Tensor   # bf16 [T, H] residual stream
+    normed: torch.Tensor  # bf16 [T, H]
+    qkv: torch.Tensor     # bf16 [T, qkv_dim]
+    q: torch.Tensor       # bf16 [T, Hq, D]
+    attn: torch.Tensor    # bf16 [T, Hq*D]
+    proj: torch.Tensor    # bf16 [T, H] (o_proj / down outputs)
+    gate_up: torch.Tensor  # bf16 [T, 2I]
+    act: torch.Tensor     # bf16 [T, I]
+    last: torch.Tensor    # bf16 [R, H] normed hidden state of the sampled rows
+    logits: torch.Tensor  # f32 [R, V]
+    tokens: torch.Tensor  # int32 [R]
+
+    @classmethod
+    def allocate(cls, g: ModelGeometry, max_tokens: int, max_rows: int, device) -> Workspace:
+        def e(*shape, dtype=torch.bfloat16):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        T, R = max_tokens, max_rows
+        return cls(e(T, g.hidden_size), e(T, g.hidden_size), e(T, g.qkv_dim),
+                   e(T, g.num_attention_heads, g.head_dim), e(T, g.q_dim), e(T, g.hidden_size),
+                   e(T, 2 * g.intermediate_size), e(T, g.intermediate_size), e(R, g.hidden_size),
+                   e(R, g.vocab_size, dtype=torch.float32), e(R, dtype=torch.int32))
+
+    @staticmethod
+    def nbytes(g: ModelGeometry, max_tokens: int, max_rows: int) -> int:
+        per_tok = 2 * (3 * g.hidden_size + g.qkv_dim + 2 * g.q_dim + 3 * g.intermediate_size)
+        return max_tokens * per_tok + max_rows * (2 * g.hidden_size + 4 * g.vocab_size + 4)
+
+
+class ModelRunner:
+    """Runs steps: `run(inputs) -> sampled tokens` (numpy int32 [num_real])."""
+
+    def __init__(self, geom: ModelGeometry, weights: ModelWeights, cfg: EngineConfig, ops,
+                 num_blocks: int, max_pages: int):
+        self.g, self.w, self.cfg, self.ops = geom, weights, cfg, ops
+        self.device = torch.device(cfg.device)
+        self.max_tokens = max(cfg.prefill_chunk, cfg.max_batch, max(cfg.graph_buckets))
+        self.max_rows = max(cfg.max_batch, max(cfg.graph_buckets))
+        self.max_pages = max_pages
+        self.num_blocks = num_blocks
+        # KV pool, DESIGN.md layout [L, 2, num_blocks, Hkv, block_size, D]; zeroed so that a padded
+        # row reading the padding block never meets NaN bit patterns.
+        self.kv = torch.zeros(geom.num_hidden_layers, 2, num_blocks, geom.num_key_value_heads,
+                              cfg.block_size, geom.head_dim, dtype=torch.bfloat16, device=self.device)
+        self.ws = Workspace.allocate(geom, self.max_tokens, self.max_rows, self.device)
+        self.buffers = DeviceStepBuffers(max_tokens=self.max_tokens, max_rows=self.max_rows,
+                                         max_pages=max_pages, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+
+    # ---- the forward pass ------------------------------------------------------------------------
+    def _forward(self, v: dict[str, torch.Tensor], T: int, B: int, kind: str, max_ctx: int) -> None:
+        g, w, ops, ws = self.g, self.w, self.ops, self.ws
+        eps = g.rms_norm_eps
+        resid, normed = ws.resid[:T], ws.normed[:T]
+        qkv, q, attn, proj = ws.qkv[:T], ws.q[:T], ws.attn[:T], ws.proj[:T]
+        gu, act = ws.gate_up[:T], ws.act[:T]
+        ops.embed(v["input_ids"], w.embed_tokens, resid)
+        attn_meta = None
+        if hasattr(ops, "attention_plan"):
+            attn_meta = ops.attention_plan(kind=kind, query_start=v["query_start"],
+                                           context_lens=v["context_lens"], page_table=v["page_table"],
+                                           num_rows=B, num_tokens=T, max_context_len=max_ctx)
+        for i, lw in enumerate(w.layers):
+            if i == 0:
+                ops.rms_norm(resid, lw.input_norm, eps, normed)
+            else:
+                ops.add_rms_norm(proj, resid, lw.input_norm, eps, normed)
+            ops.linear(normed, lw.qkv, qkv, bias=lw.qkv_bias)
+            kc, vc = self.kv[i, 0], self.kv[i, 1]
+            ops.qkv_rope_kv_write(qkv, v["positions"], v["slot_mapping"], kc, vc, q,
+                                  g.num_attention_heads, g.num_key_value_heads)
+            if attn_meta is not None:
+                ops.attention_run(attn_meta, q, kc, vc, attn)
+            else:
+                ops.attention(q, kc, vc, v["query_start"], v["context_lens"], v["page_table"], attn, B)
+            ops.linear(attn, lw.o_proj, proj)
+            ops.add_rms_norm(proj, resid, lw.post_attn_norm, eps, normed)
+            ops.linear(normed, lw.gate_up, gu)
+            ops.silu_mul(gu, act)
+            ops.linear(act, lw.down, proj)
+        ops.add_rms_norm(proj, resid, w.final_norm, eps, normed)
+        last = ws.last[:B]
+        torch.index_select(normed, 0, v["sample_rows"].long() if normed.device.type == "cpu"
+                           else v["sample_rows"], out=last)
+        ops.linear(last, w.lm_head, ws.logits[:B])
+        ops.sample(ws.logits[:B], v["temperature"], v["top_p"], v["top_k"], v["seed"], v["offset"],
+                   ws.tokens[:B])
+
+    # ---- steps -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> np.ndarray:
+        """Run one step; returns the sampled tokens of the real rows (int32 [num_real])."""
+        views = self.buffers.load(inputs)
+        B, T = inputs.num_rows, inputs.num_tokens
+        graph = self.graphs.get(B) if inputs.kind == "decode" else None
+        if graph is not None:
+            graph.replay()
+        else:
+            self._forward(views, T, B, inputs.kind, self._ctx_cap(inputs))
+        return self.ws.tokens[: inputs.num_real].cpu().numpy()
+
+    def _ctx_cap(self, inputs: StepInputs) -> int:
+        # Graph-captured steps are planned for the longest context a sequence may have; eager steps
+        # plan for this step's longest.
+        return inputs.max_context_len
+
+    def logits(self, num_rows: int) -> torch.Tensor:
+        """f32 [num_rows, V] logits of the last step (tests compare them with the reference)."""
+        return self.ws.logits[:num_rows]
+
+    @torch.inference_mode()
+    def capture_graphs(self, padding_block: int) -> None:
+        """Capture one decode-step graph per bucket (the kernels must be loaded: `ops.warm_up()`)."""
+        if not getattr(self.ops, "graph_capturable", False):
+            raise RuntimeError(f"op backend {self.ops.name!r} cannot be captured; use mode='eager'")
+        max_ctx = self.max_pages * self.cfg.block_size
+        for bucket in sorted(self.cfg.graph_buckets, reverse=True):
+            inputs = padding_inputs(bucket, self.max_pages, padding_block, self.cfg.block_size)
+            views = self.buffers.load(inputs)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(views, bucket, bucket, "decode", max_ctx)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                self._forward(views, bucket, bucket, "decode", max_ctx)
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+
+
+def padding_inputs(rows: int, max_pages: int, padding_block: int, block_size: int) -> StepInputs:
+    """A decode step of `rows` padding rows (graph capture and warm-up)."""
+    z32 = np.zeros(rows, np.int32)
+    return StepInputs(
+        kind="decode", input_ids=z32.copy(), positions=z32.copy(),
+        slot_mapping=np.full(rows, padding_block * block_size, np.int64),
+        query_start=np.arange(rows + 1, dtype=np.int32), context_lens=np.ones(rows, np.int32),
+        page_table=np.full((rows, max_pages), padding_block, np.int32),
+        sample_rows=np.arange(rows, dtype=np.int32), temperature=np.zeros(rows, np.float32),
+        top_p=np.ones(rows, np.float32), top_k=z32.copy(), seed=np.zeros(rows, np.int64),
+        offset=np.zeros(rows, np.int64), num_real=0, max_query_len=1, max_context_len=1)

@@ -1,0 +1,163 @@
+"""Device-resident weights of the engine: typed views over one device buffer (or separate tensors).
+
+Each linear layer is one of three kinds, matching the container encodings of docs/DESIGN.md:
+
+- `Int4Linear`: layout `int4-g{G}-tile8x128-v1`; qweight int32 [N/8, K/128, 32, 4] (the uint32 words
+  viewed as int32: torch has no uint32 arithmetic, the kernels read raw bits), scales bf16 [N, K/G],
+  zeros uint8 [N, K/G] or None (symmetric: implicit 8).
+- `Int8Linear`: layout `int8-g{G}-rowmajor-v1` (lm_head option); qweight int8 [N, K], scales bf16.
+- `DenseLinear`: bf16 [N, K] (unquantized checkpoints, the default lm_head).
+
+`nbytes` counts what a decode step reads from memory for the weight: the roofline in the benchmark
+adds these up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Int4Linear:
+    qweight: torch.Tensor          # int32 [N/8, K/128, 32, 4]
+    scales: torch.Tensor           # bf16 [N, K/G]
+    zeros: torch.Tensor | None     # uint8 [N, K/G] or None
+    n: int
+    k: int
+    group_size: int
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None
+
+    @property
+    def nbytes(self) -> int:
+        z = 0 if self.zeros is None else self.zeros.numel()
+        return self.qweight.numel() * 4 + self.scales.numel() * 2 + z
+
+    def dequantize(self) -> torch.Tensor:
+        """bf16 [N, K] (torch reference of the tile layout; allocates)."""
+        return dequantize_int4(self.qweight, self.scales, self.zeros, self.n, self.k, self.group_size)
+
+
+@dataclass
+class Int8Linear:
+    qweight: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor   # bf16 [N, K/G]
+    n: int
+    k: int
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.scales.numel() * 2
+
+    def dequantize(self) -> torch.Tensor:
+        s = self.scales.float().repeat_interleave(self.group_size, dim=1)
+        return (self.qweight.float() * s).to(torch.bfloat16)
+
+
+@dataclass
+class DenseLinear:
+    weight: torch.Tensor  # bf16 [N, K]
+
+    @property
+    def n(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * 2
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight
+
+
+Linear = Int4Linear | Int8Linear | DenseLinear
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor      # bf16 [H]
+    qkv: Linear                   # [(nh + 2 nkv) d, H]
+    qkv_bias: torch.Tensor        # bf16 [(nh + 2 nkv) d]
+    o_proj: Linear                # [H, nh d]
+    post_attn_norm: torch.Tensor  # bf16 [H]
+    gate_up: Linear               # [2 I, H]
+    down: Linear                  # [H, I]
+
+
+@dataclass
+class ModelWeights:
+    embed_tokens: torch.Tensor    # bf16 [V, H]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor      # bf16 [H]
+    lm_head: Linear               # [V, H]; DenseLinear over embed_tokens when tied
+
+    def decode_bytes(self) -> dict[str, int]:
+        """Bytes one decode step reads for weights (batch 1): INT4 words, scales (+zeros), lm_head,
+        norms and biases, and the one embedding row."""
+        words = scales = other = 0
+        for lw in self.layers:
+            for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down):
+                if isinstance(lin, Int4Linear):
+                    words += lin.qweight.numel() * 4
+                    scales += lin.scales.numel() * 2 + (0 if lin.zeros is None else lin.zeros.numel())
+                else:
+                    other += lin.nbytes
+            other += (lw.input_norm.numel() + lw.post_attn_norm.numel() + lw.qkv_bias.numel()) * 2
+        other += self.final_norm.numel() * 2 + self.embed_tokens.shape[1] * 2
+        return {"int4_words": words, "int4_scales": scales, "lm_head": self.lm_head.nbytes,
+                "norms_bias_embed": other}
+
+
+# position inside a tile word of nibble p: KOFF from docs/DESIGN.md
+_KOFF = (0, 8, 16, 24, 1, 9, 17, 25)
+
+
+def _tile_column_index(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For words [32 lanes, 4 words] x 8 nibbles: (row within tile [32,4,8], col within tile [32,4,8])."""
+    lane = torch.arange(32, device=device).view(32, 1, 1)
+    w = torch.arange(4, device=device).view(1, 4, 1)
+    koff = torch.tensor(_KOFF, device=device).view(1, 1, 8)
+    row = (lane // 4).expand(32, 4, 8)
+    col = 32 * w + 2 * (lane % 4) + koff
+    return row, col
+
+
+def unpack_int4(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """int32 [N/8, K/128, 32, 4] tile words -> uint8 [N, K] values 0..15 (torch reference)."""
+    words = qweight.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=qweight.device)
+    nib = ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # [N/8, K/128, 32, 4, 8]
+    row, col = _tile_column_index(qweight.device)
+    out = torch.empty(n // 8, k // 128, 8, 128, dtype=torch.uint8, device=qweight.device)
+    out[:, :, row, col] = nib
+    return out.permute(0, 2, 1, 3).reshape(n, k)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] values 0..15 -> int32 [N/8, K/128, 32, 4] tile words (inverse of unpack_int4)."""
+    n, k = q.shape
+    tiles = q.reshape(n // 8, 8, k // 128, 128).permute(0, 2, 1, 3)  # [N/8, K/128, 8, 128]
+    row, col = _tile_column_index(q.device)
+    nib = tiles[:, :, row, col].to(torch.int64)  # [N/8, K/128, 32, 4, 8]
+    shifts = torch.arange(0, 32, 4, device=q.device)
+    words = (nib << shifts).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    n: int, k: int, group_size: int) -> torch.Tensor:
+    """w[n, k] = (q - z) * f32(s) as bf16 [N, K] (fp32 math, one rounding at the end)."""
+    q = unpack_int4(qweight, n, k).float()
+    z = 8.0 if zeros is None else zeros.float().repeat_interleave(group_size, dim=1)
+    s = scales.float().repeat_interleave(group_size, dim=1)
+    return ((q - z) * s).to(torch.bfloat16)
