@@ -1,0 +1,26 @@
+"""The `nanoqwen-cli` command: a small registry of subcommands.
+
+Each command lives in its own module as a plain typer-annotated function; this file only imports
+and registers them, so engineers can add `generate`, `chat` and `bench` without touching each other's
+code. Run `nanoqwen-cli --help` (or `python -m nanoqwen_cli.main --help`).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from .container_commands import inspect, verify
+
+app = typer.Typer(
+    name="nanoqwen-cli",
+    no_args_is_help=True,
+    add_completion=False,
+    help="nanoqwen: INT4 inference for Qwen2.5-Coder. Inspect and verify .nanoqwen containers.",
+)
+
+app.command("inspect")(inspect)
+app.command("verify")(verify)
+
+
+if __name__ == "__main__":
+    app()

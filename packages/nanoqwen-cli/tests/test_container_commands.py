@@ -1,0 +1,79 @@
+"""`nanoqwen-cli inspect` and `verify` on a small real container, a corrupted one and a missing file."""
+
+from __future__ import annotations
+
+import json
+
+import nanoqwen_format as nqf
+import numpy as np
+import pytest
+from nanoqwen_cli.main import app
+from typer.testing import CliRunner
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def model(tmp_path):
+    rng = np.random.default_rng(11)
+    path = tmp_path / "m.nanoqwen"
+    with nqf.Writer(path) as w:
+        w.add_array("final_norm", rng.standard_normal(96).astype(np.float32))
+        w.add_quantized("layers.0.qkv", nqf.int4.quantize_rtn(rng.standard_normal((24, 256)), 64, False))
+        w.add_quantized("lm_head", nqf.int8.quantize_rtn(rng.standard_normal((10, 128)), 32))
+        w.set_metadata({"config": {"hidden_size": 96}, "tokenizer": "t" * 5000, "chat_template": "[x]"})
+    return path
+
+
+def test_no_args_shows_help():
+    result = runner.invoke(app, [])
+    assert "inspect" in result.output and "verify" in result.output
+
+
+def test_inspect_table(model):
+    result = runner.invoke(app, ["inspect", str(model)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "layers.0.qkv" in result.output and "int4-g64-tile8x128-v1 asym" in result.output
+    assert "24x256" in result.output and "int8-g32-rowmajor-v1 sym" in result.output
+    assert '"chars": 5000' in result.output  # the tokenizer is summarised, not dumped
+
+
+def test_inspect_json(model):
+    result = runner.invoke(app, ["inspect", str(model), "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    with nqf.open(model) as f:
+        assert [t["name"] for t in info["tensors"]] == list(f.records)
+        qkv = next(t for t in info["tensors"] if t["name"] == "layers.0.qkv")
+        rec = f.records["layers.0.qkv"]
+        assert qkv["shape"] == [24, 256] and qkv["nbytes"] == rec.nbytes and qkv["offset"] == rec.offset
+        assert qkv["xxh3"] == f"{rec.checksum:016x}" and qkv["symmetric"] is False and qkv["group_size"] == 64
+    assert info["version"] == "1.0" and info["metadata"]["tokenizer"] == {"chars": 5000}
+    assert info["metadata"]["chat_template"] == "[x]" and info["file_bytes"] == model.stat().st_size
+
+
+def test_verify_ok(model):
+    result = runner.invoke(app, ["verify", str(model)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("OK ") and "3 tensors" in result.output
+
+
+def test_verify_reports_corrupt_tensor(model):
+    with nqf.open(model) as f:
+        off = f.records["layers.0.qkv"].offset
+    data = bytearray(model.read_bytes())
+    data[off + 100] ^= 1
+    model.write_bytes(bytes(data))
+    result = runner.invoke(app, ["verify", str(model)])
+    assert result.exit_code == 1
+    assert "ChecksumError" in result.output and "layers.0.qkv" in result.output
+
+
+def test_verify_reports_truncation_and_missing_file(model, tmp_path):
+    model.write_bytes(model.read_bytes()[:-10])
+    result = runner.invoke(app, ["verify", str(model)])
+    assert result.exit_code == 1 and "TruncatedError" in result.output
+    result = runner.invoke(app, ["inspect", str(tmp_path / "absent.nanoqwen")])
+    assert result.exit_code == 1 and "cannot read" in result.output
+    result = runner.invoke(app, ["verify", str(tmp_path)])  # a folder, not a file
+    assert result.exit_code == 1
