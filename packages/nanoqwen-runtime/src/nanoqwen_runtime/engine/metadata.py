@@ -40,7 +40,7 @@ class StepInputs:
     kind: str
     input_ids: np.ndarray     # int32 [T]
     positions: np.ndarray     # int32 [T]
-    slot_mapping: np.ndarray  # int64 [T]   page * block_size + slot of each new token's K/V
+    slot_mapping: np.ndarray  # int32 [T]   page * block_size + slot of each new token's K/V
     query_start: np.ndarray   # int32 [B + 1]
     context_lens: np.ndarray  # int32 [B]
     page_table: np.ndarray    # int32 [B, max_pages]
@@ -75,7 +75,7 @@ def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, paddin
     T = plan.num_tokens + (rows - B)
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
-    slot_mapping = np.full(T, padding_block * block_size, np.int64)
+    slot_mapping = np.full(T, padding_block * block_size, np.int32)
     query_start = np.zeros(rows + 1, np.int32)
     context_lens = np.ones(rows, np.int32)
     page_table = np.full((rows, max_pages), padding_block, np.int32)
@@ -135,7 +135,7 @@ class DeviceStepBuffers:
         i32, f32, i64 = torch.int32, torch.float32, torch.int64
         spec = {
             "input_ids": ((max_tokens,), i32), "positions": ((max_tokens,), i32),
-            "slot_mapping": ((max_tokens,), i64),
+            "slot_mapping": ((max_tokens,), i32),
             "query_start": ((max_rows + 1,), i32), "context_lens": ((max_rows,), i32),
             "page_table": ((max_rows, max_pages), i32), "sample_rows": ((max_rows,), i32),
             "temperature": ((max_rows,), f32), "top_p": ((max_rows,), f32), "top_k": ((max_rows,), i32),

@@ -45,7 +45,7 @@ class Workspace:
     gate_up: torch.Tensor  # bf16 [T, 2I]
     act: torch.Tensor     # bf16 [T, I]
     last: torch.Tensor    # bf16 [R, H] normed hidden state of the sampled rows
-    logits: torch.Tensor  # f32 [R, V]
+    logits: torch.Tensor  # bf16 [R, V] (the GPU sampler reads bf16; the reference rounds to bf16 too)
     tokens: torch.Tensor  # int32 [R]
 
     @classmethod
@@ -57,12 +57,12 @@ class Workspace:
         return cls(e(T, g.hidden_size), e(T, g.hidden_size), e(T, g.qkv_dim),
                    e(T, g.num_attention_heads, g.head_dim), e(T, g.q_dim), e(T, g.hidden_size),
                    e(T, 2 * g.intermediate_size), e(T, g.intermediate_size), e(R, g.hidden_size),
-                   e(R, g.vocab_size, dtype=torch.float32), e(R, dtype=torch.int32))
+                   e(R, g.vocab_size), e(R, dtype=torch.int32))
 
     @staticmethod
     def nbytes(g: ModelGeometry, max_tokens: int, max_rows: int) -> int:
         per_tok = 2 * (3 * g.hidden_size + g.qkv_dim + 2 * g.q_dim + 3 * g.intermediate_size)
-        return max_tokens * per_tok + max_rows * (2 * g.hidden_size + 4 * g.vocab_size + 4)
+        return max_tokens * per_tok + max_rows * (2 * g.hidden_size + 2 * g.vocab_size + 4)
 
 
 class ModelRunner:
@@ -85,6 +85,11 @@ class ModelRunner:
                                          max_pages=max_pages, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
+        if hasattr(ops, "check_weights"):
+            ops.check_weights(weights)
+        if hasattr(ops, "setup"):
+            ops.setup(max_context_len=max_pages * cfg.block_size, max_rows=self.max_rows,
+                      max_tokens=self.max_tokens, buckets=cfg.graph_buckets, step_buffers=self.buffers)
 
     # ---- the forward pass ------------------------------------------------------------------------
     def _forward(self, v: dict[str, torch.Tensor], T: int, B: int, kind: str, max_ctx: int) -> None:
@@ -115,12 +120,13 @@ class ModelRunner:
             ops.linear(attn, lw.o_proj, proj)
             ops.add_rms_norm(proj, resid, lw.post_attn_norm, eps, normed)
             ops.linear(normed, lw.gate_up, gu)
-            ops.silu_mul(gu, act)
-            ops.linear(act, lw.down, proj)
+            ops.mlp_down(gu, act, lw.down, proj)
         ops.add_rms_norm(proj, resid, w.final_norm, eps, normed)
-        last = ws.last[:B]
-        torch.index_select(normed, 0, v["sample_rows"].long() if normed.device.type == "cpu"
-                           else v["sample_rows"], out=last)
+        if kind == "decode":
+            last = normed  # one token per row: every row is sampled
+        else:
+            last = ws.last[:B]
+            torch.index_select(normed, 0, v["sample_rows"].long(), out=last)
         ops.linear(last, w.lm_head, ws.logits[:B])
         ops.sample(ws.logits[:B], v["temperature"], v["top_p"], v["top_k"], v["seed"], v["offset"],
                    ws.tokens[:B])
@@ -144,7 +150,7 @@ class ModelRunner:
         return inputs.max_context_len
 
     def logits(self, num_rows: int) -> torch.Tensor:
-        """f32 [num_rows, V] logits of the last step (tests compare them with the reference)."""
+        """bf16 [num_rows, V] logits of the last step (tests compare them with the reference)."""
         return self.ws.logits[:num_rows]
 
     @torch.inference_mode()
@@ -176,7 +182,7 @@ def padding_inputs(rows: int, max_pages: int, padding_block: int, block_size: in
     z32 = np.zeros(rows, np.int32)
     return StepInputs(
         kind="decode", input_ids=z32.copy(), positions=z32.copy(),
-        slot_mapping=np.full(rows, padding_block * block_size, np.int64),
+        slot_mapping=np.full(rows, padding_block * block_size, np.int32),
         query_start=np.arange(rows + 1, dtype=np.int32), context_lens=np.ones(rows, np.int32),
         page_table=np.full((rows, max_pages), padding_block, np.int32),
         sample_rows=np.arange(rows, dtype=np.int32), temperature=np.zeros(rows, np.float32),

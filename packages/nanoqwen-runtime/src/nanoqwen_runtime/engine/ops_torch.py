@@ -46,6 +46,11 @@ class TorchOps:
         residual.copy_((x.float() + residual.float()).to(residual.dtype))
         self.rms_norm(residual, w, eps, out)
 
+    def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor) -> None:
+        """out = down(silu(gate) * up), through the [T, I] scratch `act`."""
+        self.silu_mul(gate_up, act)
+        self.linear(act, down, out)
+
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """gate_up bf16 [T, 2I] -> out bf16 [T, I] = silu(gate) * up."""
         i = out.shape[1]

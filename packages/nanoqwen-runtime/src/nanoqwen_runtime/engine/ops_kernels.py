@@ -1,0 +1,159 @@
+"""The engine's op set on the nanoqwen_kernels launchers (backend "kernels", sm_90 only).
+
+Same calls as `ops_torch.TorchOps`; every op launches on the current stream, allocates nothing and
+never synchronises, so a whole decode step can be captured in a CUDA graph. Plans (GEMV split-K
+shapes, attention split-KV launch shapes) are made once here, at engine start:
+
+- linear, INT4 weight, M rows:  M <= 8: one `gemv_int4` launch (bias fused);  8 < M <= GEMV_MAX_ROWS:
+  one GEMV launch per 8 rows (each re-reads the weight: cheaper than dequantising it below ~32 rows);
+  larger M (prefill chunks): `linear_int4_prefill` = dequantize into one shared bf16 scratch + cuBLAS.
+- linear, bf16 weight (the default lm_head): cuBLAS (`torch.mm`) into the preallocated output.
+- MLP down projection: at decode the GEMV reads gate_up [M, 2I] and applies SiLU*mul while staging
+  it (`silu_mul_input=True`), so the MLP is two launches; prefill runs `silu_mul` then the GEMM.
+- attention: decode plans, one per graph bucket, planned for the longest context (`max_model_len`):
+  one graph serves every length. One prefill plan for chunks of up to `prefill_chunk` tokens.
+- sampling: `sample_tokens` over the engine's static per-row parameter buffers (a `SamplingState`
+  whose tensors ARE those buffers); the row's offset (tokens generated so far) is written each step.
+"""
+
+from __future__ import annotations
+
+import torch
+from nanoqwen_kernels import attention as kattn
+from nanoqwen_kernels import gemv as kgemv
+from nanoqwen_kernels import launch as klaunch
+from nanoqwen_kernels import layer_ops as kops
+from nanoqwen_kernels import sampling as ksamp
+
+from .config import EngineConfig, ModelGeometry
+from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
+
+GEMV_MAX_ROWS = 32
+FAMILIES = ("layer_ops", "gemv", "attention", "sampling")
+
+
+class KernelOps:
+    name = "kernels"
+    graph_capturable = True
+
+    def __init__(self, geom: ModelGeometry, cfg: EngineConfig, device: torch.device):
+        self.device = device
+        klaunch.require_sm90(device)
+        self.g, self.cfg = geom, cfg
+        self.shape = kops.AttentionShape(geom.num_attention_heads, geom.num_key_value_heads, geom.head_dim)
+        self.inv_freq = kops.rope_inv_freq(geom.head_dim, geom.rope_theta, device)
+        self.attn_geom = kattn.AttentionGeometry(geom.num_attention_heads, geom.num_key_value_heads,
+                                                 geom.head_dim, cfg.block_size)
+        H, I = geom.hidden_size, geom.intermediate_size
+        shapes = {(geom.qkv_dim, H), (H, geom.q_dim), (2 * I, H), (H, I), (geom.vocab_size, H)}
+        self.plans = {s: kgemv.plan_gemv(s[0], s[1], device) for s in shapes}
+        self.workspace = kgemv.GemvWorkspace.allocate(self.plans.values(), device)
+        self._scratch: torch.Tensor | None = None
+        self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
+        self._kw: dict[int, kgemv.Int4Weight] = {}
+        self.decode_plans: dict[int, kattn.PagedAttentionPlan] = {}
+        self.prefill_plan: kattn.PagedAttentionPlan | None = None
+        self.sampling_state: ksamp.SamplingState | None = None
+        self.max_context_len = 0
+
+    # ---- setup -------------------------------------------------------------------------------------
+    def setup(self, *, max_context_len: int, max_rows: int, max_tokens: int, buckets, step_buffers) -> None:
+        """Make the attention plans and bind the sampling state to the engine's static buffers."""
+        self.max_context_len = max_context_len
+        for b in sorted(set(buckets) | {max_rows}):
+            self.decode_plans[b] = kattn.plan_decode(self.attn_geom, max_batch=b,
+                                                     max_context_len=max_context_len, device=self.device)
+        self.prefill_plan = kattn.plan_prefill(self.attn_geom, max_batch=max_rows,
+                                               max_query_len=min(max_tokens, max_context_len),
+                                               max_total_q=max_tokens, max_context_len=max_context_len,
+                                               device=self.device)
+        d = step_buffers.dev
+        self.sampling_state = ksamp.SamplingState(d["temperature"], d["top_k"], d["top_p"], d["seed"],
+                                                  d["offset"])
+        self._scratch = torch.empty(self._scratch_numel, dtype=torch.bfloat16, device=self.device)
+
+    def warm_up(self) -> None:
+        klaunch.warm_up(FAMILIES, self.device)
+
+    def check_weights(self, weights) -> None:
+        for lin in [weights.lm_head] + [x for lw in weights.layers
+                                        for x in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]:
+            if isinstance(lin, Int8Linear):
+                raise ValueError("the kernel backend has no INT8 GEMV: an int8 lm_head is not supported; "
+                                 "pack with a bf16 or int4 lm_head")
+
+    def _int4(self, lin: Int4Linear) -> kgemv.Int4Weight:
+        w = self._kw.get(id(lin))
+        if w is None:
+            w = kgemv.Int4Weight(lin.qweight, lin.scales, lin.zeros, lin.n, lin.k, lin.group_size)
+            self._kw[id(lin)] = w
+        return w
+
+    # ---- elementwise / norms -------------------------------------------------------------------------
+    def embed(self, ids, table, out) -> None:
+        kops.embedding_gather(ids, table, out)
+
+    def rms_norm(self, x, w, eps, out) -> None:
+        kops.rms_norm(x, w, out, eps)
+
+    def add_rms_norm(self, x, residual, w, eps, out) -> None:
+        kops.fused_add_rms_norm(x, residual, w, out, eps)
+
+    def silu_mul(self, gate_up, out) -> None:
+        kops.silu_mul(gate_up, out)
+
+    # ---- linear ------------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, lin: Linear, out: torch.Tensor,
+               bias: torch.Tensor | None = None) -> None:
+        m = x.shape[0]
+        if isinstance(lin, DenseLinear):
+            if bias is None:
+                torch.mm(x, lin.weight.t(), out=out)
+            else:
+                torch.addmm(bias, x, lin.weight.t(), out=out)
+            return
+        if not isinstance(lin, Int4Linear):
+            raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
+        w = self._int4(lin)
+        if m <= GEMV_MAX_ROWS:
+            plan = self.plans[(lin.n, lin.k)]
+            for r in range(0, m, kgemv.MAX_M):
+                e = min(m, r + kgemv.MAX_M)
+                kgemv.gemv_int4(x[r:e], w, out[r:e], bias, self.workspace, plan)
+        else:
+            scratch = self._scratch[: lin.n * lin.k].view(lin.n, lin.k)
+            kgemv.linear_int4_prefill(x, w, out, scratch, bias)
+
+    def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor) -> None:
+        """out = down(silu(gate) * up); act is the [M, I] scratch used when not fused."""
+        m = gate_up.shape[0]
+        if isinstance(down, Int4Linear) and m <= GEMV_MAX_ROWS:
+            w, plan = self._int4(down), self.plans[(down.n, down.k)]
+            for r in range(0, m, kgemv.MAX_M):
+                e = min(m, r + kgemv.MAX_M)
+                kgemv.gemv_int4(gate_up[r:e], w, out[r:e], None, self.workspace, plan, silu_mul_input=True)
+            return
+        kops.silu_mul(gate_up, act)
+        self.linear(act, down, out)
+
+    # ---- attention block -----------------------------------------------------------------------------
+    def qkv_rope_kv_write(self, qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv) -> None:
+        kops.qkv_rope_kv_write(qkv, self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache,
+                               v_cache, None)
+
+    def attention_plan(self, *, kind, query_start, context_lens, page_table, num_rows, num_tokens,
+                       max_context_len):
+        if kind == "decode":
+            bucket = min(b for b in self.decode_plans if b >= num_rows)
+            plan = self.decode_plans[bucket]
+            return (plan, page_table[:num_rows], context_lens[:num_rows], None)
+        return (self.prefill_plan, page_table[:num_rows], context_lens[:num_rows],
+                query_start[: num_rows + 1])
+
+    def attention_run(self, meta, q, k_cache, v_cache, out) -> None:
+        plan, pt, cl, qsl = meta
+        plan.run(q, k_cache, v_cache, pt, cl, qsl, out.view(q.shape))
+
+    # ---- sampling ------------------------------------------------------------------------------------
+    def sample(self, logits, temperature, top_p, top_k, seed, offset, out) -> None:
+        ksamp.sample_tokens(logits, self.sampling_state, out)
