@@ -1,0 +1,228 @@
+"""INT4 group quantization in torch: RTN and GPTQ (Frantar et al. 2022, the reference `fasterquant`).
+
+Quantization grid (identical to `nanoqwen_format.int4.quantize_rtn`, which a test checks bit for bit):
+groups of G consecutive input columns of one output row share a bf16 scale `s` and a zero point `z`.
+
+    symmetric:  s = absmax / 7.5,             z = 8                    (GPTQ's symmetric mode)
+    asymmetric: s = (max(w,0) - min(w,0))/15, z = round(-min(w,0)/s)   in 0..15
+    s is rounded to bf16 first (an all-zero group gets s = 1), then q = clamp(round(w/s) + z, 0, 15)
+    and the dequantized weight is (q - z) * s.
+
+GPTQ, as in the paper's reference implementation (github.com/IST-DASLab/gptq, `gptq.py`):
+- H = 2/n * sum x x^T accumulated in fp32 over calibration tokens (`HessianAccumulator`);
+  dead inputs (H_ii = 0) get H_ii = 1 and their weight column zeroed;
+- static groups: the scale/zero of every group is computed from the original weights before any
+  update, so act-order needs no g_idx at run time; act-order permutes columns by descending H_ii;
+- damping: H += damp * mean(diag H) * I with damp = 1%; when the Cholesky factorisation fails the
+  damping is multiplied by 10 (0.01 -> 0.1 -> 1 ...) and the raise is reported in `GPTQResult`;
+- H^-1 via Cholesky, then its upper Cholesky factor; lazy batch updates over blocks of 128 columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class QuantResult:
+    """A quantized weight [N, K]. q uint8 [N, K] in 0..15; scale f32 [N, K/G] (bf16-exact values);
+    zero uint8 [N, K/G] or None (symmetric: implicit 8). All on the CPU after `.cpu()`."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group_size: int
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
+
+    def dequantize(self) -> torch.Tensor:
+        """f32 [N, K]: (q - z) * s."""
+        n, k = self.q.shape
+        g = self.group_size
+        z = 8.0 if self.zero is None else self.zero.float()[:, :, None]
+        w = (self.q.view(n, k // g, g).float() - z) * self.scale[:, :, None]
+        return w.view(n, k)
+
+    def cpu(self) -> QuantResult:
+        return QuantResult(self.q.cpu(), self.scale.cpu(), None if self.zero is None else self.zero.cpu(),
+                           self.group_size)
+
+    def to_nqf(self):
+        """The nanoqwen_format int4 QuantizedTensor (packs the tile8x128 layout)."""
+        import nanoqwen_format as nqf
+
+        s_bits = self.scale.cpu().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        zeros = None if self.zero is None else self.zero.cpu().numpy()
+        return nqf.int4.pack(self.q.cpu().numpy(), s_bits, zeros, self.group_size)
+
+
+def _check(w: torch.Tensor, group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    if w.ndim != 2 or w.shape[1] % group_size:
+        raise ValueError(f"weight must be [N, K] with K % {group_size} == 0, got {list(w.shape)}")
+    if not torch.isfinite(w).all():
+        raise ValueError("weight has NaN or inf")
+
+
+def group_params(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point per (row, group). w f32 [N, K] -> (s f32 [N, K/G], z f32 [N, K/G])."""
+    n, k = w.shape
+    wg = w.float().view(n, k // group_size, group_size)
+    if symmetric:
+        scale = wg.abs().amax(-1) / 7.5
+    else:
+        lo = wg.amin(-1).clamp(max=0)
+        hi = wg.amax(-1).clamp(min=0)
+        scale = (hi - lo) / 15.0
+    one = torch.ones((), dtype=torch.float32, device=w.device)
+    scale = torch.where(scale > 0, scale, one).to(torch.bfloat16).float()
+    scale = torch.where(scale > 0, scale, one)  # a tiny scale could round to bf16 zero
+    if symmetric:
+        zero = torch.full_like(scale, 8.0)
+    else:
+        zero = torch.round(-lo / scale).clamp(0, 15)
+    return scale, zero
+
+
+def quantize_columns(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """q = clamp(round(w / s) + z, 0, 15) (f32, integer-valued); w [N, C], s and z broadcastable."""
+    return (torch.round(w / scale) + zero).clamp(0, 15)
+
+
+def quantize_rtn(w: torch.Tensor, group_size: int, symmetric: bool) -> QuantResult:
+    """Round-to-nearest INT4. w float [N, K] (K % G == 0) on any device -> QuantResult on that device."""
+    _check(w, group_size)
+    n, k = w.shape
+    s, z = group_params(w, group_size, symmetric)
+    wg = w.float().view(n, k // group_size, group_size)
+    q = quantize_columns(wg, s[:, :, None], z[:, :, None]).to(torch.uint8).view(n, k)
+    return QuantResult(q, s, None if symmetric else z.to(torch.uint8), group_size)
+
+
+class HessianAccumulator:
+    """H = 2/n * sum_i x_i x_i^T over all n calibration tokens seen, fp32 [K, K] on `device`.
+
+    Uses the reference's running form (H *= n_old/n_new; H += (sqrt(2/n_new) x)^T (sqrt(2/n_new) x)).
+    """
+
+    def __init__(self, k: int, device: torch.device | str):
+        self.H = torch.zeros(k, k, dtype=torch.float32, device=device)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """x: [..., K] activations (any float dtype); every leading position is one token."""
+        x = x.reshape(-1, x.shape[-1]).to(self.H.device, torch.float32)
+        t = x.shape[0]
+        if t == 0:
+            return
+        self.H *= self.n / (self.n + t)
+        self.n += t
+        x = x * (2.0 / self.n) ** 0.5
+        self.H.addmm_(x.t(), x)
+
+
+@dataclass
+class GPTQConfig:
+    """GPTQ recipe. Defaults are the paper's: 1% damping, blocks of 128, act-order, static groups."""
+
+    group_size: int = 128
+    symmetric: bool = True
+    damp_percent: float = 0.01
+    block_size: int = 128
+    act_order: bool = True
+    static_groups: bool = True  # needed with act_order: the runtime has no g_idx
+
+    def to_metadata(self) -> dict:
+        return {"damp_percent": self.damp_percent, "block_size": self.block_size, "act_order": self.act_order,
+                "static_groups": self.static_groups}
+
+
+@dataclass
+class GPTQResult:
+    quant: QuantResult
+    loss: float  # the reference's sum of (w - q)^2 / (2 Hinv_ii^2): the proxy of the output error
+    damp_used: float  # damping actually used (fraction of mean diag H)
+    damp_raised: bool  # Cholesky failed at the requested damping and it was raised
+    dead_columns: int
+    notes: list[str] = field(default_factory=list)
+
+
+def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float, list[str]]:
+    """Upper Cholesky factor of (H + damp*mean(diag)*I)^-1, raising damp x10 until it factors."""
+    notes = []
+    mean_diag = torch.mean(torch.diag(H))
+    idx = torch.arange(H.shape[0], device=H.device)
+    while True:
+        Hd = H.clone()
+        Hd[idx, idx] += damp * mean_diag
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if int(info) == 0 and torch.isfinite(U).all():
+                return U, damp, notes
+        if damp >= 1e4:
+            raise RuntimeError(f"GPTQ: Hessian not positive definite even with damping {damp}")
+        notes.append(f"Cholesky failed at damping {damp:g}; raised to {damp * 10:g}")
+        damp *= 10
+
+
+def gptq_quantize(w: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
+    """GPTQ one weight. w float [N, K], H f32 [K, K] (same device; consumed). Returns on w's device."""
+    _check(w, cfg.group_size)
+    G = cfg.group_size
+    W = w.clone().float()
+    n, k = W.shape
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    # static groups: parameters from the original (dead-zeroed) weights, before any update
+    scale, zero = group_params(W, G, cfg.symmetric)  # [N, K/G]
+    perm = None
+    if cfg.act_order:
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+        W = W[:, perm]
+        H = H[perm][:, perm]
+    else:
+        if not cfg.static_groups:
+            raise ValueError("only static groups are supported (the runtime has no g_idx)")
+    Hinv, damp_used, notes = _inverse_cholesky(H, cfg.damp_percent)
+    del H
+    col_group = (perm if perm is not None else torch.arange(k, device=W.device)) // G  # [K] group of col
+    Q = torch.zeros_like(W)
+    losses = torch.zeros(n, dtype=torch.float64, device=W.device)
+    B = cfg.block_size
+    for i1 in range(0, k, B):
+        i2 = min(i1 + B, k)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        s_blk = scale[:, col_group[i1:i2]]  # [N, count]
+        z_blk = zero[:, col_group[i1:i2]]
+        for i in range(i2 - i1):
+            wcol = W1[:, i]
+            d = Hinv1[i, i]
+            qi = quantize_columns(wcol, s_blk[:, i], z_blk[:, i])
+            dq = (qi - z_blk[:, i]) * s_blk[:, i]
+            Q1[:, i] = qi
+            err = (wcol - dq) / d
+            losses += (err.double() ** 2) / 2
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    q = Q.to(torch.uint8)
+    quant = QuantResult(q, scale, None if cfg.symmetric else zero.to(torch.uint8), G)
+    return GPTQResult(quant, float(losses.sum()), damp_used, damp_used != cfg.damp_percent,
+                      int(dead.sum()), notes)
