@@ -124,8 +124,8 @@ class PagedAttentionPlan:
                 raise ValueError(f"{name} must be positive, got {v}")
         if max_query_len > max_context_len:
             raise ValueError(f"max_query_len {max_query_len} > max_context_len {max_context_len}")
-        self.device = torch.device(device)
-        self.device_index = launch.require_sm90(self.device)
+        self.device_index = launch.require_sm90(torch.device(device))
+        self.device = torch.device("cuda", self.device_index)  # "cuda" -> "cuda:N": tensors compare equal
         self.geometry = geometry
         self.mode = mode
         self.max_batch, self.max_query_len, self.max_total_q = max_batch, max_query_len, max_total_q

@@ -1,4 +1,6 @@
-// Entry points of the paged attention family (the math is in attention.cuh).
+// Entry points of the paged attention family "attention" (the math is in attention.cuh). The file is
+// not named attention.cu: NVRTC names the generated unit after the family, and a unit that includes
+// a file of its own name is rejected as self-inclusion.
 //
 //   paged_attention_decode_hd{64,128}   one 16-row tile per (sequence, KV head): the G <= 16 query
 //                                       heads of a KV head; 4 consumer warps split each KV tile
