@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import typer
 
+from .bench_commands import bench
 from .container_commands import inspect, verify
 
 app = typer.Typer(
@@ -20,6 +21,7 @@ app = typer.Typer(
 
 app.command("inspect")(inspect)
 app.command("verify")(verify)
+app.command("bench")(bench)
 
 
 if __name__ == "__main__":
