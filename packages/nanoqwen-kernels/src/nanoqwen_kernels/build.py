@@ -126,7 +126,8 @@ def compile_nvrtc(spec: KernelSpec) -> bytes:
     """Compile the spec's unit with NVRTC for sm_90a and return the cubin bytes."""
     from cupy_backends.cuda.libs import nvrtc
 
-    prog = nvrtc.createProgram(translation_unit(spec), f"{spec.name}.cu", (), ())
+    # the program's own name must differ from every file it includes (NVRTC: "includes itself")
+    prog = nvrtc.createProgram(translation_unit(spec), f"nq_unit_{spec.name}.cu", (), ())
     try:
         try:
             nvrtc.compileProgram(prog, list(nvrtc_options(spec)))
@@ -235,7 +236,7 @@ def compile_nvcc(spec: KernelSpec, out_dir: Path) -> tuple[Path, dict[str, Kerne
     if nvcc is None:
         raise KernelBuildError("nvcc not found on PATH")
     out_dir.mkdir(parents=True, exist_ok=True)
-    unit = out_dir / f"{spec.name}_unit.cu"
+    unit = out_dir / f"nq_unit_{spec.name}.cu"
     unit.write_text(translation_unit(spec))
     cubin = out_dir / f"{spec.name}.cubin"
     cmd = [nvcc, *nvcc_options(spec), "-cubin", "-Xptxas", "-v", "-o", str(cubin), str(unit)]
