@@ -125,26 +125,44 @@ def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, paddin
 class DeviceStepBuffers:
     """Static device buffers for step inputs, allocated once at their maximum sizes.
 
-    A step copies its `StepInputs` into the leading slices (one pinned staging buffer, one H2D copy
-    per array, all on the current stream). Graph capture records kernels that read these slices, so
-    replay after `load()` sees the new step's values.
+    All fields live in ONE device byte buffer (16-byte aligned slices; per-row fields first, then
+    per-token fields, the page table last), mirrored by one pinned host buffer. A step writes its
+    values into the host mirror with numpy and uploads the used prefix with a single H2D copy on the
+    current stream (ending after row B-1 of the page table), instead of one copy per field.
+    Graph capture records kernels that read the device slices, so a replay after `load()` sees the
+    new step's values.
     """
 
     def __init__(self, *, max_tokens: int, max_rows: int, max_pages: int, device: torch.device):
         self.max_tokens, self.max_rows, self.max_pages = max_tokens, max_rows, max_pages
-        i32, f32, i64 = torch.int32, torch.float32, torch.int64
-        spec = {
-            "input_ids": ((max_tokens,), i32), "positions": ((max_tokens,), i32),
-            "slot_mapping": ((max_tokens,), i32),
-            "query_start": ((max_rows + 1,), i32), "context_lens": ((max_rows,), i32),
-            "page_table": ((max_rows, max_pages), i32), "sample_rows": ((max_rows,), i32),
-            "temperature": ((max_rows,), f32), "top_p": ((max_rows,), f32), "top_k": ((max_rows,), i32),
-            "seed": ((max_rows,), i64), "offset": ((max_rows,), i64),
-        }
+        R, T = max_rows, max_tokens
+        self.spec = [  # name, torch dtype, numpy dtype, shape
+            ("sample_rows", torch.int32, np.int32, (R,)), ("temperature", torch.float32, np.float32, (R,)),
+            ("top_p", torch.float32, np.float32, (R,)), ("top_k", torch.int32, np.int32, (R,)),
+            ("seed", torch.int64, np.int64, (R,)), ("offset", torch.int64, np.int64, (R,)),
+            ("query_start", torch.int32, np.int32, (R + 1,)), ("context_lens", torch.int32, np.int32, (R,)),
+            ("input_ids", torch.int32, np.int32, (T,)), ("positions", torch.int32, np.int32, (T,)),
+            ("slot_mapping", torch.int32, np.int32, (T,)),
+            ("page_table", torch.int32, np.int32, (R, max_pages)),
+        ]
+        offsets, pos = {}, 0
+        for name, _, npdt, shape in self.spec:
+            offsets[name] = pos
+            pos += -(-int(np.prod(shape)) * np.dtype(npdt).itemsize // 16) * 16
+        self.offsets, self.nbytes = offsets, pos
         pin = device.type == "cuda"
-        self.dev = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in spec.items()}
-        self.host = {k: torch.zeros(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in spec.items()}
+        self._dev_bytes = torch.zeros(pos, dtype=torch.uint8, device=device)
+        self._host_bytes = torch.zeros(pos, dtype=torch.uint8, pin_memory=pin)
+        host_np = self._host_bytes.numpy()
+        self.dev: dict[str, torch.Tensor] = {}
+        self.host: dict[str, np.ndarray] = {}
+        for name, tdt, npdt, shape in self.spec:
+            n = int(np.prod(shape)) * np.dtype(npdt).itemsize
+            o = offsets[name]
+            self.dev[name] = self._dev_bytes[o:o + n].view(tdt).view(*shape)
+            self.host[name] = host_np[o:o + n].view(npdt).reshape(shape)
         self.dev["context_lens"].fill_(1)
+        self.host["context_lens"][:] = 1
 
     def load(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """Copy `inputs` into the buffers; return views sized for this step (T tokens, B rows)."""
@@ -152,16 +170,16 @@ class DeviceStepBuffers:
         if T > self.max_tokens or B > self.max_rows:
             raise ValueError(f"step of {T} tokens / {B} rows exceeds the buffers "
                              f"({self.max_tokens} / {self.max_rows})")
+        if inputs.page_table.shape[1] != self.max_pages:
+            raise ValueError(f"page table has {inputs.page_table.shape[1]} columns, buffers {self.max_pages}")
         views = {}
-        for name, dev in self.dev.items():
+        for name, _, _, _ in self.spec:
             arr = getattr(inputs, name)
-            host = self.host[name]
             n = arr.shape[0]
-            if name == "page_table" and arr.shape[1] != self.max_pages:
-                raise ValueError(f"page table has {arr.shape[1]} columns, buffers {self.max_pages}")
-            # The host staging buffer is reused: the previous step's copy has finished, because
-            # every step ends by reading its sampled tokens back (a synchronisation).
-            host[:n].copy_(torch.from_numpy(arr))
-            dev[:n].copy_(host[:n], non_blocking=True)
-            views[name] = dev[:n]
+            # The host mirror is reused: the previous step's upload has finished, because every
+            # step ends by reading its sampled tokens back (a synchronisation).
+            self.host[name][:n] = arr
+            views[name] = self.dev[name][:n]
+        end = self.offsets["page_table"] + B * self.max_pages * 4
+        self._dev_bytes[:end].copy_(self._host_bytes[:end], non_blocking=True)
         return views
