@@ -4,7 +4,8 @@ only FormatError (never IndexError, struct.error, MemoryError, msgpack errors, n
 Two kinds of mutation: raw byte edits (flips, overwrites, truncation, insertion) anywhere in the
 file, which mostly hit checksums; and structured edits that change one index field, trailer field
 or header field to a hostile value and then *recompute every checksum*, which reach the structural
-checks behind them. About 25 s on the 2-core CI machine (NQF_FUZZ_EXAMPLES sets the examples per test, default 800).
+checks behind them. About 25 s on the 2-core CI machine (NQF_FUZZ_EXAMPLES sets the examples per
+test, default 800).
 """
 
 from __future__ import annotations

@@ -76,11 +76,14 @@ class NanoqwenFile:
         self._mm: mmap.mmap | None = None
         with _builtin_open(self.path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
+            # Only the header page and the footer are read here: no readahead into tensor data
+            # while parsing (the disk's readahead window can be megabytes); restored afterwards.
+            _advise(fh.fileno(), None, random=True)
+            head = os.pread(fh.fileno(), len(MAGIC), 0)
             if size < len(MAGIC):
                 raise TruncatedError(
                     f"file is {size} bytes, too short for the magic", path=self.path, where="header"
                 )
-            head = fh.read(len(MAGIC))
             if head != MAGIC:
                 raise BadMagicError(
                     f"first bytes are {head!r}, expected {MAGIC!r}", path=self.path, where="header"
@@ -92,12 +95,14 @@ class NanoqwenFile:
                     where="header",
                 )
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        self.size = size
-        try:
-            self._parse()
-        except BaseException:
-            self._release()
-            raise
+            self.size = size
+            try:
+                _advise(fh.fileno(), self._mm, random=True)
+                self._parse()
+                _advise(fh.fileno(), self._mm, random=False)
+            except BaseException:
+                self._release()
+                raise
 
     # ---- parsing -------------------------------------------------------------------------------
     def _err(self, cls, where, msg, **kw):
@@ -158,30 +163,42 @@ class NanoqwenFile:
                 f"and end at the trailer ({t0}), after data_offset {data_offset}",
             )
         self.index_offset = idx_off
+        if hasattr(mmap, "MADV_WILLNEED"):  # one read for the whole footer instead of a fault per page
+            start = idx_off - idx_off % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_WILLNEED, start, size - start)
 
-        index_bytes = mm[idx_off : idx_off + idx_n]
-        if xxh3(index_bytes) != idx_h:
-            raise self._err(IndexChecksumError, "index", "index checksum mismatch (corrupt index)")
-        meta_bytes = mm[meta_off : meta_off + meta_n]
-        if xxh3(meta_bytes) != meta_h:
-            raise self._err(
-                MetadataChecksumError, "metadata", "metadata checksum mismatch (corrupt metadata)"
-            )
-
-        count = _array_header_count(index_bytes)
-        if count is not None and count > MAX_TENSORS:  # before unpacking: a list costs 8 bytes/element
-            raise self._err(
-                LimitExceededError, "index", f"{count} tensors, over the limit of {MAX_TENSORS}"
-            )
-        index_obj = unpack_section(index_bytes, "index", MalformedIndexError, self.path)
+        # Zero-copy views of the two sections: hashing and unpacking read the mapping directly.
+        with memoryview(mm) as view:
+            index_view = view[idx_off : idx_off + idx_n]
+            meta_view = view[meta_off : meta_off + meta_n]
+            try:
+                index_obj, meta = self._unpack_sections(index_view, idx_h, meta_view, meta_h)
+            finally:
+                index_view.release()
+                meta_view.release()
         self.records: dict[str, TensorRecord] = parse_index(
             index_obj, data_offset=data_offset, data_end=idx_off, path=self.path
         )
-        meta = unpack_section(meta_bytes, "metadata", MetadataError, self.path)
         if not isinstance(meta, dict):
             raise self._err(MetadataError, "metadata", f"metadata must be a map, got {type(meta).__name__}")
         check_tree(meta, "metadata", path=self.path)
         self.metadata: dict = meta
+
+    def _unpack_sections(self, index_view, idx_h: int, meta_view, meta_h: int):
+        if xxh3(index_view) != idx_h:
+            raise self._err(IndexChecksumError, "index", "index checksum mismatch (corrupt index)")
+        if xxh3(meta_view) != meta_h:
+            raise self._err(
+                MetadataChecksumError, "metadata", "metadata checksum mismatch (corrupt metadata)"
+            )
+        count = _array_header_count(index_view[:5].tobytes())
+        if count is not None and count > MAX_TENSORS:  # before unpacking: a list costs 8 bytes/element
+            raise self._err(
+                LimitExceededError, "index", f"{count} tensors, over the limit of {MAX_TENSORS}"
+            )
+        index_obj = unpack_section(index_view, "index", MalformedIndexError, self.path)
+        meta = unpack_section(meta_view, "metadata", MetadataError, self.path)
+        return index_obj, meta
 
     # ---- metadata accessors ---------------------------------------------------------------------
     def _meta(self, key: str, typ: type):
@@ -343,3 +360,11 @@ def _array_header_count(data: bytes) -> int | None:
     if b == 0xDD and len(data) >= 5:
         return int.from_bytes(data[1:5], "big")
     return None
+
+
+def _advise(fd: int, mm: mmap.mmap | None, random: bool) -> None:
+    """Readahead hints (Linux): random access while parsing, normal (sequential) access afterwards."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM if random else os.POSIX_FADV_NORMAL)
+    if mm is not None and hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM if random else mmap.MADV_NORMAL)
