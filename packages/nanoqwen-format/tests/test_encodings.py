@@ -131,10 +131,12 @@ def test_int8_roundtrip_and_bound(group_size):
     assert q.min() >= -127
     step = np.repeat(nqf.bf16.to_f32(qt.scales), group_size, axis=1)
     assert (np.abs(nqf.int8.dequantize(qt) - w) <= TOL["rtn_int8_steps"] * step).all()
-    qt2 = nqf.int8.pack(q, qt.scales, group_size)
+    qt2 = nqf.int8.pack(q, qt.scales, None, group_size)
     np.testing.assert_array_equal(nqf.int8.dequantize(qt2), q * step)
     with pytest.raises(nqf.EncodingError):
-        nqf.int8.pack(np.full((2, 128), -128, np.int8), np.zeros((2, 1), np.uint16), 128)
+        nqf.int8.pack(np.full((2, 128), -128, np.int8), np.zeros((2, 1), np.uint16), None, 128)
+    with pytest.raises(nqf.EncodingError):
+        nqf.int8.pack(q, qt.scales, np.zeros_like(qt.scales, dtype=np.uint8), group_size)
     with pytest.raises(nqf.EncodingError):
         nqf.int8.quantize_rtn(w, group_size, symmetric=False)
 

@@ -15,10 +15,11 @@ from .quantized import GROUP_SIZES, QuantizedTensor, layout_tag
 __all__ = ["quantize_rtn", "pack", "unpack", "dequantize"]
 
 
-def pack(q, scales, group_size: int, zeros=None) -> QuantizedTensor:
+def pack(q, scales, zeros, group_size: int) -> QuantizedTensor:
     """Wrap int8 values and bf16 scales as a QuantizedTensor (encoding "int8").
 
-    q: int8 [N, K] in -127..127; scales: uint16 bf16 bits [N, K/G]; zeros must be None (symmetric).
+    Same signature as `int4.pack`. q: int8 [N, K] in -127..127; scales: uint16 bf16 bits [N, K/G];
+    zeros must be None (the layout is symmetric only).
     """
     if zeros is not None:
         raise EncodingError("int8 rowmajor is symmetric only: zeros must be None")
@@ -80,7 +81,7 @@ def quantize_rtn(w, group_size: int, symmetric: bool = True) -> QuantizedTensor:
         s = np.where(s > 0, s, np.float32(1.0))
         s_bits = bf16.from_f32(s)
     q = np.clip(np.rint(wg / s[:, :, None]), -127, 127).astype(np.int8).reshape(n, k)
-    return pack(q, s_bits, group_size)
+    return pack(q, s_bits, None, group_size)
 
 
 def _check_qt(qt) -> None:
