@@ -113,10 +113,10 @@ def test_int4_pack_speed_7b_gate_up():
     n, k = 18944, 3584
     q = rng.integers(0, 16, (n, k), dtype=np.uint8)
     scales = np.ones((n, k // 128), np.uint16)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: robust to other jobs on the shared CI machine
     qt = nqf.int4.pack(q, scales, None, 128)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 2.0, f"packing 18944x3584 took {elapsed:.2f} s"
+    elapsed = time.process_time() - t0
+    assert elapsed < 2.0, f"packing 18944x3584 took {elapsed:.2f} CPU s"
     assert np.array_equal(nqf.int4.unpack(qt)[::997], q[::997])
 
 

@@ -4,8 +4,8 @@ only FormatError (never IndexError, struct.error, MemoryError, msgpack errors, n
 Two kinds of mutation: raw byte edits (flips, overwrites, truncation, insertion) anywhere in the
 file, which mostly hit checksums; and structured edits that change one index field, trailer field
 or header field to a hostile value and then *recompute every checksum*, which reach the structural
-checks behind them. About 25 s on the 2-core CI machine (NQF_FUZZ_EXAMPLES sets the examples per
-test, default 800).
+checks behind them. About 30 s on the 2-core CI machine (NQF_FUZZ_EXAMPLES sets the examples per
+test, default 1500).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent / "hostile"))
 from attacks import Parts, _set_header  # noqa: E402
 
-EXAMPLES = int(os.environ.get("NQF_FUZZ_EXAMPLES", "800"))
+EXAMPLES = int(os.environ.get("NQF_FUZZ_EXAMPLES", "1500"))
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -214,3 +214,35 @@ def test_rewrite_is_byte_identical(tmp_path):
     write_container(a, build_tensors(3))
     write_container(b, build_tensors(3))
     assert a.read_bytes() == b.read_bytes()
+
+
+def test_interrupt_in_the_middle_of_a_tensor_write(tmp_path, monkeypatch):
+    path = tmp_path / "m.nanoqwen"
+    calls = {"n": 0}
+    real_write = nqf.Writer._write
+
+    def flaky_write(self, data):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        real_write(self, data)
+
+    monkeypatch.setattr(nqf.Writer, "_write", flaky_write)
+    with pytest.raises(KeyboardInterrupt):
+        with nqf.Writer(path) as w:
+            assert not path.exists()  # nothing appears under the final name before close
+            for i in range(10):
+                w.add_array(f"t{i}", np.ones(1000, np.float32))
+    assert os.listdir(tmp_path) == []
+
+
+def test_writer_without_with_block(tmp_path):
+    path = tmp_path / "m.nanoqwen"
+    w = nqf.Writer(path)
+    w.open()
+    w.add_array("x", np.arange(5, dtype=np.float32), encoding="f32")
+    w.close()
+    with nqf.open(path) as f:
+        assert np.array_equal(f.array("x"), np.arange(5, dtype=np.float32))
+    with pytest.raises(nqf.WriterStateError):
+        w.add_array("y", np.ones(2, np.float32))
