@@ -198,7 +198,7 @@ def test_preemption_gives_identical_greedy_tokens(tiny_path):
 def test_refusals_and_limits(tiny_path):
     engine = Engine.from_file(tiny_path, cpu_config(num_blocks=9))
     evs = list(engine.generate([
-        Request([5] * 10, SamplingParams(max_tokens=300), request_id="too-long"),
+        Request([5] * 256, SamplingParams(max_tokens=3), request_id="too-long"),
         Request([5] * 10, SamplingParams(max_tokens=200), request_id="too-big"),
         Request([600], SamplingParams(max_tokens=2), request_id="bad-id"),
         Request([5, 6], SamplingParams(max_tokens=3, stop=("x",)), request_id="stop-no-tok"),
@@ -211,6 +211,12 @@ def test_refusals_and_limits(tiny_path):
     assert "tokenizer" in fins["stop-no-tok"].detail
     assert fins["ok"].reason in (FinishReason.LENGTH, FinishReason.EOS)
     assert engine.kv_blocks_used() == 0
+    # asking for more tokens than the context holds: runs until the context is full
+    roomy = Engine.from_file(tiny_path, cpu_config(num_blocks=20))
+    evs = list(roomy.generate([Request([5] * 200, SamplingParams(max_tokens=300), "ctx", ignore_eos=True)]))
+    fin = evs[-1]
+    assert fin.reason is FinishReason.CONTEXT and fin.num_generated == 56
+    assert roomy.kv_blocks_used() == 0
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_path):
@@ -299,3 +305,32 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch):
     assert d1.count("paged_attention_decode") == layers
     assert d1.count("fused_add_rms_norm_bf16") == 2 * layers  # + final norm - first layer's plain norm
     assert len(d1) == 3 + 8 * layers  # embedding, final add+norm, sampling (+ cuBLAS lm_head)
+
+
+def test_pipeline_on_engine_backend(tmp_path):
+    """`generate.Pipeline` streams from the engine through the Backend protocol: text equals the
+    decoded ids, stop strings cut the text, EOS ends a request, several prompts run batched."""
+    from nanoqwen_runtime.engine.backend import load_pipeline
+    from nanoqwen_runtime.testing import write_tiny_container
+
+    path = write_tiny_container(tmp_path / "tok.nanoqwen", method="rtn", seed=3)
+    pipe = load_pipeline(path, cpu_config(max_model_len=None, num_blocks=64))
+    assert "CUDA engine (torch kernels, eager mode)" in pipe.backend.name
+    params = pipe.sampling_params(max_tokens=20, temperature=0.0)
+    prompts = ["def fib(n):", "import os\nclass A:", pipe.chat_prompt([{"role": "user", "content": "hi"}])]
+    results = pipe.generate(prompts, params)
+    for r in results:
+        assert r.finish_reason in ("length", "eos", "context")
+        assert r.text == pipe.tokenizer.decode([t for t in r.token_ids if t not in pipe.eos_ids],
+                                               skip_special_tokens=False) or r.finish_reason == "eos"
+        assert r.generated_tokens >= 1
+    # the same greedy tokens as one request alone on the engine
+    alone = pipe.generate([prompts[1]], params)[0]
+    assert alone.token_ids == results[1].token_ids
+    # a stop string made of the 3rd..4th generated characters cuts the text there
+    text = results[0].text
+    if len(text) >= 4:
+        stop = text[2:4]
+        cut = pipe.generate([prompts[0]], pipe.sampling_params(max_tokens=20, stop=(stop,)))[0]
+        assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
+    assert pipe.backend.engine.kv_blocks_used() == 0

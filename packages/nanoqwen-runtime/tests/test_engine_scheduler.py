@@ -84,14 +84,18 @@ def finish_checks(sched: Scheduler, received):
             sched.finish(seq, FinishReason.EOS)
         elif seq.num_generated >= sp.max_tokens:
             sched.finish(seq, FinishReason.LENGTH)
+        elif len(seq.tokens) >= sched.max_model_len:
+            sched.finish(seq, FinishReason.CONTEXT)
 
 
 def test_refusals_are_clear():
     s = make(num_blocks=9, block_size=4, max_model_len=64)
     assert "empty prompt" in s.refusal_reason(Request([]))
     assert "context limit" in s.refusal_reason(Request([1] * 64))
-    why = s.refusal_reason(Request([1] * 10, SamplingParams(max_tokens=60)))
-    assert "exceeds the context limit" in why
+    # prompt + max_tokens over the limit runs to the context limit, so it needs the limit's pages
+    assert "whole pool has 8" in s.refusal_reason(Request([1] * 10, SamplingParams(max_tokens=60)))
+    assert make(num_blocks=17, block_size=4, max_model_len=64).refusal_reason(
+        Request([1] * 10, SamplingParams(max_tokens=60))) is None
     assert "whole pool has 8" in s.refusal_reason(Request([1] * 30, SamplingParams(max_tokens=3)))
     assert "SamplingParams" in s.refusal_reason(Request([1], params={"top_p": 0.0}))
     assert s.refusal_reason(Request([1] * 20, SamplingParams(max_tokens=12))) is None
@@ -194,8 +198,10 @@ def test_randomized_1000_requests(seed):
     assert refused and all(isinstance(why, str) and why for _, why in refused)
     assert all(q.status is SeqStatus.FINISHED for q in seqs)
     for q in done:
-        assert q.finish_reason in (FinishReason.EOS, FinishReason.LENGTH)
+        assert q.finish_reason in (FinishReason.EOS, FinishReason.LENGTH, FinishReason.CONTEXT)
         if q.finish_reason is FinishReason.LENGTH:
             assert q.num_generated == q.request.params.max_tokens
+        if q.finish_reason is FinishReason.CONTEXT:
+            assert len(q.tokens) == 512 and q.num_generated < q.request.params.max_tokens
     assert s.blocks.num_used == 0 and s.blocks.num_free == s.blocks.usable_blocks
     assert s.num_preemptions > 0  # the pool is small enough that preemption is exercised

@@ -195,7 +195,7 @@ class Engine:
         if idx == 0:
             st.t_first = time.perf_counter()
         rid = seq.request.request_id
-        eos = self.geom.eos_token_ids
+        eos = seq.request.eos_ids if seq.request.eos_ids is not None else self.geom.eos_token_ids
         if tok in eos and not seq.request.ignore_eos:
             return [self._finish(st, FinishReason.EOS)]
         text = st.decoder.push(tok) if st.decoder is not None else ""

@@ -59,13 +59,16 @@ class Request:
     """One generation request: prompt token ids and sampling settings (validated by `SamplingParams`).
 
     `params.seed=None` gets a fresh random seed when the engine accepts the request. `ignore_eos`
-    keeps generating past EOS tokens (benchmarks use it to fix the output length).
+    keeps generating past EOS tokens (benchmarks use it to fix the output length); `eos_ids`
+    replaces the model's EOS ids for this request. A request whose prompt + max_tokens exceeds the
+    context limit runs until the context is full (finish reason "context").
     """
 
     prompt_tokens: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None
     ignore_eos: bool = False
+    eos_ids: frozenset[int] | None = None
 
 
 @dataclass(eq=False)
@@ -209,12 +212,11 @@ class Scheduler:
             return "empty prompt"
         if not isinstance(request.params, SamplingParams):
             return f"params must be a SamplingParams, got {type(request.params).__name__}"
-        need = n + request.params.max_tokens
+        # the sequence stops at the context limit (finish reason "context") if max_tokens is larger
+        need = min(n + request.params.max_tokens, self.max_model_len)
         if n >= self.max_model_len:
-            return f"prompt has {n} tokens; the engine's context limit is {self.max_model_len}"
-        if need > self.max_model_len:
-            return (f"prompt ({n}) + max_tokens ({request.params.max_tokens}) = {need} tokens "
-                    f"exceeds the context limit of {self.max_model_len}")
+            return (f"prompt has {n} tokens; the context limit is {self.max_model_len} "
+                    "(prompt plus at least one generated token must fit)")
         if self.blocks.blocks_for(need) > self.blocks.usable_blocks:
             return (f"needs {self.blocks.blocks_for(need)} KV blocks of {self.blocks.block_size} tokens; "
                     f"the whole pool has {self.blocks.usable_blocks}")
