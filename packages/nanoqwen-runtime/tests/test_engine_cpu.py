@@ -334,3 +334,28 @@ def test_pipeline_on_engine_backend(tmp_path):
         cut = pipe.generate([prompts[0]], pipe.sampling_params(max_tokens=20, stop=(stop,)))[0]
         assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
     assert pipe.backend.engine.kv_blocks_used() == 0
+
+
+def test_bench_sections_and_report_on_cpu(tiny_path, tmp_path):
+    """The benchmark's measuring helpers and its report writer, on the tiny model (CPU, eager)."""
+    from nanoqwen_runtime.engine import bench
+
+    engine = Engine.from_file(tiny_path, cpu_config(max_batch=8))
+    d = bench.decode_at_context(engine, 40, 12, batch=2)
+    assert d["engine_tok_s"] > 0 and d["prefill_s"] > 0 and "graph_tok_s" not in d
+    p = bench.prefill_rate(engine, 100)
+    assert p["prefill_tok_s"] > 0
+    b = bench.bytes_per_token(engine, 128)
+    assert b["total"] == sum(v for k, v in b.items() if k != "total") and b["int4_words"] > 0
+    assert b["kv"] == 128 * TINY.kv_bytes_per_token()
+    res = {"command": "x", "device": "cpu", "date": "d", "torch": "t", "python": "p", "model": "tiny",
+           "copy_bandwidth_GBps": 1.0,
+           "decode_batch1": [{**d, "graph_tok_s": 10.0, "bytes_per_token": b, "roofline_tok_s": 20.0,
+                              "fraction_of_roofline": 0.5, "fraction_of_roofline_engine": 0.25}],
+           "decode_batched": [{**d, "graph_tok_s": 10.0}], "prefill": [p], "ttft_2k": p, "eager": [d],
+           "errors": {"profile": "RuntimeError: no CUDA"}}
+    bench.write_report(res, tmp_path)
+    md = (tmp_path / "bench.md").read_text()
+    assert "| 40 | 10 |" in md and "profile: RuntimeError" in md
+    assert (tmp_path / "tok_s_vs_batch.png").stat().st_size > 1000
+    assert engine.kv_blocks_used() == 0

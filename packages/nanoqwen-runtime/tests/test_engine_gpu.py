@@ -49,7 +49,17 @@ def gpu_config(**kw):
     return EngineConfig(**base)
 
 
+_REF_CACHE: dict = {}
+
+
 def reference_run(path, prompt, n):
+    key = (str(path), tuple(prompt), n)
+    if key not in _REF_CACHE:
+        _REF_CACHE[key] = _reference_run(path, prompt, n)
+    return _REF_CACHE[key]
+
+
+def _reference_run(path, prompt, n):
     ref = ReferenceModel.from_file(path, device="cuda")
     c = ref.config
     cache = PagedKVCache(KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256, 16), "cuda")

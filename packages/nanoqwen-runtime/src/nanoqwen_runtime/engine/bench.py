@@ -168,6 +168,20 @@ def profile_decode_kernels(engine: Engine, steps: int = 5) -> dict:
             "per_kernel": dict(sorted(per.items(), key=lambda kv: -kv[1]["us_per_step"]))}
 
 
+def _section(res: dict, key: str, log: Log, fn, *args, **kw):
+    """Run one benchmark section; a failure is recorded in the results (and logged), not hidden,
+    and does not stop the other sections."""
+    try:
+        res[key] = fn(*args, **kw)
+        return res[key]
+    except Exception as e:  # noqa: BLE001 - reported in the output, never swallowed
+        import traceback
+
+        res.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"
+        log(f"SECTION {key} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        return None
+
+
 def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool = False,
               kv_memory: int = 24 << 30, geometry: ModelGeometry = QWEN25_7B) -> dict:
     """Run everything; write bench.json, bench.md and plots into `out_dir`; return the results."""
@@ -201,7 +215,10 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
     contexts = [128, 4096, 32768 - 128] if not quick else [128, 4096]
     res["decode_batch1"] = []
     for ctx in contexts:
-        r = decode_at_context(engine, ctx, 64 if ctx > 4096 else 128)
+        r = _section(res, f"decode_ctx{ctx}", log, decode_at_context, engine, ctx, 64 if ctx > 4096 else 128)
+        if r is None:
+            continue
+        del res[f"decode_ctx{ctx}"]
         b = bytes_per_token(engine, ctx)
         r["bytes_per_token"] = b
         r["roofline_tok_s"] = bw / b["total"]
@@ -212,65 +229,83 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
             f"roofline {r['roofline_tok_s']:.0f} ({100 * r['fraction_of_roofline']:.0f}%)")
     res["decode_batched"] = []
     for batch in (1, 8, 32, 64):
-        r = decode_at_context(engine, 128, 128, batch=batch, seed=100)
+        r = _section(res, f"batch{batch}", log, decode_at_context, engine, 128, 128, batch=batch, seed=100)
+        if r is None:
+            continue
+        del res[f"batch{batch}"]
         res["decode_batched"].append(r)
         log(f"batch {batch}: engine {r['engine_tok_s']:.0f} tok/s aggregate, graph {r['graph_tok_s']:.0f}")
-    res["prefill"] = [prefill_rate(engine, n) for n in (512, 4096)]
-    for r in res["prefill"]:
-        log(f"prefill {r['prompt']}: {r['prefill_tok_s']:.0f} tok/s")
-    res["ttft_2k"] = prefill_rate(engine, 2048, seed=11)
-    log(f"TTFT 2K prompt: {1e3 * res['ttft_2k']['ttft_s']:.1f} ms")
-    assert engine.kv_blocks_used() == 0
+    res["prefill"] = []
+    for n in (512, 4096):
+        r = _section(res, f"prefill{n}", log, prefill_rate, engine, n)
+        if r is not None:
+            del res[f"prefill{n}"]
+            res["prefill"].append(r)
+            log(f"prefill {r['prompt']}: {r['prefill_tok_s']:.0f} tok/s")
+    if _section(res, "ttft_2k", log, prefill_rate, engine, 2048, seed=11):
+        log(f"TTFT 2K prompt: {1e3 * res['ttft_2k']['ttft_s']:.1f} ms")
+    res["kv_blocks_used_after"] = engine.kv_blocks_used()
     weights_ref, geom = engine.weights, engine.geom
     del engine
     torch.cuda.empty_cache()
     eager = Engine(geom, weights_ref, EngineConfig(kv_memory_bytes=4 << 30, max_model_len=4096, mode="eager"))
-    res["eager"] = [decode_at_context(eager, 128, 32, batch=b, seed=200) for b in (1, 8)]
-    for r in res["eager"]:
-        log(f"eager batch {r['batch']}: {r['engine_tok_s']:.1f} tok/s")
-    res["profile"] = profile_decode_kernels(eager)
-    log(f"kernels per decode step: {res['profile']['kernels_per_step']:.0f}, "
-        f"kernel time {res['profile']['kernel_us_per_step']:.0f} us")
+    res["eager"] = []
+    for b in (1, 8):
+        r = _section(res, f"eager{b}", log, decode_at_context, eager, 128, 32, batch=b, seed=200)
+        if r is not None:
+            del res[f"eager{b}"]
+            res["eager"].append(r)
+            log(f"eager batch {r['batch']}: {r['engine_tok_s']:.1f} tok/s")
+    if _section(res, "profile", log, profile_decode_kernels, eager):
+        log(f"kernels per decode step: {res['profile']['kernels_per_step']:.0f}, "
+            f"kernel time {res['profile']['kernel_us_per_step']:.0f} us")
     del eager
     write_report(res, out_dir)
     return res
 
 
 def markdown(res: dict) -> str:
+    """The results as markdown tables (sections that failed are listed under Errors)."""
     lines = ["# nanoqwen engine benchmark", "",
              f"- command: `{res['command']}`", f"- device: {res['device']}", f"- date: {res['date']}",
-             f"- model: {res['model']}", f"- torch {res['torch']}, Python {res['python']}",
+             f"- model: {res.get('model', '?')}", f"- torch {res['torch']}, Python {res['python']}",
              f"- copy bandwidth (read + write): {res['copy_bandwidth_GBps']:.0f} GB/s", ""]
     lines += ["## Decode, batch 1 (CUDA graph)", "",
               "| context | graph tok/s | engine tok/s | bytes/token (GB) | roofline tok/s "
               "| graph % of roofline | engine % |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in res["decode_batch1"]:
+    for r in res.get("decode_batch1", []):
         lines.append(f"| {r['context']} | {r['graph_tok_s']:.0f} | {r['engine_tok_s']:.0f} | "
                      f"{r['bytes_per_token']['total'] / 1e9:.3f} | {r['roofline_tok_s']:.0f} | "
                      f"{100 * r['fraction_of_roofline']:.1f}% | "
                      f"{100 * r['fraction_of_roofline_engine']:.1f}% |")
-    b = res["decode_batch1"][0]["bytes_per_token"]
-    parts = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())
-    lines += ["", f"Bytes per token at context 128: {parts}",
-              "", "## Decode, aggregate (context 128 + 128 generated)", "",
+    if res.get("decode_batch1"):
+        b = res["decode_batch1"][0]["bytes_per_token"]
+        parts = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())
+        lines += ["", f"Bytes per token at context {res['decode_batch1'][0]['context']}: {parts}"]
+    lines += ["", "## Decode, aggregate (context 128 + 128 generated)", "",
               "| batch | engine tok/s | graph-replay tok/s |", "| --- | --- | --- |"]
-    for r in res["decode_batched"]:
-        lines.append(f"| {r['batch']} | {r['engine_tok_s']:.0f} | {r['graph_tok_s']:.0f} |")
+    for r in res.get("decode_batched", []):
+        lines.append(f"| {r['batch']} | {r['engine_tok_s']:.0f} | {r.get('graph_tok_s', float('nan')):.0f} |")
     lines += ["", "## Prefill", "", "| prompt | tok/s | time (ms) |", "| --- | --- | --- |"]
-    for r in res["prefill"]:
+    for r in res.get("prefill", []):
         lines.append(f"| {r['prompt']} | {r['prefill_tok_s']:.0f} | {1e3 * r['prefill_s']:.1f} |")
-    lines += ["", f"Time to first token, 2048-token prompt: {1e3 * res['ttft_2k']['ttft_s']:.1f} ms", "",
-              "## Graph vs eager (context 128)", "", "| batch | graph tok/s | eager tok/s |",
+    if "ttft_2k" in res:
+        lines += ["", f"Time to first token, 2048-token prompt: {1e3 * res['ttft_2k']['ttft_s']:.1f} ms"]
+    lines += ["", "## Graph vs eager (context 128)", "", "| batch | graph tok/s | eager tok/s |",
               "| --- | --- | --- |"]
-    graph = {r["batch"]: r for r in res["decode_batched"]}
-    for r in res["eager"]:
-        lines.append(f"| {r['batch']} | {graph[r['batch']]['engine_tok_s']:.0f} | {r['engine_tok_s']:.1f} |")
-    p = res["profile"]
-    lines += ["", f"## Kernels per decode step (eager, batch 1): {p['kernels_per_step']:.0f} launches, "
-              f"{p['kernel_us_per_step']:.0f} us of kernel time", "", "| kernel | per step | us/step |",
-              "| --- | --- | --- |"]
-    for k, v in list(p["per_kernel"].items())[:20]:
-        lines.append(f"| `{k[:80]}` | {v['count_per_step']:.0f} | {v['us_per_step']:.0f} |")
+    graph = {r["batch"]: r for r in res.get("decode_batched", [])}
+    for r in res.get("eager", []):
+        g = graph.get(r["batch"], {}).get("engine_tok_s", float("nan"))
+        lines.append(f"| {r['batch']} | {g:.0f} | {r['engine_tok_s']:.1f} |")
+    p = res.get("profile")
+    if p:
+        lines += ["", f"## Kernels per decode step (eager, batch 1): {p['kernels_per_step']:.0f} launches, "
+                  f"{p['kernel_us_per_step']:.0f} us of kernel time", "", "| kernel | per step | us/step |",
+                  "| --- | --- | --- |"]
+        for k, v in list(p["per_kernel"].items())[:25]:
+            lines.append(f"| `{k[:80]}` | {v['count_per_step']:.1f} | {v['us_per_step']:.1f} |")
+    if res.get("errors"):
+        lines += ["", "## Errors", ""] + [f"- {k}: {v}" for k, v in res["errors"].items()]
     return "\n".join(lines) + "\n"
 
 
