@@ -1,0 +1,166 @@
+"""Text generation on top of any `Backend`: prompts in, streamed text and statistics out.
+
+`Pipeline.load(path, device=...)` reads everything from one `.nanoqwen` container (tokenizer, chat
+template, EOS ids, generation defaults) and builds the backend. `Pipeline.stream(prompts)` yields
+`TextEvent`s as tokens arrive: the text of each token is produced by a `StreamDecoder` (never half a
+UTF-8 character) and passed through a `StopMatcher` (text from a stop string on is never shown).
+EOS tokens end a request without adding text. Every request ends with a `GenerationResult` carrying
+its statistics:
+
+    prompt_tokens, generated_tokens
+    ttft_s        start of the call -> first generated token (tokenizing excluded, prefill included)
+    decode_tok_s  (generated_tokens - 1) / (time from the first to the last token)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from os import PathLike
+from typing import Any
+
+import torch
+
+from .backend import FINISH_STOP, Backend, ReferenceBackend, TokenRequest
+from .chat import ChatTemplate, special_tokens_from
+from .sampling import SamplingParams, StopMatcher
+from .tokenizer import Tokenizer
+
+__all__ = ["Pipeline", "TextEvent", "GenerationResult", "generation_defaults"]
+
+
+@dataclass
+class GenerationResult:
+    index: int
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    ttft_s: float
+    decode_s: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+
+    def stats(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "ttft_s": round(self.ttft_s, 4), "decode_tok_s": round(self.decode_tok_s, 3),
+                "finish_reason": self.finish_reason}
+
+
+@dataclass
+class TextEvent:
+    index: int
+    text: str                    # new text to show (may be "")
+    token_id: int
+    result: GenerationResult | None = None  # set on the request's last event
+
+
+def generation_defaults(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The container's `generation` map (temperature, top_p, top_k, max_new_tokens, eos_token_ids)."""
+    return dict(metadata.get("generation") or {})
+
+
+@dataclass
+class _Track:
+    prompt_tokens: int
+    decoder: Any
+    stop: StopMatcher
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    t_first: float | None = None
+
+
+class Pipeline:
+    """Tokenizer + chat template + backend, read from one container."""
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, template: ChatTemplate | None,
+                 eos_ids: Sequence[int], defaults: Mapping[str, Any] | None = None):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.template = template
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.defaults = dict(defaults or {})
+
+    @classmethod
+    def load(cls, path: str | PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32,
+             **backend_kwargs) -> Pipeline:
+        """Open a container and build the reference backend on `device` ('cpu' or 'cuda')."""
+        import nanoqwen_format as nqf
+
+        with nqf.open(path) as f:
+            meta = f.metadata
+            tok = Tokenizer.from_json(f.tokenizer_json)
+            template = ChatTemplate(f.chat_template, special_tokens_from(f.config, f.tokenizer_json)) \
+                if f.chat_template else None
+            defaults = generation_defaults(meta)
+            eos = defaults.get("eos_token_ids") or f.config.get("eos_token_id") or []
+            eos = eos if isinstance(eos, list) else [eos]
+        backend = ReferenceBackend.from_file(path, device=device, dtype=dtype, **backend_kwargs)
+        return cls(backend, tok, template, eos, defaults)
+
+    def sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams from the container defaults, overridden by the non-None `overrides`."""
+        d = self.defaults
+        base = {"temperature": d.get("temperature", 0.0), "top_p": d.get("top_p", 1.0),
+                "top_k": d.get("top_k", 0), "max_tokens": d.get("max_new_tokens", 256)}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return SamplingParams(**base)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        if self.template is None:
+            raise ValueError("this container has no chat template")
+        return self.template.render(messages, add_generation_prompt=True)
+
+    def stream(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+               ) -> Iterator[TextEvent]:
+        """Generate for several prompts at once (text, or token ids); yields events as tokens arrive."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        requests = [TokenRequest(tuple(i), p, self.eos_ids) for i, p in zip(ids, params, strict=True)]
+        tracks = [_Track(len(i), self.tokenizer.stream_decoder(), StopMatcher(p.stop))
+                  for i, p in zip(ids, params, strict=True)]
+        t0 = time.perf_counter()
+        run = self.backend.start(requests)
+        for events in run:
+            now = time.perf_counter()
+            for ev in events:
+                tr = tracks[ev.index]
+                if tr.t_first is None:
+                    tr.t_first = now
+                tr.ids.append(ev.token_id)
+                reason = ev.finish_reason
+                piece = "" if ev.token_id in self.eos_ids else tr.decoder.push(ev.token_id)
+                if reason is not None:
+                    piece += tr.decoder.flush()
+                shown, stopped = tr.stop.push(piece)
+                if stopped and reason is None:
+                    reason = FINISH_STOP
+                    run.finish(ev.index)
+                if reason is not None and not stopped:
+                    shown += tr.stop.flush()
+                tr.text.append(shown)
+                result = None
+                if reason is not None:
+                    result = GenerationResult(ev.index, tr.prompt_tokens, tr.ids, "".join(tr.text), reason,
+                                              ttft_s=tr.t_first - t0, decode_s=now - tr.t_first)
+                yield TextEvent(ev.index, shown, ev.token_id, result)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:
+        """Like `stream`, collecting one result per prompt (in prompt order)."""
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        for ev in self.stream(prompts, params):
+            if ev.result is not None:
+                results[ev.index] = ev.result
+        return results  # type: ignore[return-value]
