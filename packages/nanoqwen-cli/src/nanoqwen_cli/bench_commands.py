@@ -22,6 +22,8 @@ def bench(
         "bench/engine"),
     kv_memory: Annotated[str, typer.Option(help="KV pool size, e.g. 24GiB")] = "24GiB",
     quick: Annotated[bool, typer.Option(help="skip the 32K context (a faster smoke run)")] = False,
+    load_test: Annotated[Path | None, typer.Option(
+        help="folder where a synthetic container is written to time loading (removed afterwards)")] = None,
 ) -> None:
     """Benchmark the CUDA engine end to end on one GPU."""
     import torch
@@ -33,7 +35,7 @@ def bench(
     from nanoqwen_runtime.engine.config import parse_bytes
 
     res = run_bench(model=str(model) if model else None, out_dir=out, kv_memory=parse_bytes(kv_memory),
-                    quick=quick, log=lambda s: typer.echo(s, err=True))
+                    quick=quick, log=lambda s: typer.echo(s, err=True), load_test_dir=load_test)
     typer.echo((out / "bench.md").read_text())
     bw = res["copy_bandwidth_GBps"]
     typer.echo(f"wrote {out}/bench.json, bench.md and plots; copy bandwidth {bw:.0f} GB/s")

@@ -157,15 +157,41 @@ def profile_decode_kernels(engine: Engine, steps: int = 5) -> dict:
         engine.step()
     per = {}
     for ev in prof.key_averages():
-        if ev.device_type == torch.autograd.DeviceType.CUDA or getattr(ev, "device_time_total", 0) > 0:
-            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if t <= 0:
-                continue
-            per[ev.key] = {"count_per_step": ev.count / n, "us_per_step": t / n}
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue  # CPU-side ops would count their kernels twice
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = ev.cuda_time_total
+        per[ev.key] = {"count_per_step": ev.count / n, "us_per_step": t / n}
     total_us = sum(v["us_per_step"] for v in per.values())
     launches = sum(v["count_per_step"] for v in per.values())
     return {"steps": n, "kernels_per_step": launches, "kernel_us_per_step": total_us,
             "per_kernel": dict(sorted(per.items(), key=lambda kv: -kv[1]["us_per_step"]))}
+
+
+def load_time(geometry: ModelGeometry, folder: Path) -> dict:
+    """Write a synthetic container of `geometry`, then time `loader.load` to the GPU (page cache warm:
+    the file was just written) with and without the checksum pass. The file is removed afterwards."""
+    from .loader import load
+    from .synthetic import write_container
+
+    path = folder / "synthetic-bench.nanoqwen"
+    t0 = time.perf_counter()
+    write_container(path, geometry, seed=1, device="cuda")
+    write_s = time.perf_counter() - t0
+    try:
+        out = {"file_bytes": path.stat().st_size, "write_s": write_s}
+        for verify in (False, True):
+            torch.cuda.synchronize()
+            m = load(path, "cuda", verify=verify)
+            torch.cuda.synchronize()
+            key = "verify" if verify else "plain"
+            out[key] = asdict(m.stats) | {"upload_GBps": m.stats.gbps}
+            del m
+            torch.cuda.empty_cache()
+        return out
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def _section(res: dict, key: str, log: Log, fn, *args, **kw):
@@ -183,7 +209,8 @@ def _section(res: dict, key: str, log: Log, fn, *args, **kw):
 
 
 def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool = False,
-              kv_memory: int = 24 << 30, geometry: ModelGeometry = QWEN25_7B) -> dict:
+              kv_memory: int = 24 << 30, geometry: ModelGeometry = QWEN25_7B,
+              load_test_dir: Path | None = None) -> dict:
     """Run everything; write bench.json, bench.md and plots into `out_dir`; return the results."""
     from .synthetic import random_weights
 
@@ -259,7 +286,13 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
     if _section(res, "profile", log, profile_decode_kernels, eager):
         log(f"kernels per decode step: {res['profile']['kernels_per_step']:.0f}, "
             f"kernel time {res['profile']['kernel_us_per_step']:.0f} us")
-    del eager
+    del eager, weights_ref
+    torch.cuda.empty_cache()
+    if load_test_dir is not None and _section(res, "load", log, load_time, geometry, load_test_dir):
+        ld = res["load"]
+        plain, ver = ld["plain"], ld["verify"]
+        log(f"load {ld['file_bytes'] / 1e9:.2f} GB: {plain['total_seconds']:.2f} s "
+            f"({plain['upload_GBps']:.1f} GB/s upload), with --verify {ver['total_seconds']:.2f} s")
     write_report(res, out_dir)
     return res
 
@@ -304,6 +337,13 @@ def markdown(res: dict) -> str:
                   "| --- | --- | --- |"]
         for k, v in list(p["per_kernel"].items())[:25]:
             lines.append(f"| `{k[:80]}` | {v['count_per_step']:.1f} | {v['us_per_step']:.1f} |")
+    if res.get("load"):
+        ld = res["load"]
+        lines += ["", "## Loading (synthetic container of the same geometry, page cache warm)", "",
+                  f"{ld['file_bytes'] / 1e9:.2f} GB: {ld['plain']['total_seconds']:.2f} s to the GPU "
+                  f"(upload {ld['plain']['upload_GBps']:.1f} GB/s through pinned 64 MiB chunks); "
+                  f"with --verify {ld['verify']['total_seconds']:.2f} s "
+                  f"(checksums {ld['verify']['verify_seconds']:.2f} s)"]
     if res.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {k}: {v}" for k, v in res["errors"].items()]
     return "\n".join(lines) + "\n"
