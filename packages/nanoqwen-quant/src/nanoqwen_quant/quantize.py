@@ -16,10 +16,13 @@ GPTQ, as in the paper's reference implementation (github.com/IST-DASLab/gptq, `g
 - damping: H += damp * mean(diag H) * I with damp = 1%; when the Cholesky factorisation fails the
   damping is multiplied by 10 (0.01 -> 0.1 -> 1 ...) and the raise is reported in `GPTQResult`;
 - H^-1 via Cholesky, then its upper Cholesky factor; lazy batch updates over blocks of 128 columns.
+- The column loop runs on transposed [K, N] copies (a column is a contiguous row): the same element-wise
+  operations as the reference, much faster on CPU.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -165,7 +168,9 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
         Hd[idx, idx] += damp * mean_diag
         L, info = torch.linalg.cholesky_ex(Hd)
         if int(info) == 0:
-            Hinv = torch.cholesky_inverse(L)
+            # H^-1 from the Cholesky factor (the reference calls cholesky_inverse; cholesky_solve
+            # against I is the same inverse and measured 2-4x faster on CPU here)
+            Hinv = torch.cholesky_solve(torch.eye(H.shape[0], dtype=H.dtype, device=H.device), L)
             U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
             if int(info) == 0 and torch.isfinite(U).all():
                 return U, damp, notes
@@ -176,8 +181,12 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
 
 
 def gptq_quantize(w: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
-    """GPTQ one weight. w float [N, K], H f32 [K, K] (same device; consumed). Returns on w's device."""
+    """GPTQ one weight. w float [N, K], H f32 [K, K] on the same device (not modified).
+    Returns a GPTQResult whose QuantResult lives on w's device."""
     _check(w, cfg.group_size)
+    if H.shape != (w.shape[1], w.shape[1]):
+        raise ValueError(f"H must be [{w.shape[1]}, {w.shape[1]}], got {list(H.shape)}")
+    H = H.clone()
     G = cfg.group_size
     W = w.clone().float()
     n, k = W.shape
@@ -197,32 +206,57 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResu
     Hinv, damp_used, notes = _inverse_cholesky(H, cfg.damp_percent)
     del H
     col_group = (perm if perm is not None else torch.arange(k, device=W.device)) // G  # [K] group of col
-    Q = torch.zeros_like(W)
-    losses = torch.zeros(n, dtype=torch.float64, device=W.device)
+    # The reference's loop, on transposed [K, N] copies so that one column of W is one contiguous row
+    # (same operations element by element; 5-10x faster on CPU than strided column access).
+    Wt = W.t().contiguous()
+    Qt = torch.zeros_like(Wt)
+    st = scale.t()[col_group].contiguous()  # [K, N] scale of every (column, row)
+    zt = zero.t()[col_group].contiguous()
+    del W
+    losses = torch.zeros(n, dtype=torch.float64, device=Wt.device)
     B = cfg.block_size
-    for i1 in range(0, k, B):
-        i2 = min(i1 + B, k)
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        s_blk = scale[:, col_group[i1:i2]]  # [N, count]
-        z_blk = zero[:, col_group[i1:i2]]
-        for i in range(i2 - i1):
-            wcol = W1[:, i]
-            d = Hinv1[i, i]
-            qi = quantize_columns(wcol, s_blk[:, i], z_blk[:, i])
-            dq = (qi - z_blk[:, i]) * s_blk[:, i]
-            Q1[:, i] = qi
-            err = (wcol - dq) / d
-            losses += (err.double() ** 2) / 2
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
-            Err1[:, i] = err
-        Q[:, i1:i2] = Q1
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    with _single_thread_on_cpu(Wt.device):
+        _gptq_blocks(Wt, Qt, st, zt, Hinv, losses, B)
+    Q = Qt.t()
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
     q = Q.to(torch.uint8)
     quant = QuantResult(q, scale, None if cfg.symmetric else zero.to(torch.uint8), G)
     return GPTQResult(quant, float(losses.sum()), damp_used, damp_used != cfg.damp_percent,
                       int(dead.sum()), notes)
+
+
+@contextmanager
+def _single_thread_on_cpu(device: torch.device):
+    """The column loop is thousands of tiny ops: on CPU, intra-op threads only add sync overhead
+    (measured 4.3 s with 1 thread vs 37 s with 2 on a busy 2-core machine, gate_up of the 0.5B)."""
+    if device.type != "cpu":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _gptq_blocks(Wt: torch.Tensor, Qt: torch.Tensor, st: torch.Tensor, zt: torch.Tensor, Hinv: torch.Tensor,
+                 losses: torch.Tensor, B: int) -> None:
+    """The reference's lazy-batch loop on transposed tensors: Wt, Qt, st, zt [K, N] (Wt, Qt updated in
+    place), Hinv [K, K] upper Cholesky factor of H^-1, losses f64 [N] accumulated."""
+    k = Wt.shape[0]
+    for i1 in range(0, k, B):
+        i2 = min(i1 + B, k)
+        W1 = Wt[i1:i2].clone()  # [count, N]
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            wcol = W1[i]
+            qi = quantize_columns(wcol, st[i1 + i], zt[i1 + i])
+            Qt[i1 + i] = qi
+            err = (wcol - (qi - zt[i1 + i]) * st[i1 + i]) / Hinv1[i, i]
+            losses += err.double().square() / 2
+            W1[i:] -= Hinv1[i, i:, None] * err[None, :]
+            Err1[i] = err
+        Wt[i2:] -= Hinv[i1:i2, i2:].t() @ Err1
