@@ -7,16 +7,9 @@ mask, in float64, for decode and chunked-prefill shapes with shuffled page table
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from nanoqwen_kernels.attention import (
-    MIN_TILES_PER_SPLIT,
-    TILE,
-    AttentionGeometry,
-    choose_num_splits,
-)
+from nanoqwen_kernels.attention import AttentionGeometry, choose_num_splits
 from nanoqwen_kernels.reference_attention import (
     PAGE_POISON,
     gather_kv,
@@ -118,11 +111,12 @@ def test_geometry_rejects_unsupported(kwargs, match):
 
 
 def test_split_heuristic():
-    # one 32K sequence of the 7B model: 4 CTAs without splits -> enough splits for two waves of 132 SMs
-    s = choose_num_splits(base_ctas=4, max_context_len=32768, num_sms=132)
-    assert s == 66 and math.ceil(32768 / TILE / s) >= MIN_TILES_PER_SPLIT
-    # a short context never gets splits shorter than MIN_TILES_PER_SPLIT tiles
-    assert choose_num_splits(base_ctas=4, max_context_len=100, num_sms=132) == 1
-    # a big batch already fills the GPU
-    assert choose_num_splits(base_ctas=32 * 4, max_context_len=8192, num_sms=132) == 3
+    # one sequence of the 7B model (4 KV heads): one full wave of 2 x 132 CTAs, even tiles per split
+    assert choose_num_splits(base_ctas=4, max_context_len=32768, num_sms=132) == 64  # 8 tiles each
+    assert choose_num_splits(base_ctas=4, max_context_len=8192, num_sms=132) == 64  # 2 tiles each
+    assert choose_num_splits(base_ctas=4, max_context_len=100, num_sms=132) == 2  # 2 tiles, 1 each
+    # batch 32: 2 splits fill one wave (256 CTAs); 3 would spill 120 CTAs into a second wave
+    assert choose_num_splits(base_ctas=32 * 4, max_context_len=8192, num_sms=132) == 2
+    # a big batch or a long prefill already fills the GPU
     assert choose_num_splits(base_ctas=1000, max_context_len=8192, num_sms=132) == 1
+    assert choose_num_splits(base_ctas=1792, max_context_len=4096, num_sms=132) == 1

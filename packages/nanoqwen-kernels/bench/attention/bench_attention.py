@@ -21,7 +21,7 @@ import math
 import statistics
 
 import torch
-from nanoqwen_kernels import launch
+from nanoqwen_kernels import attention, build, launch, specs
 from nanoqwen_kernels.attention import AttentionGeometry, plan_decode, plan_prefill
 
 GEOM = AttentionGeometry(n_heads=28, n_kv_heads=4, head_dim=128, block_size=16)
@@ -69,6 +69,23 @@ def _graph_time(calls, n_calls: int) -> float:
     return ms * 1e-3 / n_calls
 
 
+def _kernel_us(calls) -> dict[str, float]:
+    """Mean device time per launch of each attention kernel over 2 passes of `calls` (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            for c in calls:
+                c()
+        torch.cuda.synchronize()
+    out = {}
+    for evt in prof.key_averages():
+        if "paged_attention" in evt.key:
+            total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+            out[evt.key.replace("paged_attention_", "")] = total / max(1, evt.count)
+    return out
+
+
 def _pool(num_blocks: int):
     shape = (num_blocks, GEOM.n_kv_heads, GEOM.block_size, GEOM.head_dim)
     k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -82,7 +99,25 @@ def _tables(nsets: int, batch: int, pages: int, num_blocks: int):
             for s in range(nsets)]
 
 
-def bench_decode(batch: int, ctx: int, l2_bytes: int) -> dict:
+# Build variants compared by --ablate (bench-only kernel families: same source, other -D options).
+VARIANTS = {
+    "prefill Q in registers, 16-token steps": ("-DNQ_ATTN_PREFILL_QREGS=1", "-DNQ_ATTN_PREFILL_SUB=16"),
+}
+
+
+def with_variant(options: tuple[str, ...], fn):
+    """Run fn() with the attention family rebuilt with extra compiler options."""
+    name = "attention_ablate_" + str(abs(hash(options)) % 10**8)
+    base = specs.SPECS["attention"]
+    specs.SPECS[name] = build.KernelSpec(name=name, sources=base.sources, options=base.options + options)
+    saved, attention.FAMILY = attention.FAMILY, name
+    try:
+        return fn()
+    finally:
+        attention.FAMILY = saved
+
+
+def bench_decode(batch: int, ctx: int, l2_bytes: int, num_splits: int | None = None) -> dict:
     kv_bytes = batch * ctx * GEOM.n_kv_heads * GEOM.head_dim * 2 * 2
     nsets = max(1, min(128, math.ceil(4 * l2_bytes / kv_bytes)))
     pages = -(-ctx // GEOM.block_size)
@@ -91,12 +126,12 @@ def bench_decode(batch: int, ctx: int, l2_bytes: int) -> dict:
     q = torch.randn(batch, GEOM.n_heads, GEOM.head_dim, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    plan = plan_decode(GEOM, max_batch=batch, max_context_len=ctx)
+    plan = plan_decode(GEOM, max_batch=batch, max_context_len=ctx, num_splits=num_splits)
     calls = [lambda t=t: plan.run(q, k, v, t, lens, out=out) for t in tables]
     n_calls = max(len(calls), min(200, math.ceil(2e-3 / (kv_bytes / 4e12))))
     sec = _graph_time(calls, n_calls)
     return dict(kind="decode", batch=batch, context=ctx, splits=plan.num_splits, us=sec * 1e6,
-                bytes=kv_bytes, tb_s=kv_bytes / sec / 1e12)
+                bytes=kv_bytes, tb_s=kv_bytes / sec / 1e12, kernels_us=_kernel_us(calls[:8]))
 
 
 def bench_prefill(qlen: int, ctx: int) -> dict:
@@ -111,26 +146,34 @@ def bench_prefill(qlen: int, ctx: int) -> dict:
     pairs = sum(ctx - qlen + i + 1 for i in range(qlen))
     flops = 4 * GEOM.n_heads * GEOM.head_dim * pairs
     n_calls = max(1, min(100, math.ceil(2e-3 / (flops / 3e14))))
-    sec = _graph_time([lambda: plan.run(q, k, v, table, lens, qsl, out=out)], n_calls)
+    calls = [lambda: plan.run(q, k, v, table, lens, qsl, out=out)]
+    sec = _graph_time(calls, n_calls)
     return dict(kind="prefill", query=qlen, context=ctx, splits=plan.num_splits, us=sec * 1e6,
-                flops=flops, tflop_s=flops / sec / 1e12)
+                flops=flops, tflop_s=flops / sec / 1e12, kernels_us=_kernel_us(calls))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--ablate", action="store_true", help="also time split counts and build variants")
     args = ap.parse_args()
     launch.warm_up(["attention"])
     props = torch.cuda.get_device_properties(0)
     bw, mm = copy_bandwidth(), matmul_flops()
     rows = [bench_decode(b, c, props.L2_cache_size) for b in (1, 32) for c in (1024, 8192, 32768)]
     rows += [bench_prefill(512, 512), bench_prefill(4096, 4096), bench_prefill(512, 4096)]
+    if args.ablate:
+        for b, c, splits in ((1, 32768, 32), (1, 32768, 128), (1, 8192, 32), (32, 8192, 1), (32, 8192, 4)):
+            rows.append(dict(bench_decode(b, c, props.L2_cache_size, splits), note="forced splits"))
+        for label, options in VARIANTS.items():
+            r = with_variant(options, lambda: bench_prefill(4096, 4096))
+            rows.append(dict(r, note=label))
     res = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
                date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                copy_tb_s=bw / 1e12, matmul_tflop_s=mm / 1e12, rows=rows)
     print(f"{props.name}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, {res['date']}")
-    print("| case | splits | time (us) | achieved | of ceiling |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| case | splits | time (us) | achieved | of ceiling | kernels, eager (us) |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         if r["kind"] == "decode":
             name = f"decode B={r['batch']} ctx={r['context']}"
@@ -138,7 +181,10 @@ def main() -> None:
         else:
             name = f"prefill q={r['query']} ctx={r['context']}"
             ach, pct = f"{r['tflop_s']:.0f} TFLOP/s", 100 * r["tflop_s"] * 1e12 / mm
-        print(f"| {name} | {r['splits']} | {r['us']:.1f} | {ach} | {pct:.0f}% |")
+        ks = ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_us"].items())
+        if r.get("note"):
+            name += f" ({r['note']})"
+        print(f"| {name} | {r['splits']} | {r['us']:.1f} | {ach} | {pct:.0f}% | {ks} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

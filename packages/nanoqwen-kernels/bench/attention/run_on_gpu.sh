@@ -21,7 +21,7 @@ for step in $steps; do
         echo "$tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_attention' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
       done ;;
     bench)
-      timeout 120 python3 packages/nanoqwen-kernels/bench/attention/bench_attention.py --out "$OUT/bench.json" \
+      timeout 200 python3 packages/nanoqwen-kernels/bench/attention/bench_attention.py --out "$OUT/bench.json" ${BENCH_ARGS:-} \
         2>&1 | tee "$OUT/bench.log" | tail -20 ;;
   esac
 done

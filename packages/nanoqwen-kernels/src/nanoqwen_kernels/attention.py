@@ -35,8 +35,9 @@ FAMILY = "attention"
 TILE = 64  # KV tokens per pipeline stage (csrc/attention.cuh TILE)
 THREADS = 160  # one producer warp + four consumer warps
 CTAS_PER_SM = 2  # shared memory and registers allow two CTAs per SM (see NOTES.md)
-MIN_TILES_PER_SPLIT = 2  # a split shorter than 128 tokens costs more in its epilogue than it saves
-MAX_SPLITS = 256
+MAX_SPLITS = 256  # csrc/attention.cuh MAX_SPLITS (the combine's shared weights)
+COMBINE_THREADS = 512  # csrc/attention.cuh COMBINE_THREADS
+CTA_OVERHEAD_TILES = 1  # prologue + epilogue + combine share of one CTA, in tile-times (a guess)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +91,25 @@ class AttentionGeometry:
 
 
 def choose_num_splits(base_ctas: int, max_context_len: int, num_sms: int) -> int:
-    """Split-KV count: enough CTAs for CTAS_PER_SM full waves, each split at least MIN_TILES_PER_SPLIT."""
+    """Split-KV count minimizing the modelled critical path, fewest splits on a tie.
+
+    A CTA streams its split's tiles; CTAS_PER_SM * num_sms CTAs run at once ("a wave"). The model's
+    time is waves * (ceil(tiles / splits) + CTA_OVERHEAD_TILES) tile-times, so it favours filling the
+    last wave (a batch of 32 sequences x 4 KV heads = 128 CTAs takes 2 splits, 256 CTAs, not 3 = 384
+    CTAs = 1.45 waves), splits that divide the tiles evenly, and few splits when the batch is large.
+    The device partition is even too (attention.cuh cta_work).
+    """
     tiles = max(1, -(-max_context_len // TILE))
-    want = -(-CTAS_PER_SM * num_sms // max(1, base_ctas))
-    cap = max(1, min(MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
-    return max(1, min(want, cap))
+    slots = CTAS_PER_SM * num_sms
+    # never more splits than one wave needs: each split adds a partial row per query row for the
+    # combine to read (a 512-token chunk on a 4K prefix with 8 splits spent 21 us combining)
+    cap = min(MAX_SPLITS, tiles, -(-slots // max(1, base_ctas)))
+    best, best_cost = 1, None
+    for s in range(1, cap + 1):
+        cost = -(-base_ctas * s // slots) * (-(-tiles // s) + CTA_OVERHEAD_TILES)
+        if best_cost is None or cost < 0.97 * best_cost:  # more splits only for a real gain
+            best, best_cost = s, cost
+    return best
 
 
 class PagedAttentionPlan:
@@ -229,9 +244,8 @@ class PagedAttentionPlan:
         grid = (self.num_row_tiles * self.num_splits, g.n_kv_heads, batch)
         launch.launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem)
         if self.num_splits > 1:
-            n = total_q * g.n_heads * g.head_dim // 4
-            launch.launch(FAMILY, _COMBINE[g.head_dim], self.device_index, (-(-n // 256),), (256,),
-                          args + (launch.i32(total_q),))
+            launch.launch(FAMILY, _COMBINE[g.head_dim], self.device_index, (total_q * g.n_heads,),
+                          (COMBINE_THREADS,), args + (launch.i32(total_q),))
         return out
 
 

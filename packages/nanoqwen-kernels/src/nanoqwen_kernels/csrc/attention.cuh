@@ -38,6 +38,17 @@
 
 #include "common.cuh"  // bf16_t (raw bits: no toolkit headers), f32x2_to_bf16x2
 
+// Prefill register budget (160 threads, 2 CTAs/SM: ptxas caps at 168 registers). Q fragments held in
+// registers only fit with 16-token softmax steps (166 registers); re-reading Q from shared memory with
+// 32-token steps (162 registers) measured faster on the H200 (174 vs 160 TFLOP/s at 4096 tokens, see
+// bench/attention/RESULTS.md), so that is the default; the bench's --ablate builds the other corner.
+#ifndef NQ_ATTN_PREFILL_QREGS
+#define NQ_ATTN_PREFILL_QREGS 0
+#endif
+#ifndef NQ_ATTN_PREFILL_SUB
+#define NQ_ATTN_PREFILL_SUB 32
+#endif
+
 namespace nq_attn {
 
 constexpr int TILE = 64;           // KV tokens per pipeline stage
@@ -172,10 +183,11 @@ __device__ __forceinline__ bool cta_work(const Params& p, Work& w) {
   if (w.row0 >= w.rows_total) return false;
   const int last_token = (min(w.row0 + ROWS, w.rows_total) - 1) / G;
   w.kv_limit = max(0, min(w.ctx, w.ctx - w.qlen + last_token + 1));
+  // Even partition: split s takes tiles [s * n / S, (s + 1) * n / S), so no split has more than one
+  // tile more than another; with n < S some splits are empty (they still write lse = -inf).
   const int tiles = (w.kv_limit + TILE - 1) / TILE;
-  const int per_split = (tiles + p.num_splits - 1) / p.num_splits;
-  w.tile_begin = w.split * per_split;
-  w.n_tiles = max(0, min(tiles - w.tile_begin, per_split));
+  w.tile_begin = (int)((long long)w.split * tiles / p.num_splits);
+  w.n_tiles = (int)((long long)(w.split + 1) * tiles / p.num_splits) - w.tile_begin;
   return true;
 }
 
@@ -230,7 +242,7 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, unsigned
                                         unsigned long long* empty, int cw, int lane, float* sm_ml) {
   constexpr int ROWS = 16 * ROW_WARPS;
   constexpr int TPW = TILE / KV_WARPS;  // tokens of a tile this warp handles
-  constexpr int SUB = TPW < 32 ? TPW : 32;  // tokens per softmax step: 32 keeps prefill from spilling
+  constexpr int SUB = KV_WARPS == 1 ? NQ_ATTN_PREFILL_SUB : TPW;  // tokens per online-softmax step
   constexpr int NT = SUB / 8;                // score n-tiles per step
   constexpr int KS = HD / 16;           // k-steps of q . k
   constexpr int TILE_BYTES = TILE * HD * 2;
@@ -257,6 +269,17 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, unsigned
   }
   __syncwarp();
   const unsigned q_base = smem_addr(q_warp);
+  // Prefill (KV_WARPS == 1) keeps the Q fragments in registers: each warp then reads only K and V from
+  // shared memory, which is the bound there. Decode re-reads Q from shared memory per tile instead and
+  // spends the registers on nothing: it is bound by HBM, not by shared memory.
+  constexpr bool Q_IN_REGS = KV_WARPS == 1 && NQ_ATTN_PREFILL_QREGS;
+  unsigned qreg[Q_IN_REGS ? KS : 1][4];
+  if (Q_IN_REGS) {
+#pragma unroll
+    for (int ks = 0; ks < (Q_IN_REGS ? KS : 1); ++ks)
+      ldmatrix_x4(qreg[ks][0], qreg[ks][1], qreg[ks][2], qreg[ks][3],
+                  q_base + tile_offset<HD>((lane & 7) + (((lane >> 3) & 1) << 3), ks * 2 + (lane >> 4)));
+  }
   int limit[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -286,8 +309,13 @@ __device__ __forceinline__ void consume(const Params& p, const Work& w, unsigned
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         unsigned qa[4];
-        ldmatrix_x4(qa[0], qa[1], qa[2], qa[3],
-                    q_base + tile_offset<HD>((lane & 7) + (((lane >> 3) & 1) << 3), ks * 2 + (lane >> 4)));
+        if (Q_IN_REGS) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) qa[i] = qreg[Q_IN_REGS ? ks : 0][i];
+        } else {
+          ldmatrix_x4(qa[0], qa[1], qa[2], qa[3],
+                      q_base + tile_offset<HD>((lane & 7) + (((lane >> 3) & 1) << 3), ks * 2 + (lane >> 4)));
+        }
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
           const int row = trow0 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
@@ -462,35 +490,72 @@ __device__ __forceinline__ void paged_attention(const Params& p) {
 }
 
 // Merge the per-split rows: out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M), M = max_s lse_s.
-// One thread per 4 columns of one (token, head) row; splits with no live token carry lse = -inf.
+// One CTA of COMBINE_THREADS per (token, head) row, so that the reads of all splits are in flight at
+// once: thread i takes lse_i for the weights; then NG groups of HD / 4 threads (a float4 column each)
+// sum every NG-th split, and the groups are added in a fixed order (bit-identical run to run). Splits
+// with no live token carry lse = -inf (weight 0) and a zero row.
+constexpr int COMBINE_THREADS = 512;
+constexpr int MAX_SPLITS = 256;
+
 template <int HD>
 __device__ __forceinline__ void combine_splits(const Params& p, int total_q) {
-  constexpr int VEC = HD / 4;
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const long long rows = (long long)total_q * p.n_heads;
-  if (i >= rows * VEC) return;
-  const long long row = i / VEC;
-  const int c = (int)(i % VEC) * 4;
+  constexpr int LPR = HD / 4;                  // threads per row (one float4 each)
+  constexpr int NG = COMBINE_THREADS / LPR;    // split groups
+  __shared__ float weight[MAX_SPLITS];
+  __shared__ float red[COMBINE_THREADS / 32];
+  __shared__ float4 part[NG][LPR];
+  const long long row = blockIdx.x;  // token * n_heads + head
+  if (row >= (long long)total_q * p.n_heads) return;
+  const int tid = threadIdx.x, S = p.num_splits;
   const long long split_stride = (long long)p.work_rows * p.n_heads;
+  float lse[(MAX_SPLITS + COMBINE_THREADS - 1) / COMBINE_THREADS];
   float mx = neg_inf();
-  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.work_lse[s * split_stride + row]);
-  float L = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if (mx != neg_inf()) {
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float lse = p.work_lse[s * split_stride + row];
-      if (lse == neg_inf()) continue;
-      const float e = exp2f(lse - mx);
-      const float4 v = *reinterpret_cast<const float4*>(p.work_o + (s * split_stride + row) * HD + c);
-      L += e;
-      acc[0] += e * v.x;
-      acc[1] += e * v.y;
-      acc[2] += e * v.z;
-      acc[3] += e * v.w;
-    }
+#pragma unroll
+  for (int k = 0; k < (MAX_SPLITS + COMBINE_THREADS - 1) / COMBINE_THREADS; ++k) {
+    const int s = tid + k * COMBINE_THREADS;
+    lse[k] = s < S ? p.work_lse[s * split_stride + row] : neg_inf();
+    mx = fmaxf(mx, lse[k]);
   }
-  const float inv = L > 0.f ? 1.f / L : 0.f;
-  *reinterpret_cast<uint2*>(p.out + row * HD + c) =
-      make_uint2(f32x2_to_bf16x2(acc[0] * inv, acc[1] * inv), f32x2_to_bf16x2(acc[2] * inv, acc[3] * inv));
+  mx = warp_max(mx);
+  if ((tid & 31) == 0) red[tid >> 5] = mx;
+  __syncthreads();
+  mx = red[0];
+#pragma unroll
+  for (int k = 1; k < COMBINE_THREADS / 32; ++k) mx = fmaxf(mx, red[k]);
+#pragma unroll
+  for (int k = 0; k < (MAX_SPLITS + COMBINE_THREADS - 1) / COMBINE_THREADS; ++k) {
+    const int s = tid + k * COMBINE_THREADS;
+    if (s < S) weight[s] = lse[k] == neg_inf() ? 0.f : exp2f(lse[k] - mx);
+  }
+  __syncthreads();
+  const int grp = tid / LPR, c = (tid % LPR) * 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int s = grp; s < S; s += NG) {
+    const float e = weight[s];
+    const float4 v = *reinterpret_cast<const float4*>(p.work_o + (s * split_stride + row) * HD + c);
+    acc.x += e * v.x;
+    acc.y += e * v.y;
+    acc.z += e * v.z;
+    acc.w += e * v.w;
+  }
+  part[grp][tid % LPR] = acc;
+  __syncthreads();
+  if (tid < LPR) {
+    float L = 0.f;
+    for (int s = 0; s < S; ++s) L += weight[s];
+    float4 o = part[0][tid];
+#pragma unroll
+    for (int g2 = 1; g2 < NG; ++g2) {
+      o.x += part[g2][tid].x;
+      o.y += part[g2][tid].y;
+      o.z += part[g2][tid].z;
+      o.w += part[g2][tid].w;
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;  // context 0: every split empty, zeros
+    *reinterpret_cast<uint2*>(p.out + row * HD + c) =
+        make_uint2(f32x2_to_bf16x2(o.x * inv, o.y * inv), f32x2_to_bf16x2(o.z * inv, o.w * inv));
+  }
 }
 
 }  // namespace nq_attn

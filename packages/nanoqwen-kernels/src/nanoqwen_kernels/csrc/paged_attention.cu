@@ -11,7 +11,7 @@
 //
 // Launch (nanoqwen_kernels.attention does it): attention grid (num_row_tiles * num_splits,
 // n_kv_heads, B), 160 threads, dynamic shared memory (NSTAGES * 2 + 1) * 64 * head_dim * 2 bytes; combine
-// grid ceil(total_q * n_heads * head_dim / 4 / 256), 256 threads. Arguments are plain scalars and
+// grid total_q * n_heads (one CTA per output row), 128 threads. Arguments are plain scalars and
 // pointers (the order of nq_attn::Params), so any launcher can pass them without a struct layout.
 #include "attention.cuh"
 
@@ -50,7 +50,8 @@
   }
 
 #define NQ_ATTN_COMBINE(NAME, HD)                                                                      \
-  extern "C" __global__ void __launch_bounds__(256) NAME(NQ_ATTN_PARAMS, int total_q) {               \
+  extern "C" __global__ void __launch_bounds__(nq_attn::COMBINE_THREADS)                              \
+      NAME(NQ_ATTN_PARAMS, int total_q) {                                                              \
     NQ_ATTN_FILL(p);                                                                                   \
     nq_attn::combine_splits<HD>(p, total_q);                                                           \
   }
