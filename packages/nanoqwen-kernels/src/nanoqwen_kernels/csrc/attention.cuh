@@ -17,7 +17,7 @@
 // a CTA (every token its last row may see) is cut into TILE-token tiles and those tiles into
 // num_splits contiguous splits (flash-decoding), so one long sequence fills all SMs; the combine
 // kernel merges the splits by their log-sum-exp. Split s of a sequence with n tiles takes tiles
-// [s * ceil(n / S), ...): the partition is computed on the device from context_lens, so a captured
+// [s * n / S, (s + 1) * n / S): the partition is computed on the device from context_lens, so a captured
 // graph serves every length up to the plan's maximum.
 //
 // Pipeline (warp-specialized). Warp 0 is the producer: it reads the page table and copies whole KV
