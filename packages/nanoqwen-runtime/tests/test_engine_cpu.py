@@ -359,3 +359,23 @@ def test_bench_sections_and_report_on_cpu(tiny_path, tmp_path):
     assert "| 40 | 10 |" in md and "profile: RuntimeError" in md
     assert (tmp_path / "tok_s_vs_batch.png").stat().st_size > 1000
     assert engine.kv_blocks_used() == 0
+
+
+def test_config_validation_and_helpers():
+    from nanoqwen_runtime.engine import parse_bytes
+
+    c = cpu_config()
+    assert c.context_classes(32768) == (512, 8192, 32768) and c.context_classes(300) == (300,)
+    assert [c.bucket_for(b) for b in (1, 3, 8)] == [1, 4, 8]  # max_batch 8: buckets stop at 8
+    with pytest.raises(ValueError, match="largest bucket"):
+        c.bucket_for(9)
+    assert parse_bytes("24GiB") == 24 << 30 and parse_bytes("500MB") == 500_000_000 and parse_bytes("7") == 7
+    for bad in ("", "x", "-1GiB", "0"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        EngineConfig(device="cpu", backend="kernels", mode="eager")
+    with pytest.raises(ValueError, match="mode='eager'"):
+        EngineConfig(device="cpu", backend="torch", mode="graph")
+    with pytest.raises(ValueError, match="power of two"):
+        cpu_config(block_size=12)

@@ -91,9 +91,10 @@ def _decode_rate(log, skip: int = 3) -> float:
     return sum(r for r, _ in steps) / sum(dt for _, dt in steps)
 
 
-def replay_time(engine: Engine, bucket: int, reps: int = 50) -> float:
-    """Median GPU time (s) of one replay of the decode graph of `bucket` with the current buffers."""
-    g = engine.runner.graphs[bucket]
+def replay_time(engine: Engine, bucket: int, context: int, reps: int = 50) -> float:
+    """Median GPU time (s) of one replay of the decode graph of `bucket` at `context` tokens, with the
+    step buffers as the last step left them."""
+    g = engine.runner.graphs[(bucket, engine.runner.context_class(context))]
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -117,7 +118,8 @@ def decode_at_context(engine: Engine, ctx: int, new: int, batch: int = 1, seed: 
            "ttft_s": statistics.median(f.ttft_s for f in fins.values())}
     if engine.config.mode == "graph":
         bucket = engine.config.bucket_for(batch)
-        out["graph_replay_s"] = replay_time(engine, bucket)
+        out["graph_replay_s"] = replay_time(engine, bucket, ctx + new - 1)
+        out["context_class"] = engine.runner.context_class(ctx + new - 1)
         out["graph_tok_s"] = batch / out["graph_replay_s"]
     return out
 

@@ -83,13 +83,15 @@ class ModelRunner:
         self.ws = Workspace.allocate(geom, self.max_tokens, self.max_rows, self.device)
         self.buffers = DeviceStepBuffers(max_tokens=self.max_tokens, max_rows=self.max_rows,
                                          max_pages=max_pages, device=self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.context_classes = cfg.context_classes(max_pages * cfg.block_size)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, context class)
         self._graph_pool = None
         if hasattr(ops, "check_weights"):
             ops.check_weights(weights)
         if hasattr(ops, "setup"):
             ops.setup(max_context_len=max_pages * cfg.block_size, max_rows=self.max_rows,
-                      max_tokens=self.max_tokens, buckets=cfg.graph_buckets, step_buffers=self.buffers)
+                      max_tokens=self.max_tokens, buckets=cfg.graph_buckets, step_buffers=self.buffers,
+                      context_classes=self.context_classes)
 
     # ---- the forward pass ------------------------------------------------------------------------
     def _forward(self, v: dict[str, torch.Tensor], T: int, B: int, kind: str, max_ctx: int) -> None:
@@ -137,17 +139,20 @@ class ModelRunner:
         """Run one step; returns the sampled tokens of the real rows (int32 [num_real])."""
         views = self.buffers.load(inputs)
         B, T = inputs.num_rows, inputs.num_tokens
-        graph = self.graphs.get(B) if inputs.kind == "decode" else None
+        cls = self.context_class(inputs.max_context_len)
+        graph = self.graphs.get((B, cls)) if inputs.kind == "decode" else None
         if graph is not None:
             graph.replay()
         else:
-            self._forward(views, T, B, inputs.kind, self._ctx_cap(inputs))
+            self._forward(views, T, B, inputs.kind, cls)
         return self.ws.tokens[: inputs.num_real].cpu().numpy()
 
-    def _ctx_cap(self, inputs: StepInputs) -> int:
-        # Graph-captured steps are planned for the longest context a sequence may have; eager steps
-        # plan for this step's longest.
-        return inputs.max_context_len
+    def context_class(self, max_context_len: int) -> int:
+        """The smallest context class holding `max_context_len` (the attention plan it runs with)."""
+        for c in self.context_classes:
+            if c >= max_context_len:
+                return c
+        raise ValueError(f"context {max_context_len} exceeds the engine's {self.context_classes[-1]}")
 
     def logits(self, num_rows: int) -> torch.Tensor:
         """bf16 [num_rows, V] logits of the last step (tests compare them with the reference)."""
@@ -155,25 +160,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self, padding_block: int) -> None:
-        """Capture one decode-step graph per bucket (the kernels must be loaded: `ops.warm_up()`)."""
+        """Capture one decode-step graph per (bucket, context class) (the kernels must be loaded:
+        `ops.warm_up()`)."""
         if not getattr(self.ops, "graph_capturable", False):
             raise RuntimeError(f"op backend {self.ops.name!r} cannot be captured; use mode='eager'")
-        max_ctx = self.max_pages * self.cfg.block_size
         for bucket in sorted(self.cfg.graph_buckets, reverse=True):
-            inputs = padding_inputs(bucket, self.max_pages, padding_block, self.cfg.block_size)
-            views = self.buffers.load(inputs)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(views, bucket, bucket, "decode", max_ctx)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                self._forward(views, bucket, bucket, "decode", max_ctx)
-            self.graphs[bucket] = graph
+            for cls in self.context_classes:
+                inputs = padding_inputs(bucket, self.max_pages, padding_block, self.cfg.block_size)
+                views = self.buffers.load(inputs)
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._forward(views, bucket, bucket, "decode", cls)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=self._graph_pool):
+                    self._forward(views, bucket, bucket, "decode", cls)
+                self.graphs[(bucket, cls)] = graph
         torch.cuda.synchronize(self.device)
 
 

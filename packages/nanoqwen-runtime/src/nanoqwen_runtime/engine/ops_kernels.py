@@ -51,18 +51,21 @@ class KernelOps:
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight] = {}
-        self.decode_plans: dict[int, kattn.PagedAttentionPlan] = {}
+        self.decode_plans: dict[tuple[int, int], kattn.PagedAttentionPlan] = {}  # (bucket, context class)
         self.prefill_plan: kattn.PagedAttentionPlan | None = None
         self.sampling_state: ksamp.SamplingState | None = None
         self.max_context_len = 0
 
     # ---- setup -------------------------------------------------------------------------------------
-    def setup(self, *, max_context_len: int, max_rows: int, max_tokens: int, buckets, step_buffers) -> None:
-        """Make the attention plans and bind the sampling state to the engine's static buffers."""
+    def setup(self, *, max_context_len: int, max_rows: int, max_tokens: int, buckets, step_buffers,
+              context_classes) -> None:
+        """Make the attention plans (decode: one per bucket and context class) and bind the sampling
+        state to the engine's static buffers."""
         self.max_context_len = max_context_len
         for b in sorted(set(buckets) | {max_rows}):
-            self.decode_plans[b] = kattn.plan_decode(self.attn_geom, max_batch=b,
-                                                     max_context_len=max_context_len, device=self.device)
+            for c in context_classes:
+                self.decode_plans[(b, c)] = kattn.plan_decode(self.attn_geom, max_batch=b, max_context_len=c,
+                                                              device=self.device)
         self.prefill_plan = kattn.plan_prefill(self.attn_geom, max_batch=max_rows,
                                                max_query_len=min(max_tokens, max_context_len),
                                                max_total_q=max_tokens, max_context_len=max_context_len,
@@ -144,8 +147,8 @@ class KernelOps:
     def attention_plan(self, *, kind, query_start, context_lens, page_table, num_rows, num_tokens,
                        max_context_len):
         if kind == "decode":
-            bucket = min(b for b in self.decode_plans if b >= num_rows)
-            plan = self.decode_plans[bucket]
+            bucket = min(b for b, _ in self.decode_plans if b >= num_rows)
+            plan = self.decode_plans[(bucket, max_context_len)]  # max_context_len is a context class
             return (plan, page_table[:num_rows], context_lens[:num_rows], None)
         return (self.prefill_plan, page_table[:num_rows], context_lens[:num_rows],
                 query_start[: num_rows + 1])
