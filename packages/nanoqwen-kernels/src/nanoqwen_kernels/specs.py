@@ -23,6 +23,22 @@ SPECS: dict[str, KernelSpec] = {
             "qkv_rope_kv_write_bf16",
         ),
     ),
+    "gemv": KernelSpec(
+        name="gemv",
+        sources=("gemv.cu",),
+        hot_kernels=tuple(
+            f"gemv_int4_g{g}_{kind}{suffix}"
+            for g in (32, 64, 128)
+            for kind in ("sym", "asym")
+            for suffix in ("", "_silu")
+        )
+        + tuple(f"dequant_int4_g{g}_{kind}" for g in (32, 64, 128) for kind in ("sym", "asym")),
+    ),
+    "sampling": KernelSpec(
+        name="sampling",
+        sources=("sampling.cu",),
+        hot_kernels=("sample_tokens_bf16",),
+    ),
     "attention": KernelSpec(
         name="attention",
         sources=("paged_attention.cu",),

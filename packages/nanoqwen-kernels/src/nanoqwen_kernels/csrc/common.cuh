@@ -16,6 +16,7 @@ typedef u16 bf16_t;
 typedef u32 bf16x2_t;
 
 #define NQ_DEVICE __device__ __forceinline__
+#define NQ_NEG_INF __int_as_float(0xff800000)
 
 NQ_DEVICE float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
 NQ_DEVICE float bf16x2_lo(bf16x2_t v) { return __uint_as_float(v << 16); }

@@ -1,0 +1,63 @@
+// gemv.cu: extern "C" entry points of the INT4 linear family (algorithms in gemv_int4.cuh).
+//
+//   gemv_int4_g{32,64,128}_{sym,asym}[_silu]   decode GEMV, M = 1..8; `_silu` takes gate_up [M, 2K]
+//                                              and applies SiLU(gate) * up while staging x (fuses the
+//                                              MLP activation into the down projection)
+//   dequant_int4_g{32,64,128}_{sym,asym}       INT4 -> dense bf16 [N, K] (prefill: + cuBLAS GEMM)
+//
+// GEMV launch (nanoqwen_kernels/gemv.py): grid (ceil(N / 128), S), 256 threads, dynamic shared memory
+// M * (kc * 128 + 32) * 2 bytes. Arguments: x, qweight, scales, zeros|0, bias|0, out, ws|0,
+// counters|0, M, N, K, kc.
+#include "gemv_int4.cuh"
+
+using namespace nq_gemv;
+
+#define NQ_GEMV_ENTRY(NAME, G, ASYM, XMODE)                                                           \
+  extern "C" __global__ void __launch_bounds__(THREADS, (G == 128 && XMODE == 0) ? NQ_GEMV_MIN_BLOCKS_G128 : NQ_GEMV_MIN_BLOCKS) \
+      NAME(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,                          \
+           const bf16_t* __restrict__ scales, const u8* __restrict__ zeros,                           \
+           const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,         \
+           int* __restrict__ counters, int M, int N, int K, int kc) {                                 \
+    gemv_int4<G, ASYM, XMODE, NQ_GEMV_UNROLL>(x, qweight, scales, zeros, bias, out, ws, counters, M, \
+                                              N, K, kc);                                              \
+  }
+
+// Tile-columns per pipeline stage (two stages in flight) and the blocks per SM the register budget
+// must allow; both tuned on the H200 (NOTES.md), overridable with -D for benchmark variants.
+// Measured on the H200 (NOTES.md): one tile-column per stage with more warps beats deeper stages.
+#ifndef NQ_GEMV_UNROLL
+#define NQ_GEMV_UNROLL 1
+#endif
+#ifndef NQ_GEMV_MIN_BLOCKS
+#define NQ_GEMV_MIN_BLOCKS 3  // g32/g64 and the SiLU-input kernels: <= 85 registers, unspilled
+#endif
+#ifndef NQ_GEMV_MIN_BLOCKS_G128
+#define NQ_GEMV_MIN_BLOCKS_G128 4  // plain-input g128: 64 registers, 4 blocks = 32 warps per SM
+#endif
+
+NQ_GEMV_ENTRY(gemv_int4_g128_sym, 128, false, 0)
+NQ_GEMV_ENTRY(gemv_int4_g128_asym, 128, true, 0)
+NQ_GEMV_ENTRY(gemv_int4_g64_sym, 64, false, 0)
+NQ_GEMV_ENTRY(gemv_int4_g64_asym, 64, true, 0)
+NQ_GEMV_ENTRY(gemv_int4_g32_sym, 32, false, 0)
+NQ_GEMV_ENTRY(gemv_int4_g32_asym, 32, true, 0)
+NQ_GEMV_ENTRY(gemv_int4_g128_sym_silu, 128, false, 1)
+NQ_GEMV_ENTRY(gemv_int4_g128_asym_silu, 128, true, 1)
+NQ_GEMV_ENTRY(gemv_int4_g64_sym_silu, 64, false, 1)
+NQ_GEMV_ENTRY(gemv_int4_g64_asym_silu, 64, true, 1)
+NQ_GEMV_ENTRY(gemv_int4_g32_sym_silu, 32, false, 1)
+NQ_GEMV_ENTRY(gemv_int4_g32_asym_silu, 32, true, 1)
+
+#define NQ_DEQUANT_ENTRY(NAME, G, ASYM)                                                               \
+  extern "C" __global__ void __launch_bounds__(256)                                                   \
+      NAME(const uint4* __restrict__ qweight, const bf16_t* __restrict__ scales,                     \
+           const u8* __restrict__ zeros, bf16_t* __restrict__ out, int N, int K) {                    \
+    dequant_int4<G, ASYM>(qweight, scales, zeros, out, N, K);                                         \
+  }
+
+NQ_DEQUANT_ENTRY(dequant_int4_g128_sym, 128, false)
+NQ_DEQUANT_ENTRY(dequant_int4_g128_asym, 128, true)
+NQ_DEQUANT_ENTRY(dequant_int4_g64_sym, 64, false)
+NQ_DEQUANT_ENTRY(dequant_int4_g64_asym, 64, true)
+NQ_DEQUANT_ENTRY(dequant_int4_g32_sym, 32, false)
+NQ_DEQUANT_ENTRY(dequant_int4_g32_asym, 32, true)

@@ -1,0 +1,336 @@
+// gemv_int4.cuh: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for decode, M = 1..8, W in the INT4 layout
+// `int4-g{G}-tile8x128-v1` (docs/DESIGN.md), bf16 activations, fp32 accumulation.
+//
+// Data layout. qweight u32 [N/8, K/128, 32, 4]: one 8x128 tile is 512 contiguous bytes; lane L of a
+// warp loads words [L, 0..3] with one 16-byte load. Lane L = 4g + t holds, in word w, row g of the
+// tile and columns 32w + 2t + {0,1} + 8j in the nibbles j, j+4 (j = 0..3). `lop3(word >> 4j,
+// 0x000f000f, 0x43004300)` turns them into a bf16x2 (128 + q, 128 + q'); subtracting 128 + z (exact in
+// bf16) leaves the integers q - z.
+//
+// Tensor cores at M <= 8. We compute y^T = W x^T with mma.m16n8k16 (bf16 in, fp32 accumulate):
+//   A (16x16, row-major) = 16 weight rows = two vertically adjacent tiles (rows g from tile 2p, rows
+//     g + 8 from tile 2p + 1); the lane's own dequantized words ARE its A registers
+//     {a0a1, a2a3, a4a5, a6a7} = {tile0 j, tile1 j, tile0 j+1, tile1 j+1} for j = 0 (k 0..15 of the
+//     word's 32 columns) and j = 2 (k 16..31);
+//   B (16x8) = x^T: b0b1 = x[m = g][k 2t, 2t+1], b2b3 = x[g][2t+8, 2t+9] -- read from shared memory,
+//     where x is staged once per block in a permuted order so that one 16-byte load per lane gives
+//     the four B words of one 32-column word (rows m >= M read as zeros);
+//   C (16x8) = y^T: c0, c1 = y[m = 2t, 2t+1][row g of tile 0], c2, c3 = same for tile 1.
+// A word's dequantized values are exact small integers, so each quantization group is accumulated
+// unscaled in a fresh fragment and then added to the fp32 accumulator times the fp32 scale of the
+// lane's rows: exactly the reference's (q - z) * s, summed in fp32.
+//
+// Why it is fast: the weights are the only large stream (0.5 B/weight); each is read once with a
+// 16-byte L1-bypassing load, U tile-columns (2U loads) in flight per warp; the ALU cost is one lop3 and
+// one bf16x2 fma per 2 weights plus one mma per 128 weights, well under the issue rate at HBM speed.
+// Split-K: when N alone gives too few blocks for 132 SMs, gridDim.y = S blocks share each block's
+// rows, each over kc tile-columns; they write fp32 partials to a workspace [S, M, N] and the last
+// block to finish (an atomic counter per block row, reset to 0 by that block: graph-replay safe)
+// adds them in split order (deterministic), adds the bias and writes bf16.
+//
+// Block: 8 warps; warp w of block b owns rows 16 * (8b + w) .. +15 (N % 8 == 0: a half pair is masked).
+#pragma once
+#include "common.cuh"
+
+namespace nq_gemv {
+
+constexpr int WARPS = 8;
+constexpr int THREADS = WARPS * 32;
+constexpr int ROWS_PER_BLOCK = WARPS * 16;
+constexpr int XPAD = 32;  // bf16 elements of padding per staged x row: rows alternate bank halves
+
+NQ_DEVICE u32 lop3_and_or(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));  // (a & b) | c
+  return d;
+}
+
+// (128 + q) - (128 + z) in bf16x2; `negzz` holds -(128 + z) in both halves. Exact.
+NQ_DEVICE u32 sub_zero(u32 v, u32 negzz) {
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3F803F80u), "r"(negzz));
+  return d;
+}
+
+// nibble pair j of a word -> bf16x2 (q - z) for columns 2t + 8j + {0, 1}
+NQ_DEVICE u32 dq(u32 word, int j, u32 negzz) {
+  return sub_zero(lop3_and_or(word >> (4 * j), 0x000f000fu, 0x43004300u), negzz);
+}
+
+NQ_DEVICE u32 neg_zero_pair(u32 z) {
+  const u32 h = 0xC300u + z;  // bf16 of -(128 + z): sign | exponent 7 | mantissa z
+  return h | (h << 16);
+}
+
+NQ_DEVICE void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+NQ_DEVICE float ld_cg_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+template <int G>
+struct ScaleBits {
+  using type = u32;  // G = 128: one bf16, G = 64: two
+};
+template <>
+struct ScaleBits<32> {
+  using type = u64;  // four bf16
+};
+
+// Scales of G consecutive columns starting at the tile-column: GPT groups per tile = 128 / G.
+template <int G>
+struct GroupIO {
+  static constexpr int GPT = 128 / G;
+  // raw scale bits of groups (tc*GPT .. +GPT-1) of one row, packed little-endian (GPT * 16 bits)
+  static NQ_DEVICE typename ScaleBits<G>::type load_scales(const bf16_t* s_row, int tc) {
+    if constexpr (GPT == 1) return (u32)s_row[tc];
+    else if constexpr (GPT == 2) return *reinterpret_cast<const u32*>(s_row + 2 * tc);
+    else return *reinterpret_cast<const u64*>(s_row + 4 * tc);
+  }
+  static NQ_DEVICE u32 load_zeros(const u8* z_row, int tc) {
+    if constexpr (GPT == 1) return (u32)z_row[tc];
+    else if constexpr (GPT == 2) return (u32)*reinterpret_cast<const u16*>(z_row + 2 * tc);
+    else return *reinterpret_cast<const u32*>(z_row + 4 * tc);
+  }
+};
+
+// Stage x[0:M, k0 : k0 + ncols] into shared memory, permuted within each 32-column chunk so that
+// element (m, 32c + 2t + 8j + e) sits at xs[m * xs_stride + 32c + 8t + 2j + e].
+// XMODE 0: x is [M, K]. XMODE 1: x is gate_up [M, 2K] and the staged value is bf16(silu(g) * u).
+template <int XMODE>
+NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M, int K, int k0,
+                       int ncols) {
+  const int vec_per_row = ncols / 8;
+#pragma unroll 4
+  for (int v = threadIdx.x; v < M * vec_per_row; v += blockDim.x) {
+    const int m = v / vec_per_row, c8 = (v - m * vec_per_row) * 8;
+    u32 w[4];
+    if constexpr (XMODE == 0) {
+      const uint4 a = ld_v4(x + (i64)m * K + k0 + c8);
+      w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+    } else {
+      const uint4 g = ld_v4(x + (i64)m * 2 * K + k0 + c8);
+      const uint4 u = ld_v4(x + (i64)m * 2 * K + K + k0 + c8);
+      const u32 ga[4] = {g.x, g.y, g.z, g.w}, ua[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float g0 = bf16x2_lo(ga[i]), g1 = bf16x2_hi(ga[i]);
+        w[i] = f32x2_to_bf16x2(g0 / (1.f + __expf(-g0)) * bf16x2_lo(ua[i]),
+                               g1 / (1.f + __expf(-g1)) * bf16x2_hi(ua[i]));
+      }
+    }
+    // the 8 columns c8 .. c8+7 of a chunk share j = (c8 % 32) / 8; word i holds t = i
+    const int chunk = c8 & ~31, j = (c8 & 31) >> 3;
+    u32* dst = reinterpret_cast<u32*>(xs + m * xs_stride + chunk + 2 * j);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i * 4] = w[i];  // + 8t bf16 = 4t words
+  }
+}
+
+// U tile-columns of one warp's tile pair: the registers of one pipeline stage.
+template <int G, bool ASYM, int U>
+struct Stage {
+  using ScaleT = typename ScaleBits<G>::type;
+  uint4 w0[U], w1[U];
+  ScaleT s0[U], s1[U];
+  u32 z0[U], z1[U];
+};
+
+template <int G, bool ASYM, int XMODE, int U>
+NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
+                         const bf16_t* __restrict__ scales, const u8* __restrict__ zeros,
+                         const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
+                         int* __restrict__ counters, int M, int N, int K, int kc) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
+  constexpr int GPT = 128 / G;
+  const int KT = K / 128, NT = N / 8, KG = K / G;
+  const int S = gridDim.y, split = blockIdx.y;
+  const int tc_begin = split * kc;
+  const int tc_end = min(KT, tc_begin + kc);
+  const int ncols = (tc_end - tc_begin) * 128;
+  const int xs_stride = kc * 128 + XPAD;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int pair = blockIdx.x * WARPS + warp;
+  const int tr0 = 2 * pair, tr1 = 2 * pair + 1;
+  const bool has0 = tr0 < NT, has1 = tr1 < NT;
+  const int row0 = 8 * tr0 + g, row1 = 8 * (has1 ? tr1 : tr0) + g;
+  const uint4* w0p = qweight + ((i64)tr0 * KT) * 32 + lane;
+  const uint4* w1p = qweight + ((i64)(has1 ? tr1 : tr0) * KT) * 32 + lane;
+  const bf16_t* s0p = scales + (i64)row0 * KG;
+  const bf16_t* s1p = scales + (i64)row1 * KG;
+  const u8* z0p = ASYM ? zeros + (i64)row0 * KG : nullptr;
+  const u8* z1p = ASYM ? zeros + (i64)row1 * KG : nullptr;
+
+  // Issue a stage's loads (columns base .. base+U-1 that exist). has0 is warp-uniform.
+  auto load = [&](Stage<G, ASYM, U>& st, int base) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tc = base + u;
+      if (has0 && tc < tc_end) {
+        st.w0[u] = ld_stream_v4(w0p + (i64)tc * 32);
+        st.w1[u] = ld_stream_v4(w1p + (i64)tc * 32);  // = tile 0 again when there is no tile 1
+        st.s0[u] = GroupIO<G>::load_scales(s0p, tc);
+        st.s1[u] = GroupIO<G>::load_scales(s1p, tc);
+        if constexpr (ASYM) {
+          st.z0[u] = GroupIO<G>::load_zeros(z0p, tc);
+          st.z1[u] = GroupIO<G>::load_zeros(z1p, tc);
+        }
+      }
+    }
+  };
+
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const bool xrow = g < M;
+  const bf16_t* xsl = xs + g * xs_stride + 8 * t;
+  auto compute = [&](const Stage<G, ASYM, U>& st, int base) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tc = base + u;
+      if (tc < tc_end) {
+        const bf16_t* xt = xsl + (tc - tc_begin) * 128;
+        const u32 w0[4] = {st.w0[u].x, st.w0[u].y, st.w0[u].z, st.w0[u].w};
+        const u32 w1[4] = {st.w1[u].x, st.w1[u].y, st.w1[u].z, st.w1[u].w};
+#pragma unroll
+        for (int gi = 0; gi < GPT; ++gi) {
+          u32 nz0, nz1;
+          if constexpr (ASYM) {
+            nz0 = neg_zero_pair((st.z0[u] >> (8 * gi)) & 0xffu);
+            nz1 = neg_zero_pair((st.z1[u] >> (8 * gi)) & 0xffu);
+          } else {
+            nz0 = nz1 = neg_zero_pair(8u);
+          }
+          float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int wi = 0; wi < 4 / GPT; ++wi) {
+            const int w = gi * (4 / GPT) + wi;
+            uint4 b = make_uint4(0, 0, 0, 0);
+            if (xrow) b = *reinterpret_cast<const uint4*>(xt + 32 * w);
+            mma_bf16(c, dq(w0[w], 0, nz0), dq(w1[w], 0, nz1), dq(w0[w], 1, nz0), dq(w1[w], 1, nz1), b.x, b.y);
+            mma_bf16(c, dq(w0[w], 2, nz0), dq(w1[w], 2, nz1), dq(w0[w], 3, nz0), dq(w1[w], 3, nz1), b.z, b.w);
+          }
+          const float sc0 = bf16_to_f32((bf16_t)(st.s0[u] >> (16 * gi)));
+          const float sc1 = bf16_to_f32((bf16_t)(st.s1[u] >> (16 * gi)));
+          acc[0] = fmaf(c[0], sc0, acc[0]);
+          acc[1] = fmaf(c[1], sc0, acc[1]);
+          acc[2] = fmaf(c[2], sc1, acc[2]);
+          acc[3] = fmaf(c[3], sc1, acc[3]);
+        }
+      }
+    }
+  };
+
+  // The first stage's weight loads go out before x is staged: their latency overlaps the staging.
+  // (Issuing the second stage here too measured 5-15% slower on the H200: NOTES.md, v3.)
+  Stage<G, ASYM, U> A, B;
+  load(A, tc_begin);
+  stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
+  __syncthreads();
+  if (has0) {
+    // Two register stages, ping-pong: the loads of the next U columns are in flight while the
+    // current U are dequantised and multiplied.
+    for (int base = tc_begin; base < tc_end; base += 2 * U) {
+      load(B, base + U);
+      compute(A, base);
+      load(A, base + 2 * U);
+      compute(B, base + U);
+    }
+  }
+
+  // acc[0..1]: y[2t, 2t+1][row0]; acc[2..3]: y[2t, 2t+1][row1]
+  const int m0 = 2 * t, m1 = 2 * t + 1;
+  if (S == 1) {
+    if (has0) {
+      const float b0 = bias ? bf16_to_f32(bias[row0]) : 0.f;
+      if (m0 < M) out[(i64)m0 * N + row0] = f32_to_bf16(acc[0] + b0);
+      if (m1 < M) out[(i64)m1 * N + row0] = f32_to_bf16(acc[1] + b0);
+    }
+    if (has1) {
+      const float b1 = bias ? bf16_to_f32(bias[row1]) : 0.f;
+      if (m0 < M) out[(i64)m0 * N + row1] = f32_to_bf16(acc[2] + b1);
+      if (m1 < M) out[(i64)m1 * N + row1] = f32_to_bf16(acc[3] + b1);
+    }
+    return;
+  }
+  float* part = ws + (i64)split * M * N;
+  if (has0) {
+    if (m0 < M) part[(i64)m0 * N + row0] = acc[0];
+    if (m1 < M) part[(i64)m1 * N + row0] = acc[1];
+  }
+  if (has1) {
+    if (m0 < M) part[(i64)m0 * N + row1] = acc[2];
+    if (m1 < M) part[(i64)m1 * N + row1] = acc[3];
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == S - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int row_base = blockIdx.x * ROWS_PER_BLOCK;
+  for (int idx = threadIdx.x; idx < M * ROWS_PER_BLOCK; idx += blockDim.x) {
+    const int m = idx / ROWS_PER_BLOCK, n = row_base + (idx - m * ROWS_PER_BLOCK);
+    if (n >= N) continue;
+    float v = bias ? bf16_to_f32(bias[n]) : 0.f;
+    // Partials added in split order (deterministic), 8 loads in flight at a time: this block is on
+    // the launch's critical path, so its L2 round trips must not be serialised.
+    const float* p = ws + (i64)m * N + n;
+    const i64 split_stride = (i64)M * N;
+    float sum = 0.f;
+    int s = 0;
+    for (; s + 8 <= S; s += 8) {
+      float part[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) part[i] = ld_cg_f32(p + (s + i) * split_stride);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += part[i];
+    }
+    for (; s < S; ++s) sum += ld_cg_f32(p + s * split_stride);
+    out[(i64)m * N + n] = f32_to_bf16(sum + v);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (or graph replay)
+}
+
+// Dequantize to a dense bf16 [N, K] matrix (prefill path: then a cuBLAS GEMM). One warp per tile,
+// grid-stride. Each value is bf16((q - z) * s), rounded once.
+template <int G, bool ASYM>
+NQ_DEVICE void dequant_int4(const uint4* __restrict__ qweight, const bf16_t* __restrict__ scales,
+                            const u8* __restrict__ zeros, bf16_t* __restrict__ out, int N, int K) {
+  const int KT = K / 128, KG = K / G;
+  const i64 ntiles = (i64)(N / 8) * KT;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const i64 warp0 = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+  const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+  for (i64 tile = warp0; tile < ntiles; tile += nwarps) {
+    const int tr = (int)(tile / KT), tc = (int)(tile - (i64)tr * KT);
+    const uint4 v = ld_stream_v4(qweight + tile * 32 + lane);
+    const u32 wv[4] = {v.x, v.y, v.z, v.w};
+    const int row = 8 * tr + g;
+    bf16_t* orow = out + (i64)row * K + tc * 128 + 2 * t;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int grp = (tc * 128 + 32 * w) / G;
+      const float s = bf16_to_f32(scales[(i64)row * KG + grp]);
+      const float z = ASYM ? (float)zeros[(i64)row * KG + grp] : 8.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32 p = lop3_and_or(wv[w] >> (4 * j), 0x000f000fu, 0x43004300u);
+        const float lo = (bf16x2_lo(p) - 128.f - z) * s, hi = (bf16x2_hi(p) - 128.f - z) * s;
+        *reinterpret_cast<u32*>(orow + 32 * w + 8 * j) = f32x2_to_bf16x2(lo, hi);
+      }
+    }
+  }
+}
+
+}  // namespace nq_gemv

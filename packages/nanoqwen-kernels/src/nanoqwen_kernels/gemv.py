@@ -1,0 +1,242 @@
+"""INT4 linear layers: decode GEMV (M = 1..8) on tensor cores, and the prefill path (dequantize + cuBLAS).
+
+Weights are in the `int4-g{G}-tile8x128-v1` layout of DESIGN.md, held on the GPU as an `Int4Weight`
+(the three parts of nanoqwen_format's QuantizedTensor as torch tensors). The decode kernel reads them
+as they are stored; see csrc/gemv_int4.cuh for how.
+
+Plan, then run: `plan_gemv(N, K, device)` fixes the split-K factor for a shape (a pure function of
+the shape and the SM count, so the same call always launches the same grid); `GemvWorkspace` is the
+fp32 partial-sum buffer and the per-block counters that split-K needs, allocated once for the
+largest shape and shared by every GEMV on a stream (the counters return to zero at the end of each
+launch). `gemv_int4` itself allocates nothing and never synchronises: it is CUDA-graph capturable.
+
+    y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import torch
+
+from .launch import check, i32, launch, ptr, require_sm90
+
+FAMILY = "gemv"
+MAX_M = 8
+ROWS_PER_BLOCK = 128  # nq_gemv::ROWS_PER_BLOCK: 8 warps x 16 rows
+THREADS = 256
+XPAD = 32  # nq_gemv::XPAD
+# Blocks per SM that split-K aims for: 4 blocks of 8 warps are resident at the g128 kernels' 64
+# registers, so split K until about one full wave exists. Tuned on the H200 (see NOTES.md).
+TARGET_BLOCKS_PER_SM = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Weight:
+    """An INT4 weight on the GPU. qweight: int32 [N/8, K/128, 32, 4] (the uint32 words, same bits);
+    scales: bf16 [N, K/G]; zeros: uint8 [N, K/G] (asymmetric) or None (symmetric, zero point 8)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    n: int
+    k: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        n, k, g = self.n, self.k, self.group_size
+        if g not in (32, 64, 128):
+            raise ValueError(f"group_size must be 32, 64 or 128, got {g}")
+        if n % 8 or k % 128 or n <= 0 or k <= 0:
+            raise ValueError(f"INT4 tile layout needs N % 8 == 0 and K % 128 == 0, got [{n}, {k}]")
+        dev = self.qweight.device
+        check(self.qweight, "qweight", torch.int32, (n // 8, k // 128, 32, 4), dev)
+        check(self.scales, "scales", torch.bfloat16, (n, k // g), dev, align=8)
+        if self.zeros is not None:
+            check(self.zeros, "zeros", torch.uint8, (n, k // g), dev, align=4)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None
+
+    @classmethod
+    def from_quantized(cls, qt, device: torch.device | str = "cuda") -> Int4Weight:
+        """Upload a nanoqwen_format QuantizedTensor (encoding "int4")."""
+        if qt.encoding != "int4":
+            raise ValueError(f"expected an int4 QuantizedTensor, got encoding {qt.encoding!r}")
+        n, k = qt.shape
+        qweight = torch.from_numpy(np.ascontiguousarray(qt.qweight).view(np.int32)).to(device)
+        scales = torch.from_numpy(np.ascontiguousarray(qt.scales)).view(torch.bfloat16).to(device)
+        zeros = None if qt.zeros is None else torch.from_numpy(np.ascontiguousarray(qt.zeros)).to(device)
+        return cls(qweight, scales, zeros, n, k, qt.group_size)
+
+    def kernel_suffix(self) -> str:
+        return f"g{self.group_size}_{'sym' if self.symmetric else 'asym'}"
+
+    def nbytes(self) -> int:
+        """Bytes the GEMV must read: packed weights + scales (+ zeros)."""
+        total = self.qweight.numel() * 4 + self.scales.numel() * 2
+        return total + (self.zeros.numel() if self.zeros is not None else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvPlan:
+    """Grid of one GEMV shape: `splits` blocks along K, each over `kc` tile-columns (128 columns)."""
+
+    n: int
+    k: int
+    splits: int
+    kc: int
+
+    @property
+    def blocks_n(self) -> int:
+        return -(-self.n // ROWS_PER_BLOCK)
+
+    def shared_bytes(self, m: int) -> int:
+        return m * (self.kc * 128 + XPAD) * 2
+
+    def workspace_floats(self, m: int) -> int:
+        return self.splits * m * self.n if self.splits > 1 else 0
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def plan_shape(n: int, k: int, sm_count: int, target_blocks_per_sm: int = TARGET_BLOCKS_PER_SM) -> GemvPlan:
+    """Split K only as far as needed to give about `target_blocks_per_sm` blocks per SM."""
+    kt = k // 128
+    blocks_n = -(-n // ROWS_PER_BLOCK)
+    want = max(1, min(kt, round(sm_count * target_blocks_per_sm / blocks_n)))
+    kc = -(-kt // want)
+    return GemvPlan(n, k, -(-kt // kc), kc)
+
+
+def plan_gemv(n: int, k: int, device: torch.device | None = None, **kw) -> GemvPlan:
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    return plan_shape(n, k, _sm_count(require_sm90(device)), **kw)
+
+
+@dataclasses.dataclass
+class GemvWorkspace:
+    """Split-K scratch shared by all GEMVs on one stream: fp32 partials and zeroed int32 counters."""
+
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def allocate(cls, plans, device: torch.device, max_m: int = MAX_M) -> GemvWorkspace:
+        plans = list(plans)
+        floats = max([p.workspace_floats(max_m) for p in plans] + [1])
+        blocks = max([p.blocks_n for p in plans] + [1])
+        return cls(
+            torch.empty(floats, dtype=torch.float32, device=device),
+            torch.zeros(blocks, dtype=torch.int32, device=device),
+        )
+
+
+def _check_x(x: torch.Tensor, k: int, name: str = "x") -> int:
+    check(x, name, torch.bfloat16, (None, k))
+    m = x.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"{name}: GEMV takes 1..{MAX_M} rows, got {m} (use linear_int4_prefill)")
+    return m
+
+
+def gemv_int4(
+    x: torch.Tensor,
+    weight: Int4Weight,
+    out: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    workspace: GemvWorkspace | None = None,
+    plan: GemvPlan | None = None,
+    silu_mul_input: bool = False,
+    family: str = FAMILY,
+) -> torch.Tensor:
+    """out[M, N] = x[M, K] @ W^T (+ bias), M = 1..8, bf16, on the current stream.
+
+    x: bf16 [M, K] contiguous; or, with `silu_mul_input`, the gate_up output [M, 2K] from which the
+    kernel computes silu(gate) * up while staging it (fused MLP activation). weight: Int4Weight
+    [N, K]; bias: bf16 [N] or None; out: bf16 [M, N] (written completely). workspace: required when
+    the plan splits K (plan.splits > 1). family: the registry entry to launch from (benchmarks register
+    compile-option variants of "gemv" under other names). Returns out.
+    """
+    n, k = weight.n, weight.k
+    dev = weight.qweight.device
+    index = require_sm90(dev)
+    if silu_mul_input:
+        check(x, "x", torch.bfloat16, (None, 2 * k), dev)
+        m = x.shape[0]
+        if not 1 <= m <= MAX_M:
+            raise ValueError(f"x: GEMV takes 1..{MAX_M} rows, got {m}")
+    else:
+        m = _check_x(x, k)
+        check(x, "x", torch.bfloat16, (m, k), dev)
+    check(out, "out", torch.bfloat16, (m, n), dev, align=2)
+    if bias is not None:
+        check(bias, "bias", torch.bfloat16, (n,), dev, align=2)
+    plan = plan or plan_shape(n, k, _sm_count(index))
+    if (plan.n, plan.k) != (n, k):
+        raise ValueError(f"plan is for [{plan.n}, {plan.k}], weight is [{n}, {k}]")
+    ws_ptr = cnt_ptr = np.uint64(0)
+    if plan.splits > 1:
+        if workspace is None:
+            raise ValueError(f"this shape splits K {plan.splits} ways: pass a GemvWorkspace")
+        if (
+            workspace.partials.numel() < plan.workspace_floats(m)
+            or workspace.counters.numel() < plan.blocks_n
+        ):
+            raise ValueError("GemvWorkspace too small for this shape; allocate it from all plans")
+        if workspace.partials.device != dev:
+            raise ValueError("GemvWorkspace is on another device")
+        ws_ptr, cnt_ptr = ptr(workspace.partials), ptr(workspace.counters)
+    name = f"gemv_int4_{weight.kernel_suffix()}" + ("_silu" if silu_mul_input else "")
+    args = (
+        ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
+        ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc),
+    )  # fmt: skip
+    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, plan.shared_bytes(m))
+    return out
+
+
+def dequantize_int4(weight: Int4Weight, out: torch.Tensor) -> torch.Tensor:
+    """out[N, K] (bf16, preallocated) = bf16((q - z) * s): the dense weight, rounded once."""
+    dev = weight.qweight.device
+    index = require_sm90(dev)
+    check(out, "out", torch.bfloat16, (weight.n, weight.k), dev)
+    tiles = (weight.n // 8) * (weight.k // 128)
+    blocks = min(-(-tiles // 8), _sm_count(index) * 16)
+    args = (
+        ptr(weight.qweight),
+        ptr(weight.scales),
+        ptr(weight.zeros),
+        ptr(out),
+        i32(weight.n),
+        i32(weight.k),
+    )
+    launch(FAMILY, f"dequant_int4_{weight.kernel_suffix()}", index, (blocks, 1, 1), (256, 1, 1), args)
+    return out
+
+
+def linear_int4_prefill(
+    x: torch.Tensor,
+    weight: Int4Weight,
+    out: torch.Tensor,
+    dense_scratch: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[T, N] = x[T, K] @ W^T (+ bias) for any T: dequantize into `dense_scratch` (bf16 [N, K],
+    preallocated, reusable across layers), then one cuBLAS GEMM (torch.addmm / torch.mm, fp32
+    accumulation). First version of the prefill path; see NOTES.md for its measured cost."""
+    check(x, "x", torch.bfloat16, (None, weight.k), weight.qweight.device)
+    check(out, "out", torch.bfloat16, (x.shape[0], weight.n), weight.qweight.device)
+    dequantize_int4(weight, dense_scratch)
+    if bias is None:
+        torch.mm(x, dense_scratch.t(), out=out)
+    else:
+        torch.addmm(bias, x, dense_scratch.t(), out=out)
+    return out

@@ -1,0 +1,125 @@
+"""GPU: sampling. Greedy equals torch.argmax (lowest index among ties); every sampled token lies in
+the reference top-k/top-p set; the empirical distribution over many seeds matches the reference
+(chi-square); offsets advance on every launch, also in a replayed CUDA graph, which draws fresh
+tokens; a (seed, offset) pair reproduces its token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nanoqwen_kernels import reference as R
+
+pytestmark = pytest.mark.gpu
+
+
+def make_state(b, device, temperature, top_k, top_p, seed0=1234):
+    from nanoqwen_kernels.sampling import SamplingState
+
+    st = SamplingState.allocate(b, device)
+    st.temperature.fill_(temperature)
+    st.top_k.fill_(top_k)
+    st.top_p.fill_(top_p)
+    st.seeds.copy_(torch.arange(seed0, seed0 + b, device=device) * 7919)
+    return st
+
+
+@pytest.mark.parametrize("b,v", [(1, 152064), (5, 151936), (3, 1000)])
+def test_greedy_is_argmax_with_ties(b, v, gen, device):
+    from nanoqwen_kernels.sampling import sample_tokens
+
+    logits = torch.randn(b, v, generator=gen, device=device).to(torch.bfloat16)
+    logits[:, v // 3] = 9.0
+    logits[:, v // 2] = 9.0  # tie: the lower index wins
+    logits[0, 5] = float("nan")  # NaN never wins
+    out = torch.full((b,), -7, dtype=torch.int32, device=device)
+    st = make_state(b, device, 0.0, 0, 1.0)
+    sample_tokens(logits, st, out)
+    assert out.tolist() == [v // 3] * b
+    assert st.offsets.tolist() == [1] * b
+
+
+def test_top_k_1_keeps_only_the_maximum(gen, device):
+    """top_k = 1 keeps the maximum value; bf16 ties at the maximum are all kept (HF's mask rule)."""
+    from nanoqwen_kernels.sampling import sample_tokens
+
+    logits = torch.randn(16, 152064, generator=gen, device=device).to(torch.bfloat16)
+    out = torch.empty(16, dtype=torch.int32, device=device)
+    sample_tokens(logits, make_state(16, device, 0.8, 1, 1.0), out)
+    picked = logits.gather(1, out.long()[:, None])[:, 0]
+    assert torch.equal(picked, logits.max(-1).values)
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 50, 1.0), (0.7, 0, 0.9), (1.3, 40, 0.8), (0.6, 0, 0.5)]
+)
+def test_samples_lie_in_reference_set(temperature, top_k, top_p, gen, device):
+    from nanoqwen_kernels.sampling import sample_tokens
+
+    b, v = 64, 152064
+    logits = (3 * torch.randn(b, v, generator=gen, device=device)).to(torch.bfloat16)
+    out = torch.empty(b, dtype=torch.int32, device=device)
+    st = make_state(b, device, temperature, top_k, top_p)
+    for _ in range(3):
+        sample_tokens(logits, st, out)
+        for r in range(b):
+            # slack of 1e-3 in p: fp32 mass sums may put a boundary token on either side
+            mask = R.sampling_mask(logits[r], temperature, top_k, min(1.0, top_p + 1e-3))
+            assert mask[out[r]], f"row {r}: token {int(out[r])} outside the top-k/top-p set"
+    assert st.offsets.tolist() == [3] * b
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 20, 1.0), (1.0, 0, 0.7), (1.5, 30, 0.9)]
+)
+def test_distribution_matches_reference(temperature, top_k, top_p, gen, device):
+    """20000 rows with the same logits and different seeds: chi-square against the exact distribution."""
+    from nanoqwen_kernels.sampling import sample_tokens
+
+    b, v = 20000, 64
+    row = (1.5 * torch.randn(v, generator=gen, device=device)).to(torch.bfloat16)
+    logits = row.expand(b, v).contiguous()
+    out = torch.empty(b, dtype=torch.int32, device=device)
+    sample_tokens(logits, make_state(b, device, temperature, top_k, top_p), out)
+    probs = R.sampling_probs(row, temperature, top_k, top_p).cpu()
+    counts = torch.bincount(out.long().cpu(), minlength=v).double()
+    assert counts[probs == 0].sum() == 0, "sampled a token the reference excludes"
+    keep = probs > 0
+    expected = probs[keep] * b
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    # mean dof, sd sqrt(2 dof): 6 sd above the mean fails (false alarm ~1e-9 for a sound sampler)
+    assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, f"chi2 {chi2:.1f} with {dof} dof"
+
+
+def test_seed_offset_reproduce_and_graph_replay_draws_fresh(gen, device):
+    from nanoqwen_kernels.launch import warm_up
+    from nanoqwen_kernels.sampling import sample_tokens
+
+    b, v = 32, 5000
+    logits = torch.zeros(b, v, dtype=torch.bfloat16, device=device)  # uniform: any repeat is suspicious
+    logits += torch.randn(b, v, generator=gen, device=device).to(torch.bfloat16) * 0.01
+    st = make_state(b, device, 1.0, 0, 1.0)
+    out1 = torch.empty(b, dtype=torch.int32, device=device)
+    sample_tokens(logits, st, out1)
+    st.offsets.zero_()
+    out2 = torch.empty_like(out1)
+    sample_tokens(logits, st, out2)
+    assert torch.equal(out1, out2), "same (seed, offset) must give the same tokens"
+
+    warm_up(["sampling"], device)
+    out = torch.empty_like(out1)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            sample_tokens(logits, st, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    st.offsets.fill_(10)
+    draws = []
+    for _ in range(3):
+        graph.replay()
+        draws.append(out.clone())
+    assert st.offsets.tolist() == [13] * b
+    same = sum(int((draws[i] == draws[i + 1]).sum()) for i in range(2))
+    assert same <= 3, f"replayed graph repeated {same} of {2 * b} draws"
