@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .calib import build_calibration
+from .calib import CalibrationSet, build_calibration
 from .quantize import GROUP_SIZES, GPTQConfig, quantize_rtn
 from .sources import Source
 
@@ -167,7 +167,7 @@ class _Assembler:
                 if self.opts.lm_head == "bf16":
                     w.add_array("lm_head", _bits(head))
                 else:
-                    hf = head.float()
+                    hf = head.float().cpu()
                     del head
                     mod = nqf.int4 if self.opts.lm_head == "int4" else nqf.int8
                     sym = self.opts.symmetric if self.opts.lm_head == "int4" else True  # int8 is sym only
@@ -204,8 +204,11 @@ def _base_metadata(source: Source, opts: PackOptions, layer_errors: list[dict], 
 
 
 def pack(source: Source, out: str | Path, opts: PackOptions, progress: Progress = _noop,
-         log: Callable[[str], None] = print) -> PackSummary:
-    """Pack `source` into `out` (written atomically). Returns the summary; raises on any failure."""
+         log: Callable[[str], None] = print, calibration: CalibrationSet | None = None) -> PackSummary:
+    """Pack `source` into `out` (written atomically). Returns the summary; raises on any failure.
+
+    `calibration`: pre-tokenized GPTQ calibration windows; by default they are built from
+    `opts.calib_paths` (or the stdlib) with the source's tokenizer."""
     opts.validate()
     out = Path(out)
     if not out.parent.is_dir():
@@ -239,22 +242,22 @@ def pack(source: Source, out: str | Path, opts: PackOptions, progress: Progress 
         from .gptq_run import run_gptq
 
         ckpt = Path(opts.checkpoint_dir) if opts.checkpoint_dir else Path(str(out) + ".ckpt")
-        calib = build_calibration(source.tokenizer_json, opts.calib_tokens, opts.calib_seq_len,
-                                  opts.calib_paths)
+        calib = calibration or build_calibration(source.tokenizer_json, opts.calib_tokens, opts.calib_seq_len,
+                                                 opts.calib_paths)
         log(f"calibration: {calib.tokens} tokens ({calib.ids.shape[0]} x {calib.ids.shape[1]}) from "
             f"{calib.files} files of {calib.source}; device {dev}")
         fingerprint = _fingerprint(source_sha, opts, calib.sha256, source.config.to_metadata(), dev)
         run_gptq(source, calib, opts, dev, ckpt, fingerprint, progress, log)
-        per_layer = [torch.load(ckpt / f"layer_{i:03d}.pt", weights_only=True)
-                     for i in range(source.config.num_hidden_layers)]
-        for p in per_layer:
+        for i in range(source.config.num_hidden_layers):
+            p = torch.load(ckpt / f"layer_{i:03d}.pt", weights_only=True, map_location="cpu")
             layer_errors.append(json.loads(p["errors"]))
             notes += json.loads(p["notes"])
+            del p
 
         def quantized_layer(i: int, lw: dict) -> dict:
             from .quantize import QuantResult
 
-            p = per_layer[i]
+            p = torch.load(ckpt / f"layer_{i:03d}.pt", weights_only=True, map_location="cpu")
             return {n: QuantResult(p[f"{n}.q"], p[f"{n}.scale"], p.get(f"{n}.zero"), opts.group_size)
                     for n in LINEARS}
 

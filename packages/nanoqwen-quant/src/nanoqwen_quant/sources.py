@@ -295,7 +295,6 @@ class HFFolderSource(Source):
         gen_path = self.path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         self.generation = qwen_generation_defaults(self.config.eos_token_id, gen)
-        self._handles: dict[Path, object] = {}
 
     def _chat_template(self) -> str:
         jinja = self.path / "chat_template.jinja"
@@ -317,10 +316,10 @@ class HFFolderSource(Source):
         f = self._where.get(hf_name)
         if f is None:
             raise SourceError(f"{self.spec}: missing tensor {hf_name}")
-        h = self._handles.get(f)
-        if h is None:
-            h = self._handles[f] = safe_open(f, framework="pt")
-        return _to_bf16(h.get_tensor(hf_name))
+        # open per tensor: a handle kept open keeps every page it touched mapped, which would count
+        # the whole checkpoint into the resident set by the end of a 7B pack
+        with safe_open(f, framework="pt") as h:
+            return _to_bf16(h.get_tensor(hf_name))
 
     def source_sha256(self) -> str:
         return _sha256_files(self._files)
