@@ -31,6 +31,9 @@ XPAD = 32  # nq_gemv::XPAD
 # Blocks per SM that split-K aims for: 4 blocks of 8 warps are resident at the g128 kernels' 64
 # registers, so split K until about one full wave exists. Tuned on the H200 (see NOTES.md).
 TARGET_BLOCKS_PER_SM = 4
+# Most tile-columns one block stages: M = 8 rows x 48 x 128 bf16 = 96 KB of shared memory, so two
+# blocks still fit an SM for any K (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns).
+KC_MAX = 48
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +111,12 @@ def _sm_count(index: int) -> int:
 
 @functools.cache
 def plan_shape(n: int, k: int, sm_count: int, target_blocks_per_sm: int = TARGET_BLOCKS_PER_SM) -> GemvPlan:
-    """Split K only as far as needed to give about `target_blocks_per_sm` blocks per SM."""
+    """Split K only as far as needed to give about `target_blocks_per_sm` blocks per SM (and so that
+    one block stages at most KC_MAX tile-columns of the activations)."""
     kt = k // 128
     blocks_n = -(-n // ROWS_PER_BLOCK)
     want = max(1, min(kt, round(sm_count * target_blocks_per_sm / blocks_n)))
-    kc = -(-kt // want)
+    kc = min(-(-kt // want), KC_MAX)
     return GemvPlan(n, k, -(-kt // kc), kc)
 
 
