@@ -198,7 +198,8 @@ def load_time(geometry: ModelGeometry, folder: Path) -> dict:
 
 def _section(res: dict, key: str, log: Log, fn, *args, **kw):
     """Run one benchmark section; a failure is recorded in the results (and logged), not hidden,
-    and does not stop the other sections."""
+    and does not stop the other sections. The results so far are saved after every section, so a
+    run cut short still leaves its numbers."""
     try:
         res[key] = fn(*args, **kw)
         return res[key]
@@ -208,6 +209,10 @@ def _section(res: dict, key: str, log: Log, fn, *args, **kw):
         res.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"
         log(f"SECTION {key} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return None
+    finally:
+        out_dir = res.get("_out_dir")
+        if out_dir is not None:
+            (Path(out_dir) / "bench.json").write_text(json.dumps(res, indent=1, default=str))
 
 
 def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool = False,
@@ -221,7 +226,7 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     res: dict = {"command": "nanoqwen-cli bench" + (f" --model {model}" if model else ""),
                  "device": torch.cuda.get_device_name(device), "date": now, "torch": torch.__version__,
-                 "python": platform.python_version()}
+                 "python": platform.python_version(), "_out_dir": str(out_dir)}
     bw = copy_bandwidth(device)
     res["copy_bandwidth_GBps"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -295,6 +300,7 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
         plain, ver = ld["plain"], ld["verify"]
         log(f"load {ld['file_bytes'] / 1e9:.2f} GB: {plain['total_seconds']:.2f} s "
             f"({plain['upload_GBps']:.1f} GB/s upload), with --verify {ver['total_seconds']:.2f} s")
+    res.pop("_out_dir", None)
     write_report(res, out_dir)
     return res
 
