@@ -11,6 +11,7 @@ import typer
 
 from .bench_commands import bench
 from .container_commands import inspect, verify
+from .generate_commands import chat, generate
 
 app = typer.Typer(
     name="nanoqwen-cli",
@@ -22,6 +23,8 @@ app = typer.Typer(
 app.command("inspect")(inspect)
 app.command("verify")(verify)
 app.command("bench")(bench)
+app.command("generate")(generate)
+app.command("chat")(chat)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,12 @@ class Pipeline:
     def load(cls, path: str | PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32,
              **backend_kwargs) -> Pipeline:
         """Open a container and build the reference backend on `device` ('cpu' or 'cuda')."""
+        backend = ReferenceBackend.from_file(path, device=device, dtype=dtype, **backend_kwargs)
+        return cls.from_container(path, backend)
+
+    @classmethod
+    def from_container(cls, path: str | PathLike, backend: Backend) -> Pipeline:
+        """Tokenizer, chat template, EOS ids and generation defaults from `path`, around any backend."""
         import nanoqwen_format as nqf
 
         with nqf.open(path) as f:
@@ -103,7 +109,6 @@ class Pipeline:
             defaults = generation_defaults(meta)
             eos = defaults.get("eos_token_ids") or f.config.get("eos_token_id") or []
             eos = eos if isinstance(eos, list) else [eos]
-        backend = ReferenceBackend.from_file(path, device=device, dtype=dtype, **backend_kwargs)
         return cls(backend, tok, template, eos, defaults)
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:

@@ -138,6 +138,8 @@ class ReferenceModel:
         cfg = self.config
         hkv, g, d = cfg.num_key_value_heads, cfg.group, cfg.head_dim
         scale = 1.0 / math.sqrt(d)
+        if max(meta.query_lens_host) == 1:
+            return self._decode_attention(layer, q, meta, cache, scale)
         outs = []
         start = 0
         for b, (qlen, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host, strict=True)):
@@ -155,6 +157,32 @@ class ReferenceModel:
             o = torch.matmul(p, v.float()).view(hkv * g, qlen, d).permute(1, 0, 2)
             outs.append(o.reshape(qlen, hkv * g * d))
         return torch.cat(outs, dim=0)
+
+    def _decode_attention(self, layer: int, q: torch.Tensor, meta: StepMetadata, cache: PagedKVCache,
+                          scale: float) -> torch.Tensor:
+        """All sequences at once when each has one query token: q f32 [B, n_heads, d] -> [B, n_heads * d].
+
+        Pages are gathered up to the longest context; keys past a sequence's context_len are masked.
+        """
+        cfg = self.config
+        hkv, g, d = cfg.num_key_value_heads, cfg.group, cfg.head_dim
+        bsz = q.shape[0]
+        longest = max(meta.context_lens_host)
+        n_pages = -(-longest // cache.spec.block_size)
+        pages = meta.page_table[:, :n_pages].to(q.device).long()  # [B, P]
+        kc, vc = cache.layer(layer)
+
+        def gather(c: torch.Tensor) -> torch.Tensor:  # -> f32 [B, hkv, longest, d]
+            x = c[pages].permute(0, 2, 1, 3, 4).reshape(bsz, hkv, n_pages * cache.spec.block_size, d)
+            return x[:, :, :longest].float()
+
+        k, v = gather(kc), gather(vc)
+        s = torch.matmul(q.view(bsz, hkv, g, d), k.transpose(-1, -2)) * scale  # [B, hkv, g, L]
+        ctx = meta.context_lens.to(q.device).long()
+        pad = torch.arange(longest, device=q.device)[None, :] >= ctx[:, None]  # [B, L]
+        s = s.masked_fill(pad[:, None, None, :], float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1), v)  # [B, hkv, g, d]
+        return o.reshape(bsz, hkv * g * d)
 
     def linear(self, x: torch.Tensor, name: str, bias: str | None = None) -> torch.Tensor:
         """x: f32 [T, in] -> f32 [T, out], computed in self.dtype."""
