@@ -6,7 +6,8 @@ Two steps, because the GPU machine has no registry, no model file and no network
  1. here (CPU machine, with the 0.5B GGUF cached):
         .venv/bin/python bench/quant/gptq_7b_h200.py prepare [--tokens 65536 --seq-len 2048]
     tokenizes the default calibration set (the stdlib "calib" split, see nanoqwen_quant.calib) and
-    writes bench/quant/prepared/calib_tokens.npy + calib.json (small; travels with the working tree).
+    writes bench/quant/prepared/calib_tokens.npy + calib.json (256 KB; committed, so this step is
+    only needed to change the token count).
  2. on the GPU machine:
         PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-quant/src \
             python bench/quant/gptq_7b_h200.py run --out /tmp/7b-gptq.nanoqwen
@@ -15,6 +16,8 @@ Two steps, because the GPU machine has no registry, no model file and no network
     runs the real `nanoqwen_quant.pack.pack(..., method="gptq")` on CUDA, and prints one JSON line
     with the GPTQ-loop time, the total time (including assembling and writing the container), the
     peak GPU memory and the file size; the output and the checkpoint folder are deleted unless --keep.
+    Smoke test on CPU (what was run before handing it over):
+        .venv/bin/python bench/quant/gptq_7b_h200.py run --device cpu --layers 1 --max-seqs 1
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ def make_synthetic_source(dev: torch.device, layers: int | None = None):
     return SyntheticSource()
 
 
-def run(out: Path, keep: bool, calib_batch: int, device: str, layers: int | None) -> None:
+def run(out: Path, keep: bool, calib_batch: int, device: str, layers: int | None,
+        max_seqs: int | None) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from nanoqwen_quant.calib import CalibrationSet
     from nanoqwen_quant.pack import PackOptions, pack
@@ -116,7 +120,7 @@ def run(out: Path, keep: bool, calib_batch: int, device: str, layers: int | None
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this is for the H200 machine (--device cpu to smoke-test)")
-    ids = np.load(PREPARED / "calib_tokens.npy")
+    ids = np.load(PREPARED / "calib_tokens.npy")[:max_seqs]
     meta = json.loads((PREPARED / "calib.json").read_text())
     calib = CalibrationSet(torch.from_numpy(ids.astype(np.int64)), meta["source"] + " (pre-tokenized)",
                            meta["files"], hashlib.sha256(ids.astype(np.int32).tobytes()).hexdigest())
@@ -161,11 +165,12 @@ def main() -> int:
     r.add_argument("--calib-batch", type=int, default=8)
     r.add_argument("--device", default="cuda")
     r.add_argument("--layers", type=int, default=None, help="quantize only the first N layers (smoke test)")
+    r.add_argument("--max-seqs", type=int, default=None, help="use only the first N calibration windows")
     a = ap.parse_args()
     if a.cmd == "prepare":
         prepare(a.tokens, a.seq_len)
     else:
-        run(a.out, a.keep, a.calib_batch, a.device, a.layers)
+        run(a.out, a.keep, a.calib_batch, a.device, a.layers, a.max_seqs)
     return 0
 
 
