@@ -231,7 +231,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_path):
     assert len(set(a["x"])) > 1
 
 
-def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch):
+@pytest.mark.parametrize("dense", [True, False])
+def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense):
     """The kernel backend's calls pass the GEMV, layer-op and sampling launchers' own shape/dtype/layout
     checks, for decode at several buckets and for chunked prefill, and a decode step launches the
     expected kernels.
@@ -274,17 +275,22 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch):
     monkeypatch.setattr(kattn, "plan_decode", lambda g, **kw: FakePlan("decode", g, **kw))
     monkeypatch.setattr(kattn, "plan_prefill", lambda g, **kw: FakePlan("prefill", g, **kw))
     m = load(tiny_path, "cpu")
-    cfg = cpu_config(mode="eager", prefill_chunk=64)
+    cfg = cpu_config(mode="eager", prefill_chunk=64, dense_weight_cache=dense, max_batch=16)
     cfg.backend = "kernels"  # after validation: the launches are mocked, so CPU tensors are fine
     monkeypatch.setattr("nanoqwen_runtime.engine.engine.make_ops",
                         lambda config, geom: ops_kernels.KernelOps(geom, config, torch.device("cpu")))
     engine = EngineCls(m.geometry, m.weights, cfg)
     assert engine.ops.name == "kernels"
-    prompts = [[7] * n for n in (100, 3, 1, 20, 9, 5, 6, 11, 13)]  # 9 rows: two GEMV chunks at decode
-    reqs = [Request(p, SamplingParams(max_tokens=3), str(i), ignore_eos=True) for i, p in enumerate(prompts)]
+    # prefill chunk 64: one prefill step holds all nine prompts (62 tokens); then 9
+    # rows decode together (two GEMV chunks without the dense cache); request 0 decodes alone last
+    prompts = [[7] * n for n in (30, 3, 1, 2, 9, 5, 6, 4, 2)]
+    reqs = [Request(p, SamplingParams(max_tokens=8 if i == 0 else 3), str(i), ignore_eos=True)
+            for i, p in enumerate(prompts)]
     for r in reqs:
         assert engine.submit(r) is None
-    per_step = []
+    per_step, rows = [], []
+    real_run = engine.runner.run
+    engine.runner.run = lambda inputs: rows.append(inputs.num_rows) or real_run(inputs)
     while engine.has_work:
         launched.clear()
         engine.step()
@@ -293,7 +299,7 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch):
     assert any("paged_attention_prefill" in s for s in per_step)
     decode_steps = [s for s in per_step if "paged_attention_decode" in s]
     assert decode_steps
-    # last decode step: the batch is down to one sequence (prompt 100 finishes last); per layer:
+    # last decode step: the batch is down to one sequence (request 0 finishes last); per layer:
     # add+norm, qkv GEMV (bias fused), rope+KV write, attention, o GEMV, add+norm, gate_up GEMV,
     # down GEMV with SiLU*mul fused = 7 launches + attention; per step: embedding, sampling.
     layers = engine.geom.num_hidden_layers
@@ -305,6 +311,12 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch):
     assert d1.count("paged_attention_decode") == layers
     assert d1.count("fused_add_rms_norm_bf16") == 2 * layers  # + final norm - first layer's plain norm
     assert len(d1) == 3 + 8 * layers  # embedding, final add+norm, sampling (+ cuBLAS lm_head)
+    # a decode step of 9 rows: cuBLAS on the bf16 weight cache, or two 8-row GEMV chunks
+    d9 = next(s for s, r in zip(per_step, rows, strict=True) if "paged_attention_decode" in s and r == 9)
+    n_gemv = sum(k.startswith("gemv_int4") for k in d9)
+    assert n_gemv == (0 if dense else 2 * 4 * layers)
+    # with the cache no step dequantises; without it the 62-row prefill step does (dequant + cuBLAS)
+    assert any(k.startswith("dequant") for s in per_step for k in s) != dense
 
 
 def test_pipeline_on_engine_backend(tmp_path):

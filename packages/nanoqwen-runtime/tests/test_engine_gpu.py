@@ -31,7 +31,10 @@ pytestmark = pytest.mark.gpu
 # | quantity                                   | bound |
 LOGITS_MAX_ABS = 0.35      # max |engine - reference| over a step's logits
 LOGITS_MEAN_ABS = 0.05     # mean |engine - reference|
-NEAR_TIE = 0.1             # greedy tokens must agree until the reference's top-2 gap drops below this
+# greedy tokens must agree until the top-2 gap drops below this. Logits are bf16: one ulp is 0.0625
+# for |logit| in [8, 16) (the top logits here), and two correct paths (the reference's fp32 stream,
+# or the engine's GEMV vs cuBLAS rows when a prompt is chunked differently) differ by 1-2 ulps.
+NEAR_TIE = 0.25
 
 GEOMS = {"7b-width-2layers": dataclasses.replace(QWEN25_7B, num_hidden_layers=2), "0.5b": QWEN25_05B}
 
@@ -124,21 +127,27 @@ def test_batch1_vs_batch8_same_greedy_tokens(container):
     prompts = [torch.randint(0, 150000, (n,), generator=g).tolist() for n in lengths]
     reqs = lambda: [Request(p, SamplingParams(max_tokens=24), str(i), ignore_eos=True)  # noqa: E731
                     for i, p in enumerate(prompts)]
-    solo_t, solo_gap = {}, {}
+    solo_t, solo_gap, solo_lg = {}, {}, {}
     for r in reqs():
-        t, gp, _ = engine_run(engine, [r])
+        t, gp, lg = engine_run(engine, [r])
         solo_t.update(t)
         solo_gap.update(gp)
-    batch_t, _, _ = engine_run(engine, reqs())
-    compared = 0
+        solo_lg.update(lg)
+    batch_t, batch_gap, batch_lg = engine_run(engine, reqs())
+    compared, max_d = 0, 0.0
     for rid in solo_t:
         for i, (a, b) in enumerate(zip(batch_t[rid], solo_t[rid], strict=True)):
+            max_d = max(max_d, float((batch_lg[rid][i] - solo_lg[rid][i]).abs().max()))
             if solo_gap[rid][i] < NEAR_TIE:
                 break
-            assert a == b, f"{name}: request {rid} token {i}: batch-8 {a} != batch-1 {b}"
+            assert a == b, (f"{name}: request {rid} token {i}: batch-8 {a} != batch-1 {b} (gaps: "
+                            f"batch-1 {solo_gap[rid][i]:.4f}, batch-8 {batch_gap[rid][i]:.4f}; "
+                            f"max |d logits| {max_d})")
             compared += 1
-    print(f"\n[{name}] batch 1 vs batch 8: {compared} tokens compared before near-ties")
+    print(f"\n[{name}] batch 1 vs batch 8: {compared} tokens compared before near-ties; "
+          f"max |logits batch-8 - batch-1| {max_d:.4f}")
     assert compared >= 40
+    assert max_d <= LOGITS_MAX_ABS
     assert engine.kv_blocks_used() == 0
 
 
@@ -178,7 +187,10 @@ def test_reliability_1000_requests(container):
     torch.cuda.synchronize()
     assert len(done) + len(refused) == 1000
     assert all(e.reason is FinishReason.REFUSED and e.detail for e in refused.values())
-    assert all(e.reason in (FinishReason.EOS, FinishReason.LENGTH) for e in done.values())
+    ok = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.CONTEXT)
+    assert all(e.reason in ok for e in done.values())
+    assert all(e.num_prompt_tokens + e.num_generated == 2048 for e in done.values()
+               if e.reason is FinishReason.CONTEXT)
     assert engine.kv_blocks_used() == 0
     assert torch.cuda.memory_allocated() <= base_alloc
     preempt = sum(e.num_preemptions for e in done.values())

@@ -124,6 +124,8 @@ class Engine:
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             ws = Workspace.nbytes(g, max(cfg.prefill_chunk, cfg.max_batch), cfg.max_batch)
+            if hasattr(self.ops, "dense_cache_bytes") and cfg.dense_weight_cache:
+                ws += self.ops.dense_cache_bytes(self.weights)
             budget = int((free - ws - GRAPH_RESERVE_BYTES) * cfg.kv_memory_fraction)
         else:
             raise ValueError("on the CPU give the KV pool size: EngineConfig.kv_memory_bytes or num_blocks")

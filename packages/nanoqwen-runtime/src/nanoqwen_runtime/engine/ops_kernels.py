@@ -4,9 +4,11 @@ Same calls as `ops_torch.TorchOps`; every op launches on the current stream, all
 never synchronises, so a whole decode step can be captured in a CUDA graph. Plans (GEMV split-K
 shapes, attention split-KV launch shapes) are made once here, at engine start:
 
-- linear, INT4 weight, M rows:  M <= 8: one `gemv_int4` launch (bias fused);  8 < M <= GEMV_MAX_ROWS:
-  one GEMV launch per 8 rows (each re-reads the weight: cheaper than dequantising it below ~32 rows);
-  larger M (prefill chunks): `linear_int4_prefill` = dequantize into one shared bf16 scratch + cuBLAS.
+- linear, INT4 weight, M rows:  M <= 8: one `gemv_int4` launch (bias fused). M > 8 (prefill
+  chunks, decode batches of 16..64): with `dense_weight_cache` (default), cuBLAS on a bf16 copy of the
+  weight made once at start; without it, one GEMV launch per 8 rows up to GEMV_MAX_ROWS rows (each
+  re-reads the weight), and above that `linear_int4_prefill` = dequantize into one shared bf16
+  scratch + cuBLAS, every step.
 - linear, bf16 weight (the default lm_head): cuBLAS (`torch.mm`) into the preallocated output.
 - MLP down projection: at decode the GEMV reads gate_up [M, 2I] and applies SiLU*mul while staging
   it (`silu_mul_input=True`), so the MLP is two launches; prefill runs `silu_mul` then the GEMM.
@@ -32,6 +34,10 @@ GEMV_MAX_ROWS = 32
 FAMILIES = ("layer_ops", "gemv", "attention", "sampling")
 
 
+def _linears(weights) -> list[Linear]:
+    return [weights.lm_head] + [x for lw in weights.layers for x in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+
+
 class KernelOps:
     name = "kernels"
     graph_capturable = True
@@ -51,6 +57,7 @@ class KernelOps:
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight] = {}
+        self._dense: dict[int, torch.Tensor] = {}  # id(Int4Linear) -> bf16 [N, K] (dense_weight_cache)
         self.decode_plans: dict[tuple[int, int], kattn.PagedAttentionPlan] = {}  # (bucket, context class)
         self.prefill_plan: kattn.PagedAttentionPlan | None = None
         self.sampling_state: ksamp.SamplingState | None = None
@@ -73,17 +80,29 @@ class KernelOps:
         d = step_buffers.dev
         self.sampling_state = ksamp.SamplingState(d["temperature"], d["top_k"], d["top_p"], d["seed"],
                                                   d["offset"])
-        self._scratch = torch.empty(self._scratch_numel, dtype=torch.bfloat16, device=self.device)
+        if not self.cfg.dense_weight_cache:
+            self._scratch = torch.empty(self._scratch_numel, dtype=torch.bfloat16, device=self.device)
 
     def warm_up(self) -> None:
         klaunch.warm_up(FAMILIES, self.device)
 
     def check_weights(self, weights) -> None:
-        for lin in [weights.lm_head] + [x for lw in weights.layers
-                                        for x in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]:
+        """Refuse what the kernels cannot run; build the bf16 weight cache when configured."""
+        lins = _linears(weights)
+        for lin in lins:
             if isinstance(lin, Int8Linear):
                 raise ValueError("the kernel backend has no INT8 GEMV: an int8 lm_head is not supported; "
                                  "pack with a bf16 or int4 lm_head")
+        if self.cfg.dense_weight_cache:
+            for lin in lins:
+                if isinstance(lin, Int4Linear) and id(lin) not in self._dense:
+                    dense = torch.empty(lin.n, lin.k, dtype=torch.bfloat16, device=self.device)
+                    kgemv.dequantize_int4(self._int4(lin), dense)
+                    self._dense[id(lin)] = dense
+
+    @staticmethod
+    def dense_cache_bytes(weights) -> int:
+        return sum(2 * lin.n * lin.k for lin in _linears(weights) if isinstance(lin, Int4Linear))
 
     def _int4(self, lin: Int4Linear) -> kgemv.Int4Weight:
         w = self._kw.get(id(lin))
@@ -118,7 +137,13 @@ class KernelOps:
         if not isinstance(lin, Int4Linear):
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
         w = self._int4(lin)
-        if m <= GEMV_MAX_ROWS:
+        dense = self._dense.get(id(lin)) if m > kgemv.MAX_M else None
+        if dense is not None:
+            if bias is None:
+                torch.mm(x, dense.t(), out=out)
+            else:
+                torch.addmm(bias, x, dense.t(), out=out)
+        elif m <= GEMV_MAX_ROWS:
             plan = self.plans[(lin.n, lin.k)]
             for r in range(0, m, kgemv.MAX_M):
                 e = min(m, r + kgemv.MAX_M)
@@ -130,7 +155,8 @@ class KernelOps:
     def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor) -> None:
         """out = down(silu(gate) * up); act is the [M, I] scratch used when not fused."""
         m = gate_up.shape[0]
-        if isinstance(down, Int4Linear) and m <= GEMV_MAX_ROWS:
+        fused_rows = kgemv.MAX_M if id(down) in self._dense else GEMV_MAX_ROWS
+        if isinstance(down, Int4Linear) and m <= fused_rows:
             w, plan = self._int4(down), self.plans[(down.n, down.k)]
             for r in range(0, m, kgemv.MAX_M):
                 e = min(m, r + kgemv.MAX_M)
