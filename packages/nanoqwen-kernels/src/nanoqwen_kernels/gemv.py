@@ -5,10 +5,13 @@ Weights are in the `int4-g{G}-tile8x128-v1` layout of DESIGN.md, held on the GPU
 as they are stored; see csrc/gemv_int4.cuh for how.
 
 Plan, then run: `plan_gemv(N, K, device)` fixes the split-K factor for a shape (a pure function of
-the shape and the SM count, so the same call always launches the same grid); `GemvWorkspace` is the
-fp32 partial-sum buffer and the per-block counters that split-K needs, allocated once for the
-largest shape and shared by every GEMV on a stream (the counters return to zero at the end of each
-launch). `gemv_int4` itself allocates nothing and never synchronises: it is CUDA-graph capturable.
+the shape and the SM count, so the same call always launches the same grid); `plan_gemv(N, K, device,
+variant="stream")` selects the latency-oriented second kernel (csrc/gemv_int4_stream.cuh: K split over
+the warps of one block, reduced in shared memory, no workspace) for M <= plan.stream_max_m, and the
+default kernel above that; `GemvWorkspace` is the fp32 partial-sum buffer and the per-block counters
+that split-K needs, allocated once for the largest shape and shared by every GEMV on a stream (the
+counters return to zero at the end of each launch). `gemv_int4` itself allocates nothing and never
+synchronises: it is CUDA-graph capturable.
 
     y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
 """
@@ -34,6 +37,16 @@ TARGET_BLOCKS_PER_SM = 4
 # Most tile-columns one block stages: M = 8 rows x 48 x 128 bf16 = 96 KB of shared memory, so two
 # blocks still fit an SM for any K (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns).
 KC_MAX = 48
+# The "stream" variant (csrc/gemv_int4_stream.cuh): 8 warps per block, `k_slices` warps per tile pair.
+VARIANTS = ("default", "stream")
+STREAM_WARPS = 8  # nq_gemv::STREAM_WARPS
+STREAM_BLOCKS_PER_SM = 2  # NQ_GEMV_STREAM_MIN_BLOCKS in gemv.cu (its register budget)
+# Most dynamic shared memory the stream kernel stages x into: two blocks per SM still fit. It bounds
+# the M the variant runs at (stream_max_m): 8 for K = 3584, 2 for K = 18944, 1 for K = 27648.
+STREAM_SMEM_MAX = 100 * 1024
+# Blocks the stream plan wants when one wave cannot hold the shape: enough for dynamic scheduling to
+# even out the SMs (4 waves of STREAM_BLOCKS_PER_SM).
+STREAM_MIN_WAVES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +99,30 @@ class Int4Weight:
 
 @dataclasses.dataclass(frozen=True)
 class GemvPlan:
-    """Grid of one GEMV shape: `splits` blocks along K, each over `kc` tile-columns (128 columns)."""
+    """Grid of one GEMV shape: `splits` blocks along K, each over `kc` tile-columns (128 columns).
+
+    variant "stream" adds `k_slices` (warps per 16-row tile pair, each over a contiguous slice of K,
+    reduced in shared memory) and `stream_max_m`: gemv_int4 runs the stream kernel for M <= that
+    and the default kernel (splits, kc) above it, so one plan serves M = 1..8 either way."""
 
     n: int
     k: int
     splits: int
     kc: int
+    variant: str = "default"
+    k_slices: int = 0
+    stream_max_m: int = 0
+
+    def uses_stream(self, m: int) -> bool:
+        return self.variant == "stream" and m <= self.stream_max_m
+
+    @property
+    def stream_blocks(self) -> int:
+        pairs = -(-self.n // 16)
+        return -(-pairs // (STREAM_WARPS // self.k_slices))
+
+    def stream_shared_bytes(self, m: int) -> int:
+        return m * (self.k + XPAD) * 2
 
     @property
     def blocks_n(self) -> int:
@@ -120,9 +151,43 @@ def plan_shape(n: int, k: int, sm_count: int, target_blocks_per_sm: int = TARGET
     return GemvPlan(n, k, -(-kt // kc), kc)
 
 
-def plan_gemv(n: int, k: int, device: torch.device | None = None, **kw) -> GemvPlan:
+@functools.cache
+def plan_shape_stream(
+    n: int, k: int, sm_count: int, k_slices: int | None = None, max_m: int = MAX_M
+) -> GemvPlan:
+    """The stream variant's plan (plus the default plan's fields, used for M > stream_max_m).
+
+    k_slices (1, 2, 4 or 8, at most K / 128): when every block fits one wave at some k_slices, the
+    largest that does (most warps, shortest chain per warp: the small shapes are latency-bound);
+    otherwise the smallest giving STREAM_MIN_WAVES waves (large shapes: fewer x stagings per byte
+    of weights, and dynamic block scheduling evens out the SMs)."""
+    base = plan_shape(n, k, sm_count)
+    kt, pairs = k // 128, -(-n // 16)
+    cands = [s for s in (1, 2, 4, 8) if s <= kt]
+    if k_slices is None:
+        resident = sm_count * STREAM_BLOCKS_PER_SM
+        blocks = {s: -(-pairs // (STREAM_WARPS // s)) for s in cands}
+        if blocks[cands[0]] <= resident:  # blocks grow with k_slices
+            k_slices = max(s for s in cands if blocks[s] <= resident)
+        else:
+            many = [s for s in cands if blocks[s] >= STREAM_MIN_WAVES * resident]
+            k_slices = min(many) if many else cands[-1]
+    elif k_slices not in cands:
+        raise ValueError(f"k_slices must be one of {cands} for K = {k}, got {k_slices}")
+    stream_max_m = min(max_m, MAX_M, STREAM_SMEM_MAX // ((k + XPAD) * 2))
+    return dataclasses.replace(base, variant="stream", k_slices=k_slices, stream_max_m=stream_max_m)
+
+
+def plan_gemv(n: int, k: int, device: torch.device | None = None, variant: str = "default", **kw) -> GemvPlan:
+    """The plan of one shape on `device`: variant "default" (plan_shape; kw: target_blocks_per_sm) or
+    "stream" (plan_shape_stream; kw: k_slices, max_m)."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    return plan_shape(n, k, _sm_count(require_sm90(device)), **kw)
+    sms = _sm_count(require_sm90(device))
+    if variant == "default":
+        return plan_shape(n, k, sms, **kw)
+    if variant == "stream":
+        return plan_shape_stream(n, k, sms, **kw)
+    raise ValueError(f"unknown GEMV variant {variant!r}; known: {VARIANTS}")
 
 
 @dataclasses.dataclass
@@ -166,8 +231,9 @@ def gemv_int4(
     x: bf16 [M, K] contiguous; or, with `silu_mul_input`, the gate_up output [M, 2K] from which the
     kernel computes silu(gate) * up while staging it (fused MLP activation). weight: Int4Weight
     [N, K]; bias: bf16 [N] or None; out: bf16 [M, N] (written completely). workspace: required when
-    the plan splits K (plan.splits > 1). family: the registry entry to launch from (benchmarks register
-    compile-option variants of "gemv" under other names). Returns out.
+    the plan splits K (plan.splits > 1), unless the stream kernel runs at this M (plan.uses_stream(M)).
+    family: the registry entry to launch from (benchmarks register compile-option variants of "gemv"
+    under other names). Returns out.
     """
     n, k = weight.n, weight.k
     dev = weight.qweight.device
@@ -186,6 +252,14 @@ def gemv_int4(
     plan = plan or plan_shape(n, k, _sm_count(index))
     if (plan.n, plan.k) != (n, k):
         raise ValueError(f"plan is for [{plan.n}, {plan.k}], weight is [{n}, {k}]")
+    silu = "_silu" if silu_mul_input else ""
+    if plan.uses_stream(m):
+        args = (ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
+                i32(m), i32(n), i32(k), i32(plan.k_slices))  # fmt: skip
+        grid = (plan.stream_blocks, 1, 1)
+        name = f"gemv_int4_stream_{weight.kernel_suffix()}{silu}"
+        launch(family, name, index, grid, (STREAM_WARPS * 32, 1, 1), args, plan.stream_shared_bytes(m))
+        return out
     ws_ptr = cnt_ptr = np.uint64(0)
     if plan.splits > 1:
         if workspace is None:
@@ -198,7 +272,7 @@ def gemv_int4(
         if workspace.partials.device != dev:
             raise ValueError("GemvWorkspace is on another device")
         ws_ptr, cnt_ptr = ptr(workspace.partials), ptr(workspace.counters)
-    name = f"gemv_int4_{weight.kernel_suffix()}" + ("_silu" if silu_mul_input else "")
+    name = f"gemv_int4_{weight.kernel_suffix()}{silu}"
     args = (
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
         ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc),

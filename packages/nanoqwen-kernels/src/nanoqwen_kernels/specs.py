@@ -32,6 +32,12 @@ SPECS: dict[str, KernelSpec] = {
             for kind in ("sym", "asym")
             for suffix in ("", "_silu")
         )
+        + tuple(
+            f"gemv_int4_stream_g{g}_{kind}{suffix}"
+            for g in (32, 64, 128)
+            for kind in ("sym", "asym")
+            for suffix in ("", "_silu")
+        )
         + tuple(f"dequant_int4_g{g}_{kind}" for g in (32, 64, 128) for kind in ("sym", "asym")),
     ),
     "sampling": KernelSpec(

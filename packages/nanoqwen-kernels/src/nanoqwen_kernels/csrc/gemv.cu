@@ -5,10 +5,16 @@
 //                                              MLP activation into the down projection)
 //   dequant_int4_g{32,64,128}_{sym,asym}       INT4 -> dense bf16 [N, K] (prefill: + cuBLAS GEMM)
 //
+//   gemv_int4_stream_g{32,64,128}_{sym,asym}[_silu]
+//                                              the "stream" variant (gemv_int4_stream.cuh): K split
+//                                              across the warps of one block, no workspace
+//
 // GEMV launch (nanoqwen_kernels/gemv.py): grid (ceil(N / 128), S), 256 threads, dynamic shared memory
 // M * (kc * 128 + 32) * 2 bytes. Arguments: x, qweight, scales, zeros|0, bias|0, out, ws|0,
-// counters|0, M, N, K, kc.
+// counters|0, M, N, K, kc. Stream variant: grid (ceil(ceil(N / 16) / (8 / kw))), 256 threads, dynamic
+// shared memory M * (K + 32) * 2 bytes; arguments x, qweight, scales, zeros|0, bias|0, out, M, N, K, kw.
 #include "gemv_int4.cuh"
+#include "gemv_int4_stream.cuh"
 
 using namespace nq_gemv;
 
@@ -61,3 +67,38 @@ NQ_DEQUANT_ENTRY(dequant_int4_g64_sym, 64, false)
 NQ_DEQUANT_ENTRY(dequant_int4_g64_asym, 64, true)
 NQ_DEQUANT_ENTRY(dequant_int4_g32_sym, 32, false)
 NQ_DEQUANT_ENTRY(dequant_int4_g32_asym, 32, true)
+
+// Stream variant: D tile-columns in flight per warp (register ring) and the blocks per SM the register
+// budget must allow; overridable with -D for benchmark variants.
+#ifndef NQ_GEMV_STREAM_DEPTH
+#define NQ_GEMV_STREAM_DEPTH 4
+#endif
+#ifndef NQ_GEMV_STREAM_XCH
+#define NQ_GEMV_STREAM_XCH 4  // 16-byte x loads per thread in flight while staging (half with SiLU input)
+#endif
+#ifndef NQ_GEMV_STREAM_MIN_BLOCKS
+// <= 128 registers (ptxas spills D = 4 at 80); gemv.py's STREAM_BLOCKS_PER_SM must match
+#define NQ_GEMV_STREAM_MIN_BLOCKS 2
+#endif
+
+#define NQ_GEMV_STREAM_ENTRY(NAME, G, ASYM, XMODE)                                                    \
+  extern "C" __global__ void __launch_bounds__(STREAM_THREADS, NQ_GEMV_STREAM_MIN_BLOCKS)             \
+      NAME(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,                          \
+           const bf16_t* __restrict__ scales, const u8* __restrict__ zeros,                           \
+           const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, int M, int N, int K, int kw) {  \
+    gemv_int4_stream<G, ASYM, XMODE, NQ_GEMV_STREAM_DEPTH, NQ_GEMV_STREAM_XCH>(                       \
+        x, qweight, scales, zeros, bias, out, M, N, K, kw);                                           \
+  }
+
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g128_sym, 128, false, 0)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g128_asym, 128, true, 0)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g64_sym, 64, false, 0)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g64_asym, 64, true, 0)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g32_sym, 32, false, 0)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g32_asym, 32, true, 0)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g128_sym_silu, 128, false, 1)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g128_asym_silu, 128, true, 1)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g64_sym_silu, 64, false, 1)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g64_asym_silu, 64, true, 1)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g32_sym_silu, 32, false, 1)
+NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g32_asym_silu, 32, true, 1)
