@@ -14,3 +14,12 @@ timeout ${BENCH_TIMEOUT:-210} python3 -m nanoqwen_cli.main bench --out "$OUT/ben
 echo "bench rc=${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -s -m gpu -p no:cacheprovider packages/nanoqwen-runtime/tests/test_engine_gpu.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
 echo "tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.log"
+# `nanoqwen-cli generate --device cuda --backend engine` on a tiny INT4 container with a real tokenizer
+python3 -c "
+from nanoqwen_runtime.testing import write_tiny_container
+write_tiny_container('/tmp/tiny-cli.nanoqwen', method='rtn', seed=1, config_overrides=dict(
+    hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512))
+" 2>&1 | tee "$OUT/cli.log"
+timeout ${CLI_TIMEOUT:-90} python3 -m nanoqwen_cli.main generate /tmp/tiny-cli.nanoqwen --prompt "def fib(n):" \
+    --max-tokens 24 --device cuda --backend engine 2>&1 | tee -a "$OUT/cli.log"
+echo "cli rc=${PIPESTATUS[0]}" | tee -a "$OUT/cli.log"

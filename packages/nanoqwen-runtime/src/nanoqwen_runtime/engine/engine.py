@@ -132,7 +132,8 @@ class Engine:
         n = budget // per_block
         if n < 2:
             raise ValueError(f"KV budget of {budget} bytes holds {n} blocks of {per_block} bytes; need >= 2")
-        return int(n)
+        # never more than max_batch full-length sequences can use (+ the padding block)
+        return int(min(n, cfg.max_batch * self.max_pages + 1))
 
     # ---- requests --------------------------------------------------------------------------------
     def submit(self, request: Request) -> FinishEvent | None:
