@@ -43,7 +43,8 @@ def _src_pythonpath() -> str:
 
 
 def _test_paths() -> list[str]:
-    return ["tests", *[f"packages/{pkg}/tests" for pkg in PACKAGES]]
+    paths = ["tests", *[f"packages/{pkg}/tests" for pkg in PACKAGES]]
+    return [p for p in paths if (ROOT / p).is_dir() and any((ROOT / p).glob("test_*.py"))]
 
 
 @nox.session
@@ -74,7 +75,8 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "packages", "tests", "tools", "noxfile.py")
+    session.run("ruff", "check", "packages", "tools", "bench", "noxfile.py", "conftest.py",
+                *[p for p in _test_paths() if p == "tests"])
 
 
 @nox.session
