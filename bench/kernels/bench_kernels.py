@@ -188,7 +188,7 @@ def bench_gemv(copy_bw, gen, quick, rows, stream_compare=False):
             svariants = stream_variants(n, k, m, quick)
             if svariants:  # the default kernel's output: each stream variant is checked against it
                 expect = torch.empty_like(out)
-                gemv.gemv_int4(x, w0, expect, workspace=ws)
+                gemv.gemv_int4(x, w0, expect, workspace=ws, plan=gemv.plan_gemv(n, k, variant="default"))
             for vname, plan, family in svariants:
                 check_out = torch.full_like(out, float("nan"))
                 gemv.gemv_int4(x, w0, check_out, plan=plan, family=family)

@@ -302,3 +302,24 @@ def test_gemv_stream_deterministic_and_graph_replay(gen, device):
         out.fill_(float("nan"))
         graph.replay()
         R.assert_close(out, reference_out(x, w, bias), "stream gemv graph replay")
+
+
+def test_gemv_stream_default_switch(gen, device, monkeypatch):
+    """STREAM_DEFAULT_MAX_M (the one-line switch): plan_gemv's default plans then run the stream kernel
+    up to that M, which needs no workspace even where the default plan splits K; at 0 they do not."""
+    from nanoqwen_kernels import gemv
+
+    n, k = 3584, 18944
+    w = random_int4(n, k, 128, True, gen, device)
+    x = torch.randn(2, k, generator=gen, device=device).to(torch.bfloat16)
+    out = torch.full((2, n), float("nan"), dtype=torch.bfloat16, device=device)
+    assert gemv.STREAM_DEFAULT_MAX_M == 0 and gemv.plan_gemv(n, k, device).variant == "default"
+    with pytest.raises(ValueError, match="GemvWorkspace"):
+        gemv.gemv_int4(x[:1], w, out[:1])
+    monkeypatch.setattr(gemv, "STREAM_DEFAULT_MAX_M", 1)
+    plan = gemv.plan_gemv(n, k, device)
+    assert plan.variant == "stream" and plan.stream_max_m == 1 and plan.splits > 1
+    gemv.gemv_int4(x[:1], w, out[:1])  # plan=None -> plan_gemv -> stream kernel, no workspace
+    R.assert_close(out[:1], reference_out(x[:1], w, None), "stream by default, M=1")
+    with pytest.raises(ValueError, match="GemvWorkspace"):  # M = 2 stays on the split-K kernel
+        gemv.gemv_int4(x, w, out)

@@ -47,6 +47,9 @@ STREAM_SMEM_MAX = 100 * 1024
 # Blocks the stream plan wants when one wave cannot hold the shape: enough for dynamic scheduling to
 # even out the SMs (4 waves of STREAM_BLOCKS_PER_SM).
 STREAM_MIN_WAVES = 4
+# M up to which the plans plan_gemv makes by default (variant=None) run the stream kernel; 0: never
+# (every default plan is plan_shape's). Not yet measured on a GPU: see NOTES.md before raising it.
+STREAM_DEFAULT_MAX_M = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,11 +181,18 @@ def plan_shape_stream(
     return dataclasses.replace(base, variant="stream", k_slices=k_slices, stream_max_m=stream_max_m)
 
 
-def plan_gemv(n: int, k: int, device: torch.device | None = None, variant: str = "default", **kw) -> GemvPlan:
+def plan_gemv(
+    n: int, k: int, device: torch.device | None = None, variant: str | None = None, **kw
+) -> GemvPlan:
     """The plan of one shape on `device`: variant "default" (plan_shape; kw: target_blocks_per_sm) or
-    "stream" (plan_shape_stream; kw: k_slices, max_m)."""
+    "stream" (plan_shape_stream; kw: k_slices, max_m). variant None, no kw: the stream plan limited
+    to M <= STREAM_DEFAULT_MAX_M when that is > 0, else the default plan."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     sms = _sm_count(require_sm90(device))
+    if variant is None:
+        if STREAM_DEFAULT_MAX_M > 0 and not kw:
+            return plan_shape_stream(n, k, sms, max_m=STREAM_DEFAULT_MAX_M)
+        variant = "default"
     if variant == "default":
         return plan_shape(n, k, sms, **kw)
     if variant == "stream":
@@ -249,7 +259,7 @@ def gemv_int4(
     check(out, "out", torch.bfloat16, (m, n), dev, align=2)
     if bias is not None:
         check(bias, "bias", torch.bfloat16, (n,), dev, align=2)
-    plan = plan or plan_shape(n, k, _sm_count(index))
+    plan = plan or plan_gemv(n, k, dev)
     if (plan.n, plan.k) != (n, k):
         raise ValueError(f"plan is for [{plan.n}, {plan.k}], weight is [{n}, {k}]")
     silu = "_silu" if silu_mul_input else ""
