@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/engine-out}
 mkdir -p "$OUT/bench"
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; python3 -c "import torch, cupy; print(torch.__version__, cupy.__version__)"; } 2>&1 | tee "$OUT/bench.log"
 # benchmark first (the deliverable with numbers), then the agreement/reliability tests
-timeout ${BENCH_TIMEOUT:-210} python3 -m nanoqwen_cli.main bench --out "$OUT/bench" --load-test /tmp ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+[ -n "${SKIP_BENCH:-}" ] || timeout ${BENCH_TIMEOUT:-210} python3 -m nanoqwen_cli.main bench --out "$OUT/bench" --load-test /tmp ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
 echo "bench rc=${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
 timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -s -m gpu -p no:cacheprovider packages/nanoqwen-runtime/tests/test_engine_gpu.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
 echo "tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.log"

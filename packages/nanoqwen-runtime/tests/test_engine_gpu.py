@@ -93,6 +93,9 @@ def engine_run(engine, requests):
 
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_logits_and_greedy_match_reference(container, mode):
+    """Free-running greedy agreement until the first near-tie, and a teacher-forced comparison at
+    every one of the 16 positions (the engine prefills prompt + the reference's first j tokens, all
+    16 requests batched), so the logits bound and the argmax are checked even past near-ties."""
     name, path = container
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 150000, (700,), generator=g).tolist()  # 2 chunks of 512 + tail
@@ -100,9 +103,6 @@ def test_logits_and_greedy_match_reference(container, mode):
     engine = Engine.from_file(path, gpu_config(mode=mode))
     req = Request(prompt, SamplingParams(max_tokens=16), "a", ignore_eos=True)
     toks, _, logits = engine_run(engine, [req])
-    diffs = [(a - b).abs() for a, b in zip(logits["a"], ref_logits, strict=True)]
-    max_abs = max(float(d.max()) for d in diffs)
-    mean_abs = sum(float(d.mean()) for d in diffs) / len(diffs)
     agree = 0
     for i, (a, b) in enumerate(zip(toks["a"], ref_toks, strict=True)):
         top2 = torch.topk(ref_logits[i], 2).values
@@ -110,12 +110,25 @@ def test_logits_and_greedy_match_reference(container, mode):
             break
         assert a == b, f"{name}/{mode}: token {i} engine {a} != reference {b}"
         agree += 1
-    print(f"\n[{name} {mode}] logits max|d| {max_abs:.4f} mean|d| {mean_abs:.5f} "
-          f"ref std {float(ref_logits[0].std()):.2f}; greedy agree {agree}/16 before the first near-tie")
-    # (after the first near-tie the sequences may diverge, so only the logits up to there are bounded)
-    assert float(diffs[0].max()) <= LOGITS_MAX_ABS
-    assert max(float(d.max()) for d in diffs[: agree + 1]) <= LOGITS_MAX_ABS
-    assert sum(float(d.mean()) for d in diffs[: agree + 1]) / (agree + 1) <= LOGITS_MEAN_ABS
+    free = zip(logits["a"][: agree + 1], ref_logits, strict=False)
+    free_d = max(float((x - y).abs().max()) for x, y in free)
+    forced = [Request(prompt + ref_toks[:j], SamplingParams(max_tokens=1), f"f{j}", ignore_eos=True)
+              for j in range(16)]
+    _, _, flog = engine_run(engine, forced)
+    diffs = [(flog[f"f{j}"][0] - ref_logits[j]).abs() for j in range(16)]
+    max_abs = max(float(d.max()) for d in diffs)
+    mean_abs = sum(float(d.mean()) for d in diffs) / len(diffs)
+    decided = 0
+    for j in range(16):
+        top2 = torch.topk(ref_logits[j], 2)
+        if float(top2.values[0] - top2.values[1]) >= NEAR_TIE:
+            assert int(torch.argmax(flog[f"f{j}"][0])) == int(top2.indices[0]), f"{name}/{mode}: position {j}"
+            decided += 1
+    print(f"\n[{name} {mode}] teacher-forced logits max|d| {max_abs:.4f} mean|d| {mean_abs:.5f} "
+          f"(ref std {float(ref_logits[0].std()):.2f}); argmax equal at all {decided}/16 non-near-tie "
+          f"positions; free-running greedy agrees {agree}/16 before the first near-tie (max|d| {free_d:.4f})")
+    assert max_abs <= LOGITS_MAX_ABS and mean_abs <= LOGITS_MEAN_ABS and free_d <= LOGITS_MAX_ABS
+    assert decided >= 6
     assert engine.kv_blocks_used() == 0
 
 
@@ -146,7 +159,7 @@ def test_batch1_vs_batch8_same_greedy_tokens(container):
             compared += 1
     print(f"\n[{name}] batch 1 vs batch 8: {compared} tokens compared before near-ties; "
           f"max |logits batch-8 - batch-1| {max_d:.4f}")
-    assert compared >= 40
+    assert compared >= 12  # random logits: about one token in four or five is a near-tie
     assert max_d <= LOGITS_MAX_ABS
     assert engine.kv_blocks_used() == 0
 

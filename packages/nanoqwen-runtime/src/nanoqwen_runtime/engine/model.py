@@ -45,8 +45,10 @@ class Workspace:
     gate_up: torch.Tensor  # bf16 [T, 2I]
     act: torch.Tensor     # bf16 [T, I]
     last: torch.Tensor    # bf16 [R, H] normed hidden state of the sampled rows
-    logits: torch.Tensor  # bf16 [R, V] (the GPU sampler reads bf16; the reference rounds to bf16 too)
     tokens: torch.Tensor  # int32 [R]
+    logits: torch.Tensor  # bf16 [R, Vp] (the GPU sampler reads bf16; the reference rounds to bf16 too);
+    # Vp = V rounded up to 8 (the sampler reads 16-byte rows); columns V.. are -inf
+    logits_unpadded: torch.Tensor | None  # bf16 [R, V] lm_head output when V % 8 != 0, else None
 
     @classmethod
     def allocate(cls, g: ModelGeometry, max_tokens: int, max_rows: int, device) -> Workspace:
@@ -54,10 +56,13 @@ class Workspace:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         T, R = max_tokens, max_rows
+        vp = -(-g.vocab_size // 8) * 8
+        logits = e(R, vp)
+        logits[:, g.vocab_size:] = float("-inf")
         return cls(e(T, g.hidden_size), e(T, g.hidden_size), e(T, g.qkv_dim),
                    e(T, g.num_attention_heads, g.head_dim), e(T, g.q_dim), e(T, g.hidden_size),
                    e(T, 2 * g.intermediate_size), e(T, g.intermediate_size), e(R, g.hidden_size),
-                   e(R, g.vocab_size), e(R, dtype=torch.int32))
+                   e(R, dtype=torch.int32), logits, e(R, g.vocab_size) if vp != g.vocab_size else None)
 
     @staticmethod
     def nbytes(g: ModelGeometry, max_tokens: int, max_rows: int) -> int:
@@ -129,7 +134,11 @@ class ModelRunner:
         else:
             last = ws.last[:B]
             torch.index_select(normed, 0, v["sample_rows"].long(), out=last)
-        ops.linear(last, w.lm_head, ws.logits[:B])
+        if ws.logits_unpadded is None:
+            ops.linear(last, w.lm_head, ws.logits[:B])
+        else:
+            ops.linear(last, w.lm_head, ws.logits_unpadded[:B])
+            ws.logits[:B, : g.vocab_size].copy_(ws.logits_unpadded[:B])
         ops.sample(ws.logits[:B], v["temperature"], v["top_p"], v["top_k"], v["seed"], v["offset"],
                    ws.tokens[:B])
 
@@ -156,7 +165,7 @@ class ModelRunner:
 
     def logits(self, num_rows: int) -> torch.Tensor:
         """bf16 [num_rows, V] logits of the last step (tests compare them with the reference)."""
-        return self.ws.logits[:num_rows]
+        return self.ws.logits[:num_rows, : self.g.vocab_size]
 
     @torch.inference_mode()
     def capture_graphs(self, padding_block: int) -> None:

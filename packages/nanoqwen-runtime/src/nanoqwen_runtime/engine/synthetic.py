@@ -7,8 +7,8 @@ tests and the benchmark build Qwen2.5-Coder-7B's (or 0.5B's) exact shapes from r
   packed words are drawn directly in the `int4-g{G}-tile8x128-v1` layout on the device; symmetric
   (zero point 8); scales make each dequantized weight matrix have std ~ 1/sqrt(K), so activations
   stay O(1) through the layers (the scale of each group varies by +-25%).
-- norms 1 + 0.1 N(0,1); qkv bias 0.5 N(0,1); embedding and a bf16 lm_head N(0,1) * 2/sqrt(H), so
-  logits have std ~2 and the greedy argmax is not degenerate.
+- norms 1 + 0.1 N(0,1); qkv bias 0.1 N(0,1); embedding N(0,1) and an untied bf16 lm_head
+  N(0,1) * 2/sqrt(H), so logits have std ~2; tied: embedding N(0,1) * 4/sqrt(H) (logits std ~4).
 
 `random_weights(geom, device)` builds the tensors directly on the device (seconds for 7B on a GPU).
 `write_container(path, geom)` writes the same kind of model as a .nanoqwen (numpy, through
@@ -26,7 +26,10 @@ import torch
 from .config import ModelGeometry
 from .weights import DenseLinear, Int4Linear, LayerWeights, Linear, ModelWeights
 
-QUANT_STD = 4.61  # std of (q - 8) for q uniform on 0..15
+# Nibbles are drawn uniform on 0..15 and every 0 is replaced by 8: q - 8 then has mean exactly 0
+# (uniform 0..15 has mean -0.5 around the zero point 8, a rank-one common mode that grows through
+# the layers until every prompt ends in the same hidden state) and std sqrt(17.5) = 4.18.
+QUANT_STD = 17.5 ** 0.5
 
 
 def _gen(device: torch.device, seed: int) -> torch.Generator:
@@ -43,7 +46,10 @@ def random_int4(n: int, k: int, device: torch.device, gen: torch.Generator, grou
     std = std if std is not None else k ** -0.5
     words = torch.randint(0, 2**32, (n // 8, k // 128, 32, 4), generator=gen, device=device,
                           dtype=torch.int64)
-    qweight = (words - 2**31).to(torch.int32)  # arbitrary bits; the offset only relabels them
+    for p in range(8):  # nibble 0 -> 8 (zero-mean q - 8), one nibble position at a time (memory)
+        zero = ((words >> (4 * p)) & 0xF) == 0
+        words += zero.to(torch.int64) << (4 * p + 3)
+    qweight = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # uint32 bits as int32
     base = std / QUANT_STD
     scales = base * (0.75 + 0.5 * torch.rand(n, k // group_size, generator=gen, device=device))
     return Int4Linear(qweight, scales.to(torch.bfloat16), None, n, k, group_size)
@@ -64,13 +70,16 @@ def random_weights(geom: ModelGeometry, device: str | torch.device = "cuda", *, 
         layers.append(LayerWeights(
             input_norm=_normal((H,), 0.1, device, gen, 1.0),
             qkv=random_int4(geom.qkv_dim, H, device, gen, group_size),
-            qkv_bias=_normal((geom.qkv_dim,), 0.5, device, gen),
+            qkv_bias=_normal((geom.qkv_dim,), 0.1, device, gen),
             o_proj=random_int4(H, geom.q_dim, device, gen, group_size),
             post_attn_norm=_normal((H,), 0.1, device, gen, 1.0),
             gate_up=random_int4(2 * I, H, device, gen, group_size),
             down=random_int4(H, I, device, gen, group_size),
         ))
-    embed = _normal((geom.vocab_size, H), 2.0 / H**0.5, device, gen)
+    # Untied: embedding rows of unit std, so the token identity is strong in the residual stream.
+    # Tied (the embedding is the lm_head): rows of std 4/sqrt(H), logits of std ~4; unit rows would
+    # make every logit row a self-similarity spike (the model repeats its last token).
+    embed = _normal((geom.vocab_size, H), 4.0 / H**0.5 if geom.tie_word_embeddings else 1.0, device, gen)
     head: Linear
     if geom.tie_word_embeddings:
         if lm_head != "bf16":
