@@ -332,7 +332,7 @@ def test_pipeline_on_engine_backend(tmp_path):
 
     path = write_tiny_container(tmp_path / "tok.nanoqwen", method="rtn", seed=3)
     pipe = load_pipeline(path, cpu_config(max_model_len=None, num_blocks=64))
-    assert "CUDA engine (torch kernels, eager mode)" in pipe.backend.name
+    assert "CUDA engine (torch op backend, eager mode)" in pipe.backend.name
     params = pipe.sampling_params(max_tokens=20, temperature=0.0)
     prompts = ["def fib(n):", "import os\nclass A:", pipe.chat_prompt([{"role": "user", "content": "hi"}])]
     results = pipe.generate(prompts, params)

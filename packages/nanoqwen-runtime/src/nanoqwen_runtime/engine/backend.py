@@ -34,7 +34,7 @@ class EngineBackend:
         self.config = config
         self.max_context = engine.max_model_len
         c = engine.config
-        self.name = (f"CUDA engine ({c.backend} kernels, {c.mode} mode) on {engine.device}, "
+        self.name = (f"CUDA engine ({c.backend} op backend, {c.mode} mode) on {engine.device}, "
                      f"{engine.num_blocks} KV blocks of {c.block_size} tokens")
 
     @classmethod
