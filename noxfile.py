@@ -23,7 +23,11 @@ PACKAGES = ["nanoqwen-format", "nanoqwen-quant", "nanoqwen-kernels", "nanoqwen-r
 # torch first and pinned: on the CPU machines `torch==2.13.0` is a CPU build on local disk, while an
 # unpinned requirement can pull a multi-GB CUDA build.
 TORCH_CPU = "torch==2.13.0"
-TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "gguf>=0.10", "tokenizers>=0.19"]
+# accelerate: transformers needs it to load a GGUF checkpoint (the HF oracle of the model tests).
+TEST_DEPS = [
+    "pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "gguf>=0.10", "tokenizers>=0.19",
+    "accelerate>=1.0",
+]
 DEMO_MODEL_DIR = ROOT / ".cache"
 
 nox.options.sessions = ["tests", "lint"]
