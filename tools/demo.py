@@ -53,11 +53,10 @@ def generate(container: Path, prompt: str, max_tokens: int, dtype: str, threads:
     statistics lines) goes straight to the terminal. Returns the generated text."""
     cmd = [sys.executable, "-m", "nanoqwen_cli.main", "generate", str(container), "--chat",
            "--prompt", prompt, "--temperature", "0", "--max-tokens", str(max_tokens), "--device", "cpu",
-           "--dtype", dtype]
+           "--dtype", dtype, "--threads", str(threads)]
     print(f"[demo] nanoqwen-cli generate {container.name} --chat --prompt {prompt!r} --temperature 0 "
-          f"--max-tokens {max_tokens} --device cpu --dtype {dtype}  (OMP_NUM_THREADS={threads})\n",
-          flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+          f"--max-tokens {max_tokens} --device cpu --dtype {dtype} --threads {threads}\n", flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
     chunks = []
     while data := os.read(proc.stdout.fileno(), 4096):
         chunks.append(data)
@@ -81,9 +80,9 @@ def compare_dtypes(container: Path, threads: int) -> dict[str, float]:
     speeds = {}
     for dtype in ("float32", "bfloat16"):
         cmd = [sys.executable, "-m", "nanoqwen_cli.main", "generate", str(container), "--prompt",
-               "def quicksort(a):", "--temperature", "0", "--max-tokens", "64", "--dtype", dtype, "--json"]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+               "def quicksort(a):", "--temperature", "0", "--max-tokens", "64", "--dtype", dtype,
+               "--threads", str(threads), "--json"]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         speeds[dtype] = json.loads(out.stdout)["decode_tok_s"]
         print(f"[demo] {dtype} matmuls: {speeds[dtype]:.2f} decode tok/s", flush=True)
     return speeds
@@ -97,7 +96,8 @@ def main() -> None:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-tokens", type=int, default=320)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch CPU threads (2 on a dedicated 2-core machine; 1 on a busy shared one)")
     ap.add_argument("--compare-dtypes", action="store_true")
     args = ap.parse_args()
     if not args.gguf.exists():

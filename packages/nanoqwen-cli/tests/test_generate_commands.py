@@ -24,7 +24,8 @@ def invoke(*args, input=None):
 
 
 def test_generate_streams_text_and_prints_backend_and_stats(model):
-    r = invoke("generate", model, "--prompt", "def add(a, b):", "--max-tokens", "8", "--temperature", "0")
+    r = invoke("generate", model, "--prompt", "def add(a, b):", "--max-tokens", "8", "--temperature", "0",
+               "--threads", "1")
     assert r.exit_code == 0, r.output
     assert "backend: reference (plain torch) on cpu" in r.stderr
     assert "sampling: greedy (temperature 0), max_tokens 8" in r.stderr
@@ -69,6 +70,7 @@ def test_stop_string(model):
     (["--backend", "magic"], "--backend must be one of"),
     (["--backend", "engine"], "--backend engine runs on a CUDA GPU only"),
     (["--dtype", "int3"], "--dtype must be one of"),
+    (["--threads", "0"], "--threads must be >= 1"),
 ])
 def test_bad_options_exit_2_with_a_message(model, args, message):
     r = invoke("generate", model, "-p", "x", *args)

@@ -2,7 +2,7 @@
 
 generate MODEL --prompt TEXT [--chat] [--system TEXT] [--max-tokens N] [--temperature T] [--top-p P]
          [--top-k K] [--seed S] [--stop STR ...] [--device cpu|cuda] [--backend reference|engine]
-         [--dtype float32|bfloat16] [--json]
+         [--dtype float32|bfloat16] [--threads N] [--json]
     Streams the generated text to stdout as tokens arrive. The backend line (what runs, where) and the
     statistics line (prompt tokens, generated tokens, TTFT, decode tok/s) go to stderr, so stdout is
     only the text. With --json nothing streams: one JSON object is printed at the end
@@ -42,6 +42,7 @@ Backend = Annotated[str, typer.Option(help="reference (plain torch) | engine (CU
 Dtype = Annotated[str | None, typer.Option(help="reference matmul dtype: float32 | bfloat16 "
                                                 "(default float32 on cpu, bfloat16 on cuda)")]
 System = Annotated[str | None, typer.Option(help="system message (with --chat)")]
+Threads = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's, one per core)")]
 
 
 def _fail(msg: str) -> typer.Exit:
@@ -49,9 +50,14 @@ def _fail(msg: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _load(model: Path, device: str, backend: str, dtype: str | None):
+def _load(model: Path, device: str, backend: str, dtype: str | None, threads: int | None = None):
     """Build the Pipeline for the chosen backend; every refusal becomes a clear one-line error."""
     import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise _fail(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     from nanoqwen_runtime.backend import BackendError, ReferenceBackend, resolve_device
     from nanoqwen_runtime.generate import Pipeline
 
@@ -141,13 +147,14 @@ def generate(
     device: Device = "cpu",
     backend: Backend = "reference",
     dtype: Dtype = None,
+    threads: Threads = None,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON object at the end")] = False,
 ) -> None:
     """Generate text from a prompt, streaming it, then print statistics."""
     if system is not None and not chat:
         raise _fail("--system needs --chat (it is a chat-template message)")
     kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
-    pipe = _load(model, device, backend, dtype)
+    pipe = _load(model, device, backend, dtype, threads)
     params = _params(pipe, **kw)
     text = prompt
     if chat:
@@ -179,10 +186,11 @@ def chat(
     device: Device = "cpu",
     backend: Backend = "reference",
     dtype: Dtype = None,
+    threads: Threads = None,
 ) -> None:
     """Multi-turn chat in the terminal (/reset clears the history, /exit quits)."""
     kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
-    pipe = _load(model, device, backend, dtype)
+    pipe = _load(model, device, backend, dtype, threads)
     params = _params(pipe, **kw)
     typer.echo(f"backend: {pipe.backend.name}", err=True)
     typer.echo(_describe_params(params) + "  (/reset clears the history, /exit quits)", err=True)
