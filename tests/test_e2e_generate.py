@@ -46,6 +46,8 @@ def qwen_packed_rtn(qwen05b_gguf) -> Path:
     out = qwen05b_gguf.parent / "packs" / f"qwen05b-rtn-{_fingerprint(qwen05b_gguf, 'rtn')}.nanoqwen"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in out.parent.glob("qwen05b-rtn-*.nanoqwen"):  # packed by an older packer
+            stale.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "nanoqwen_quant.cli", "pack", str(qwen05b_gguf), "-o", str(out),
                "--method", "rtn", "--device", "cpu"]
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -47,6 +47,8 @@ def packed_container(gguf: Path, method: str) -> Path:
     out = gguf.parent / "packs" / f"qwen05b-{method}-{_packer_fingerprint(gguf, method)}.nanoqwen"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in out.parent.glob(f"qwen05b-{method}-*.nanoqwen"):  # packed by an older packer
+            stale.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "nanoqwen_quant.cli", "pack", str(gguf), "-o", str(out),
                "--method", method, "--device", "cpu"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
