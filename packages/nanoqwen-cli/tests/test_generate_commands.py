@@ -71,6 +71,8 @@ def test_stop_string(model):
     (["--backend", "engine"], "--backend engine runs on a CUDA GPU only"),
     (["--dtype", "int3"], "--dtype must be one of"),
     (["--threads", "0"], "--threads must be >= 1"),
+    (["--kv-memory", "8GiB"], "--kv-memory and --eager are engine options"),
+    (["--eager"], "--kv-memory and --eager are engine options"),
 ])
 def test_bad_options_exit_2_with_a_message(model, args, message):
     r = invoke("generate", model, "-p", "x", *args)
@@ -83,6 +85,14 @@ def test_cuda_without_gpu_is_an_error(model):
     assert r.exit_code == 2
     assert "no CUDA GPU is available" in r.stderr
     assert "backend:" not in r.stderr  # nothing ran on the CPU instead
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_engine_options_without_gpu_are_an_error(model):
+    # --device cuda picks the engine; its options are accepted, and the missing GPU is still the error
+    r = invoke("generate", model, "-p", "x", "--device", "cuda", "--kv-memory", "1GiB", "--eager")
+    assert r.exit_code == 2 and "no CUDA GPU is available" in r.stderr
+    assert "backend:" not in r.stderr
 
 
 def test_prompt_longer_than_context_refused(model):

@@ -2,7 +2,7 @@
 
 generate MODEL --prompt TEXT [--chat] [--system TEXT] [--max-tokens N] [--temperature T] [--top-p P]
          [--top-k K] [--seed S] [--stop STR ...] [--device cpu|cuda] [--backend reference|engine]
-         [--dtype float32|bfloat16] [--threads N] [--json]
+         [--kv-memory SIZE] [--eager] [--dtype float32|bfloat16] [--threads N] [--json]
     Streams the generated text to stdout as tokens arrive. The backend line (what runs, where) and the
     statistics line (prompt tokens, generated tokens, TTFT, decode tok/s) go to stderr, so stdout is
     only the text. With --json nothing streams: one JSON object is printed at the end
@@ -13,8 +13,12 @@ chat MODEL [--system TEXT] [...same sampling/device options]
     quits.
 
 Sampling options left out take the container's `generation` defaults; `--temperature 0` is greedy.
-The backend is explicit: `reference` (plain torch, CPU or CUDA) or `engine` (the CUDA engine, GPU
-only); `--device cuda` without a GPU is an error (exit 2), never a silent fall back to the CPU. Bad
+The backend is explicit and printed: `--device cuda` runs the CUDA engine and `--device cpu` the
+plain-torch reference unless `--backend reference|engine` says otherwise (`--backend reference
+--device cuda` runs the reference on the GPU). `--device cuda` without a GPU is an error (exit 2),
+never a silent fall back to the CPU. Engine options: `--kv-memory SIZE` (KV pool, e.g. 8GiB; default
+90% of the memory left after the weights) and `--eager` (launch every kernel from Python instead of
+replaying CUDA graphs; for debugging). Bad
 options (a negative temperature, a prompt longer than the context) exit 2 with a one-line message.
 """
 
@@ -38,7 +42,12 @@ TopK = Annotated[int | None, typer.Option("--top-k", help="keep the K most likel
 Seed = Annotated[int | None, typer.Option(help="sampling seed (reproducible runs)")]
 Stop = Annotated[list[str] | None, typer.Option("--stop", help="stop string (repeatable)")]
 Device = Annotated[str, typer.Option(help="cpu | cuda (cuda without a GPU is an error)")]
-Backend = Annotated[str, typer.Option(help="reference (plain torch) | engine (CUDA engine, GPU only)")]
+Backend = Annotated[str | None, typer.Option(help="reference (plain torch) | engine (CUDA engine, GPU only); "
+                                                  "default: engine on cuda, reference on cpu")]
+KvMemory = Annotated[str | None, typer.Option("--kv-memory", help="engine KV pool size, e.g. 8GiB "
+                                              "(default: 90% of the GPU memory left after the weights)")]
+Eager = Annotated[bool, typer.Option("--eager", help="engine: launch kernels eagerly instead of "
+                                     "replaying CUDA graphs (debugging)")]
 Dtype = Annotated[str | None, typer.Option(help="reference matmul dtype: float32 | bfloat16 "
                                                 "(default float32 on cpu, bfloat16 on cuda)")]
 System = Annotated[str | None, typer.Option(help="system message (with --chat)")]
@@ -50,8 +59,11 @@ def _fail(msg: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _load(model: Path, device: str, backend: str, dtype: str | None, threads: int | None = None):
-    """Build the Pipeline for the chosen backend; every refusal becomes a clear one-line error."""
+def _load(model: Path, device: str, backend: str | None, dtype: str | None, threads: int | None = None,
+          kv_memory: str | None = None, eager: bool = False):
+    """Build the Pipeline for the chosen backend; every refusal becomes a clear one-line error.
+
+    `backend=None` means the device's backend: the engine on cuda, the reference on cpu."""
     import torch
 
     if threads is not None:
@@ -61,18 +73,28 @@ def _load(model: Path, device: str, backend: str, dtype: str | None, threads: in
     from nanoqwen_runtime.backend import BackendError, ReferenceBackend, resolve_device
     from nanoqwen_runtime.generate import Pipeline
 
+    if backend is None:
+        backend = "engine" if device.startswith("cuda") else "reference"
     if backend not in BACKENDS:
         raise _fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if dtype is not None and dtype not in DTYPES:
         raise _fail(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if backend != "engine" and (kv_memory is not None or eager):
+        raise _fail("--kv-memory and --eager are engine options (--device cuda or --backend engine)")
     try:
         dev = resolve_device(device)
         if backend == "engine":
             if dev.type != "cuda":
                 raise _fail("--backend engine runs on a CUDA GPU only; use --device cuda")
             from nanoqwen_runtime.engine.backend import EngineBackend
+            from nanoqwen_runtime.engine.config import EngineConfig, parse_bytes
 
-            return Pipeline.from_container(model, EngineBackend.from_file(model))
+            try:
+                cfg = EngineConfig(device=str(dev), mode="eager" if eager else "graph",
+                                   kv_memory_bytes=parse_bytes(kv_memory) if kv_memory else None)
+            except ValueError as e:
+                raise _fail(str(e)) from None
+            return Pipeline.from_container(model, EngineBackend.from_file(model, cfg))
         name = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
         ref = ReferenceBackend.from_file(model, device=device, dtype=getattr(torch, name))
         return Pipeline.from_container(model, ref)
@@ -145,7 +167,9 @@ def generate(
     seed: Seed = None,
     stop: Stop = None,
     device: Device = "cpu",
-    backend: Backend = "reference",
+    backend: Backend = None,
+    kv_memory: KvMemory = None,
+    eager: Eager = False,
     dtype: Dtype = None,
     threads: Threads = None,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON object at the end")] = False,
@@ -154,7 +178,7 @@ def generate(
     if system is not None and not chat:
         raise _fail("--system needs --chat (it is a chat-template message)")
     kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
-    pipe = _load(model, device, backend, dtype, threads)
+    pipe = _load(model, device, backend, dtype, threads, kv_memory, eager)
     params = _params(pipe, **kw)
     text = prompt
     if chat:
@@ -184,13 +208,15 @@ def chat(
     seed: Seed = None,
     stop: Stop = None,
     device: Device = "cpu",
-    backend: Backend = "reference",
+    backend: Backend = None,
+    kv_memory: KvMemory = None,
+    eager: Eager = False,
     dtype: Dtype = None,
     threads: Threads = None,
 ) -> None:
     """Multi-turn chat in the terminal (/reset clears the history, /exit quits)."""
     kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
-    pipe = _load(model, device, backend, dtype, threads)
+    pipe = _load(model, device, backend, dtype, threads, kv_memory, eager)
     params = _params(pipe, **kw)
     typer.echo(f"backend: {pipe.backend.name}", err=True)
     typer.echo(_describe_params(params) + "  (/reset clears the history, /exit quits)", err=True)
