@@ -90,7 +90,7 @@ def _load(model: Path, device: str, backend: str | None, dtype: str | None, thre
             from nanoqwen_runtime.engine.config import EngineConfig, parse_bytes
 
             try:
-                cfg = EngineConfig(device=str(dev), mode="eager" if eager else "graph",
+                cfg = EngineConfig(mode="eager" if eager else "graph",
                                    kv_memory_bytes=parse_bytes(kv_memory) if kv_memory else None)
             except ValueError as e:
                 raise _fail(str(e)) from None
