@@ -2,17 +2,13 @@
 greedy code generation for 3 coding prompts through the runtime (one batch on the CPU reference).
 
 Each answer's first code block must parse with `ast.parse` and define the function asked for. The
-packed container is cached next to the GGUF under `packs/`, keyed by the GGUF hash and the sources of
-nanoqwen-quant and nanoqwen-format, so a changed packer is re-run and an unchanged one is not.
+packed container comes from the root conftest's `qwen05b_packed` cache.
 """
 
 from __future__ import annotations
 
 import ast
-import hashlib
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,32 +23,9 @@ TASKS = [
 SUFFIX = " Reply with only the code."
 
 
-def _fingerprint(gguf: Path, method: str) -> str:
-    import nanoqwen_format
-    import nanoqwen_quant
-
-    h = hashlib.sha256(f"{method}\n".encode())
-    sha_file = gguf.with_name(gguf.name + ".sha256")
-    h.update(sha_file.read_bytes() if sha_file.exists() else str(gguf.stat().st_size).encode())
-    for mod in (nanoqwen_quant, nanoqwen_format):
-        for src in sorted(Path(mod.__file__).parent.rglob("*.py")):
-            h.update(src.name.encode())
-            h.update(src.read_bytes())
-    return h.hexdigest()[:16]
-
-
 @pytest.fixture(scope="session")
-def qwen_packed_rtn(qwen05b_gguf) -> Path:
-    out = qwen05b_gguf.parent / "packs" / f"qwen05b-rtn-{_fingerprint(qwen05b_gguf, 'rtn')}.nanoqwen"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        for stale in out.parent.glob("qwen05b-rtn-*.nanoqwen"):  # packed by an older packer
-            stale.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "nanoqwen_quant.cli", "pack", str(qwen05b_gguf), "-o", str(out),
-               "--method", "rtn", "--device", "cpu"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return out
+def qwen_packed_rtn(qwen05b_packed) -> Path:
+    return qwen05b_packed("rtn")
 
 
 def first_code_block(text: str) -> str:

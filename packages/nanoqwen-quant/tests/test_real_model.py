@@ -33,17 +33,13 @@ EVAL_TOKENS = 1024
 
 
 @pytest.fixture(scope="module")
-def packed(qwen05b_gguf, tmp_path_factory):
-    d = tmp_path_factory.mktemp("q05b")
-    src = GGUFSource(qwen05b_gguf)
-    out = {}
-    for name, opts in {
-        "bf16": PackOptions(method="none"),
-        "rtn": PackOptions(method="rtn"),
-        "gptq": PackOptions(method="gptq", calib_tokens=2048, calib_seq_len=512, device="cpu"),
-    }.items():
-        out[name] = d / f"{name}.nanoqwen"
-        pack(src, out[name], opts, log=lambda m: None)
+def packed(qwen05b_gguf, qwen05b_packed, tmp_path_factory):
+    # bf16 and RTN come from the session cache of `nanoqwen-quant pack` (root conftest), shared with the
+    # runtime and end-to-end tests; GPTQ with the reduced CI calibration is packed here.
+    out = {"bf16": qwen05b_packed("none"), "rtn": qwen05b_packed("rtn")}
+    out["gptq"] = tmp_path_factory.mktemp("q05b") / "gptq.nanoqwen"
+    opts = PackOptions(method="gptq", calib_tokens=2048, calib_seq_len=512, device="cpu")
+    pack(GGUFSource(qwen05b_gguf), out["gptq"], opts, log=lambda m: None)
     return out
 
 
