@@ -96,18 +96,6 @@ class _EngineRun:
 def load_pipeline(path: str | PathLike, config: EngineConfig | None = None, progress=None):
     """A `generate.Pipeline` (tokenizer, chat template, EOS ids, defaults from the container) whose
     backend is the CUDA engine."""
-    import nanoqwen_format as nqf
+    from ..generate import Pipeline
 
-    from ..chat import ChatTemplate, special_tokens_from
-    from ..generate import Pipeline, generation_defaults
-    from ..tokenizer import Tokenizer
-
-    with nqf.open(path) as f:
-        meta = f.metadata
-        tok = Tokenizer.from_json(f.tokenizer_json)
-        template = ChatTemplate(f.chat_template, special_tokens_from(f.config, f.tokenizer_json)) \
-            if f.chat_template else None
-        defaults = generation_defaults(meta)
-        eos = defaults.get("eos_token_ids") or f.config.get("eos_token_id") or []
-        eos = eos if isinstance(eos, list) else [eos]
-    return Pipeline(EngineBackend.from_file(path, config, progress), tok, template, eos, defaults)
+    return Pipeline.from_container(path, EngineBackend.from_file(path, config, progress))
