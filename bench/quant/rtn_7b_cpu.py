@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from nanoqwen_quant.synthetic import random_layer
 
 CONFIG_7B = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
@@ -52,32 +53,6 @@ def _tokenizer_json() -> str:
     return tok.to_str()
 
 
-def layer_tensors(i: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    c = CONFIG_7B
-    h, inter = c["hidden_size"], c["intermediate_size"]
-    d = h // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * d
-    p = f"model.layers.{i}."
-
-    def rnd(*shape, scale):
-        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
-
-    return {
-        p + "input_layernorm.weight": 1 + rnd(h, scale=0.1),
-        p + "post_attention_layernorm.weight": 1 + rnd(h, scale=0.1),
-        p + "self_attn.q_proj.weight": rnd(h, h, scale=h ** -0.5),
-        p + "self_attn.q_proj.bias": rnd(h, scale=0.1),
-        p + "self_attn.k_proj.weight": rnd(kv, h, scale=h ** -0.5),
-        p + "self_attn.k_proj.bias": rnd(kv, scale=0.1),
-        p + "self_attn.v_proj.weight": rnd(kv, h, scale=h ** -0.5),
-        p + "self_attn.v_proj.bias": rnd(kv, scale=0.1),
-        p + "self_attn.o_proj.weight": rnd(h, h, scale=h ** -0.5),
-        p + "mlp.gate_proj.weight": rnd(inter, h, scale=h ** -0.5),
-        p + "mlp.up_proj.weight": rnd(inter, h, scale=h ** -0.5),
-        p + "mlp.down_proj.weight": rnd(h, inter, scale=inter ** -0.5),
-    }
-
-
 def make_folder(folder: Path) -> None:
     """Write the synthetic checkpoint shard by shard (a few GB of RAM at most)."""
     from safetensors.torch import save_file
@@ -93,7 +68,7 @@ def make_folder(folder: Path) -> None:
         name = f"model-{k + 1:05d}-of-{total:05d}.safetensors"
         sd = {}
         for i in layers:
-            sd |= layer_tensors(i, g)
+            sd |= random_layer(c, i, g)
         save_file(sd, str(folder / name))
         weight_map |= {t: name for t in sd}
         del sd

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from nanoqwen_quant.synthetic import random_layer
 
 TINY_CONFIG = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128,
@@ -47,9 +48,7 @@ def tiny_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     """HF-named bf16 weights of the tiny model."""
     g = torch.Generator().manual_seed(seed)
     c = TINY_CONFIG
-    h, inter, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    d = h // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * d
+    h, v = c["hidden_size"], c["vocab_size"]
 
     def rnd(*shape, scale):
         return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
@@ -57,21 +56,7 @@ def tiny_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     sd = {"model.embed_tokens.weight": rnd(v, h, scale=0.5), "model.norm.weight": 1 + rnd(h, scale=0.1),
           "lm_head.weight": rnd(v, h, scale=h ** -0.5)}
     for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        sd |= {
-            p + "input_layernorm.weight": 1 + rnd(h, scale=0.1),
-            p + "post_attention_layernorm.weight": 1 + rnd(h, scale=0.1),
-            p + "self_attn.q_proj.weight": rnd(h, h, scale=h ** -0.5),
-            p + "self_attn.q_proj.bias": rnd(h, scale=0.1),
-            p + "self_attn.k_proj.weight": rnd(kv, h, scale=h ** -0.5),
-            p + "self_attn.k_proj.bias": rnd(kv, scale=0.1),
-            p + "self_attn.v_proj.weight": rnd(kv, h, scale=h ** -0.5),
-            p + "self_attn.v_proj.bias": rnd(kv, scale=0.1),
-            p + "self_attn.o_proj.weight": rnd(h, h, scale=h ** -0.5),
-            p + "mlp.gate_proj.weight": rnd(inter, h, scale=h ** -0.5),
-            p + "mlp.up_proj.weight": rnd(inter, h, scale=h ** -0.5),
-            p + "mlp.down_proj.weight": rnd(h, inter, scale=inter ** -0.5),
-        }
+        sd |= random_layer(c, i, g)
     return sd
 
 
