@@ -6,18 +6,29 @@ current torch stream as a CuPy `ExternalStream` and launches on it. Nothing here
 memory or synchronises the host, so launches can be captured in a CUDA graph once each family has
 been loaded (call `warm_up()` before capture: loading a module is not capturable).
 
+Programmatic dependent launch (PDL) is opt-in: under `use_pdl(True)` (a context manager) or with
+NANOQWEN_PDL=1, `launch()` goes through `cuLaunchKernelEx` with the programmatic-stream-serialization
+attribute (cuda_driver.py), so a kernel's blocks may start under the tail of the previous kernel; each
+kernel waits for its inputs itself (`pdl_wait` in csrc/common.cuh; every kernel of this package keeps
+that contract, and without the attribute the wait is a no-op). Off by default because on the H200 we
+measure on, the driver never starts a dependent grid early (bench/kernels/PDL.md: same kernel-to-kernel
+gap with and without it, eager and in graphs), so it buys nothing there. The choice is made per
+launch, so a CUDA graph keeps the one it was captured with.
+
 Only sm_90 (Hopper) is supported: `require_sm90` raises `UnsupportedDeviceError` on anything else;
 there is no slower fallback path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 
 import numpy as np
 import torch
 
-from . import build
+from . import build, cuda_driver
 from .specs import SPECS
 
 
@@ -30,6 +41,23 @@ _modules: dict[tuple[str, int], object] = {}
 _functions: dict[tuple[str, str, int], object] = {}
 _streams: dict[tuple[int, int], object] = {}
 _checked_devices: set[int] = set()
+_pdl = os.environ.get("NANOQWEN_PDL", "0") == "1"
+
+
+def pdl_enabled() -> bool:
+    """Whether launches made now use programmatic dependent launch."""
+    return _pdl
+
+
+@contextlib.contextmanager
+def use_pdl(enabled: bool):
+    """Launches made inside the block use PDL (True) or plain stream order (False); restored after."""
+    global _pdl
+    old, _pdl = _pdl, bool(enabled)
+    try:
+        yield
+    finally:
+        _pdl = old
 
 
 def require_sm90(device: torch.device) -> int:
@@ -92,8 +120,13 @@ def launch(family: str, kernel: str, device_index: int, grid, block, args, share
         fn.max_dynamic_shared_size_bytes = shared_mem
     import cupy
 
-    with cupy.cuda.Device(device_index), current_stream(device_index):
-        fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+    with cupy.cuda.Device(device_index):
+        if _pdl:
+            stream = torch.cuda.current_stream(device_index).cuda_stream
+            cuda_driver.launch_pdl(fn.kernel.ptr, grid, block, args, shared_mem, stream)
+            return
+        with current_stream(device_index):
+            fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
 
 
 def warm_up(families=None, device: torch.device | None = None) -> None:

@@ -12,6 +12,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens_bf16(
     const bf16_t* __restrict__ logits, long long ld, int V, const float* __restrict__ temperature,
     const int* __restrict__ top_k, const float* __restrict__ top_p, const long long* __restrict__ seeds,
     long long* __restrict__ offsets, int* __restrict__ out) {
+  pdl_enter();
   const int b = blockIdx.x;
   RowParams p;
   p.temperature = temperature[b];

@@ -171,6 +171,25 @@ def profile_decode_kernels(engine: Engine, steps: int = 5) -> dict:
             "per_kernel": dict(sorted(per.items(), key=lambda kv: -kv[1]["us_per_step"]))}
 
 
+def pdl_ab(geom: ModelGeometry, weights, batches=(1, 8), rounds: int = 3) -> dict:
+    """Decode graph replay with programmatic dependent launch on and off, same weights, same run:
+    two engines of the same config but `pdl`, measured alternately (`rounds` times, best of each)."""
+    cfg = dict(kv_memory_bytes=4 << 30, max_model_len=4096, dense_weight_cache=False)
+    engines = {pdl: Engine(geom, weights, EngineConfig(pdl=pdl, **cfg)) for pdl in (True, False)}
+    rows = []
+    for b in batches:
+        best = {True: 0.0, False: 0.0}
+        for r in range(rounds):
+            for pdl, eng in engines.items():
+                res = decode_at_context(eng, 128, 32, batch=b, seed=300 + 10 * r)
+                best[pdl] = max(best[pdl], res["graph_tok_s"])
+        rows.append({"batch": b, "context": 128, "graph_tok_s_pdl": best[True],
+                     "graph_tok_s_plain": best[False], "speedup": best[True] / best[False]})
+    del engines
+    torch.cuda.empty_cache()
+    return {"rows": rows, "rounds": rounds}
+
+
 def load_time(geometry: ModelGeometry, folder: Path) -> dict:
     """Write a synthetic container of `geometry`, then time `loader.load` to the GPU (page cache warm:
     the file was just written) with and without the checksum pass. The file is removed afterwards."""
@@ -282,6 +301,10 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
     weights_ref, geom = engine.weights, engine.geom
     del engine
     torch.cuda.empty_cache()
+    if _section(res, "pdl_ab", log, pdl_ab, geom, weights_ref):
+        for r in res["pdl_ab"]["rows"]:
+            log(f"PDL A/B batch {r['batch']}: graph {r['graph_tok_s_pdl']:.0f} tok/s with PDL, "
+                f"{r['graph_tok_s_plain']:.0f} without ({r['speedup']:.3f}x)")
     eager = Engine(geom, weights_ref, EngineConfig(kv_memory_bytes=4 << 30, max_model_len=4096, mode="eager"))
     res["eager"] = []
     for b in (1, 8):
@@ -332,6 +355,12 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['prompt']} | {r['prefill_tok_s']:.0f} | {1e3 * r['prefill_s']:.1f} |")
     if "ttft_2k" in res:
         lines += ["", f"Time to first token, 2048-token prompt: {1e3 * res['ttft_2k']['ttft_s']:.1f} ms"]
+    if res.get("pdl_ab"):
+        lines += ["", "## Programmatic dependent launch A/B (decode graph replay, context 128, same run)", "",
+                  "| batch | with PDL tok/s | without tok/s | speedup |", "| --- | --- | --- | --- |"]
+        for r in res["pdl_ab"]["rows"]:
+            lines.append(f"| {r['batch']} | {r['graph_tok_s_pdl']:.0f} | {r['graph_tok_s_plain']:.0f} | "
+                         f"{r['speedup']:.3f}x |")
     lines += ["", "## Graph vs eager (context 128)", "", "| batch | graph tok/s | eager tok/s |",
               "| --- | --- | --- |"]
     graph = {r["batch"]: r for r in res.get("decode_batched", [])}

@@ -24,6 +24,7 @@ addresses. The workspace memory is counted before the KV pool is sized.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,6 +92,8 @@ class ModelRunner:
         self.context_classes = cfg.context_classes(max_pages * cfg.block_size)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, context class)
         self._graph_pool = None
+        # the backend's launch settings (kernel backend: PDL on/off), held around every forward
+        self._launch_context = getattr(ops, "launch_context", contextlib.nullcontext)
         if hasattr(ops, "check_weights"):
             ops.check_weights(weights)
         if hasattr(ops, "setup"):
@@ -153,7 +156,8 @@ class ModelRunner:
         if graph is not None:
             graph.replay()
         else:
-            self._forward(views, T, B, inputs.kind, cls)
+            with self._launch_context():
+                self._forward(views, T, B, inputs.kind, cls)
         return self.ws.tokens[: inputs.num_real].cpu().numpy()
 
     def context_class(self, max_context_len: int) -> int:
@@ -179,14 +183,14 @@ class ModelRunner:
                 views = self.buffers.load(inputs)
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
+                with torch.cuda.stream(stream), self._launch_context():
                     for _ in range(2):
                         self._forward(views, bucket, bucket, "decode", cls)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 if self._graph_pool is None:
                     self._graph_pool = torch.cuda.graph_pool_handle()
-                with torch.cuda.graph(graph, pool=self._graph_pool):
+                with torch.cuda.graph(graph, pool=self._graph_pool), self._launch_context():
                     self._forward(views, bucket, bucket, "decode", cls)
                 self.graphs[(bucket, cls)] = graph
         torch.cuda.synchronize(self.device)

@@ -86,6 +86,10 @@ class KernelOps:
     def warm_up(self) -> None:
         klaunch.warm_up(FAMILIES, self.device)
 
+    def launch_context(self):
+        """Context every step's launches (eager or captured) run in: PDL on or off per the config."""
+        return klaunch.use_pdl(self.cfg.pdl)
+
     def check_weights(self, weights) -> None:
         """Refuse what the kernels cannot run; build the bf16 weight cache when configured."""
         lins = _linears(weights)

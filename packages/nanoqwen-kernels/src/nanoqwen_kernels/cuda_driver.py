@@ -1,0 +1,87 @@
+"""ctypes binding of the one CUDA driver call CuPy does not expose: `cuLaunchKernelEx`.
+
+It is used for programmatic dependent launch (PDL): the launch attribute
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION lets a kernel's blocks start while the previous
+kernel on the stream is still running, each kernel resolving the dependency itself with
+`griddepcontrol.wait` (csrc/common.cuh states the contract). Under stream capture the driver turns
+it into a programmatic edge of the CUDA graph.
+
+The structures mirror cuda.h (CUDA 12.0 and later; `tests/test_cuda_driver_cpu.py` compiles a C
+program against the local cuda.h and compares sizes and offsets).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class CUlaunchAttribute(ctypes.Structure):
+    """cuda.h CUlaunchAttribute: an id (enum, 4 bytes), 4 bytes of padding, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class CUlaunchConfig(ctypes.Structure):
+    """cuda.h CUlaunchConfig."""
+
+    _fields_ = [
+        ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(CUlaunchAttribute)), ("numAttrs", ctypes.c_uint),
+    ]  # fmt: skip
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed; the message carries the driver's error name and text."""
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(CUlaunchConfig), ctypes.c_void_p,
+                                     ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def _error_text(lib: ctypes.CDLL, code: int) -> str:
+    name, text = ctypes.c_char_p(), ctypes.c_char_p()
+    lib.cuGetErrorName(code, ctypes.byref(name))
+    lib.cuGetErrorString(code, ctypes.byref(text))
+    return f"{(name.value or b'?').decode()} ({code}): {(text.value or b'?').decode()}"
+
+
+@functools.cache
+def _pdl_attribute() -> CUlaunchAttribute:
+    attr = CUlaunchAttribute()
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    # value.programmaticStreamSerializationAllowed: an int at offset 0 of the union
+    ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), ctypes.sizeof(ctypes.c_int))
+    return attr
+
+
+def launch_pdl(function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
+    """cuLaunchKernelEx of the CUfunction `function_ptr` on `stream_ptr` with programmatic stream
+    serialization allowed. `args`: numpy scalars in the kernel's parameter order (their dtype gives
+    each parameter's size). Raises CudaDriverError when the driver refuses the launch."""
+    if not all(isinstance(a, np.generic) for a in args):
+        raise TypeError("launch_pdl: every argument must be a numpy scalar (its dtype gives the size)")
+    lib = _libcuda()
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+    bx, by, bz = (tuple(block) + (1, 1))[:3]
+    cfg = CUlaunchConfig(gx, gy, gz, bx, by, bz, shared_mem, stream_ptr,
+                         ctypes.pointer(_pdl_attribute()), 1)
+    holders = [np.asarray(a) for a in args]  # 0-d arrays own the parameter bytes during the call
+    params = (ctypes.c_void_p * max(1, len(holders)))(*[h.ctypes.data for h in holders])
+    code = lib.cuLaunchKernelEx(ctypes.byref(cfg), function_ptr, params, None)
+    if code != 0:
+        raise CudaDriverError(f"cuLaunchKernelEx (grid {grid}, block {block}, {shared_mem} B shared): "
+                              + _error_text(lib, code))
