@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from .launch import check, i32, launch, ptr, require_sm90
-from .specs import SPECS
 
 FAMILY = "gemv"
 MAX_M = 8
@@ -132,24 +131,11 @@ class GemvPlan:
     def blocks_n(self) -> int:
         return -(-self.n // ROWS_PER_BLOCK)
 
-    def shared_bytes(self, m: int, ring: int = 0) -> int:
-        """Dynamic shared memory of the default kernel: the staged x, then (ring > 0) the cp.async
-        weight ring of `ring` tile-columns per warp, 128-aligned (csrc ring_offset())."""
-        x_bytes = m * (self.kc * 128 + XPAD) * 2
-        if ring == 0:
-            return x_bytes
-        return (x_bytes + 127) // 128 * 128 + (THREADS // 32) * ring * 1024
+    def shared_bytes(self, m: int) -> int:
+        return m * (self.kc * 128 + XPAD) * 2
 
     def workspace_floats(self, m: int) -> int:
         return self.splits * m * self.n if self.splits > 1 else 0
-
-
-def ring_depth(family: str) -> int:
-    """The cp.async ring depth family `family` was compiled with (its -DNQ_GEMV_ASYNC_DEPTH; 0 if none)."""
-    for opt in SPECS[family].options:
-        if opt.startswith("-DNQ_GEMV_ASYNC_DEPTH="):
-            return int(opt.split("=", 1)[1])
-    return 0
 
 
 @functools.cache
@@ -301,8 +287,7 @@ def gemv_int4(
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
         ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc),
     )  # fmt: skip
-    smem = plan.shared_bytes(m, ring_depth(family))
-    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, smem)
+    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, plan.shared_bytes(m))
     return out
 
 

@@ -11,10 +11,6 @@ from __future__ import annotations
 
 from .build import KernelSpec
 
-# Tile-columns per warp in the decode GEMV's cp.async weight ring (csrc/gemv_int4.cuh); 0 = the
-# register pipeline. One value, passed to the compiler here and read back by gemv.ring_depth().
-GEMV_RING_DEPTH = 0
-
 SPECS: dict[str, KernelSpec] = {
     "layer_ops": KernelSpec(
         name="layer_ops",
@@ -30,7 +26,6 @@ SPECS: dict[str, KernelSpec] = {
     "gemv": KernelSpec(
         name="gemv",
         sources=("gemv.cu",),
-        options=(f"-DNQ_GEMV_ASYNC_DEPTH={GEMV_RING_DEPTH}",),
         hot_kernels=tuple(
             f"gemv_int4_g{g}_{kind}{suffix}"
             for g in (32, 64, 128)

@@ -70,25 +70,6 @@ NQ_DEVICE void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// ---- the cp.async weight ring (RING > 0): 16-byte copies global -> shared, one commit group per
-// tile-column. Each lane copies and later reads back only its own 16 bytes of each tile, so the ring
-// needs no barrier: cp.async.wait_group orders a lane's copy before its own read, and program order
-// its read before the copy that refills the slot.
-NQ_DEVICE u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-NQ_DEVICE void cp_async_16(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-NQ_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-NQ_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-NQ_DEVICE uint4 lds_v4(u32 addr) {
-  uint4 r;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
-  return r;
-}
-// Byte offset of the ring in dynamic shared memory: after the staged x, 128-aligned (gemv.py mirrors it).
-NQ_DEVICE int ring_offset(int M, int kc) { return ((M * (kc * 128 + XPAD) * 2) + 127) & ~127; }
-
 NQ_DEVICE float ld_cg_f32(const float* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -163,7 +144,7 @@ struct Stage {
   u32 z0[U], z1[U];
 };
 
-template <int G, bool ASYM, int XMODE, int U, int RING>
+template <int G, bool ASYM, int XMODE, int U>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                          const bf16_t* __restrict__ scales, const u8* __restrict__ zeros,
                          const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
@@ -204,6 +185,8 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
         if constexpr (ASYM) {
           st.z0[u] = GroupIO<G>::load_zeros(z0p, tc);
           st.z1[u] = GroupIO<G>::load_zeros(z1p, tc);
+        } else {
+          st.z0[u] = st.z1[u] = 0u;  // unused (zero point 8)
         }
       }
     }
@@ -245,69 +228,28 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     }
   };
 
-  if constexpr (RING == 0) {
-    // Register pipeline: two stages of U tile-columns, ping-pong: the loads of the next U columns are
-    // in flight while the current U are dequantised and multiplied.
-    auto compute = [&](const Stage<G, ASYM, U>& st, int base) {
+  // Register pipeline: two stages of U tile-columns, ping-pong: the loads of the next U columns are
+  // in flight while the current U are dequantised and multiplied.
+  auto compute = [&](const Stage<G, ASYM, U>& st, int base) {
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (base + u < tc_end) compute_col(st.w0[u], st.w1[u], st.s0[u], st.s1[u], st.z0[u], st.z1[u], base + u);
-    };
-    // The first stage's weight loads go out before x is staged: their latency overlaps the staging.
-    // (Issuing the second stage here too measured 5-15% slower on the H200: NOTES.md, v3.)
-    // Under PDL this prefetch runs while the previous kernel finishes: weights, scales and zeros are
-    // never written by a kernel. Everything after pdl_wait() may touch what the previous kernel wrote.
-    Stage<G, ASYM, U> A, B;
-    load(A, tc_begin);
-    pdl_wait();
-    stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
-    __syncthreads();
-    if (has0) {
-      for (int base = tc_begin; base < tc_end; base += 2 * U) {
-        load(B, base + U);
-        compute(A, base);
-        load(A, base + 2 * U);
-        compute(B, base + U);
-      }
-    }
-  } else {
-    // cp.async ring: RING tile-columns (RING KB per warp) in flight through shared memory; the scales
-    // (and zeros) of those columns wait in a register ring of the same depth.
-    const u32 ring = smem_u32(smem_raw + ring_offset(M, kc)) + (u32)(warp * RING * 2 * 512 + lane * 16);
-    ScaleT s0r[RING], s1r[RING];
-    u32 z0r[RING], z1r[RING];
-    auto issue = [&](int u, int tc) {  // u is a compile-time constant after unrolling
-      if (has0 && tc < tc_end) {
-        cp_async_16(ring + (u * 2) * 512, w0p + (i64)tc * 32);
-        cp_async_16(ring + (u * 2 + 1) * 512, w1p + (i64)tc * 32);
-        s0r[u] = GroupIO<G>::load_scales(s0p, tc);
-        s1r[u] = GroupIO<G>::load_scales(s1p, tc);
-        if constexpr (ASYM) {
-          z0r[u] = GroupIO<G>::load_zeros(z0p, tc);
-          z1r[u] = GroupIO<G>::load_zeros(z1p, tc);
-        } else {
-          z0r[u] = z1r[u] = 0u;
-        }
-      }
-      cp_async_commit();  // one group per column, empty past the end: wait_group counts stay uniform
-    };
-#pragma unroll
-    for (int u = 0; u < RING; ++u) issue(u, tc_begin + u);
-    pdl_wait();  // as above: only weights were touched before it
-    stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
-    __syncthreads();
-    if (has0) {
-      for (int base = tc_begin; base < tc_end; base += RING) {
-#pragma unroll
-        for (int u = 0; u < RING; ++u) {
-          const int tc = base + u;
-          cp_async_wait<RING - 1>();  // this lane's copies of column tc have landed
-          if (tc < tc_end)
-            compute_col(lds_v4(ring + (u * 2) * 512), lds_v4(ring + (u * 2 + 1) * 512), s0r[u], s1r[u], z0r[u],
-                        z1r[u], tc);
-          issue(u, tc + RING);
-        }
-      }
+    for (int u = 0; u < U; ++u)
+      if (base + u < tc_end) compute_col(st.w0[u], st.w1[u], st.s0[u], st.s1[u], st.z0[u], st.z1[u], base + u);
+  };
+  // The first stage's weight loads go out before x is staged: their latency overlaps the staging.
+  // (Issuing the second stage here too measured 5-15% slower on the H200: NOTES.md, v3.)
+  // Under PDL this prefetch runs while the previous kernel finishes: weights, scales and zeros are
+  // never written by a kernel. Everything after pdl_wait() may touch what the previous kernel wrote.
+  Stage<G, ASYM, U> A, B;
+  load(A, tc_begin);
+  pdl_wait();
+  stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
+  __syncthreads();
+  if (has0) {
+    for (int base = tc_begin; base < tc_end; base += 2 * U) {
+      load(B, base + U);
+      compute(A, base);
+      load(A, base + 2 * U);
+      compute(B, base + U);
     }
   }
   pdl_launch_dependents();  // the weight stream is done: let the next kernel's prefetch start
