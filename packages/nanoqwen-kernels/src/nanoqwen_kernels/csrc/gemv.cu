@@ -24,8 +24,8 @@ using namespace nq_gemv;
            const bf16_t* __restrict__ scales, const u8* __restrict__ zeros,                           \
            const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,         \
            int* __restrict__ counters, int M, int N, int K, int kc) {                                 \
-    gemv_int4<G, ASYM, XMODE, NQ_GEMV_UNROLL, NQ_GEMV_FOLD_ZERO>(x, qweight, scales, zeros, bias, out, ws, \
-                                                                 counters, M, N, K, kc);              \
+    gemv_int4<G, ASYM, XMODE, NQ_GEMV_UNROLL>(x, qweight, scales, zeros, bias, out, ws, counters, M, \
+                                              N, K, kc);                                              \
   }
 
 // Tile-columns per pipeline stage (two stages in flight) and the blocks per SM the register budget
@@ -33,11 +33,6 @@ using namespace nq_gemv;
 // Measured on the H200 (NOTES.md): one tile-column per stage with more warps beats deeper stages.
 #ifndef NQ_GEMV_UNROLL
 #define NQ_GEMV_UNROLL 1
-#endif
-// 1: the mma multiplies 128 + q (one lop3 per weight pair, no zero subtraction) and each group's result
-// is corrected by (128 + z) * sum(x) once; 0: the zero point is subtracted from every weight pair.
-#ifndef NQ_GEMV_FOLD_ZERO
-#define NQ_GEMV_FOLD_ZERO 0
 #endif
 #ifndef NQ_GEMV_MIN_BLOCKS
 #define NQ_GEMV_MIN_BLOCKS 3  // g32/g64 and the SiLU-input kernels: <= 85 registers, unspilled

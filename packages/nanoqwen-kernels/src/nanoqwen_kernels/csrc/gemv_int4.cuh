@@ -38,7 +38,6 @@ constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
 constexpr int ROWS_PER_BLOCK = WARPS * 16;
 constexpr int XPAD = 32;  // bf16 elements of padding per staged x row: rows alternate bank halves
-constexpr int KC_MAX = 48;  // most tile-columns one block stages (gemv.py KC_MAX)
 
 NQ_DEVICE u32 lop3_and_or(u32 a, u32 b, u32 c) {
   u32 d;
@@ -53,11 +52,10 @@ NQ_DEVICE u32 sub_zero(u32 v, u32 negzz) {
   return d;
 }
 
-// nibble pair j of a word -> bf16x2 (128 + q) for columns 2t + 8j + {0, 1}
-NQ_DEVICE u32 dq_biased(u32 word, int j) { return lop3_and_or(word >> (4 * j), 0x000f000fu, 0x43004300u); }
-
 // nibble pair j of a word -> bf16x2 (q - z) for columns 2t + 8j + {0, 1}
-NQ_DEVICE u32 dq(u32 word, int j, u32 negzz) { return sub_zero(dq_biased(word, j), negzz); }
+NQ_DEVICE u32 dq(u32 word, int j, u32 negzz) {
+  return sub_zero(lop3_and_or(word >> (4 * j), 0x000f000fu, 0x43004300u), negzz);
+}
 
 NQ_DEVICE u32 neg_zero_pair(u32 z) {
   const u32 h = 0xC300u + z;  // bf16 of -(128 + z): sign | exponent 7 | mantissa z
@@ -146,7 +144,7 @@ struct Stage {
   u32 z0[U], z1[U];
 };
 
-template <int G, bool ASYM, int XMODE, int U, bool FOLD>
+template <int G, bool ASYM, int XMODE, int U>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                          const bf16_t* __restrict__ scales, const u8* __restrict__ zeros,
                          const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
@@ -194,8 +192,6 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     }
   };
 
-  // FOLD: per staged group and row m, the fp32 sum of the staged bf16 x (rows m >= M: 0)
-  __shared__ __align__(8) float xsum[FOLD ? KC_MAX * GPT : 1][8];
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   const bool xrow = g < M;
   const bf16_t* xsl = xs + g * xs_stride + 8 * t;
@@ -220,31 +216,15 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
         const int w = gi * (4 / GPT) + wi;
         uint4 b = make_uint4(0, 0, 0, 0);
         if (xrow) b = *reinterpret_cast<const uint4*>(xt + 32 * w);
-        if constexpr (FOLD) {
-          mma_bf16(c, dq_biased(w0[w], 0), dq_biased(w1[w], 0), dq_biased(w0[w], 1), dq_biased(w1[w], 1), b.x, b.y);
-          mma_bf16(c, dq_biased(w0[w], 2), dq_biased(w1[w], 2), dq_biased(w0[w], 3), dq_biased(w1[w], 3), b.z, b.w);
-        } else {
-          mma_bf16(c, dq(w0[w], 0, nz0), dq(w1[w], 0, nz1), dq(w0[w], 1, nz0), dq(w1[w], 1, nz1), b.x, b.y);
-          mma_bf16(c, dq(w0[w], 2, nz0), dq(w1[w], 2, nz1), dq(w0[w], 3, nz0), dq(w1[w], 3, nz1), b.z, b.w);
-        }
+        mma_bf16(c, dq(w0[w], 0, nz0), dq(w1[w], 0, nz1), dq(w0[w], 1, nz0), dq(w1[w], 1, nz1), b.x, b.y);
+        mma_bf16(c, dq(w0[w], 2, nz0), dq(w1[w], 2, nz1), dq(w0[w], 3, nz0), dq(w1[w], 3, nz1), b.z, b.w);
       }
       const float sc0 = bf16_to_f32((bf16_t)(s0 >> (16 * gi)));
       const float sc1 = bf16_to_f32((bf16_t)(s1 >> (16 * gi)));
-      if constexpr (FOLD) {
-        // c holds sum (128 + q) x; subtract (128 + z) * sum x of the group (staged per row m = 2t, 2t+1)
-        const float2 xg = *reinterpret_cast<const float2*>(&xsum[(tc - tc_begin) * GPT + gi][2 * t]);
-        const float zf0 = 128.f + (float)(ASYM ? (z0 >> (8 * gi)) & 0xffu : 8u);
-        const float zf1 = 128.f + (float)(ASYM ? (z1 >> (8 * gi)) & 0xffu : 8u);
-        acc[0] = fmaf(fmaf(-zf0, xg.x, c[0]), sc0, acc[0]);
-        acc[1] = fmaf(fmaf(-zf0, xg.y, c[1]), sc0, acc[1]);
-        acc[2] = fmaf(fmaf(-zf1, xg.x, c[2]), sc1, acc[2]);
-        acc[3] = fmaf(fmaf(-zf1, xg.y, c[3]), sc1, acc[3]);
-      } else {
-        acc[0] = fmaf(c[0], sc0, acc[0]);
-        acc[1] = fmaf(c[1], sc0, acc[1]);
-        acc[2] = fmaf(c[2], sc1, acc[2]);
-        acc[3] = fmaf(c[3], sc1, acc[3]);
-      }
+      acc[0] = fmaf(c[0], sc0, acc[0]);
+      acc[1] = fmaf(c[1], sc0, acc[1]);
+      acc[2] = fmaf(c[2], sc1, acc[2]);
+      acc[3] = fmaf(c[3], sc1, acc[3]);
     }
   };
 
@@ -264,22 +244,6 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   pdl_wait();
   stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
   __syncthreads();
-  if constexpr (FOLD) {
-    // a group's G columns are G consecutive staged slots (the staging permutes within 32 columns)
-    const int groups = ncols / G;
-    for (int item = warp; item < groups * 8; item += WARPS) {
-      const int grp = item >> 3, m = item & 7;
-      float v = 0.f;
-      if (m < M) {
-        const bf16_t* src = xs + m * xs_stride + grp * G;
-#pragma unroll
-        for (int i = lane; i < G; i += 32) v += bf16_to_f32(src[i]);
-        v = warp_sum(v);
-      }
-      if (lane == 0) xsum[grp][m] = v;
-    }
-    __syncthreads();
-  }
   if (has0) {
     for (int base = tc_begin; base < tc_end; base += 2 * U) {
       load(B, base + U);
