@@ -81,17 +81,20 @@ def test_every_kernel_entry_waits_before_touching_dependent_memory():
         for name, body in _kernel_bodies(path.read_text()):
             seen += 1
             first = body.replace("\\", " ").split(";")[0].strip()
-            if first.startswith("gemv_int4<"):
-                # the default GEMV prefetches weights first; its wait is inside gemv_int4 (checked below)
+            if first.startswith(("gemv_int4<", "nq_gemv8::gemv_int8<")):
+                # the decode GEMVs prefetch weights first; their wait is inside (checked below)
                 continue
             assert first in ("pdl_enter()", "pdl_wait()"), f"{path.name}:{name} starts with {first!r}"
     assert seen >= 10
-    gemv = (CSRC / "gemv_int4.cuh").read_text()
-    body = gemv[gemv.index("NQ_DEVICE void gemv_int4("):]
-    wait, stage, first_store = body.index("pdl_wait();"), body.index("stage_x<XMODE>(xs"), body.index("out[")
-    assert wait < stage < first_store
-    # before the wait only the weight prefetch: no x, workspace, counter or output access
-    assert re.findall(r"\b(stage_x|ws|counters|out)\[", body[:wait]) == []
+    for header, fn, first_x in (("gemv_int4.cuh", "NQ_DEVICE void gemv_int4(", "stage_x<XMODE>(xs"),
+                                ("gemv_int8.cuh", "NQ_DEVICE void gemv_int8(", "ld_v4(x + ")):
+        src = (CSRC / header).read_text()
+        body = src[src.index(fn):]
+        wait, stage, first_store = body.index("pdl_wait();"), body.index(first_x), body.index("out[")
+        assert wait < stage < first_store, header
+        # before the wait only the weight prefetch: no x, workspace, counter or output access
+        assert re.findall(r"\b(stage_x|ws|counters|out|x)\[", body[:wait]) == [], header
+        assert "ld_v4(x" not in body[:wait], header
 
 
 def test_use_pdl_switches_and_restores():

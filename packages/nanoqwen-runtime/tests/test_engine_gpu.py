@@ -256,3 +256,28 @@ def test_pdl_changes_nothing_but_timing(container, mode):
             steps += 1
     assert steps == 3 * 12
     print(f"pdl[{mode}]: {steps} steps, logits bitwise equal with and without PDL")
+
+
+def test_int8_lm_head_matches_reference(tmp_path):
+    """An `--lm-head int8` container (7B width, 2 layers) runs on the INT8 GEMV: teacher-forced logits
+    at 8 positions, as a batch of 8 requests (lm_head rows M up to 8) and one request alone (M = 1),
+    within the same bounds as the bf16 head."""
+    geom = GEOMS["7b-width-2layers"]
+    path = write_container(tmp_path / "int8-head.nanoqwen", geom, seed=9, lm_head="int8", device="cuda")
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 150000, (300,), generator=g).tolist()
+    ref_toks, ref_logits = reference_run(path, prompt, 8)
+    engine = Engine.from_file(path, gpu_config())
+    forced = [Request(prompt + ref_toks[:j], SamplingParams(max_tokens=2), f"f{j}", ignore_eos=True)
+              for j in range(8)]
+    _, _, batched = engine_run(engine, forced)
+    _, _, single = engine_run(engine, forced[:1])
+    diffs = [(batched[f"f{j}"][0] - ref_logits[j]).abs() for j in range(8)]
+    max_abs = max(float(d.max()) for d in diffs)
+    mean_abs = sum(float(d.mean()) for d in diffs) / len(diffs)
+    print(f"\n[int8 lm_head] teacher-forced logits max|d| {max_abs:.4f} mean|d| {mean_abs:.5f} "
+          f"(ref std {float(ref_logits[0].std()):.2f})")
+    assert max_abs <= ulp_bound(ref_logits[0])
+    assert mean_abs <= LOGITS_MEAN_REL * float(ref_logits[0].std())
+    assert float((single["f0"][0] - ref_logits[0]).abs().max()) <= ulp_bound(ref_logits[0])
+    assert engine.kv_blocks_used() == 0

@@ -14,6 +14,9 @@ counters return to zero at the end of each launch). `gemv_int4` itself allocates
 synchronises: it is CUDA-graph capturable.
 
     y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
+
+`gemv_int8` is the same decode product for the INT8 row-major layout of the `--lm-head int8` option
+(csrc/gemv_int8.cuh; `Int8Weight`, G = 64 or 128, no bias, no split-K).
 """
 
 from __future__ import annotations
@@ -288,6 +291,74 @@ def gemv_int4(
         ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc),
     )  # fmt: skip
     launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, plan.shared_bytes(m))
+    return out
+
+
+INT8_GROUP_SIZES = (64, 128)  # a 64-column chunk of the kernel must lie inside one group
+INT8_ROWS_PER_BLOCK = 128  # nq_gemv8::ROWS_PER_BLOCK
+INT8_XPAD = 8  # nq_gemv8::XPAD
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    """An INT8 weight on the GPU (layout `int8-g{G}-rowmajor-v1`): qweight int8 [N, K], scales bf16
+    [N, K/G]; w = q * s, symmetric. G must be 64 or 128 for the kernel; K a multiple of 64."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    n: int
+    k: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        n, k, g = self.n, self.k, self.group_size
+        if g not in INT8_GROUP_SIZES:
+            raise ValueError(f"the INT8 GEMV supports group sizes {INT8_GROUP_SIZES}, got {g} "
+                             "(re-pack the lm_head with --group-size 64 or 128, or use --lm-head bf16/int4)")
+        if k % g or k % 64 or n <= 0 or k <= 0:
+            raise ValueError(f"INT8 GEMV needs K % 64 == 0 and K % G == 0, got [{n}, {k}], G = {g}")
+        dev = self.qweight.device
+        check(self.qweight, "qweight", torch.int8, (n, k), dev)
+        check(self.scales, "scales", torch.bfloat16, (n, k // g), dev, align=2)
+
+    @classmethod
+    def from_quantized(cls, qt, device: torch.device | str = "cuda") -> Int8Weight:
+        """Upload a nanoqwen_format QuantizedTensor (encoding "int8")."""
+        if qt.encoding != "int8":
+            raise ValueError(f"expected an int8 QuantizedTensor, got encoding {qt.encoding!r}")
+        n, k = qt.shape
+        qweight = torch.from_numpy(np.ascontiguousarray(qt.qweight)).to(device)
+        scales = torch.from_numpy(np.ascontiguousarray(qt.scales)).view(torch.bfloat16).to(device)
+        return cls(qweight, scales, n, k, qt.group_size)
+
+    def nbytes(self) -> int:
+        """Bytes the GEMV must read: int8 weights + bf16 scales."""
+        return self.qweight.numel() + self.scales.numel() * 2
+
+
+def int8_shared_bytes(m: int, k: int) -> int:
+    """Dynamic shared memory of gemv_int8: x staged as M rows of K + 8 fp16."""
+    return m * (k + INT8_XPAD) * 2
+
+
+def gemv_int8(
+    x: torch.Tensor, weight: Int8Weight, out: torch.Tensor, family: str = FAMILY
+) -> torch.Tensor:
+    """out[M, N] = x[M, K] @ W^T, M = 1..8, bf16 in and out, fp32 accumulation, on the current stream.
+
+    x: bf16 [M, K] contiguous; weight: Int8Weight [N, K]; out: bf16 [M, N] (written completely).
+    family: as in gemv_int4 (benchmarks' compile-option variants). Allocates nothing, never
+    synchronises: graph-capturable. Returns out."""
+    n, k = weight.n, weight.k
+    dev = weight.qweight.device
+    index = require_sm90(dev)
+    m = _check_x(x, k)
+    check(x, "x", torch.bfloat16, (m, k), dev)
+    check(out, "out", torch.bfloat16, (m, n), dev, align=2)
+    args = (ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(out), i32(m), i32(n), i32(k))
+    grid = (-(-n // INT8_ROWS_PER_BLOCK), 1, 1)
+    launch(family, f"gemv_int8_g{weight.group_size}", index, grid, (THREADS, 1, 1), args,
+           int8_shared_bytes(m, k))
     return out
 
 

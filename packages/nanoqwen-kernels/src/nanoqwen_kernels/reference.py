@@ -90,6 +90,12 @@ def dequantize_int4(
     return ((q - z) * scales.float().unsqueeze(-1)).reshape(n, k)
 
 
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """INT8 row-major [N, K] (int8) with bf16 scales [N, K/G] -> fp32 [N, K] = q * s."""
+    s = scales.float().repeat_interleave(group_size, dim=1)
+    return qweight.float() * s
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 x[M, K] @ w[N, K]^T + bias[N] (all upcast to fp32; TF32 off)."""
     y = torch.matmul(x.float(), w.float().t())

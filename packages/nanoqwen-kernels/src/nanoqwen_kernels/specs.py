@@ -38,7 +38,8 @@ SPECS: dict[str, KernelSpec] = {
             for kind in ("sym", "asym")
             for suffix in ("", "_silu")
         )
-        + tuple(f"dequant_int4_g{g}_{kind}" for g in (32, 64, 128) for kind in ("sym", "asym")),
+        + tuple(f"dequant_int4_g{g}_{kind}" for g in (32, 64, 128) for kind in ("sym", "asym"))
+        + ("gemv_int8_g64", "gemv_int8_g128"),
     ),
     "sampling": KernelSpec(
         name="sampling",

@@ -4,6 +4,8 @@
 //                                              and applies SiLU(gate) * up while staging x (fuses the
 //                                              MLP activation into the down projection)
 //   dequant_int4_g{32,64,128}_{sym,asym}       INT4 -> dense bf16 [N, K] (prefill: + cuBLAS GEMM)
+//   gemv_int8_g{64,128}                        decode GEMV, M = 1..8, INT8 row-major weights (the
+//                                              `--lm-head int8` layout; gemv_int8.cuh)
 //
 //   gemv_int4_stream_g{32,64,128}_{sym,asym}[_silu]
 //                                              the "stream" variant (gemv_int4_stream.cuh): K split
@@ -15,6 +17,7 @@
 // shared memory M * (K + 32) * 2 bytes; arguments x, qweight, scales, zeros|0, bias|0, out, M, N, K, kw.
 #include "gemv_int4.cuh"
 #include "gemv_int4_stream.cuh"
+#include "gemv_int8.cuh"
 
 using namespace nq_gemv;
 
@@ -104,3 +107,21 @@ NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g64_sym_silu, 64, false, 1)
 NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g64_asym_silu, 64, true, 1)
 NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g32_sym_silu, 32, false, 1)
 NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g32_asym_silu, 32, true, 1)
+
+// Blocks per SM the INT8 GEMV's register budget must allow: 3 (72 registers). 4 (64 registers, 32 warps
+// per SM) measured 3.7% slower on the H200 at M = 1 (bench/kernels/results/int8_lm_head-2026-11-30.json).
+#ifndef NQ_GEMV8_MIN_BLOCKS
+#define NQ_GEMV8_MIN_BLOCKS 3
+#endif
+
+// INT8 decode GEMV (gemv_int8.cuh). Launch: grid ceil(N / 128), 256 threads, dynamic shared memory
+// M * (K + 8) * 2 bytes. Arguments: x, qweight (int8 [N, K]), scales (bf16 [N, K / G]), out, M, N, K.
+#define NQ_GEMV8_ENTRY(NAME, G)                                                                       \
+  extern "C" __global__ void __launch_bounds__(nq_gemv8::THREADS, NQ_GEMV8_MIN_BLOCKS)                \
+      NAME(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,                          \
+           const bf16_t* __restrict__ scales, bf16_t* __restrict__ out, int M, int N, int K) {        \
+    nq_gemv8::gemv_int8<G>(x, qweight, scales, out, M, N, K);                                         \
+  }
+
+NQ_GEMV8_ENTRY(gemv_int8_g128, 128)
+NQ_GEMV8_ENTRY(gemv_int8_g64, 64)

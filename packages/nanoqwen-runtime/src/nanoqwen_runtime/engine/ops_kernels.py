@@ -95,18 +95,32 @@ class KernelOps:
         lins = _linears(weights)
         for lin in lins:
             if isinstance(lin, Int8Linear):
-                raise ValueError("the kernel backend has no INT8 GEMV: an int8 lm_head is not supported; "
-                                 "pack with a bf16 or int4 lm_head")
+                self._int8(lin)  # refuses a layout the INT8 GEMV cannot run (G = 32), before any work
         if self.cfg.dense_weight_cache:
             for lin in lins:
-                if isinstance(lin, Int4Linear) and id(lin) not in self._dense:
+                if id(lin) in self._dense:
+                    continue
+                if isinstance(lin, Int4Linear):
                     dense = torch.empty(lin.n, lin.k, dtype=torch.bfloat16, device=self.device)
                     kgemv.dequantize_int4(self._int4(lin), dense)
                     self._dense[id(lin)] = dense
+                elif isinstance(lin, Int8Linear):
+                    self._dense[id(lin)] = lin.dequantize()
 
     @staticmethod
     def dense_cache_bytes(weights) -> int:
-        return sum(2 * lin.n * lin.k for lin in _linears(weights) if isinstance(lin, Int4Linear))
+        quantized = (Int4Linear, Int8Linear)
+        return sum(2 * lin.n * lin.k for lin in _linears(weights) if isinstance(lin, quantized))
+
+    def _int8(self, lin: Int8Linear) -> kgemv.Int8Weight:
+        w = self._kw.get(id(lin))
+        if w is None:
+            try:
+                w = kgemv.Int8Weight(lin.qweight, lin.scales, lin.n, lin.k, lin.group_size)
+            except ValueError as e:
+                raise ValueError(f"int8 lm_head: {e}") from None
+            self._kw[id(lin)] = w
+        return w
 
     def _int4(self, lin: Int4Linear) -> kgemv.Int4Weight:
         w = self._kw.get(id(lin))
@@ -138,6 +152,18 @@ class KernelOps:
             else:
                 torch.addmm(bias, x, lin.weight.t(), out=out)
             return
+        if isinstance(lin, Int8Linear):  # the lm_head option: GEMV per 8 rows, cuBLAS on the cache above
+            if bias is not None:
+                raise ValueError("the INT8 GEMV has no bias (it serves the lm_head)")
+            dense = self._dense.get(id(lin)) if m > kgemv.MAX_M else None
+            if dense is not None:
+                torch.mm(x, dense.t(), out=out)
+                return
+            w8 = self._int8(lin)
+            for r in range(0, m, kgemv.MAX_M):
+                e = min(m, r + kgemv.MAX_M)
+                kgemv.gemv_int8(x[r:e], w8, out[r:e])
+            return
         if not isinstance(lin, Int4Linear):
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
         w = self._int4(lin)
@@ -147,7 +173,8 @@ class KernelOps:
                 torch.mm(x, dense.t(), out=out)
             else:
                 torch.addmm(bias, x, dense.t(), out=out)
-        elif m <= GEMV_MAX_ROWS:
+        elif m <= GEMV_MAX_ROWS or lin.n * lin.k > self._scratch_numel:
+            # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMV)
             plan = self.plans[(lin.n, lin.k)]
             for r in range(0, m, kgemv.MAX_M):
                 e = min(m, r + kgemv.MAX_M)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .config import ModelGeometry
-from .weights import DenseLinear, Int4Linear, LayerWeights, Linear, ModelWeights
+from .weights import DenseLinear, Int4Linear, Int8Linear, LayerWeights, Linear, ModelWeights
 
 # Nibbles are drawn uniform on 0..15 and every 0 is replaced by 8: q - 8 then has mean exactly 0
 # (uniform 0..15 has mean -0.5 around the zero point 8, a rank-one common mode that grows through
@@ -55,13 +55,23 @@ def random_int4(n: int, k: int, device: torch.device, gen: torch.Generator, grou
     return Int4Linear(qweight, scales.to(torch.bfloat16), None, n, k, group_size)
 
 
+def random_int8(n: int, k: int, device: torch.device, gen: torch.Generator, group_size: int = 128,
+                std: float | None = None) -> Int8Linear:
+    """Random symmetric INT8 linear [N, K], row-major (the lm_head option); dequantized std ~ `std`."""
+    std = std if std is not None else k ** -0.5
+    q = torch.randint(-127, 128, (n, k), generator=gen, device=device, dtype=torch.int8)
+    base = std / (255**2 / 12) ** 0.5  # std of q uniform on -127..127
+    scales = base * (0.75 + 0.5 * torch.rand(n, k // group_size, generator=gen, device=device))
+    return Int8Linear(q, scales.to(torch.bfloat16), n, k, group_size)
+
+
 def _normal(shape, scale: float, device, gen, shift: float = 0.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen, device=device) * scale + shift).to(torch.bfloat16)
 
 
 def random_weights(geom: ModelGeometry, device: str | torch.device = "cuda", *, seed: int = 0,
                    lm_head: str = "bf16", group_size: int = 128) -> ModelWeights:
-    """A whole model on `device`. lm_head: "bf16" (dense) or "int4"; tied geometry shares embed."""
+    """A whole model on `device`. lm_head: "bf16" (dense), "int4" or "int8"; tied geometry shares embed."""
     device = torch.device(device)
     gen = _gen(device, seed)
     H, I = geom.hidden_size, geom.intermediate_size
@@ -89,8 +99,10 @@ def random_weights(geom: ModelGeometry, device: str | torch.device = "cuda", *, 
         head = DenseLinear(_normal((geom.vocab_size, H), 2.0 / H**0.5, device, gen))
     elif lm_head == "int4":
         head = random_int4(geom.vocab_size, H, device, gen, group_size, std=2.0 / H**0.5)
+    elif lm_head == "int8":
+        head = random_int8(geom.vocab_size, H, device, gen, group_size, std=2.0 / H**0.5)
     else:
-        raise ValueError(f"lm_head must be 'bf16' or 'int4', got {lm_head!r}")
+        raise ValueError(f"lm_head must be 'bf16', 'int4' or 'int8', got {lm_head!r}")
     return ModelWeights(embed, layers, _normal((H,), 0.1, device, gen, 1.0), head)
 
 
@@ -106,6 +118,14 @@ def _quantized(lin: Int4Linear):
                                nqf.layout_tag("int4", lin.group_size), "int4")
 
 
+def _quantized_int8(lin: Int8Linear):
+    import nanoqwen_format as nqf
+
+    qw = lin.qweight.detach().cpu().contiguous().numpy()
+    return nqf.QuantizedTensor(qw, _bits16(lin.scales), None, (lin.n, lin.k), lin.group_size, True,
+                               nqf.layout_tag("int8", lin.group_size), "int8")
+
+
 def write_container(path: str | Path, geom: ModelGeometry, *, seed: int = 0, lm_head: str = "bf16",
                     group_size: int = 128, device: str | torch.device = "cpu",
                     tokenizer_json: str | None = None, chat_template: str | None = None) -> Path:
@@ -118,6 +138,8 @@ def write_container(path: str | Path, geom: ModelGeometry, *, seed: int = 0, lm_
     def add_linear(wr, name, lin: Linear):
         if isinstance(lin, Int4Linear):
             wr.add_quantized(name, _quantized(lin))
+        elif isinstance(lin, Int8Linear):
+            wr.add_quantized(name, _quantized_int8(lin))
         else:
             wr.add_array(name, _bits16(lin.weight), "bf16")
 
