@@ -80,6 +80,7 @@ def test_bad_options_exit_2_with_a_message(model, args, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_cuda_without_gpu_is_an_error(model):
     r = invoke("generate", model, "-p", "x", "--device", "cuda")
     assert r.exit_code == 2
