@@ -56,7 +56,7 @@ class KernelOps:
         self.workspace = kgemv.GemvWorkspace.allocate(self.plans.values(), device)
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
-        self._kw: dict[int, kgemv.Int4Weight] = {}
+        self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
         self._dense: dict[int, torch.Tensor] = {}  # id(Int4Linear) -> bf16 [N, K] (dense_weight_cache)
         self.decode_plans: dict[tuple[int, int], kattn.PagedAttentionPlan] = {}  # (bucket, context class)
         self.prefill_plan: kattn.PagedAttentionPlan | None = None
