@@ -11,9 +11,9 @@ NANOQWEN_PDL=1, `launch()` goes through `cuLaunchKernelEx` with the programmatic
 attribute (cuda_driver.py), so a kernel's blocks may start under the tail of the previous kernel; each
 kernel waits for its inputs itself (`pdl_wait` in csrc/common.cuh; every kernel of this package keeps
 that contract, and without the attribute the wait is a no-op). Off by default because on the H200 we
-measure on, the driver never starts a dependent grid early (bench/kernels/PDL.md: same kernel-to-kernel
-gap with and without it, eager and in graphs), so it buys nothing there. The choice is made per
-launch, so a CUDA graph keeps the one it was captured with.
+measure on, the driver never starts a dependent grid early (nanoqwen-kernels NOTES.md, session 2: same
+kernel-to-kernel gap with and without it, eager and in graphs), so it buys nothing there. The
+choice is made per launch, so a CUDA graph keeps the one it was captured with.
 
 Only sm_90 (Hopper) is supported: `require_sm90` raises `UnsupportedDeviceError` on anything else;
 there is no slower fallback path.

@@ -153,8 +153,8 @@ class EngineConfig:
     # Kernel backend: launch with programmatic dependent launch (a kernel's blocks may start under the
     # tail of the previous one; the next GEMV's weight prefetch would overlap it). Same arithmetic
     # either way (a GPU test checks the logits bit for bit). Off by default: on the H200 we measure
-    # on, the driver never starts a dependent grid early (bench/kernels/PDL.md); `nanoqwen-cli bench`
-    # measures both beside each other.
+    # on, the driver never starts a dependent grid early (nanoqwen-kernels NOTES.md, session 2);
+    # `nanoqwen-cli bench` measures both beside each other.
     pdl: bool = False
     seed: int = 0
     graph_buckets: tuple[int, ...] = GRAPH_BUCKETS

@@ -57,7 +57,7 @@ class KernelOps:
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
-        self._dense: dict[int, torch.Tensor] = {}  # id(Int4Linear) -> bf16 [N, K] (dense_weight_cache)
+        self._dense: dict[int, torch.Tensor] = {}  # id(quantized Linear) -> bf16 [N, K] (dense_weight_cache)
         self.decode_plans: dict[tuple[int, int], kattn.PagedAttentionPlan] = {}  # (bucket, context class)
         self.prefill_plan: kattn.PagedAttentionPlan | None = None
         self.sampling_state: ksamp.SamplingState | None = None
@@ -146,19 +146,20 @@ class KernelOps:
     def linear(self, x: torch.Tensor, lin: Linear, out: torch.Tensor,
                bias: torch.Tensor | None = None) -> None:
         m = x.shape[0]
+        if isinstance(lin, Int8Linear) and bias is not None:
+            raise ValueError("the INT8 GEMV has no bias (it serves the lm_head)")
+        # dense bf16 weights (a DenseLinear, or the cache of a quantized one for more than 8 rows): cuBLAS
         if isinstance(lin, DenseLinear):
-            if bias is None:
-                torch.mm(x, lin.weight.t(), out=out)
-            else:
-                torch.addmm(bias, x, lin.weight.t(), out=out)
-            return
-        if isinstance(lin, Int8Linear):  # the lm_head option: GEMV per 8 rows, cuBLAS on the cache above
-            if bias is not None:
-                raise ValueError("the INT8 GEMV has no bias (it serves the lm_head)")
+            dense = lin.weight
+        else:
             dense = self._dense.get(id(lin)) if m > kgemv.MAX_M else None
-            if dense is not None:
+        if dense is not None:
+            if bias is None:
                 torch.mm(x, dense.t(), out=out)
-                return
+            else:
+                torch.addmm(bias, x, dense.t(), out=out)
+            return
+        if isinstance(lin, Int8Linear):  # the lm_head option: one GEMV launch per 8 rows
             w8 = self._int8(lin)
             for r in range(0, m, kgemv.MAX_M):
                 e = min(m, r + kgemv.MAX_M)
@@ -167,13 +168,7 @@ class KernelOps:
         if not isinstance(lin, Int4Linear):
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
         w = self._int4(lin)
-        dense = self._dense.get(id(lin)) if m > kgemv.MAX_M else None
-        if dense is not None:
-            if bias is None:
-                torch.mm(x, dense.t(), out=out)
-            else:
-                torch.addmm(bias, x, dense.t(), out=out)
-        elif m <= GEMV_MAX_ROWS or lin.n * lin.k > self._scratch_numel:
+        if m <= GEMV_MAX_ROWS or lin.n * lin.k > self._scratch_numel:
             # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMV)
             plan = self.plans[(lin.n, lin.k)]
             for r in range(0, m, kgemv.MAX_M):
