@@ -19,7 +19,10 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-PACKAGES = ["nanoqwen-format", "nanoqwen-model", "nanoqwen-quant", "nanoqwen-kernels", "nanoqwen-runtime", "nanoqwen-cli"]
+PACKAGES = [
+    "nanoqwen-format", "nanoqwen-model", "nanoqwen-quant", "nanoqwen-kernels", "nanoqwen-runtime",
+    "nanoqwen-cli",
+]
 # torch first and pinned: on the CPU machines `torch==2.13.0` is a CPU build on local disk, while an
 # unpinned requirement can pull a multi-GB CUDA build.
 TORCH_CPU = "torch==2.13.0"

@@ -44,6 +44,6 @@ def test_int8_matches_format_reference(group_size):
     rng = np.random.default_rng(group_size)
     w = rng.standard_normal((24, 256)).astype(np.float32)
     qt = nqf.int8.quantize_rtn(w, group_size, True)
-    got = codec.dequantize_int8(torch.from_numpy(qt.qweight), torch.from_numpy(qt.scales).view(torch.bfloat16),
-                                group_size)
+    scales = torch.from_numpy(qt.scales).view(torch.bfloat16)
+    got = codec.dequantize_int8(torch.from_numpy(qt.qweight), scales, group_size)
     assert np.array_equal(got.numpy(), nqf.int8.dequantize(qt))

@@ -42,7 +42,8 @@ def test_hf_config_parses_to_the_05b_geometry():
 
 
 def test_gguf_and_hf_agree():
-    assert gguf(GGUF_05B).with_(eos_token_id=(151645,)) == Qwen2Config.from_hf(HF_05B).with_(pad_token_id=151643)
+    from_hf = Qwen2Config.from_hf(HF_05B).with_(pad_token_id=151643)
+    assert gguf(GGUF_05B) == from_hf
     assert gguf(GGUF_05B).rms_norm_eps == 1e-6  # the f32 value reads back as the config.json decimal
 
 
@@ -82,9 +83,11 @@ def test_hf_refuses_what_has_no_default_and_other_architectures():
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         with pytest.raises(ConfigError, match=key):
             Qwen2Config.from_hf({k: v for k, v in HF_05B.items() if k != key})
-    for bad, match in (({"model_type": "llama"}, "llama"), ({"rope_scaling": {"type": "yarn"}}, "rope_scaling"),
-                       ({"use_sliding_window": True}, "sliding"), ({"hidden_act": "gelu"}, "gelu"),
-                       ({"architectures": ["Qwen2MoeForCausalLM"]}, "Moe")):
+    cases = (({"model_type": "llama"}, "llama"), ({"rope_scaling": {"type": "yarn"}}, "rope_scaling"),
+             ({"use_sliding_window": True}, "sliding"), ({"hidden_act": "gelu"}, "gelu"),
+             ({"architectures": ["Qwen2MoeForCausalLM"]}, "Moe"),
+             ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_parameters"))
+    for bad, match in cases:
         with pytest.raises(UnsupportedModelError, match=match):
             Qwen2Config.from_hf({**HF_05B, **bad})
 

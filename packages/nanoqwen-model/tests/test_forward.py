@@ -102,7 +102,8 @@ def test_chunked_prefill_equals_whole_prompt():
         n = ks[layer].shape[0]
         return causal_attention(q, ks[layer], vs[layer], torch.arange(n - q.shape[0], n))
 
-    parts = [forward(CFG, w, tokens[a:b], torch.arange(a, b), cached_attend) for a, b in ((0, 17), (17, 18), (18, 40))]
+    chunks = ((0, 17), (17, 18), (18, 40))
+    parts = [forward(CFG, w, tokens[a:b], torch.arange(a, b), cached_attend) for a, b in chunks]
     err = float((torch.cat(parts) - whole).abs().max())
     assert err <= FP32_REL * float(whole.abs().max()), err
 

@@ -204,7 +204,7 @@ class Qwen2Config:
         rope = cfg.get("rope_parameters")  # transformers >= 5 writes rope_theta inside this map
         if rope:
             if rope.get("rope_type", "default") != "default":
-                raise UnsupportedModelError(f"rope_parameters {rope!r} are not supported (only the default RoPE)")
+                raise UnsupportedModelError(f"rope_parameters {rope!r} are not supported (default RoPE only)")
             cfg = {**cfg, "rope_theta": rope.get("rope_theta", cfg.get("rope_theta"))}
         if cfg.get("use_sliding_window"):
             raise UnsupportedModelError("use_sliding_window=true is not supported")
