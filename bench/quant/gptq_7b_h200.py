@@ -9,9 +9,10 @@ Two steps, because the GPU machine has no registry, no model file and no network
     writes bench/quant/prepared/calib_tokens.npy + calib.json (256 KB; committed, so this step is
     only needed to change the token count).
  2. on the GPU machine:
-        PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-quant/src \
+        PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-model/src:packages/nanoqwen-quant/src \
             python bench/quant/gptq_7b_h200.py run --out /tmp/7b-gptq.nanoqwen
-    builds a `SyntheticSource` (7B shapes, random well-scaled bf16 weights generated on the GPU from
+    builds a `SyntheticSource` (the shapes of nanoqwen_model's QWEN25_CODER_7B, random well-scaled
+    bf16 weights generated on the GPU from
     a per-tensor seed, so a layer is regenerated identically when the container is assembled),
     runs the real `nanoqwen_quant.pack.pack(..., method="gptq")` on CUDA, and prints one JSON line
     with the GPTQ-loop time, the total time (including assembling and writing the container), the
@@ -36,13 +37,6 @@ import torch
 
 HERE = Path(__file__).parent
 PREPARED = HERE / "prepared"
-CONFIG_7B = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-    "intermediate_size": 18944, "vocab_size": 152064, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 32768, "tie_word_embeddings": False, "bos_token_id": 151643,
-    "eos_token_id": 151645, "pad_token_id": 151643,
-}
 
 
 def prepare(tokens: int, seq_len: int) -> None:
@@ -59,16 +53,16 @@ def prepare(tokens: int, seq_len: int) -> None:
 
 
 def make_synthetic_source(dev: torch.device, layers: int | None = None):
-    from nanoqwen_quant.config import Qwen2Config
-    from nanoqwen_quant.sources import Source, qwen_generation_defaults
+    from nanoqwen_model.config import QWEN25_CODER_7B
+    from nanoqwen_quant.sources import Source, packable, qwen_generation_defaults
 
     class SyntheticSource(Source):
         """Random 7B-geometry weights, generated on `dev` from a seed derived from the tensor name."""
 
         def __init__(self):
             self.spec = "synthetic-qwen2.5-coder-7b-geometry"
-            cfg = dict(CONFIG_7B, num_hidden_layers=layers or CONFIG_7B["num_hidden_layers"])
-            self.config = Qwen2Config.from_hf(cfg)
+            self.config = packable(QWEN25_CODER_7B.with_(
+                num_hidden_layers=layers or QWEN25_CODER_7B.num_hidden_layers))
             self.tokenizer_json = "{}"  # not needed to pack pre-tokenized calibration
             self.chat_template = ""
             self.generation = qwen_generation_defaults([151645, 151643])
@@ -76,7 +70,7 @@ def make_synthetic_source(dev: torch.device, layers: int | None = None):
             self._shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
                             "lm_head.weight": (c.vocab_size, c.hidden_size),
                             "model.norm.weight": (c.hidden_size,)}
-            h, inter, kv = c.hidden_size, c.intermediate_size, c.kv_size
+            h, inter, kv = c.hidden_size, c.intermediate_size, c.kv_dim
             for i in range(c.num_hidden_layers):
                 p = f"model.layers.{i}."
                 self._shapes |= {
@@ -106,7 +100,8 @@ def make_synthetic_source(dev: torch.device, layers: int | None = None):
             return x.to(torch.bfloat16)
 
         def source_sha256(self):
-            return hashlib.sha256(json.dumps(CONFIG_7B, sort_keys=True).encode()).hexdigest()
+            meta = json.dumps(QWEN25_CODER_7B.to_metadata(), sort_keys=True)
+            return hashlib.sha256(meta.encode()).hexdigest()
 
     return SyntheticSource()
 
@@ -115,7 +110,8 @@ def run(out: Path, keep: bool, calib_batch: int, device: str, layers: int | None
         max_seqs: int | None) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from nanoqwen_quant.calib import CalibrationSet
-    from nanoqwen_quant.pack import PackOptions, pack
+    from nanoqwen_quant.options import PackOptions
+    from nanoqwen_quant.pack import pack
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():

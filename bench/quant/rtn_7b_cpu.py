@@ -1,10 +1,10 @@
 """RTN pack of the Qwen2.5-Coder-7B geometry on CPU: wall time and peak host RSS (goal < 8 GB).
 
-Builds a synthetic HF checkpoint folder with the exact 7B shapes (hidden 3584, 28 layers, 28/4 heads
-of 128, intermediate 18944, vocab 152064, untied lm_head, q/k/v bias) and random well-scaled bf16
-weights (never zeros) on local disk, in 4-layer safetensors shards with an index, then runs
-`nanoqwen-quant pack DIR -o OUT --method rtn` as a child process and reports its wall time and peak
-RSS (getrusage of the child: ru_maxrss). The folder and output are deleted afterwards.
+Builds a synthetic HF checkpoint folder with the exact 7B shapes (nanoqwen_model's QWEN25_CODER_7B:
+hidden 3584, 28 layers, 28/4 heads of 128, intermediate 18944, vocab 152064, untied lm_head, q/k/v
+bias) and random well-scaled bf16 weights (never zeros) on local disk, in 4-layer safetensors shards
+with an index, then runs `nanoqwen-quant pack DIR -o OUT --method rtn` as a child process and reports
+its wall time and peak RSS (getrusage of the child: ru_maxrss). The folder and output are deleted afterwards.
 
     .venv/bin/python bench/quant/rtn_7b_cpu.py [--workdir /tmp] [--keep] [--extra-args "..."]
 
@@ -26,15 +26,14 @@ import time
 from pathlib import Path
 
 import torch
+from nanoqwen_model.config import QWEN25_CODER_7B
 from nanoqwen_quant.synthetic import random_layer
 
+# the HF config.json of the synthetic checkpoint: nanoqwen_model's 7B geometry under config.json keys
 CONFIG_7B = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-    "intermediate_size": 18944, "vocab_size": 152064, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 32768, "tie_word_embeddings": False, "bos_token_id": 151643,
-    "eos_token_id": 151645, "pad_token_id": 151643, "hidden_act": "silu", "torch_dtype": "bfloat16",
-    "use_sliding_window": False,
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "use_sliding_window": False,
+    **{k: v for k, v in QWEN25_CODER_7B.to_metadata().items() if k != "architecture"},
 }
 LAYERS_PER_SHARD = 4
 

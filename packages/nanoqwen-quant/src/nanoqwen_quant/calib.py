@@ -117,10 +117,10 @@ class CalibrationSet:
     def to_metadata(self) -> dict:
         n, t = self.ids.shape
         return {"source": self.source, "files": self.files, "tokens": self.tokens, "sequences": int(n),
-                "seq_len": int(t), "tokens_sha256": self.sha256, "heldout_rule": _heldout_rule()}
+                "seq_len": int(t), "tokens_sha256": self.sha256, "heldout_rule": heldout_rule()}
 
 
-def _heldout_rule() -> str:
+def heldout_rule() -> str:
     return f"stdlib file held out iff sha256(relpath)[0] < {HELDOUT_BYTE}"
 
 

@@ -22,6 +22,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .calib import heldout_rule, heldout_text
+from .evaluate import perplexity
+from .gptq import GPTQConfig
+from .options import PackOptions
+from .pack import PackSummary
+from .pack import pack as do_pack
+from .sources import open_source
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Import Qwen2 checkpoints and quantize them to INT4 (RTN, GPTQ) into .nanoqwen files.")
 err = Console(stderr=True)
@@ -47,11 +55,6 @@ def pack(
 ) -> None:
     """Pack SRC into OUT with the given recipe."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (resume)
-    from .pack import PackOptions
-    from .pack import pack as do_pack
-    from .quantize import GPTQConfig
-    from .sources import open_source
-
     opts = PackOptions(method=method, group_size=group_size, symmetric=sym, lm_head=lm_head, device=device,
                        calib_paths=calib or None, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
                        calib_batch=calib_batch, gptq=GPTQConfig(damp_percent=damp, act_order=act_order),
@@ -83,7 +86,7 @@ def pack(
     _print_summary(summary)
 
 
-def _print_summary(s) -> None:
+def _print_summary(s: PackSummary) -> None:
     t = Table(title=f"{s.out}: {s.nbytes / 1e9:.3f} GB in {s.seconds:.1f} s on {s.device}")
     t.add_column("layer", justify="right")
     names = sorted({n for e in s.layer_errors for n in e})
@@ -112,8 +115,6 @@ def eval_cmd(
     device: str = typer.Option("auto", help="auto | cpu | cuda"),
 ) -> None:
     """Perplexity of MODEL on the text (plain-torch forward)."""
-    from .evaluate import perplexity
-
     try:
         r = perplexity(model, text.read_text(encoding="utf-8"), seq_len=seq_len, max_tokens=max_tokens,
                        device=device, text_name=str(text))
@@ -133,13 +134,11 @@ def heldout(
     chars: int = typer.Option(200_000, help="at least this many characters (whole files)"),
 ) -> None:
     """Write held-out Python stdlib code that the default calibration set never uses."""
-    from .calib import _heldout_rule, heldout_text
-
     text = heldout_text(chars)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, out)
-    err.print(f"wrote {len(text)} characters to {out} ({_heldout_rule()})")
+    err.print(f"wrote {len(text)} characters to {out} ({heldout_rule()})")
 
 
 if __name__ == "__main__":

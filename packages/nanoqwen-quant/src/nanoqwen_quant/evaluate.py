@@ -1,11 +1,16 @@
-"""Perplexity of a `.nanoqwen` container on a text, with the plain-torch Qwen2 forward of `qwen2.py`.
+"""Perplexity of a `.nanoqwen` container on a text, with nanoqwen_model's plain-torch forward.
 
 The text is tokenized with the container's own tokenizer (`tokenizers`, from the tokenizer.json in
 the metadata), cut into non-overlapping windows of `seq_len` tokens (a shorter last window is kept),
 and every token after the first of its window is scored: `tokens` = sum over windows of (len - 1),
 `perplexity` = exp(mean NLL). The forward runs layer by layer over all windows, dequantizing one
 layer's weights at a time (int4 / int8 through nanoqwen_format's numpy references), so memory is
-the activations plus one layer. fp32 math, CPU or CUDA.
+the activations plus one layer. Weights are widened to f32, so every linear is fp32 (the forward
+computes in the weight's dtype): the same numbers on CPU and CUDA up to fp32 summation order.
+
+Windows of equal length are one flat token batch for the forward (`dense_attend(n, seq_len)`,
+positions 0..seq_len-1 in each), processed EVAL_BATCH windows at a time to bound the attention
+scores' memory.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import nanoqwen_format as nqf
+import nanoqwen_model.forward as fwd
 import numpy as np
 import torch
+from nanoqwen_model.config import Qwen2Config
 
-from . import qwen2
-from .config import Qwen2Config
+EVAL_BATCH = 4  # windows per forward call
 
 
 @dataclass
@@ -50,23 +57,16 @@ def load_f32(f, name: str, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.array(a, dtype=np.float32)).to(device)
 
 
-def config_from_container(meta: dict) -> Qwen2Config:
-    c = dict(meta["config"])
-    c.pop("architecture", None)
-    return Qwen2Config(**c)
-
-
 def perplexity(model: str | Path, text: str, seq_len: int = 1024, max_tokens: int | None = None,
                device: str = "auto", text_name: str = "") -> EvalResult:
     """Perplexity of `model` on `text` (see module docstring)."""
-    import nanoqwen_format as nqf
     from tokenizers import Tokenizer
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     t0 = time.perf_counter()
     with nqf.open(model) as f:
-        cfg = config_from_container(f.metadata)
+        cfg = Qwen2Config.from_metadata(f.config)
         tok = Tokenizer.from_str(f.tokenizer_json)
         ids = tok.encode(text, add_special_tokens=False).ids
         if max_tokens is not None:
@@ -75,27 +75,29 @@ def perplexity(model: str | Path, text: str, seq_len: int = 1024, max_tokens: in
             raise ValueError("the evaluation text has fewer than 2 tokens")
         windows = [ids[s:s + seq_len] for s in range(0, len(ids), seq_len)]
         windows = [w for w in windows if len(w) >= 2]
+        # batches of equal-length windows: the full ones EVAL_BATCH at a time, then the short tail
         full = [w for w in windows if len(w) == seq_len]
-        tail = [w for w in windows if len(w) != seq_len]
-        total_nll, total_tok = 0.0, 0
+        batches = [torch.tensor(full[b:b + EVAL_BATCH], dtype=torch.long)
+                   for b in range(0, len(full), EVAL_BATCH)]
+        batches += [torch.tensor([w], dtype=torch.long) for w in windows if len(w) != seq_len]
         emb = load_f32(f, "embed_tokens", dev)
-        head = load_f32(f, "lm_head", dev) if "lm_head" in f.records else emb
-        groups = [torch.tensor(full, dtype=torch.long)] if full else []
-        groups += [torch.tensor([w], dtype=torch.long) for w in tail]
-        xs = [emb[g.to(dev)] for g in groups]
-        if head is not emb:
-            del emb
-        rope = qwen2.rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, dev)
+        hs = [emb[b.reshape(-1).to(dev)] for b in batches]  # f32 [n * t, hidden] each
+        head = {"final_norm": load_f32(f, "final_norm", dev),
+                "lm_head": load_f32(f, "lm_head", dev) if "lm_head" in f.records else emb}
+        del emb
+        inv_freq = fwd.rope_inv_freq(cfg.head_dim, cfg.rope_theta, dev)
         for i in range(cfg.num_hidden_layers):
-            p = f"layers.{i}."
-            w = {k: load_f32(f, p + k, dev) for k in ("input_norm", "qkv", "qkv_bias", "o_proj",
-                                                      "post_attn_norm", "gate_up", "down")}
-            for j, x in enumerate(xs):
-                xs[j] = torch.cat([qwen2.decoder_layer(cfg, x[b:b + 4], w, rope)
-                                   for b in range(0, x.shape[0], 4)])
-        norm = load_f32(f, "final_norm", dev)
-        for g, x in zip(groups, xs, strict=True):
-            nll = qwen2.token_nll(x[:, :-1], norm, head, g[:, 1:].to(dev), cfg.rms_norm_eps)
+            w = {k: load_f32(f, f"layers.{i}.{k}", dev) for k in fwd.LAYER_TENSORS}
+            for j, b in enumerate(batches):
+                n, t = b.shape
+                positions = torch.arange(t, device=dev).repeat(n)
+                hs[j] = fwd.decoder_layer(cfg, hs[j], w, positions, inv_freq, fwd.dense_attend(n, t), i)
+        total_nll, total_tok = 0.0, 0
+        for b, h in zip(batches, hs, strict=True):
+            n, t = b.shape
+            # position p of each window predicts token p + 1: score rows 0..t-2 against tokens 1..t-1
+            hidden = h.view(n, t, -1)[:, :-1].reshape(n * (t - 1), -1)
+            nll = fwd.token_nll(cfg, head, hidden, b[:, 1:].reshape(-1).to(dev))
             total_nll += float(nll.double().sum())
             total_tok += nll.numel()
     mean = total_nll / total_tok

@@ -1,8 +1,8 @@
 """Checkpoint sources: a GGUF file, a local HF folder of (sharded) safetensors, or an HF hub repo id.
 
-Every source exposes the same small interface (`Source`): the validated `Qwen2Config`, the tokenizer
-as an HF `tokenizer.json` string, the chat template, generation defaults, and weights one decoder
-layer at a time, already renamed and fused to the container names of DESIGN.md:
+Every source exposes the same small interface (`Source`): the model's `nanoqwen_model.Qwen2Config`,
+the tokenizer as an HF `tokenizer.json` string, the chat template, generation defaults, and weights
+one decoder layer at a time, already renamed and fused to the container names of DESIGN.md:
 
     layer(i) -> {"input_norm": [h], "qkv": [(nq+2nkv)*d, h], "qkv_bias": [(nq+2nkv)*d],
                  "o_proj": [h, nq*d], "post_attn_norm": [h], "gate_up": [2*I, h], "down": [h, I]}
@@ -12,8 +12,12 @@ All tensors are torch.bfloat16 on the CPU: "the bf16 model" is the checkpoint ro
 every quantizer starts from exactly those values. Only the tensors of one layer are materialized at
 a time (GGUF and safetensors are both memory-mapped), which keeps packing a 7B under 8 GB of RAM.
 
+Refusal comes first: the config is parsed (strictly, by nanoqwen_model) and checked against the INT4
+tile layout (`packable`) when a source is opened, so a model that is not the dense Qwen2 decoder, or
+a geometry the packer cannot hold, is refused before any weight is read or downloaded.
+
 GGUF Q/K weights: llama.cpp's converter permutes the rows of q/k only for the `llama` family
-(`LlamaModel.permute`); `qwen2` is written in HF order, which `test_sources.py` checks against
+(`LlamaModel.permute`); `qwen2` is written in HF order, which tests/test_real_model.py checks against
 transformers' own GGUF loader (the oracle) on the real 0.5B model.
 """
 
@@ -27,10 +31,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from .config import Qwen2Config, UnsupportedModelError
-
-LAYER_PARTS = ("input_norm", "qkv", "qkv_bias", "o_proj", "post_attn_norm", "gate_up", "down")
+from nanoqwen_model.config import GGUF_ARCHITECTURES, Qwen2Config, UnsupportedModelError
+from nanoqwen_model.forward import LAYER_TENSORS
 
 
 class SourceError(ValueError):
@@ -87,11 +89,10 @@ class Source(ABC):
             "gate_up": torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")], 0),
             "down": g(p + "mlp.down_proj.weight"),
         }
-        c = self.config
-        expect = {"input_norm": (c.hidden_size,), "post_attn_norm": (c.hidden_size,),
-                  "qkv_bias": (c.qkv_size,), **c.linear_shapes()}
-        for name, shape in expect.items():
-            if tuple(out[name].shape) != tuple(shape):
+        shapes = self.config.tensor_shapes()
+        for name in LAYER_TENSORS:
+            shape = shapes[f"layers.{i}.{name}"]
+            if tuple(out[name].shape) != shape:
                 raise SourceError(f"layer {i} {name}: shape {tuple(out[name].shape)}, expected {shape}")
         return out
 
@@ -109,6 +110,12 @@ class Source(ABC):
         for n in names:
             if not self._has(n):
                 raise SourceError(f"{self.spec}: missing tensor {n}")
+
+
+def packable(config: Qwen2Config) -> Qwen2Config:
+    """`config`, or UnsupportedModelError when a projection does not fit the INT4 tile layout."""
+    config.check_int4_layout()
+    return config
 
 
 def _to_bf16(a: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -177,8 +184,9 @@ class GGUFSource(Source):
                 continue
         self.fields = fields
         arch = fields.get("general.architecture")
-        if arch != "qwen2":  # refuse before reading the tokenizer or any tensor
-            Qwen2Config.from_gguf_fields(fields, vocab_size=1, tied=True, eos=[], bos=None, pad=None)
+        if arch not in GGUF_ARCHITECTURES:  # refuse before reading the tokenizer or any tensor
+            raise UnsupportedModelError(f"GGUF general.architecture {arch!r} is not supported: "
+                                        f"nanoqwen-quant packs only {GGUF_ARCHITECTURES}")
         self._tensors = {t.name: t for t in self._reader.tensors}
         emb = self._tensors.get("token_embd.weight")
         if emb is None:
@@ -188,9 +196,9 @@ class GGUFSource(Source):
         bos = fields.get("tokenizer.ggml.bos_token_id")
         pad = fields.get("tokenizer.ggml.padding_token_id")
         eos_ids = self._eos_ids(eos)
-        self.config = Qwen2Config.from_gguf_fields(
+        self.config = packable(Qwen2Config.from_gguf(
             fields, vocab_size=vocab, tied="output.weight" not in self._tensors, eos=eos_ids,
-            bos=None if bos is None else int(bos), pad=None if pad is None else int(pad))
+            bos=None if bos is None else int(bos), pad=None if pad is None else int(pad)))
         self.chat_template = str(fields.get("tokenizer.chat_template", ""))
         if not self.chat_template:
             raise SourceError(f"{path}: GGUF has no tokenizer.chat_template")
@@ -268,7 +276,7 @@ class HFFolderSource(Source):
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():
             raise SourceError(f"{folder}: no config.json")
-        self.config = Qwen2Config.from_hf(json.loads(cfg_path.read_text()))  # refuse non-qwen2 first
+        self.config = packable(Qwen2Config.from_hf(json.loads(cfg_path.read_text())))  # refuse first
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -335,7 +343,7 @@ def hub_source(repo_id: str, revision: str | None = None, cache_dir: str | None 
     from huggingface_hub import hf_hub_download, snapshot_download
 
     cfg = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir)
-    Qwen2Config.from_hf(json.loads(Path(cfg).read_text()))
+    packable(Qwen2Config.from_hf(json.loads(Path(cfg).read_text())))
     folder = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=HUB_PATTERNS)
     return HFFolderSource(folder, spec=repo_id if revision is None else f"{repo_id}@{revision}")
 
@@ -358,4 +366,4 @@ def open_source(spec: str) -> Source:
 
 
 __all__ = ["Source", "GGUFSource", "HFFolderSource", "SourceError", "UnsupportedModelError", "open_source",
-           "hub_source", "LAYER_PARTS"]
+           "hub_source", "packable"]

@@ -1,18 +1,13 @@
-"""INT4 group quantization in torch: RTN and GPTQ (Frantar et al. 2022, the reference `fasterquant`).
+"""GPTQ (Frantar et al. 2022) on one weight matrix, as the paper's reference `fasterquant`, and the
+Hessian it needs. The decoder-layer loop that feeds it (`gptq_layers.py`) knows the model; this
+module knows only matrices.
 
-Quantization grid (identical to `nanoqwen_format.int4.quantize_rtn`, which a test checks bit for bit):
-groups of G consecutive input columns of one output row share a bf16 scale `s` and a zero point `z`.
-
-    symmetric:  s = absmax / 7.5,             z = 8                    (GPTQ's symmetric mode)
-    asymmetric: s = (max(w,0) - min(w,0))/15, z = round(-min(w,0)/s)   in 0..15
-    s is rounded to bf16 first (an all-zero group gets s = 1), then q = clamp(round(w/s) + z, 0, 15)
-    and the dequantized weight is (q - z) * s.
-
-GPTQ, as in the paper's reference implementation (github.com/IST-DASLab/gptq, `gptq.py`):
+As in the reference implementation (github.com/IST-DASLab/gptq, `gptq.py`):
 - H = 2/n * sum x x^T accumulated in fp32 over calibration tokens (`HessianAccumulator`);
   dead inputs (H_ii = 0) get H_ii = 1 and their weight column zeroed;
 - static groups: the scale/zero of every group is computed from the original weights before any
-  update, so act-order needs no g_idx at run time; act-order permutes columns by descending H_ii;
+  update (the grid of `rtn.py`), so act-order needs no g_idx at run time; act-order permutes columns
+  by descending H_ii;
 - damping: H += damp * mean(diag H) * I with damp = 1%; when the Cholesky factorisation fails the
   damping is multiplied by 10 (0.01 -> 0.1 -> 1 ...) and the raise is reported in `GPTQResult`;
 - H^-1 via Cholesky, then its upper Cholesky factor; lazy batch updates over blocks of 128 columns.
@@ -25,89 +20,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-GROUP_SIZES = (32, 64, 128)
+from .rtn import QuantResult, check_weight, group_params, quantize_columns
 
-
-@dataclass
-class QuantResult:
-    """A quantized weight [N, K]. q uint8 [N, K] in 0..15; scale f32 [N, K/G] (bf16-exact values);
-    zero uint8 [N, K/G] or None (symmetric: implicit 8). All on the CPU after `.cpu()`."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor | None
-    group_size: int
-
-    @property
-    def symmetric(self) -> bool:
-        return self.zero is None
-
-    def dequantize(self) -> torch.Tensor:
-        """f32 [N, K]: (q - z) * s."""
-        n, k = self.q.shape
-        g = self.group_size
-        z = 8.0 if self.zero is None else self.zero.float()[:, :, None]
-        w = (self.q.view(n, k // g, g).float() - z) * self.scale[:, :, None]
-        return w.view(n, k)
-
-    def cpu(self) -> QuantResult:
-        return QuantResult(self.q.cpu(), self.scale.cpu(), None if self.zero is None else self.zero.cpu(),
-                           self.group_size)
-
-    def to_nqf(self):
-        """The nanoqwen_format int4 QuantizedTensor (packs the tile8x128 layout)."""
-        import nanoqwen_format as nqf
-
-        s_bits = self.scale.cpu().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        zeros = None if self.zero is None else self.zero.cpu().numpy()
-        return nqf.int4.pack(self.q.cpu().numpy(), s_bits, zeros, self.group_size)
-
-
-def _check(w: torch.Tensor, group_size: int) -> None:
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
-    if w.ndim != 2 or w.shape[1] % group_size:
-        raise ValueError(f"weight must be [N, K] with K % {group_size} == 0, got {list(w.shape)}")
-    if not torch.isfinite(w).all():
-        raise ValueError("weight has NaN or inf")
-
-
-def group_params(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point per (row, group). w f32 [N, K] -> (s f32 [N, K/G], z f32 [N, K/G])."""
-    n, k = w.shape
-    wg = w.float().view(n, k // group_size, group_size)
-    if symmetric:
-        scale = wg.abs().amax(-1) / 7.5
-    else:
-        lo = wg.amin(-1).clamp(max=0)
-        hi = wg.amax(-1).clamp(min=0)
-        scale = (hi - lo) / 15.0
-    one = torch.ones((), dtype=torch.float32, device=w.device)
-    scale = torch.where(scale > 0, scale, one).to(torch.bfloat16).float()
-    scale = torch.where(scale > 0, scale, one)  # a tiny scale could round to bf16 zero
-    if symmetric:
-        zero = torch.full_like(scale, 8.0)
-    else:
-        zero = torch.round(-lo / scale).clamp(0, 15)
-    return scale, zero
-
-
-def quantize_columns(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """q = clamp(round(w / s) + z, 0, 15) (f32, integer-valued); w [N, C], s and z broadcastable."""
-    return (torch.round(w / scale) + zero).clamp(0, 15)
-
-
-def quantize_rtn(w: torch.Tensor, group_size: int, symmetric: bool) -> QuantResult:
-    """Round-to-nearest INT4. w float [N, K] (K % G == 0) on any device -> QuantResult on that device."""
-    _check(w, group_size)
-    n, k = w.shape
-    s, z = group_params(w, group_size, symmetric)
-    wg = w.float().view(n, k // group_size, group_size)
-    q = quantize_columns(wg, s[:, :, None], z[:, :, None]).to(torch.uint8).view(n, k)
-    return QuantResult(q, s, None if symmetric else z.to(torch.uint8), group_size)
+__all__ = ["HessianAccumulator", "GPTQConfig", "GPTQResult", "gptq_quantize"]
 
 
 class HessianAccumulator:
@@ -141,7 +58,7 @@ class GPTQConfig:
     damp_percent: float = 0.01
     block_size: int = 128
     act_order: bool = True
-    static_groups: bool = True  # needed with act_order: the runtime has no g_idx
+    static_groups: bool = True  # the only mode implemented (dynamic groups + act-order need a g_idx)
 
     def to_metadata(self) -> dict:
         return {"damp_percent": self.damp_percent, "block_size": self.block_size, "act_order": self.act_order,
@@ -183,9 +100,11 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
 def gptq_quantize(w: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResult:
     """GPTQ one weight. w float [N, K], H f32 [K, K] on the same device (not modified).
     Returns a GPTQResult whose QuantResult lives on w's device."""
-    _check(w, cfg.group_size)
+    check_weight(w, cfg.group_size)
     if H.shape != (w.shape[1], w.shape[1]):
         raise ValueError(f"H must be [{w.shape[1]}, {w.shape[1]}], got {list(H.shape)}")
+    if not cfg.static_groups:
+        raise ValueError("only static groups are supported (the runtime has no g_idx)")
     H = H.clone()
     G = cfg.group_size
     W = w.clone().float()
@@ -200,9 +119,6 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResu
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
         W = W[:, perm]
         H = H[perm][:, perm]
-    else:
-        if not cfg.static_groups:
-            raise ValueError("only static groups are supported (the runtime has no g_idx)")
     Hinv, damp_used, notes = _inverse_cholesky(H, cfg.damp_percent)
     del H
     col_group = (perm if perm is not None else torch.arange(k, device=W.device)) // G  # [K] group of col
