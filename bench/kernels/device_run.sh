@@ -5,7 +5,7 @@ set -o pipefail
 mode=${1:-quick}
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
-export PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src PYTHONUNBUFFERED=1
+export PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-model/src:packages/nanoqwen-kernels/src PYTHONUNBUFFERED=1
 export NANOQWEN_REQUIRE_GPU=1 NANOQWEN_KERNEL_CACHE=/tmp/nq_kernel_cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/smi.txt"
 if [ "$mode" != bench ]; then

@@ -1,13 +1,15 @@
 """Does programmatic dependent launch take effect, and what does it buy per kernel? (GPU machine)
 
-    PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src python3 bench/kernels/pdl_probe.py
+    PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-model/src:packages/nanoqwen-kernels/src \
+        python3 bench/kernels/pdl_probe.py
 
 1. Overlap probe: kernel `spin` (132 blocks) triggers its dependents at once and spins ~20 us;
    kernel `probe` (launched after it on the same stream) stamps %globaltimer before and after
    `griddepcontrol.wait`. With PDL in effect, probe's first stamp comes before spin's end. Eager and
    inside a captured CUDA graph, with the attribute and without.
 2. Chains: R back-to-back launches in one graph (each GEMV on its own weight copy, > 4x L2), timed
-   with PDL on and off: per-launch time of each 7B decode GEMV at M = 1, and of a norm + o-GEMV pair.
+   with PDL on and off (the launchers' `pdl=` argument): per-launch time of each 7B decode GEMV at
+   M = 1, and of a norm + o-GEMV pair.
 One JSON object on stdout.
 """
 
@@ -20,7 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from nanoqwen_kernels import cuda_driver, gemv, launch, layer_ops
+from nanoqwen_kernels import cuda_driver, gemv, layer_ops
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kernels import L2_ROTATE_BYTES, random_weight, time_graph  # noqa: E402
@@ -115,22 +117,21 @@ def chains() -> list[dict]:
         out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
         row = {"kernel": f"gemv {name} M=1", "launches": 2 * copies}
         for pdl in (False, True):
-            with launch.use_pdl(pdl):
-                t = time_graph(lambda i: gemv.gemv_int4(x, weights[i % copies], out, workspace=ws),
-                               2 * copies)
+            t = time_graph(lambda i: gemv.gemv_int4(x, weights[i % copies], out, workspace=ws, pdl=pdl),
+                           2 * copies)
             row[f"us_pdl={pdl}"] = round(t * 1e6, 2)
         rows.append(row)
         if name == "o":  # a norm feeding the GEMV, as in the decoder layer
             row = {"kernel": "add_rms_norm + gemv o M=1", "launches": 2 * copies}
             o_out = torch.empty(1, h, dtype=torch.bfloat16, device="cuda")
 
-            def pair(i):
-                layer_ops.fused_add_rms_norm(o_out, resid, normw, normed, 1e-6)
-                gemv.gemv_int4(normed, weights[i % copies], o_out, workspace=ws)
-
             for pdl in (False, True):
-                with launch.use_pdl(pdl):
-                    t = time_graph(pair, 2 * copies)
+
+                def pair(i):
+                    layer_ops.fused_add_rms_norm(o_out, resid, normw, normed, 1e-6, pdl=pdl)
+                    gemv.gemv_int4(normed, weights[i % copies], o_out, workspace=ws, pdl=pdl)
+
+                t = time_graph(pair, 2 * copies)
                 row[f"us_pdl={pdl}"] = round(t * 1e6, 2)
             rows.append(row)
     return rows

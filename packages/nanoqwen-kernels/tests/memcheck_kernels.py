@@ -1,11 +1,12 @@
 """A reduced run of every kernel family on small odd shapes, for compute-sanitizer memcheck.
 
-    compute-sanitizer --tool memcheck --error-exitcode 99 python memcheck_kernels.py
+    compute-sanitizer --tool memcheck --error-exitcode 3 python memcheck_kernels.py
 
-(`test_memcheck.py` runs exactly that.) Each launch is also checked against its reference, so the
-run proves the kernels touch only their own memory on the paths the full tests exercise: GEMV
-(all group sizes, sym/asym, M = 1/5/8, split-K forced and not, SiLU input), dequantize, the layer
-ops with a padding slot, and the sampler (greedy, top-k, top-p). Exits 0 when all pass.
+(`test_memcheck.py` runs that, through the `compute_sanitizer` fixture of conftest.py.) Each launch is
+also checked against its reference, so the run proves the kernels touch only their own memory on the
+paths the full tests exercise: GEMV (all group sizes, sym/asym, M = 1/5/8, split-K forced and not,
+SiLU input), dequantize, the layer ops with a padding slot, and the sampler (greedy, top-k, top-p).
+Exits 0 when all pass.
 """
 
 from __future__ import annotations
@@ -91,9 +92,10 @@ def main() -> int:
     tok = torch.empty(3, dtype=torch.int32, device=dev)
     sampling.sample_tokens(logits, st, tok)
     assert int(tok[0]) == int(logits[0].float().argmax())
+    slack = 1e-3  # on top_p: the kernel's fp32 mass sums (test_sampling.py TOP_P_SLACK derives it)
     assert (
-        R.sampling_mask(logits[1], 0.8, 10, 0.901)[tok[1]]
-        and R.sampling_mask(logits[2], 1.2, 0, 0.601)[tok[2]]
+        R.sampling_mask(logits[1], 0.8, 10, 0.9 + slack)[tok[1]]
+        and R.sampling_mask(logits[2], 1.2, 0, 0.6 + slack)[tok[2]]
     )
     torch.cuda.synchronize()
     print("memcheck_kernels: all kernels ran and matched their references")

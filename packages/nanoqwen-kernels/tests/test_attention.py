@@ -5,39 +5,33 @@ hold no live token are NaN, page-table entries past a sequence's last page are o
 output is NaN-poisoned before each launch, so a stale read, an unmasked tail slot or an unwritten row
 all fail. Each case runs three times and must be bit-identical (a moving error is a race). The
 sanitizer test runs compute-sanitizer (racecheck, synccheck, memcheck) over a reduced set.
+
+Every output row (one query token and head) is checked on its own, relative to its own reference
+norm: R.ATTENTION_ROW (reference.py derives the bound: bf16 output rounding, bf16 P in the P.V mma,
+fp32 accumulation over the context). A batch-wide or elementwise atol cannot catch a wrong long-context
+row: those rows are averages over thousands of tokens, ~1/40 the size of a short row.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from nanoqwen_kernels import reference as R
 from nanoqwen_kernels.attention import AttentionGeometry, plan_decode, plan_prefill
 from nanoqwen_kernels.reference_attention import make_paged_case
 
 pytestmark = pytest.mark.gpu
-
-# Tolerances (one table): bf16 q/K/V are exact in fp32, so the error comes from P rounded to bf16
-# before P.V (relative 2^-9 per weight), the bf16 output rounding (2^-9) and ex2.approx.
-TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2, rel_l2=8e-3)}
 
 GEOMS = {"7b": (28, 4, 128), "0.5b": (14, 2, 64)}
 SANITIZE_SCRIPT = Path(__file__).parents[1] / "bench" / "attention" / "sanitize_attention.py"
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
-    tol = TOL[out.dtype]
-    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) or NaN output rows"
-    o = out.float()
-    rel = ((o - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    assert rel < tol["rel_l2"], f"relative L2 error {rel:.2e}"
-    torch.testing.assert_close(o, ref, atol=tol["atol"], rtol=tol["rtol"])
+    """Every [token, head] row within R.ATTENTION_ROW of its fp32 reference; NaN (unwritten) fails."""
+    R.assert_rows_close(out, ref, R.ATTENTION_ROW, "paged attention")
 
 
 def _run3(plan, case) -> torch.Tensor:
@@ -121,19 +115,22 @@ def test_prefill_block_size_8_and_single_long_chunk():
     _check(_run3(plan, case), case.reference())
 
 
-def test_decode_graph_replay_serves_new_lengths():
-    """One captured graph; new lengths, page tables and queries written into its buffers in place."""
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_decode_graph_replay_serves_new_lengths(pdl):
+    """One captured graph; new lengths, page tables and queries written into its buffers in place.
+    With PDL, the split kernel and the combine are programmatic edges of the graph."""
     nh, nkv, hd = GEOMS["7b"]
     g = AttentionGeometry(nh, nkv, hd, 16)
     first = make_paged_case(nh, nkv, hd, 16, [10, 200, 33], seed=41, max_pages=40, strided_q=False,
                             spare_blocks=60)
     plan = plan_decode(g, max_batch=3, max_context_len=640)
     out = torch.full_like(first.q, float("nan"))
-    plan.run(first.q, first.k_cache, first.v_cache, first.page_table, first.context_lens, out=out)
+    plan.run(first.q, first.k_cache, first.v_cache, first.page_table, first.context_lens, out=out, pdl=pdl)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan.run(first.q, first.k_cache, first.v_cache, first.page_table, first.context_lens, out=out)
+        plan.run(first.q, first.k_cache, first.v_cache, first.page_table, first.context_lens, out=out,
+                 pdl=pdl)
     for seed, lens in ((42, [640, 1, 17]), (43, [5, 600, 1])):
         nxt = make_paged_case(nh, nkv, hd, 16, lens, seed=seed, max_pages=40, strided_q=False,
                               spare_blocks=first.k_cache.shape[0] - sum(-(-c // 16) for c in lens))
@@ -164,18 +161,7 @@ def test_run_rejects_bad_input():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", ["racecheck", "synccheck", "memcheck"])
-def test_compute_sanitizer_clean(tool, tmp_path):
-    """The seed article's bug class (a barrier or stale read in the warp-specialized pipeline), by tool."""
-    exe = shutil.which("compute-sanitizer")
-    if exe is None:
-        pytest.skip("compute-sanitizer not installed")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run(
-        [exe, "--tool", tool, "--error-exitcode", "3", sys.executable, str(SANITIZE_SCRIPT)],
-        capture_output=True, text=True, env=env, timeout=900,
-    )
-    log = proc.stdout + proc.stderr
-    (tmp_path / f"{tool}.log").write_text(log)
-    assert proc.returncode == 0, log[-4000:]
-    assert "ERROR SUMMARY: 0 errors" in log, log[-4000:]
-    assert "sanitize_attention: OK" in log, log[-4000:]
+def test_compute_sanitizer_clean(tool, compute_sanitizer):
+    """The seed article's bug class (a barrier or stale read in the warp-specialized pipeline), by tool;
+    each judged by its own clean summary line (conftest.sanitizer_failure)."""
+    compute_sanitizer(tool, SANITIZE_SCRIPT, "sanitize_attention: OK")

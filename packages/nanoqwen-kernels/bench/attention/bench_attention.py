@@ -1,6 +1,6 @@
 """Microbenchmarks of paged attention on the GPU, against ceilings measured in the same run.
 
-    PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src \
+    PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-model/src:packages/nanoqwen-kernels/src \
         python packages/nanoqwen-kernels/bench/attention/bench_attention.py --out results.json
 
 Ceilings: device-to-device copy bandwidth (1 GiB, bytes read + written) and a random 8192^3 bf16

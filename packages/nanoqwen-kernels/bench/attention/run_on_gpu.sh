@@ -5,7 +5,7 @@ set -u
 cd "$(dirname "$0")/../../../.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src PYTHONUNBUFFERED=1
+export PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-model/src:packages/nanoqwen-kernels/src PYTHONUNBUFFERED=1
 export NANOQWEN_REQUIRE_GPU=1
 steps=${*:-tests bench sanitize}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"

@@ -216,6 +216,8 @@ class PagedAttentionPlan:
         context_lens: torch.Tensor,
         query_start_loc: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        *,
+        pdl: bool = False,
     ) -> torch.Tensor:
         """Attention output [total_q, n_heads, head_dim] bf16 (written into `out` when given).
 
@@ -223,6 +225,7 @@ class PagedAttentionPlan:
         k_cache, v_cache: bf16 [num_blocks, n_kv_heads, block_size, head_dim] (one layer of the pool);
         page_table: int32 [B, max_pages]; context_lens: int32 [B];
         query_start_loc: int32 [B + 1], prefill only (decode: total_q == B).
+        pdl: launch the attention kernel and the split combine with programmatic dependent launch.
         """
         batch, total_q = self._check(q, k_cache, v_cache, page_table, context_lens, query_start_loc, out)
         if out is None:
@@ -242,10 +245,11 @@ class PagedAttentionPlan:
             launch.i32(self.num_row_tiles), launch.f32(self.scale_log2),
         )
         grid = (self.num_row_tiles * self.num_splits, g.n_kv_heads, batch)
-        launch.launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem)
+        launch.launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem,
+                      pdl=pdl)
         if self.num_splits > 1:
             launch.launch(FAMILY, _COMBINE[g.head_dim], self.device_index, (total_q * g.n_heads,),
-                          (COMBINE_THREADS,), args + (launch.i32(total_q),))
+                          (COMBINE_THREADS,), args + (launch.i32(total_q),), pdl=pdl)
         return out
 
 

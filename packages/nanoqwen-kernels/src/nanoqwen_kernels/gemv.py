@@ -5,18 +5,19 @@ Weights are in the `int4-g{G}-tile8x128-v1` layout of DESIGN.md, held on the GPU
 as they are stored; see csrc/gemv_int4.cuh for how.
 
 Plan, then run: `plan_gemv(N, K, device)` fixes the split-K factor for a shape (a pure function of
-the shape and the SM count, so the same call always launches the same grid); `plan_gemv(N, K, device,
-variant="stream")` selects the latency-oriented second kernel (csrc/gemv_int4_stream.cuh: K split over
-the warps of one block, reduced in shared memory, no workspace) for M <= plan.stream_max_m, and the
-default kernel above that; `GemvWorkspace` is the fp32 partial-sum buffer and the per-block counters
-that split-K needs, allocated once for the largest shape and shared by every GEMV on a stream (the
-counters return to zero at the end of each launch). `gemv_int4` itself allocates nothing and never
-synchronises: it is CUDA-graph capturable.
+the shape and the SM count, so the same call always launches the same grid); `GemvWorkspace` is the
+fp32 partial-sum buffer and the per-block counters that split-K needs, allocated once for the largest
+shape and shared by every GEMV on a stream (the counters return to zero at the end of each launch).
+`gemv_int4` itself allocates nothing and never synchronises: it is CUDA-graph capturable.
 
     y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
 
 `gemv_int8` is the same decode product for the INT8 row-major layout of the `--lm-head int8` option
 (csrc/gemv_int8.cuh; `Int8Weight`, G = 64 or 128, no bias, no split-K).
+
+Every launcher takes a keyword-only `pdl` (default False): True launches with programmatic dependent
+launch (launch.launch), so the kernel may start under the previous kernel's tail (the GEMVs prefetch
+their first weights before they wait for their inputs).
 """
 
 from __future__ import annotations
@@ -40,19 +41,6 @@ TARGET_BLOCKS_PER_SM = 4
 # Most tile-columns one block stages: M = 8 rows x 48 x 128 bf16 = 96 KB of shared memory, so two
 # blocks still fit an SM for any K (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns).
 KC_MAX = 48
-# The "stream" variant (csrc/gemv_int4_stream.cuh): 8 warps per block, `k_slices` warps per tile pair.
-VARIANTS = ("default", "stream")
-STREAM_WARPS = 8  # nq_gemv::STREAM_WARPS
-STREAM_BLOCKS_PER_SM = 2  # NQ_GEMV_STREAM_MIN_BLOCKS in gemv.cu (its register budget)
-# Most dynamic shared memory the stream kernel stages x into: two blocks per SM still fit. It bounds
-# the M the variant runs at (stream_max_m): 8 for K = 3584, 2 for K = 18944, 1 for K = 27648.
-STREAM_SMEM_MAX = 100 * 1024
-# Blocks the stream plan wants when one wave cannot hold the shape: enough for dynamic scheduling to
-# even out the SMs (4 waves of STREAM_BLOCKS_PER_SM).
-STREAM_MIN_WAVES = 4
-# M up to which the plans plan_gemv makes by default (variant=None) run the stream kernel; 0: never
-# (every default plan is plan_shape's). Not yet measured on a GPU: see NOTES.md before raising it.
-STREAM_DEFAULT_MAX_M = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,30 +93,12 @@ class Int4Weight:
 
 @dataclasses.dataclass(frozen=True)
 class GemvPlan:
-    """Grid of one GEMV shape: `splits` blocks along K, each over `kc` tile-columns (128 columns).
-
-    variant "stream" adds `k_slices` (warps per 16-row tile pair, each over a contiguous slice of K,
-    reduced in shared memory) and `stream_max_m`: gemv_int4 runs the stream kernel for M <= that
-    and the default kernel (splits, kc) above it, so one plan serves M = 1..8 either way."""
+    """Grid of one GEMV shape: `splits` blocks along K, each over `kc` tile-columns (128 columns)."""
 
     n: int
     k: int
     splits: int
     kc: int
-    variant: str = "default"
-    k_slices: int = 0
-    stream_max_m: int = 0
-
-    def uses_stream(self, m: int) -> bool:
-        return self.variant == "stream" and m <= self.stream_max_m
-
-    @property
-    def stream_blocks(self) -> int:
-        pairs = -(-self.n // 16)
-        return -(-pairs // (STREAM_WARPS // self.k_slices))
-
-    def stream_shared_bytes(self, m: int) -> int:
-        return m * (self.k + XPAD) * 2
 
     @property
     def blocks_n(self) -> int:
@@ -157,50 +127,13 @@ def plan_shape(n: int, k: int, sm_count: int, target_blocks_per_sm: int = TARGET
     return GemvPlan(n, k, -(-kt // kc), kc)
 
 
-@functools.cache
-def plan_shape_stream(
-    n: int, k: int, sm_count: int, k_slices: int | None = None, max_m: int = MAX_M
-) -> GemvPlan:
-    """The stream variant's plan (plus the default plan's fields, used for M > stream_max_m).
-
-    k_slices (1, 2, 4 or 8, at most K / 128): when every block fits one wave at some k_slices, the
-    largest that does (most warps, shortest chain per warp: the small shapes are latency-bound);
-    otherwise the smallest giving STREAM_MIN_WAVES waves (large shapes: fewer x stagings per byte
-    of weights, and dynamic block scheduling evens out the SMs)."""
-    base = plan_shape(n, k, sm_count)
-    kt, pairs = k // 128, -(-n // 16)
-    cands = [s for s in (1, 2, 4, 8) if s <= kt]
-    if k_slices is None:
-        resident = sm_count * STREAM_BLOCKS_PER_SM
-        blocks = {s: -(-pairs // (STREAM_WARPS // s)) for s in cands}
-        if blocks[cands[0]] <= resident:  # blocks grow with k_slices
-            k_slices = max(s for s in cands if blocks[s] <= resident)
-        else:
-            many = [s for s in cands if blocks[s] >= STREAM_MIN_WAVES * resident]
-            k_slices = min(many) if many else cands[-1]
-    elif k_slices not in cands:
-        raise ValueError(f"k_slices must be one of {cands} for K = {k}, got {k_slices}")
-    stream_max_m = min(max_m, MAX_M, STREAM_SMEM_MAX // ((k + XPAD) * 2))
-    return dataclasses.replace(base, variant="stream", k_slices=k_slices, stream_max_m=stream_max_m)
-
-
 def plan_gemv(
-    n: int, k: int, device: torch.device | None = None, variant: str | None = None, **kw
+    n: int, k: int, device: torch.device | None = None, target_blocks_per_sm: int = TARGET_BLOCKS_PER_SM
 ) -> GemvPlan:
-    """The plan of one shape on `device`: variant "default" (plan_shape; kw: target_blocks_per_sm) or
-    "stream" (plan_shape_stream; kw: k_slices, max_m). variant None, no kw: the stream plan limited
-    to M <= STREAM_DEFAULT_MAX_M when that is > 0, else the default plan."""
+    """The plan of one shape on `device` (default: the current CUDA device): `plan_shape` with the
+    device's SM count. `target_blocks_per_sm` is for benchmarks of other split-K targets."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    sms = _sm_count(require_sm90(device))
-    if variant is None:
-        if STREAM_DEFAULT_MAX_M > 0 and not kw:
-            return plan_shape_stream(n, k, sms, max_m=STREAM_DEFAULT_MAX_M)
-        variant = "default"
-    if variant == "default":
-        return plan_shape(n, k, sms, **kw)
-    if variant == "stream":
-        return plan_shape_stream(n, k, sms, **kw)
-    raise ValueError(f"unknown GEMV variant {variant!r}; known: {VARIANTS}")
+    return plan_shape(n, k, _sm_count(require_sm90(device)), target_blocks_per_sm)
 
 
 @dataclasses.dataclass
@@ -238,15 +171,17 @@ def gemv_int4(
     plan: GemvPlan | None = None,
     silu_mul_input: bool = False,
     family: str = FAMILY,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = x[M, K] @ W^T (+ bias), M = 1..8, bf16, on the current stream.
 
     x: bf16 [M, K] contiguous; or, with `silu_mul_input`, the gate_up output [M, 2K] from which the
     kernel computes silu(gate) * up while staging it (fused MLP activation). weight: Int4Weight
     [N, K]; bias: bf16 [N] or None; out: bf16 [M, N] (written completely). workspace: required when
-    the plan splits K (plan.splits > 1), unless the stream kernel runs at this M (plan.uses_stream(M)).
-    family: the registry entry to launch from (benchmarks register compile-option variants of "gemv"
-    under other names). Returns out.
+    the plan splits K (plan.splits > 1). family: the registry entry to launch from (benchmarks register
+    compile-option variants of "gemv" under other names). pdl: launch with programmatic dependent
+    launch. Returns out.
     """
     n, k = weight.n, weight.k
     dev = weight.qweight.device
@@ -266,13 +201,6 @@ def gemv_int4(
     if (plan.n, plan.k) != (n, k):
         raise ValueError(f"plan is for [{plan.n}, {plan.k}], weight is [{n}, {k}]")
     silu = "_silu" if silu_mul_input else ""
-    if plan.uses_stream(m):
-        args = (ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
-                i32(m), i32(n), i32(k), i32(plan.k_slices))  # fmt: skip
-        grid = (plan.stream_blocks, 1, 1)
-        name = f"gemv_int4_stream_{weight.kernel_suffix()}{silu}"
-        launch(family, name, index, grid, (STREAM_WARPS * 32, 1, 1), args, plan.stream_shared_bytes(m))
-        return out
     ws_ptr = cnt_ptr = np.uint64(0)
     if plan.splits > 1:
         if workspace is None:
@@ -290,7 +218,8 @@ def gemv_int4(
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
         ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc),
     )  # fmt: skip
-    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, plan.shared_bytes(m))
+    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, plan.shared_bytes(m),
+           pdl=pdl)
     return out
 
 
@@ -342,13 +271,12 @@ def int8_shared_bytes(m: int, k: int) -> int:
 
 
 def gemv_int8(
-    x: torch.Tensor, weight: Int8Weight, out: torch.Tensor, family: str = FAMILY
+    x: torch.Tensor, weight: Int8Weight, out: torch.Tensor, family: str = FAMILY, *, pdl: bool = False
 ) -> torch.Tensor:
     """out[M, N] = x[M, K] @ W^T, M = 1..8, bf16 in and out, fp32 accumulation, on the current stream.
 
     x: bf16 [M, K] contiguous; weight: Int8Weight [N, K]; out: bf16 [M, N] (written completely).
-    family: as in gemv_int4 (benchmarks' compile-option variants). Allocates nothing, never
-    synchronises: graph-capturable. Returns out."""
+    family, pdl: as in gemv_int4. Allocates nothing, never synchronises: graph-capturable. Returns out."""
     n, k = weight.n, weight.k
     dev = weight.qweight.device
     index = require_sm90(dev)
@@ -358,12 +286,13 @@ def gemv_int8(
     args = (ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(out), i32(m), i32(n), i32(k))
     grid = (-(-n // INT8_ROWS_PER_BLOCK), 1, 1)
     launch(family, f"gemv_int8_g{weight.group_size}", index, grid, (THREADS, 1, 1), args,
-           int8_shared_bytes(m, k))
+           int8_shared_bytes(m, k), pdl=pdl)
     return out
 
 
-def dequantize_int4(weight: Int4Weight, out: torch.Tensor) -> torch.Tensor:
-    """out[N, K] (bf16, preallocated) = bf16((q - z) * s): the dense weight, rounded once."""
+def dequantize_int4(weight: Int4Weight, out: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """out[N, K] (bf16, preallocated) = bf16((q - z) * s): the dense weight, rounded once. pdl: as in
+    gemv_int4."""
     dev = weight.qweight.device
     index = require_sm90(dev)
     check(out, "out", torch.bfloat16, (weight.n, weight.k), dev)
@@ -377,7 +306,8 @@ def dequantize_int4(weight: Int4Weight, out: torch.Tensor) -> torch.Tensor:
         i32(weight.n),
         i32(weight.k),
     )
-    launch(FAMILY, f"dequant_int4_{weight.kernel_suffix()}", index, (blocks, 1, 1), (256, 1, 1), args)
+    launch(FAMILY, f"dequant_int4_{weight.kernel_suffix()}", index, (blocks, 1, 1), (256, 1, 1), args,
+           pdl=pdl)
     return out
 
 
@@ -387,13 +317,16 @@ def linear_int4_prefill(
     out: torch.Tensor,
     dense_scratch: torch.Tensor,
     bias: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """out[T, N] = x[T, K] @ W^T (+ bias) for any T: dequantize into `dense_scratch` (bf16 [N, K],
     preallocated, reusable across layers), then one cuBLAS GEMM (torch.addmm / torch.mm, fp32
-    accumulation). First version of the prefill path; see NOTES.md for its measured cost."""
+    accumulation). pdl applies to the dequantize launch (cuBLAS launches its own kernels). First
+    version of the prefill path; see NOTES.md for its measured cost."""
     check(x, "x", torch.bfloat16, (None, weight.k), weight.qweight.device)
     check(out, "out", torch.bfloat16, (x.shape[0], weight.n), weight.qweight.device)
-    dequantize_int4(weight, dense_scratch)
+    dequantize_int4(weight, dense_scratch, pdl=pdl)
     if bias is None:
         torch.mm(x, dense_scratch.t(), out=out)
     else:

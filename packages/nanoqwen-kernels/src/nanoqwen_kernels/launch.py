@@ -6,14 +6,15 @@ current torch stream as a CuPy `ExternalStream` and launches on it. Nothing here
 memory or synchronises the host, so launches can be captured in a CUDA graph once each family has
 been loaded (call `warm_up()` before capture: loading a module is not capturable).
 
-Programmatic dependent launch (PDL) is opt-in: under `use_pdl(True)` (a context manager) or with
-NANOQWEN_PDL=1, `launch()` goes through `cuLaunchKernelEx` with the programmatic-stream-serialization
-attribute (cuda_driver.py), so a kernel's blocks may start under the tail of the previous kernel; each
-kernel waits for its inputs itself (`pdl_wait` in csrc/common.cuh; every kernel of this package keeps
-that contract, and without the attribute the wait is a no-op). Off by default because on the H200 we
-measure on, the driver never starts a dependent grid early (nanoqwen-kernels NOTES.md, session 2: same
-kernel-to-kernel gap with and without it, eager and in graphs), so it buys nothing there. The
-choice is made per launch, so a CUDA graph keeps the one it was captured with.
+Programmatic dependent launch (PDL) is an explicit argument of every launch: `launch(..., pdl=True)`
+(and the `pdl=True` keyword of every public launcher, which passes it here) goes through
+`cuLaunchKernelEx` with the programmatic-stream-serialization attribute (cuda_driver.py), so a
+kernel's blocks may start under the tail of the previous kernel; each kernel waits for its inputs
+itself (`pdl_wait` in csrc/common.cuh; every kernel of this package keeps that contract, and without
+the attribute the wait is a no-op). There is no global switch: the caller decides per launch (the
+engine from `EngineConfig.pdl`), so a CUDA graph keeps what it was captured with. Off by default
+because on the H200 we measure on, the driver never starts a dependent grid early (NOTES.md, session
+2: same kernel-to-kernel gap with and without it, eager and in graphs), so it buys nothing there.
 
 Only sm_90 (Hopper) is supported: `require_sm90` raises `UnsupportedDeviceError` on anything else;
 there is no slower fallback path.
@@ -21,8 +22,6 @@ there is no slower fallback path.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 
 import numpy as np
@@ -41,23 +40,6 @@ _modules: dict[tuple[str, int], object] = {}
 _functions: dict[tuple[str, str, int], object] = {}
 _streams: dict[tuple[int, int], object] = {}
 _checked_devices: set[int] = set()
-_pdl = os.environ.get("NANOQWEN_PDL", "0") == "1"
-
-
-def pdl_enabled() -> bool:
-    """Whether launches made now use programmatic dependent launch."""
-    return _pdl
-
-
-@contextlib.contextmanager
-def use_pdl(enabled: bool):
-    """Launches made inside the block use PDL (True) or plain stream order (False); restored after."""
-    global _pdl
-    old, _pdl = _pdl, bool(enabled)
-    try:
-        yield
-    finally:
-        _pdl = old
 
 
 def require_sm90(device: torch.device) -> int:
@@ -113,15 +95,20 @@ def current_stream(device_index: int):
     return stream
 
 
-def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0) -> None:
-    """Launch `family.kernel` on the current torch stream. `args` are numpy scalars (see `ptr`)."""
+def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0, *,
+           pdl: bool = False) -> None:
+    """Launch `family.kernel` on the current torch stream. `args` are numpy scalars (see `ptr`).
+
+    pdl: True launches with programmatic stream serialization (`cuda_driver.launch_pdl`); the kernel
+    must call `pdl_wait` before it depends on the previous kernel (every kernel here does). False: a
+    plain launch in stream order."""
     fn = get_function(family, kernel, device_index)
     if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
         fn.max_dynamic_shared_size_bytes = shared_mem
     import cupy
 
     with cupy.cuda.Device(device_index):
-        if _pdl:
+        if pdl:
             stream = torch.cuda.current_stream(device_index).cuda_stream
             cuda_driver.launch_pdl(fn.kernel.ptr, grid, block, args, shared_mem, stream)
             return

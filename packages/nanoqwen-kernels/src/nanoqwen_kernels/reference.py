@@ -1,12 +1,22 @@
-"""Plain-torch references of every kernel in this package except attention (reference_attention.py),
-and the one table of test tolerances.
+"""The oracles of the kernel tests and the one table of test tolerances.
 
-Each reference computes in fp32 (inputs upcast), with no tiling or fusion, so it can be checked by
-eye against HF's Qwen2 code and DESIGN.md. The INT4 decoder below reads the tile layout directly
-(shifts and a permutation in torch) and is itself tested against nanoqwen_format's numpy
-`int4.unpack` / `int4.dequantize`, so kernel tests on large GPU tensors need no numpy round trip.
-Where the bf16 model rounds an intermediate to bf16 (the residual sum, a bias added to a bf16 GEMV
-output), the reference rounds it the same way; everything else stays fp32 until the output.
+The model math is nanoqwen_model's, imported, never re-implemented here (one truth: the kernels are
+tested against the same definitions the reference runtime and the quantizer compute with):
+
+    kernel                          oracle
+    gemv_int4 / dequant_int4        nanoqwen_model.codec.dequantize_int4, then forward.linear in fp32
+    gemv_int8                       nanoqwen_model.codec.dequantize_int8, then forward.linear in fp32
+    rms_norm_bf16                   nanoqwen_model.forward.rms_norm
+    qkv_rope_kv_write_bf16          nanoqwen_model.forward.apply_rope (+ the paged write below)
+    sample_tokens_bf16              nanoqwen_model.sampling.sampling_mask / sampling_probs
+    paged attention                 nanoqwen_model.forward.causal_attention (reference_attention.py)
+
+What is left here is kernel-specific glue: `linear` upcasting the weight so the product is fp32
+whatever the operand dtypes (the kernels accumulate in fp32), SiLU*mul on a fused gate_up row, the
+fused residual add that rounds the new residual to bf16 as the kernel stores it, the bias rounded to
+bf16 before RoPE as the GEMV output is, the paged K/V write, and the tolerances: `TOLERANCES` with
+`assert_close` (elementwise, per output dtype) and `ATTENTION_ROW` with `assert_rows_close` (per
+row). Everything else stays fp32 until the output.
 """
 
 from __future__ import annotations
@@ -14,6 +24,17 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
+from nanoqwen_model import forward
+from nanoqwen_model.codec import dequantize_int4, dequantize_int8
+from nanoqwen_model.forward import apply_rope, rms_norm
+from nanoqwen_model.sampling import sampling_mask, sampling_probs
+
+__all__ = [
+    "Tolerance", "TOLERANCES", "assert_close", "RowTolerance", "ATTENTION_ROW", "assert_rows_close",
+    "dequantize_int4", "dequantize_int8", "linear", "silu_mul", "rms_norm",
+    "fused_add_rms_norm", "qkv_rope_kv_write", "sampling_mask", "sampling_probs",
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +49,13 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.bfloat16: Tolerance(
         rtol=2**-7,
         atol=1e-4,
-        why="bf16 output: rounding to nearest costs up to 2^-8 relative; 2^-7 leaves one ulp for fp32 "
-        "summation order or an fma contraction flipping a rounding tie; atol covers fp32 accumulation "
-        "differences (~1e-7 of the sum of |terms|) on O(1) outputs that cancel to near zero",
+        why="bf16 output: rounding to nearest costs up to 2^-8 relative (bf16 keeps 8 significant bits); "
+        "2^-7 leaves one more half-ulp for fp32 summation order or an fma contraction flipping a rounding "
+        "tie, or for two bf16 values rounded from fp32 sums that straddle a tie (one ulp, <= 2^-7 "
+        "relative). atol covers fp32 accumulation differences on outputs that cancel to near zero: "
+        "the tests draw O(1) outputs, so the sum of |terms| is <= ~130 (GEMV: 0.7 sqrt(K) at K = 18944, "
+        "asymmetric) and its fp32 rounding noise, random in sign over <= K / 16 accumulator adds, is "
+        "~1e-7 of that, 1e-5: atol is 10x it",
     ),
     torch.float32: Tolerance(rtol=1e-5, atol=1e-6, why="fp32 output: summation order only"),
 }
@@ -60,93 +85,115 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "outp
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class RowTolerance:
+    """|| kernel row - reference row ||_2 <= rel_l2 * || reference row ||_2, for every row."""
+
+    rel_l2: float
+    why: str
+
+
+# Paged attention, bf16 output, per row (one query token and head: a head_dim vector), checked
+# against the fp32 reference of that row. An elementwise atol cannot work here: at long context a
+# row's outputs are averages over ~ctx/e tokens (softmax of N(0, 1) scores), so |o| ~ 1/sqrt(1500) at
+# 4097 tokens, and any atol that covers short rows hides a 20% error on a long one.
+#
+# The kernel computes o = bf16( sum_j bf16(p_j) v_j / l ) with p_j = 2^(s_j - m) in (0, 1] from fp32
+# scores and l = sum_j p_j in fp32 (of the unrounded p_j). Errors relative to the row's ||o||, in
+# u = 2^-8 (bf16 unit roundoff: 8 significant bits, round to nearest = half an ulp of [1, 2)):
+#   (a) output rounding to bf16: <= u per element, so <= u on the row's norm: 1 half-ulp.
+#   (b) P rounded to bf16 as the A operand of the P.V mma (V is bf16 in the cache: exact): weights
+#       p_j (1 + d_j), |d_j| <= u, error e = sum_j d_j p_j v_j / l. q, K, V are independent N(0, 1)
+#       in the tests, so given the scores e and o are Gaussian vectors: ||e||^2 = D c_e X and
+#       ||o||^2 = D c_o Y with X, Y ~ chi^2_D / D, c_e = sum_j d_j^2 p_j^2 / l^2 <= u^2 c_o, at any
+#       context length. So ||e|| / ||o|| <= u sqrt(X / Y); at D = 64 (the worse head_dim) X <= 2.45
+#       and Y >= 0.272 but with probability 1e-9 each (chi-square quantiles): <= 3 u, 3 half-ulps.
+#   (c) fp32 accumulation of P.V: <= 4097 / 16 + 16 chained adds per accumulator, each <= 2^-23
+#       (even if the tensor core truncates), on terms whose |sum| is ~31x ||o|| / sqrt(D) at 4097
+#       tokens: <= 1e-3 if every rounding had the same sign (0.26 u); the alpha rescales (<= 65) and
+#       the split combine add < 1e-5.
+#   (d) fp32 scores (bf16 q.k products are exact in fp32; 24 chained adds) and ex2.approx (~2^-22):
+#       weights off by <= 1.1e-4 relative, <= (3 + 1) x 1.1e-4 on the row by the argument of (b)
+#       (+1: l carries the same error): 0.11 u.
+#   The fp32 reference: errors of kind (c) and (d) with random signs (sqrt(n) 2^-24 over its n <= 4097
+#   adds, as in the elementwise table): < 0.1 u.
+# Total: u (1 + 3 (1 + u) + 0.26 + 0.11 + 0.1) < 4.5 u = 1.76%.
+ATTENTION_ROW = RowTolerance(
+    rel_l2=4.5 * 2**-8,
+    why="bf16 output rounding (1 half-ulp) + bf16 P in the P.V mma (3 half-ulps at a 1e-9 chi-square "
+    "tail, D = 64) + fp32 accumulation over <= 4097 tokens, ex2.approx and the reference (< 0.5)",
+)
+
+
+def assert_rows_close(actual: torch.Tensor, expected: torch.Tensor, tol: RowTolerance,
+                      what: str = "output") -> None:
+    """Check every row (the last dimension) of a kernel output against its fp32 reference: relative
+    L2 error <= tol.rel_l2. A reference row that is exactly zero (e.g. a padding slot) must come out
+    exactly zero. NaN anywhere in `actual` (e.g. an unwritten poisoned element) always fails."""
+    a = actual.float()
+    e = expected.float().to(a.device)
+    if a.shape != e.shape:
+        raise AssertionError(f"{what}: shape {list(a.shape)} != reference {list(e.shape)}")
+
+    def where(flat_row: int) -> list[int]:  # index of a row in the leading dimensions
+        return [int(i) for i in torch.unravel_index(torch.tensor(flat_row), a.shape[:-1])]
+
+    nan = torch.isnan(a).flatten(0, -2).any(dim=-1) if a.dim() > 1 else torch.isnan(a).any()[None]
+    if nan.any():
+        raise AssertionError(f"{what}: {int(nan.sum())} rows hold NaN (unwritten?), first at "
+                             f"{where(int(nan.nonzero()[0, 0]))}")
+    a2, e2 = a.reshape(-1, a.shape[-1]), e.reshape(-1, e.shape[-1])
+    err, scale = (a2 - e2).norm(dim=-1), e2.norm(dim=-1)
+    zero = scale == 0
+    if (zero & (err > 0)).any():
+        first = int((zero & (err > 0)).nonzero()[0, 0])
+        raise AssertionError(f"{what}: row {where(first)} should be zero (its reference is)")
+    rel = torch.where(zero, torch.zeros_like(err), err / torch.where(zero, torch.ones_like(scale), scale))
+    bad = rel > tol.rel_l2
+    if bad.any():
+        worst = int(rel.argmax())
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{rel.numel()} rows off; worst {where(worst)}: relative L2 error "
+            f"{rel[worst].item():.3e} > {tol.rel_l2:.3e} (row norm {scale[worst].item():.3e})"
+        )
+
+
 # ---------------------------------------------------------------------------------------------------
-# INT4 layout int4-g{G}-tile8x128-v1
+# glue the kernels need beyond the model's definitions
 # ---------------------------------------------------------------------------------------------------
-
-
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """q[N, K] (int32 values 0..15) from the packed words [N/8, K/128, 32, 4] (int32 or uint32 bits).
-
-    Word (lane L = 4g + t, w), nibble p = 4h + j holds row 8 tile_row + g and column
-    128 tile_col + 32w + 8j + 2t + h (KOFF[p] = 8j + h)."""
-    nt, kt = qweight.shape[0], qweight.shape[1]
-    words = qweight.to(torch.int32).reshape(nt, kt, 8, 4, 4)  # [tr, tc, g, t, w]
-    shifts = 4 * torch.arange(8, device=qweight.device, dtype=torch.int32)
-    nib = (words.unsqueeze(-1) >> shifts) & 15  # [tr, tc, g, t, w, p]
-    nib = nib.reshape(nt, kt, 8, 4, 4, 2, 4)  # p = 4h + j -> [.., h, j]
-    # -> [tr, g, tc, w, j, t, h]
-    return nib.permute(0, 2, 1, 4, 6, 3, 5).reshape(nt * 8, kt * 128)
-
-
-def dequantize_int4(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int
-) -> torch.Tensor:
-    """fp32 [N, K]: w = (q - z) * f32(s), z = 8 when zeros is None (symmetric)."""
-    q = unpack_int4(qweight).float()
-    n, k = q.shape
-    q = q.reshape(n, k // group_size, group_size)
-    z = 8.0 if zeros is None else zeros.float().unsqueeze(-1)
-    return ((q - z) * scales.float().unsqueeze(-1)).reshape(n, k)
-
-
-def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """INT8 row-major [N, K] (int8) with bf16 scales [N, K/G] -> fp32 [N, K] = q * s."""
-    s = scales.float().repeat_interleave(group_size, dim=1)
-    return qweight.float() * s
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 x[M, K] @ w[N, K]^T + bias[N] (all upcast to fp32; TF32 off)."""
-    y = torch.matmul(x.float(), w.float().t())
-    return y if bias is None else y + bias.float()
+    """fp32 x[M, K] @ w[N, K]^T + bias[N]: the model's `linear` on the weight upcast to fp32 (it computes
+    in the weight's dtype), i.e. the exact products of what the kernel reads, accumulated in fp32 as
+    the kernels accumulate (TF32 off, torch's default)."""
+    return forward.linear(x, w.float(), bias)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """fp32 silu(gate) * up for gate_up [T, 2I]."""
+    """fp32 silu(gate) * up for gate_up [T, 2I] (rows gate, then up)."""
     g, u = gate_up.float().chunk(2, dim=-1)
-    return torch.nn.functional.silu(g) * u
-
-
-# ---------------------------------------------------------------------------------------------------
-# layer ops
-# ---------------------------------------------------------------------------------------------------
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return F.silu(g) * u
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(fp32 normalised output, new bf16 residual = bf16(x + residual))."""
+    """(fp32 normalised output, new bf16 residual = bf16(x + residual)): the kernel stores the sum in
+    the bf16 residual and normalises what it stored."""
     new_res = (x.float() + residual.float()).to(torch.bfloat16)
     return rms_norm(new_res, weight, eps), new_res
-
-
-def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    return table[ids.long()].float()
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Qwen2 RoPE (rotate_half) on x [T, H, D] in fp32, angle = fp32(position) * inv_freq."""
-    xf = x.float()
-    angle = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2]
-    cos, sin = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
-    half = xf.shape[-1] // 2
-    a, b = xf[..., :half], xf[..., half:]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
 def qkv_rope_kv_write(qkv, n_heads, n_kv_heads, head_dim, positions, slot_mapping, inv_freq,
                       k_cache, v_cache, bias=None):  # fmt: skip
     """Reference of the fused op: returns fp32 q [T, Hq, D] and writes (bf16) into k_cache/v_cache
-    (tensors the caller owns, e.g. clones): slot s -> page s // block_size, offset s % block_size."""
+    (tensors the caller owns, e.g. clones): slot s -> page s // block_size, offset s % block_size;
+    slot < 0: no write. With a bias, qkv + bias is rounded to bf16 first, as a GEMV with fused bias
+    would have stored it."""
     t = qkv.shape[0]
     x = qkv.float() if bias is None else (qkv.float() + bias.float()).to(torch.bfloat16).float()
     x = x.reshape(t, n_heads + 2 * n_kv_heads, head_dim)
-    q = rope(x[:, :n_heads], positions, inv_freq)
-    k = rope(x[:, n_heads : n_heads + n_kv_heads], positions, inv_freq)
+    q = apply_rope(x[:, :n_heads], positions, inv_freq)
+    k = apply_rope(x[:, n_heads : n_heads + n_kv_heads], positions, inv_freq)
     v = x[:, n_heads + n_kv_heads :]
     bs = k_cache.shape[2]
     for i, slot in enumerate(slot_mapping.tolist()):
@@ -155,35 +202,3 @@ def qkv_rope_kv_write(qkv, n_heads, n_kv_heads, head_dim, positions, slot_mappin
         k_cache[slot // bs, :, slot % bs] = k[i].to(k_cache.dtype)
         v_cache[slot // bs, :, slot % bs] = v[i].to(v_cache.dtype)
     return q
-
-
-# ---------------------------------------------------------------------------------------------------
-# sampling
-# ---------------------------------------------------------------------------------------------------
-
-
-def sampling_mask(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """bool [V]: the tokens a sampler may return for one row (ties at a threshold are kept, as in HF's
-    `scores < kth_value` masks). top-k on logits, then top-p on the tempered probabilities of the
-    survivors: keep logits >= the largest value whose tail mass reaches top_p (computed in fp64)."""
-    lf = logits.double()
-    keep = torch.ones_like(lf, dtype=torch.bool)
-    if 0 < top_k < lf.numel():
-        kth = torch.topk(lf, top_k).values[-1]
-        keep &= lf >= kth
-    if top_p < 1.0:
-        vals = torch.where(keep, lf, torch.full_like(lf, -float("inf")))
-        sorted_vals, _ = torch.sort(vals, descending=True)
-        mass = torch.exp((sorted_vals - sorted_vals[0]) / temperature)
-        cum = torch.cumsum(mass, 0)
-        pos = int(torch.searchsorted(cum, top_p * cum[-1]).clamp(max=cum.numel() - 1))
-        keep &= lf >= sorted_vals[pos]
-    return keep
-
-
-def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """fp64 [V]: the distribution a sampler must draw from (softmax(l / T) renormalised on the mask)."""
-    keep = sampling_mask(logits, temperature, top_k, top_p)
-    lf = logits.double() / temperature
-    lf = torch.where(keep, lf, torch.full_like(lf, -float("inf")))
-    return torch.softmax(lf, 0)

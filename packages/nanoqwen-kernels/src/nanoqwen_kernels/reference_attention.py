@@ -1,8 +1,9 @@
 """Plain-torch reference for paged attention (the oracle the CUDA kernels are tested against).
 
-Reads the paged KV cache exactly as DESIGN.md lays it out and computes attention in fp32 (or fp64)
-one sequence at a time, with no tiling, splitting or online softmax, so that it is easy to check by
-eye:
+The attention math is the model's: `nanoqwen_model.forward.causal_attention` (GQA, causal by
+absolute position, softmax scale 1/sqrt(head_dim), fp32). What is paged-attention specific is here:
+reading each sequence's K/V out of the paged cache exactly as DESIGN.md lays it out, and the
+positions of a chunk's queries:
 
     seq b:  |<------------- context_lens[b] (tokens in cache, new ones included) ------------->|
             |<---- cached prefix (context_len - query_len) ---->|<---- query_len[b] --->|
@@ -10,31 +11,28 @@ eye:
 
     token p of sequence b lives in k_cache/v_cache[page_table[b, p // block_size], :, p % block_size]
 
-Query head h reads KV head h // (n_heads // n_kv_heads) (GQA); the softmax scale is 1/sqrt(head_dim).
-A sequence with context_len 0 (a padding slot of a decode batch) yields zeros.
+A sequence with context_len 0 (a padding slot of a decode batch) yields zeros. No tiling, splitting or
+online softmax: the kernels' tricks are what is being tested.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 
 import torch
+from nanoqwen_model.forward import causal_attention
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor, context_len: int) -> torch.Tensor:
-    """The first `context_len` tokens of one sequence from a paged cache.
+    """The first `context_len` tokens of one sequence from a paged cache, token-major.
 
     cache: [num_blocks, n_kv_heads, block_size, head_dim]; pages: int [>= ceil(context_len/block_size)].
-    Returns [n_kv_heads, context_len, head_dim] in cache's dtype.
+    Returns [context_len, n_kv_heads, head_dim] in cache's dtype.
     """
-    block_size = cache.shape[2]
-    n_pages = -(-context_len // block_size)
-    idx = pages[:n_pages].long().to(cache.device)
-    blocks = cache[idx]  # [n_pages, n_kv, block_size, hd]
-    kv = blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], n_pages * block_size, cache.shape[3])
-    return kv[:, :context_len]
+    n_pages = -(-context_len // cache.shape[2])
+    blocks = cache[pages[:n_pages].long().to(cache.device)]  # [n_pages, n_kv, block_size, hd]
+    return blocks.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:context_len]
 
 
 def paged_attention_reference(
@@ -44,21 +42,19 @@ def paged_attention_reference(
     page_table: torch.Tensor,
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Causal paged attention, computed in `dtype` (fp32 by default).
+    """Causal paged attention in fp32, one sequence at a time through `causal_attention`.
 
     q: [total_q, n_heads, head_dim] (any float dtype); k_cache, v_cache: [num_blocks, n_kv_heads,
     block_size, head_dim]; page_table: int [B, max_pages]; context_lens: int [B];
     query_start_loc: int [B + 1] (sequence b's queries are rows query_start_loc[b]:query_start_loc[b+1]);
     None means decode, one query per sequence (total_q == B).
-    Returns [total_q, n_heads, head_dim] in `dtype`.
+    Returns fp32 [total_q, n_heads, head_dim].
     """
     total_q, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[1]
     if n_heads % n_kv:
         raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv}")
-    group = n_heads // n_kv
     batch = page_table.shape[0]
     ctx_host = context_lens.cpu().tolist()
     if query_start_loc is None:
@@ -69,8 +65,7 @@ def paged_attention_reference(
         starts = query_start_loc.cpu().tolist()
         if len(starts) != batch + 1 or starts[-1] != total_q:
             raise ValueError("query_start_loc must have B + 1 entries ending at total_q")
-    scale = 1.0 / math.sqrt(head_dim)
-    out = torch.zeros(total_q, n_heads, head_dim, dtype=dtype, device=q.device)
+    out = torch.zeros(total_q, n_heads, head_dim, dtype=torch.float32, device=q.device)
     for b in range(batch):
         q0, q1, ctx = starts[b], starts[b + 1], ctx_host[b]
         qlen = q1 - q0
@@ -78,15 +73,10 @@ def paged_attention_reference(
             continue
         if ctx < qlen:
             raise ValueError(f"sequence {b}: context_len {ctx} < query_len {qlen}")
-        k = gather_kv(k_cache, page_table[b], ctx).to(dtype).repeat_interleave(group, dim=0)
-        v = gather_kv(v_cache, page_table[b], ctx).to(dtype).repeat_interleave(group, dim=0)
-        qb = q[q0:q1].to(dtype).transpose(0, 1)  # [n_heads, qlen, hd]
-        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [n_heads, qlen, ctx]
-        pos = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(1)
-        keys = torch.arange(ctx, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(keys > pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q0:q1] = torch.matmul(probs, v).transpose(0, 1)
+        k = gather_kv(k_cache, page_table[b], ctx)
+        v = gather_kv(v_cache, page_table[b], ctx)
+        positions = torch.arange(ctx - qlen, ctx, device=q.device)
+        out[q0:q1] = causal_attention(q[q0:q1], k, v, positions).view(qlen, n_heads, head_dim)
     return out
 
 
@@ -108,9 +98,10 @@ class PagedCase:
     context_lens: torch.Tensor
     query_start_loc: torch.Tensor | None  # None: decode
 
-    def reference(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def reference(self) -> torch.Tensor:
+        """fp32 [total_q, n_heads, head_dim]: `paged_attention_reference` of the case."""
         return paged_attention_reference(self.q, self.k_cache, self.v_cache, self.page_table,
-                                         self.context_lens, self.query_start_loc, dtype=dtype)
+                                         self.context_lens, self.query_start_loc)
 
 
 def make_paged_case(

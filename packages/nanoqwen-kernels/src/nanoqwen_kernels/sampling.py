@@ -55,9 +55,11 @@ class SamplingState:
         self.offsets[row] = 0
 
 
-def sample_tokens(logits: torch.Tensor, state: SamplingState, out: torch.Tensor) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, state: SamplingState, out: torch.Tensor, *,
+                  pdl: bool = False) -> torch.Tensor:
     """out[B] (int32) = one token per row of logits (bf16 [B, V], V % 8 == 0, rows may be strided by a
-    multiple of 8 elements). Advances state.offsets[:B] by one."""
+    multiple of 8 elements). Advances state.offsets[:B] by one. pdl: launch with programmatic
+    dependent launch (launch.launch)."""
     dev = logits.device
     index = require_sm90(dev)
     check(logits, "logits", torch.bfloat16, (None, None), dev, contiguous=False, align=2)
@@ -79,5 +81,5 @@ def sample_tokens(logits: torch.Tensor, state: SamplingState, out: torch.Tensor)
     if b:
         args = (ptr(logits), np.int64(logits.stride(0)), i32(v), ptr(state.temperature), ptr(state.top_k),
                 ptr(state.top_p), ptr(state.seeds), ptr(state.offsets), ptr(out))  # fmt: skip
-        launch(FAMILY, "sample_tokens_bf16", index, (b, 1, 1), (THREADS, 1, 1), args)
+        launch(FAMILY, "sample_tokens_bf16", index, (b, 1, 1), (THREADS, 1, 1), args, pdl=pdl)
     return out

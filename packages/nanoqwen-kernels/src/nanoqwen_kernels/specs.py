@@ -32,12 +32,6 @@ SPECS: dict[str, KernelSpec] = {
             for kind in ("sym", "asym")
             for suffix in ("", "_silu")
         )
-        + tuple(
-            f"gemv_int4_stream_g{g}_{kind}{suffix}"
-            for g in (32, 64, 128)
-            for kind in ("sym", "asym")
-            for suffix in ("", "_silu")
-        )
         + tuple(f"dequant_int4_g{g}_{kind}" for g in (32, 64, 128) for kind in ("sym", "asym"))
         + ("gemv_int8_g64", "gemv_int8_g128"),
     ),
@@ -45,6 +39,12 @@ SPECS: dict[str, KernelSpec] = {
         name="sampling",
         sources=("sampling.cu",),
         hot_kernels=("sample_tokens_bf16",),
+    ),
+    # benchmark tools (read-only bandwidth ceiling, GPU-side wait), not model kernels: bench.py
+    "bench": KernelSpec(
+        name="bench",
+        sources=("bench.cu",),
+        hot_kernels=("read_xor_u32x4", "spin_ns"),
     ),
     "attention": KernelSpec(
         name="attention",

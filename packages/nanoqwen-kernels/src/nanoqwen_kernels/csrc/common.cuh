@@ -18,9 +18,10 @@ typedef u32 bf16x2_t;
 #define NQ_DEVICE __device__ __forceinline__
 #define NQ_NEG_INF __int_as_float(0xff800000)
 
-// Programmatic dependent launch (PDL, Hopper; PTX `griddepcontrol`). nanoqwen_kernels.launch
-// launches every kernel with the programmatic-stream-serialization attribute, so a kernel's blocks may
-// start while the kernel before it on the stream is still running. The contract every kernel keeps:
+// Programmatic dependent launch (PDL, Hopper; PTX `griddepcontrol`). A launcher called with pdl=True
+// (nanoqwen_kernels.launch.launch) launches the kernel with the programmatic-stream-serialization
+// attribute, so its blocks may start while the kernel before it on the stream is still running. The
+// contract every kernel whose launcher takes `pdl` keeps (tests/test_pdl_cpu.py checks it):
 //   pdl_wait() before its first read of memory an earlier kernel writes and before its first global
 //   write (it returns once the previous grid has completed and its writes are visible; it is a no-op
 //   in a launch without the attribute). Only reads of memory no kernel writes (the weights) may come

@@ -7,16 +7,10 @@
 //   gemv_int8_g{64,128}                        decode GEMV, M = 1..8, INT8 row-major weights (the
 //                                              `--lm-head int8` layout; gemv_int8.cuh)
 //
-//   gemv_int4_stream_g{32,64,128}_{sym,asym}[_silu]
-//                                              the "stream" variant (gemv_int4_stream.cuh): K split
-//                                              across the warps of one block, no workspace
-//
 // GEMV launch (nanoqwen_kernels/gemv.py): grid (ceil(N / 128), S), 256 threads, dynamic shared memory
 // M * (kc * 128 + 32) * 2 bytes. Arguments: x, qweight, scales, zeros|0, bias|0, out, ws|0,
-// counters|0, M, N, K, kc. Stream variant: grid (ceil(ceil(N / 16) / (8 / kw))), 256 threads, dynamic
-// shared memory M * (K + 32) * 2 bytes; arguments x, qweight, scales, zeros|0, bias|0, out, M, N, K, kw.
+// counters|0, M, N, K, kc.
 #include "gemv_int4.cuh"
-#include "gemv_int4_stream.cuh"
 #include "gemv_int8.cuh"
 
 using namespace nq_gemv;
@@ -71,42 +65,6 @@ NQ_DEQUANT_ENTRY(dequant_int4_g64_sym, 64, false)
 NQ_DEQUANT_ENTRY(dequant_int4_g64_asym, 64, true)
 NQ_DEQUANT_ENTRY(dequant_int4_g32_sym, 32, false)
 NQ_DEQUANT_ENTRY(dequant_int4_g32_asym, 32, true)
-
-// Stream variant: D tile-columns in flight per warp (register ring) and the blocks per SM the register
-// budget must allow; overridable with -D for benchmark variants.
-#ifndef NQ_GEMV_STREAM_DEPTH
-#define NQ_GEMV_STREAM_DEPTH 4
-#endif
-#ifndef NQ_GEMV_STREAM_XCH
-#define NQ_GEMV_STREAM_XCH 4  // 16-byte x loads per thread in flight while staging (half with SiLU input)
-#endif
-#ifndef NQ_GEMV_STREAM_MIN_BLOCKS
-// <= 128 registers (ptxas spills D = 4 at 80); gemv.py's STREAM_BLOCKS_PER_SM must match
-#define NQ_GEMV_STREAM_MIN_BLOCKS 2
-#endif
-
-#define NQ_GEMV_STREAM_ENTRY(NAME, G, ASYM, XMODE)                                                    \
-  extern "C" __global__ void __launch_bounds__(STREAM_THREADS, NQ_GEMV_STREAM_MIN_BLOCKS)             \
-      NAME(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,                          \
-           const bf16_t* __restrict__ scales, const u8* __restrict__ zeros,                           \
-           const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, int M, int N, int K, int kw) {  \
-    pdl_enter();                                                                                      \
-    gemv_int4_stream<G, ASYM, XMODE, NQ_GEMV_STREAM_DEPTH, NQ_GEMV_STREAM_XCH>(                       \
-        x, qweight, scales, zeros, bias, out, M, N, K, kw);                                           \
-  }
-
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g128_sym, 128, false, 0)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g128_asym, 128, true, 0)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g64_sym, 64, false, 0)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g64_asym, 64, true, 0)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g32_sym, 32, false, 0)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g32_asym, 32, true, 0)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g128_sym_silu, 128, false, 1)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g128_asym_silu, 128, true, 1)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g64_sym_silu, 64, false, 1)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g64_asym_silu, 64, true, 1)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g32_sym_silu, 32, false, 1)
-NQ_GEMV_STREAM_ENTRY(gemv_int4_stream_g32_asym_silu, 32, true, 1)
 
 // Blocks per SM the INT8 GEMV's register budget must allow: 3 (72 registers). 4 (64 registers, 32 warps
 // per SM) measured 3.7% slower on the H200 at M = 1 (bench/kernels/results/int8_lm_head-2026-11-30.json).

@@ -1,0 +1,89 @@
+"""Benchmark-only kernels (csrc/bench.cu): the read-bandwidth ceiling and a GPU-side wait.
+
+    bw = read_bandwidth(torch.device("cuda"))          # bytes read per second, median of the reps
+    read_xor(buf, sink)                                # one pass over buf; sink ^= XOR of its words
+    spin(50_000_000)                                   # the current stream waits 50 ms on the GPU
+
+A decode step reads weights and KV and writes almost nothing, so its ceiling is the rate at which the
+GPU can only read, not a device-to-device copy (half reads, half writes). `read_bandwidth` measures
+that ceiling the same way the roofline is used: one large buffer (4 GiB by default, ~80x the 50 MB
+L2), read once per launch with 16-byte loads, timed with CUDA events, median over `reps` launches.
+
+Launches go through `launch.launch` on the current torch stream, like every kernel of the package.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+import torch
+
+from .launch import check, launch, ptr, require_sm90
+
+FAMILY = "bench"
+READ_THREADS = 256
+READ_BLOCKS_PER_SM = 8  # 8 x 256 threads = 2048, the most an SM holds
+DEFAULT_READ_BYTES = 4 << 30
+
+
+def read_xor(data: torch.Tensor, sink: torch.Tensor) -> None:
+    """One pass over `data` (any dtype, contiguous, 16-byte aligned, nbytes a multiple of 16): sink[0]
+    (int32 [1]) ^= the XOR of every 32-bit word of data. Reads data.nbytes bytes, writes 4 per warp."""
+    index = require_sm90(data.device)
+    if not data.is_contiguous() or data.data_ptr() % 16 or data.nbytes % 16:
+        raise ValueError("data: must be contiguous, 16-byte aligned, and a multiple of 16 bytes long")
+    check(sink, "sink", torch.int32, (1,), data.device, align=4)
+    n_vec = data.nbytes // 16
+    if n_vec == 0:
+        return
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    blocks = min(sms * READ_BLOCKS_PER_SM, -(-n_vec // READ_THREADS))
+    launch(FAMILY, "read_xor_u32x4", index, (blocks, 1, 1), (READ_THREADS, 1, 1),
+           (ptr(data), np.uint64(n_vec), ptr(sink)))  # fmt: skip
+
+
+def spin(ns: int, device: torch.device | None = None) -> None:
+    """Hold the current stream of `device` for `ns` nanoseconds (one thread reading %globaltimer)."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    index = require_sm90(device)
+    if ns < 0:
+        raise ValueError(f"ns must be >= 0, got {ns}")
+    launch(FAMILY, "spin_ns", index, (1, 1, 1), (1, 1, 1), (np.uint64(ns),))
+
+
+def read_bandwidth(device: torch.device, nbytes: int = DEFAULT_READ_BYTES, reps: int = 30) -> dict:
+    """Read-only bandwidth of `device`: {"bytes_per_s", "nbytes", "reps", "median_s", "min_s", "max_s"}.
+
+    One buffer of `nbytes` random bytes (never zeros), read by `read_xor` `reps` times after 3
+    warm-up passes, each launch timed with CUDA events; the rate is nbytes over the median time. The
+    XOR the kernel computes is checked against torch's before any timing, so a kernel that skipped
+    data could not report a rate."""
+    require_sm90(device)
+    nbytes -= nbytes % 16
+    data = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device=device)
+    sink = torch.zeros(1, dtype=torch.int32, device=device)
+    read_xor(data[: 1 << 20], sink)  # 4 MB: checked against a reduction done another way
+    want = _xor_reduce(data[: 1 << 20])
+    if int(sink.item()) != want:
+        raise RuntimeError(f"read_xor_u32x4 computed {int(sink.item()):#x}, torch {want:#x}: the kernel "
+                           "does not read what it should; no bandwidth is reported")
+    for _ in range(3):
+        read_xor(data, sink)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        read_xor(data, sink)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del data
+    med = statistics.median(times)
+    return {"bytes_per_s": nbytes / med, "nbytes": nbytes, "reps": reps, "median_s": med,
+            "min_s": min(times), "max_s": max(times)}
+
+
+def _xor_reduce(words: torch.Tensor) -> int:
+    """XOR of int32 words as a signed int32 value (numpy on the host; the check is small)."""
+    return int(np.bitwise_xor.reduce(words.cpu().numpy().view(np.uint32)).view(np.int32))

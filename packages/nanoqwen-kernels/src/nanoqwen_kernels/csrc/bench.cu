@@ -1,0 +1,58 @@
+// bench.cu: kernels the benchmarks measure with, not kernels of the model.
+//
+//   read_xor_u32x4   reads a buffer once and nothing else: the read-only bandwidth ceiling that every
+//                    decode roofline is measured against (a decode step reads weights and KV and
+//                    writes almost nothing, so a device-to-device copy, half reads and half writes,
+//                    is the wrong ceiling: cuBLAS's bf16 lm_head GEMV reads at 107% of it).
+//   spin_ns          one thread waits `ns` nanoseconds of %globaltimer: it holds a stream busy while
+//                    the host queues work behind it, so that queued kernels then run back to back
+//                    at the GPU's pace (the engine benchmark's per-op timing of eager steps).
+//
+// read_xor_u32x4: data is `n_vec` 16-byte vectors (16-byte aligned); launch with a grid that fills
+// the chip (nanoqwen_kernels/bench.py: 8 blocks of 256 threads per SM, 2048 threads, the SM's limit).
+// Thread t of the grid reads vectors t, t + S, t + 2S, ... (S = grid threads), four independent
+// 16-byte loads per loop trip before any is used: 2048 threads x 64 bytes = 128 KB in flight per SM,
+// several times the ~30 KB that Little's law asks for (HBM3e latency ~0.7 us x ~36 GB/s per SM).
+// Consecutive threads read consecutive vectors (every warp load is 512 contiguous bytes), with the
+// non-coherent, no-L1-allocate load the weight streams use. All words are XOR-folded into a value that
+// each warp publishes with one `red.global.xor` into *sink: the loads feed a store, so the compiler
+// cannot drop them, and the result is the XOR of every 32-bit word of the buffer (tests check it
+// against numpy). Bytes read: 16 * n_vec; bytes written: 4 per warp (nothing, at several GiB).
+//
+// Neither kernel calls pdl_wait: the launcher never asks for programmatic dependent launch, and
+// without it a kernel starts only after the previous one on the stream has finished.
+#include "common.cuh"
+
+NQ_DEVICE u32 xor4(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
+
+// grid (blocks), block 256. data: [n_vec] 16-byte vectors; sink: one u32, XOR-accumulated.
+extern "C" __global__ void __launch_bounds__(256) read_xor_u32x4(const uint4* __restrict__ data, u64 n_vec,
+                                                                u32* __restrict__ sink) {
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  u32 acc = 0;
+  for (; i + 3 * stride < n_vec; i += 4 * stride) {
+    const uint4 a = ld_stream_v4(data + i);
+    const uint4 b = ld_stream_v4(data + i + stride);
+    const uint4 c = ld_stream_v4(data + i + 2 * stride);
+    const uint4 d = ld_stream_v4(data + i + 3 * stride);
+    acc ^= xor4(a) ^ xor4(b) ^ xor4(c) ^ xor4(d);
+  }
+  for (; i < n_vec; i += stride) acc ^= xor4(ld_stream_v4(data + i));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) asm volatile("red.global.xor.b32 [%0], %1;" ::"l"(sink), "r"(acc) : "memory");
+}
+
+NQ_DEVICE u64 globaltimer_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// grid (1), block 1. Returns once `ns` nanoseconds of the global timer have passed (sleeping 1 us
+// between reads, so the waiting thread takes no issue slots from anything else).
+extern "C" __global__ void __launch_bounds__(32) spin_ns(u64 ns) {
+  const u64 t0 = globaltimer_ns();
+  while (globaltimer_ns() - t0 < ns) asm volatile("nanosleep.u32 1000;" ::: "memory");
+}
