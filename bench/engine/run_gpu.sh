@@ -4,7 +4,7 @@
 #   run from the repo root on the GPU machine:  bash bench/engine/run_gpu.sh
 set -u
 export PYTHONUNBUFFERED=1
-export PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src:packages/nanoqwen-runtime/src:packages/nanoqwen-cli/src
+export PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-model/src:packages/nanoqwen-kernels/src:packages/nanoqwen-runtime/src:packages/nanoqwen-cli/src
 export NANOQWEN_REQUIRE_GPU=1
 OUT=${OUT:-/tmp/engine-out}
 mkdir -p "$OUT/bench"

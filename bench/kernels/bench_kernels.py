@@ -1,20 +1,22 @@
-"""Microbenchmarks of the nanoqwen kernels on one GPU (run on the H200 through the device tool).
+"""Microbenchmarks of the nanoqwen kernels on one GPU (`nox -s bench` runs them before the engine bench).
 
     PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src \
-        python bench/kernels/bench_kernels.py [--out DIR] [--quick]
+        python bench/kernels/bench_kernels.py --out bench/kernels [--quick] [--all-variants]
+
+Ceilings, measured first in the same run: the READ bandwidth (nanoqwen_kernels.bench.read_bandwidth:
+a kernel that only reads a 4 GiB buffer, median of 30 launches), which is the roofline of a GEMV (it
+reads its weights and writes almost nothing), and the device-to-device copy bandwidth (bytes read +
+written, best of three methods), reported beside it as before.
 
 For each INT4 GEMV at the Qwen2.5-Coder-7B decode shapes (qkv 3584->4608, o 3584->3584, gate+up
-3584->2x18944, down 18944->3584, lm_head 3584->152064) and M in {1, 8}: time per launch and achieved
-bandwidth counting weight + scale + activation + output bytes, as a fraction of the device-to-device
-copy bandwidth measured here (bytes read + bytes written). Timing: R launches captured in one CUDA
+3584->2x18944, down 18944->3584, lm_head 3584->152064) and M in {1, 2, 4, 8}: time per launch and
+achieved bandwidth counting weight + scale + activation + output bytes, as a fraction of the read
+bandwidth (the goal column too) and of the copy bandwidth. Timing: R launches captured in one CUDA
 graph, each on a different copy of the weights (together > 4x the L2, so nothing is served from
-cache), median of 15 replays after warm-up. Also: variants of the split-K target and the unroll
-depth, the "stream" variant (plan_gemv(..., variant="stream"): K split inside a block, no split-K
-workspace) with its k_slices and ring-depth variants, side by side with the default and summarised
-in a "stream vs default" table, cuBLAS bf16 at the same shapes, the prefill path, the layer ops and
-the sampler. Writes results.json and results.md under --out.
-
-    --stream-compare   only the default plan and the stream variants at M = 1 and 8 (a quick A/B)
+cache), median of 15 replays after warm-up. Also: the split-K target variants of the default kernel
+(t2/t3/t6; same module), asymmetric g128, cuBLAS bf16 at the same shapes, the fused SiLU*mul input,
+the prefill path, the layer ops and the sampler. `--all-variants` adds the compile-option builds
+(unroll 2 / 4). Writes bench_kernels.json and bench_kernels.md under --out.
 """
 
 # ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)
@@ -31,17 +33,19 @@ from pathlib import Path
 
 import torch
 from nanoqwen_kernels import build, gemv, layer_ops, sampling
-from nanoqwen_kernels import reference as R
+from nanoqwen_kernels.bench import read_bandwidth
 from nanoqwen_kernels.specs import SPECS
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944),
           ("lm_head", 152064, 3584)]  # fmt: skip
+# goals of the INT4 GEMV, as fractions of the read bandwidth (its roofline: it reads its weights)
 GOALS = {"qkv": 0.70, "o": 0.70, "gate_up": 0.85, "down": 0.85, "lm_head": 0.85}
 L2_ROTATE_BYTES = 256 << 20
-# compile-option variants of the stream kernel (default: ring depth D = 4, 2 blocks per SM, XCH = 4)
-STREAM_FAMILIES = {
-    "gemv_sd6": ("-DNQ_GEMV_STREAM_DEPTH=6", "-DNQ_GEMV_STREAM_XCH=2"),
-    "gemv_sd3b3": ("-DNQ_GEMV_STREAM_DEPTH=3", "-DNQ_GEMV_STREAM_XCH=2", "-DNQ_GEMV_STREAM_MIN_BLOCKS=3"),
+# compile-option builds of the "gemv" family, timed with --all-variants (default build: 1 tile-column
+# per pipeline stage, 4 blocks per SM)
+BUILD_VARIANTS = {
+    "gemv_u2": ("-DNQ_GEMV_UNROLL=2", "-DNQ_GEMV_MIN_BLOCKS_G128=3", "-DNQ_GEMV_MIN_BLOCKS=2"),
+    "gemv_u4": ("-DNQ_GEMV_UNROLL=4", "-DNQ_GEMV_MIN_BLOCKS_G128=2", "-DNQ_GEMV_MIN_BLOCKS=2"),
 }
 
 
@@ -116,51 +120,15 @@ class Row:
     note: str = ""
 
 
-def outputs_agree(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Two bf16 GEMV outputs that are each within the test tolerance of the fp32 reference agree to
-    twice it (a sanity check before timing a variant; the GPU tests are the real check)."""
-    tol = R.TOLERANCES[torch.bfloat16]
-    af, bf = a.float(), b.float()
-    close = (af - bf).abs() <= 2 * (tol.atol + tol.rtol * bf.abs())
-    return bool(torch.isfinite(af).all() and close.all())
-
-
-def stream_variants(n, k, m, quick):
-    """(name, plan, family) of the stream variant to time at this shape and M: the automatic plan;
-    then every other k_slices (quick: only at M = 1) and the ring-depth builds (not when quick)."""
-    auto = gemv.plan_gemv(n, k, variant="stream")
-    if not auto.uses_stream(m):
-        return []
-    out = [("stream", auto, "gemv")]
-    if quick and m != 1:
-        return out
-    for s in (1, 2, 4, 8):
-        if s != auto.k_slices and s <= k // 128:
-            out.append((f"stream_s{s}", gemv.plan_gemv(n, k, variant="stream", k_slices=s), "gemv"))
-    if not quick:
-        out += [("stream_d6", auto, "gemv_sd6"), ("stream_d3b3", auto, "gemv_sd3b3")]
-    return out
-
-
-def bench_gemv(copy_bw, gen, quick, rows, stream_compare=False):
+def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False):
     ws = gemv.GemvWorkspace.allocate(
         [gemv.plan_gemv(n, k, target_blocks_per_sm=t) for _, n, k in SHAPES for t in (2, 3, 4, 6)],
         torch.device("cuda"),
     )
-    # compile-option variants of the "gemv" family (default: 1 tile-column per stage, 4 blocks/SM)
-    SPECS["gemv_u2"] = build.KernelSpec(
-        "gemv_u2",
-        ("gemv.cu",),
-        ("-DNQ_GEMV_UNROLL=2", "-DNQ_GEMV_MIN_BLOCKS_G128=3", "-DNQ_GEMV_MIN_BLOCKS=2"),
-    )
-    SPECS["gemv_u4"] = build.KernelSpec(
-        "gemv_u4",
-        ("gemv.cu",),
-        ("-DNQ_GEMV_UNROLL=4", "-DNQ_GEMV_MIN_BLOCKS_G128=2", "-DNQ_GEMV_MIN_BLOCKS=2"),
-    )
-    for fam, opts in STREAM_FAMILIES.items():
-        SPECS[fam] = build.KernelSpec(fam, ("gemv.cu",), opts)
-    ms = (1, 8) if quick or stream_compare else (1, 2, 4, 8)
+    if all_variants:
+        for fam, opts in BUILD_VARIANTS.items():
+            SPECS[fam] = build.KernelSpec(fam, ("gemv.cu",), opts)
+    ms = (1, 8) if quick else (1, 2, 4, 8)
     for name, n, k in SHAPES:
         w0 = random_weight(n, k, gen)
         copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
@@ -170,9 +138,10 @@ def bench_gemv(copy_bw, gen, quick, rows, stream_compare=False):
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             nbytes = w0.nbytes() + x.numel() * 2 + out.numel() * 2
             variants = [("t4", 4, "gemv")]
-            if not stream_compare and (not quick or m in (1, 8)):
-                variants += [("t2", 2, "gemv"), ("t3", 3, "gemv"), ("t6", 6, "gemv"),
-                             ("t3_u2", 3, "gemv_u2"), ("t3_u4", 3, "gemv_u4")]  # fmt: skip
+            if not quick or m in (1, 8):
+                variants += [("t2", 2, "gemv"), ("t3", 3, "gemv"), ("t6", 6, "gemv")]
+                if all_variants:
+                    variants += [("t3_u2", 3, "gemv_u2"), ("t3_u4", 3, "gemv_u4")]
             for vname, target, family in variants:
                 plan = gemv.plan_gemv(n, k, target_blocks_per_sm=target)
 
@@ -184,44 +153,20 @@ def bench_gemv(copy_bw, gen, quick, rows, stream_compare=False):
                 rows.append(Row("gemv_int4_g128_sym", name, m, f"{vname} S={plan.splits} kc={plan.kc}",
                                 t * 1e6, bw / 1e9, bw / copy_bw))  # fmt: skip
                 print(f"{name:8s} M={m} {vname:6s} S={plan.splits:2d} {t * 1e6:8.1f} us {bw / 1e9:7.0f} GB/s "
-                      f"{bw / copy_bw:6.1%}", flush=True)  # fmt: skip
-            svariants = stream_variants(n, k, m, quick)
-            if svariants:  # the default kernel's output: each stream variant is checked against it
-                expect = torch.empty_like(out)
-                gemv.gemv_int4(x, w0, expect, workspace=ws, plan=gemv.plan_gemv(n, k, variant="default"))
-            for vname, plan, family in svariants:
-                check_out = torch.full_like(out, float("nan"))
-                gemv.gemv_int4(x, w0, check_out, plan=plan, family=family)
-                note = "" if outputs_agree(check_out, expect) else "WRONG: differs from the default kernel"
-
-                def fn(i, plan=plan, family=family, x=x, out=out):
-                    gemv.gemv_int4(x, weights[i % copies], out, plan=plan, family=family)
-
-                t = time_graph(fn, reps=2 * copies)
-                bw = nbytes / t
-                desc = f"{vname} s={plan.k_slices} blocks={plan.stream_blocks}"
-                rows.append(Row("gemv_int4_g128_sym", name, m, desc, t * 1e6, bw / 1e9, bw / copy_bw, note))
-                if note:
-                    print(f"{name:8s} M={m} {desc}: {note}", flush=True)
-                print(f"{name:8s} M={m} {desc:28s} {t * 1e6:8.1f} us {bw / 1e9:7.0f} GB/s "
-                      f"{bw / copy_bw:6.1%}", flush=True)  # fmt: skip
-        if stream_compare:
-            weights = None
-            torch.cuda.empty_cache()
-            continue
-        # asymmetric g128 at M=1 with the default plan and with the stream variant
+                      f"{bw / read_bw:6.1%} of read BW, {bw / copy_bw:6.1%} of copy BW",
+                      flush=True)  # fmt: skip
+        # asymmetric g128 at M=1 with the default plan
         wa = [random_weight(n, k, gen, symmetric=False) for _ in range(copies)]
         x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
         nb = wa[0].nbytes() + x.numel() * 2 + out.numel() * 2
-        for vname in ("default", "stream"):
-            plan = gemv.plan_gemv(n, k, variant=vname)
+        plan = gemv.plan_gemv(n, k)
 
-            def fa(i, x=x, out=out, plan=plan):
-                gemv.gemv_int4(x, wa[i % copies], out, workspace=ws, plan=plan)
+        def fa(i, x=x, out=out, plan=plan):
+            gemv.gemv_int4(x, wa[i % copies], out, workspace=ws, plan=plan)
 
-            t = time_graph(fa, 2 * copies)
-            rows.append(Row("gemv_int4_g128_asym", name, 1, vname, t * 1e6, nb / t / 1e9, nb / t / copy_bw))
+        t = time_graph(fa, 2 * copies)
+        rows.append(Row("gemv_int4_g128_asym", name, 1, "default", t * 1e6, nb / t / 1e9, nb / t / copy_bw))
         # cuBLAS bf16 at the same shape (4x the weight bytes), for scale
         if name != "gate_up" or not quick:
             wd = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2)]
@@ -260,13 +205,6 @@ def bench_other(copy_bw, gen, rows):
     t_unf = time_graph(unfused, 2 * copies)
     rows.append(Row("gemv_int4 down + silu_mul", "down", 1, "fused input", t_fused * 1e6, 0, 0))
     rows.append(Row("silu_mul; gemv_int4 down", "down", 1, "two launches", t_unf * 1e6, 0, 0))
-    splan = gemv.plan_gemv(n, k, variant="stream")
-
-    def fused_stream(i):
-        gemv.gemv_int4(gu, ws_list[i % copies], out, plan=splan, silu_mul_input=True)
-
-    t_fs = time_graph(fused_stream, 2 * copies)
-    rows.append(Row("gemv_int4 down + silu_mul", "down", 1, "fused input, stream", t_fs * 1e6, 0, 0))
     ws_list = None
     # prefill: dequantize + cuBLAS, T = 512 tokens at qkv and gate_up
     for name, n, k in (("qkv", 4608, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)):
@@ -323,34 +261,48 @@ def bench_other(copy_bw, gen, rows):
         rows.append(Row("sample_tokens", f"B={b} V=152064", b, label, t * 1e6, 0, 0))
 
 
-def stream_comparison(rows) -> list[str]:
-    """Markdown table (and the printed lines) of the default plan vs the stream variant, g128 sym: per
-    shape and M, the default (t4) and automatic stream plans, the best stream variant, the speedup."""
-    lines = ["| GEMV | M | default (t4) us | of copy BW | stream (auto) us | of copy BW "
-             "| best stream variant | speedup auto / best | goal |",
+def _frac(gbps: float, bw: float) -> str:
+    return f"{gbps * 1e9 / bw:.1%}" if gbps else ""
+
+
+def markdown(meta: dict, rows: list[Row]) -> list[str]:
+    """bench_kernels.md: the ceilings, the default GEMV plan against its goals, then every row."""
+    read_bw, copy_bw = meta["read_GBps"] * 1e9, meta["copy_GBps"] * 1e9
+    copies = ", ".join(f"{k} {v:.0f}" for k, v in meta["copy_methods_GBps"].items())
+    lines = ["# nanoqwen kernel microbenchmarks", "",
+             f"- command: `{meta['command']}`",
+             f"- device: {meta['device']} ({meta['sms']} SMs), torch {meta['torch']}, {meta['date']}",
+             f"- read bandwidth (the roofline: a kernel that only reads {meta['read_bytes'] / 2**30:.0f} "
+             f"GiB, median of {meta['read_reps']} launches): **{meta['read_GBps']:.0f} GB/s**",
+             f"- copy bandwidth (read + write, best of: {copies}): {meta['copy_GBps']:.0f} GB/s", "",
+             "## INT4 GEMV, default plan (t4), g128 symmetric: share of the read bandwidth vs the goal", "",
+             "| GEMV | M | us | GB/s | of read BW | of copy BW | goal (read) | met | best variant |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     sym = [r for r in rows if r.kernel == "gemv_int4_g128_sym"]
-    for name, _, _ in SHAPES:
-        for m in sorted({r.m for r in sym if r.shape == name}):
-            here = [r for r in sym if r.shape == name and r.m == m]
-            dflt = next((r for r in here if r.variant.startswith("t4 ")), None)
-            auto = next((r for r in here if r.variant.startswith("stream s=")), None)
-            if dflt is None or auto is None:
-                continue
-            best = min((r for r in here if r.variant.startswith("stream")), key=lambda r: r.us)
-            lines.append(f"| {name} | {m} | {dflt.us:.1f} | {dflt.frac_copy:.1%} | {auto.us:.1f} | "
-                         f"{auto.frac_copy:.1%} | {best.variant}: {best.us:.1f} us, {best.frac_copy:.1%} "
-                         f"| {dflt.us / auto.us:.2f}x / {dflt.us / best.us:.2f}x "
-                         f"| {GOALS[name]:.0%} |")  # fmt: skip
+    for r in (r for r in sym if r.variant.startswith("t4 ")):
+        best = min((x for x in sym if x.shape == r.shape and x.m == r.m), key=lambda x: x.us)
+        goal = GOALS[r.shape]
+        met = "yes" if r.gbps * 1e9 / read_bw >= goal else "no"
+        lines.append(f"| {r.shape} | {r.m} | {r.us:.1f} | {r.gbps:.0f} | {_frac(r.gbps, read_bw)} | "
+                     f"{_frac(r.gbps, copy_bw)} | {goal:.0%} | {met} "
+                     f"| {best.variant}: {best.us:.1f} us, {_frac(best.gbps, read_bw)} |")  # fmt: skip
+    lines += ["", "## Every row", "",
+              "| kernel | shape | M | variant | us | GB/s | of read BW | of copy BW | goal (read) | note |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in rows:
+        goal = GOALS.get(r.shape) if r.kernel.startswith("gemv_int4_g128") else None
+        lines.append(f"| {r.kernel} | {r.shape} | {r.m} | {r.variant} | {r.us:.1f} | "
+                     f"{r.gbps:.0f} | {_frac(r.gbps, read_bw)} | {_frac(r.gbps, copy_bw)} | "
+                     f"{'' if goal is None else f'{goal:.0%}'} | {r.note} |")  # fmt: skip
     return lines
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/kernels", help="folder for bench_kernels.json and .md")
+    ap.add_argument("--quick", action="store_true", help="M = 1 and 8 only; fewer variants")
     ap.add_argument("--gemv-only", action="store_true")
-    ap.add_argument("--stream-compare", action="store_true", help="only default vs stream, M = 1 and 8")
+    ap.add_argument("--all-variants", action="store_true", help="also the unroll-2 / unroll-4 builds")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -358,34 +310,29 @@ def main() -> int:
     t0 = time.time()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
+    rb = read_bandwidth(torch.device("cuda"))
+    read_bw = rb["bytes_per_s"]
     copy_all = copy_bandwidth()
     copy_bw = max(copy_all.values())
-    print(f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth {copy_bw / 1e9:.0f} GB/s "
-          f"({', '.join(f'{k} {v / 1e9:.0f}' for k, v in copy_all.items())})")  # fmt: skip
+    copies = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in copy_all.items())
+    print(f"device {props.name}, {props.multi_processor_count} SMs; read bandwidth {read_bw / 1e9:.0f} GB/s; "
+          f"copy bandwidth {copy_bw / 1e9:.0f} GB/s ({copies})", flush=True)  # fmt: skip
     rows: list[Row] = []
-    bench_gemv(copy_bw, gen, args.quick and not args.stream_compare, rows, stream_compare=args.stream_compare)
-    if not (args.gemv_only or args.stream_compare):
+    bench_gemv(copy_bw, gen, args.quick, rows, read_bw, all_variants=args.all_variants)
+    if not args.gemv_only:
         bench_other(copy_bw, gen, rows)
-    meta = {"device": props.name, "sms": props.multi_processor_count, "copy_GBps": copy_bw / 1e9,
-            "copy_methods_GBps": {k: v / 1e9 for k, v in copy_all.items()},
+    meta = {"device": props.name, "sms": props.multi_processor_count, "read_GBps": read_bw / 1e9,
+            "read_bytes": rb["nbytes"], "read_reps": rb["reps"], "read_min_max_s": [rb["min_s"], rb["max_s"]],
+            "copy_GBps": copy_bw / 1e9, "copy_methods_GBps": {k: v / 1e9 for k, v in copy_all.items()},
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python", *sys.argv]), "seconds": time.time() - t0}  # fmt: skip
-    payload = {"meta": meta, "rows": [dataclasses.asdict(r) for r in rows]}
-    (out_dir / "results.json").write_text(json.dumps(payload, indent=1))
-    lines = [f"device: {meta['device']} ({meta['sms']} SMs), torch {meta['torch']}, {meta['date']}",
-             f"copy bandwidth (read + write, best of: "
-             f"{', '.join(f'{k} {v / 1e9:.0f}' for k, v in copy_all.items())}): {copy_bw / 1e9:.0f} GB/s", "",
-             "| kernel | shape | M | variant | us | GB/s | of copy BW | goal | note |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for r in rows:
-        goal = GOALS.get(r.shape) if r.kernel.startswith("gemv_int4_g128") else None
-        lines.append(f"| {r.kernel} | {r.shape} | {r.m} | {r.variant} | {r.us:.1f} | "
-                     f"{r.gbps:.0f} | {r.frac_copy:.1%} | {'' if goal is None else f'{goal:.0%}'} | "
-                     f"{r.note} |")  # fmt: skip
-    compare = stream_comparison(rows)
-    lines += ["", "## stream variant vs default (g128 symmetric)", "", *compare]
-    (out_dir / "results.md").write_text("\n".join(lines) + "\n")
+    payload = {"meta": meta, "rows": [dataclasses.asdict(r) | {"frac_read": r.gbps * 1e9 / read_bw}
+                                      for r in rows]}
+    (out_dir / "bench_kernels.json").write_text(json.dumps(payload, indent=1))
+    lines = markdown(meta, rows)
+    (out_dir / "bench_kernels.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"wrote {out_dir}/bench_kernels.json and bench_kernels.md ({time.time() - t0:.0f} s)")
     return 0
 
 

@@ -1,7 +1,6 @@
 """The INT8 lm_head (GPU machine): kernel bandwidth and what it buys a batch-1 decode step.
 
-    PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src:packages/nanoqwen-runtime/src \\
-        python3 bench/kernels/int8_lm_head.py
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 bench/kernels/int8_lm_head.py
 
 1. gemv_int8 at the 7B lm_head shape (152064 x 3584, g128), M = 1 and 8, timed as bench_kernels.py
    (2 x C launches in one graph over C weight copies > 4x L2), as a share of the copy bandwidth
@@ -82,8 +81,9 @@ def kernels(bw: float) -> list[dict]:
 
 
 def engines() -> list[dict]:
+    from nanoqwen_model import QWEN25_CODER_7B as QWEN25_7B
     from nanoqwen_runtime.engine.bench import decode_at_context
-    from nanoqwen_runtime.engine.config import QWEN25_7B, EngineConfig
+    from nanoqwen_runtime.engine.config import EngineConfig
     from nanoqwen_runtime.engine.engine import Engine
     from nanoqwen_runtime.engine.synthetic import random_weights
 

@@ -1,0 +1,61 @@
+"""GPU: the engine benchmark's own machinery on a small model, before it meets the 7B run: the per-op
+CUDA-event profile of eager decode steps (kernel backend: every launch is marked, the bf16 lm_head is
+cuBLAS, the host queued every chunk before its GPU-side wait ended) and the memory report of a
+graph-mode engine (the dense cache and the graph capture are counted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nanoqwen_model import QWEN25_CODER_7B
+from nanoqwen_runtime.engine import Engine, EngineConfig
+from nanoqwen_runtime.engine.bench import bytes_per_token, decode_at_context, memory
+from nanoqwen_runtime.engine.bench_profile import LIBRARY, profile_decode_ops
+from nanoqwen_runtime.engine.bench_report import REQUIRED_KEYS, build_report, markdown
+from nanoqwen_runtime.engine.synthetic import random_weights
+
+pytestmark = pytest.mark.gpu
+GEOM = QWEN25_CODER_7B.with_(num_hidden_layers=2)  # 7B layer shapes, 2 layers
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(GEOM, "cuda", seed=3)
+
+
+def test_profile_of_eager_decode_steps(weights):
+    eng = Engine(GEOM, weights, EngineConfig(kv_memory_bytes=1 << 30, max_model_len=2048, mode="eager",
+                                             dense_weight_cache=False))
+    p = profile_decode_ops(eng, steps=3, prompt=64)
+    assert eng.kv_blocks_used() == 0 and eng.runner.ops is eng.ops
+    assert p["starved_chunks"] == 0, p  # every chunk was queued before its wait ended
+    ops = {o["op"]: o for o in p["ops"]}
+    assert ops["linear qkv"]["calls_per_step"] == 2 and ops["linear lm_head"]["calls_per_step"] == 1
+    # per layer: 2 norms, qkv, rope+KV write, attention (+ combine when split), o, gate_up, down;
+    # per step: embedding, final norm, sampling; the bf16 lm_head is one cuBLAS call
+    assert 3 + 8 * 2 <= p["kernel_launches_per_step"] <= 3 + 9 * 2
+    assert p["library_calls_per_step"] == 1 and any(k["kernel"] == LIBRARY for k in p["kernels"])
+    assert all(o["us_per_step"] > 0 for o in p["ops"])
+    lm = ops["linear lm_head"]
+    assert lm["bytes_per_step"] >= GEOM.vocab_size * GEOM.hidden_size * 2
+    assert lm["bytes_per_step"] / (lm["us_per_step"] * 1e-6) < 10e12  # no impossible bandwidth
+
+
+def test_memory_report_and_report_of_a_graph_engine(weights):
+    torch.cuda.reset_peak_memory_stats()
+    eng = Engine(GEOM, weights, EngineConfig(kv_memory_bytes=1 << 30, max_model_len=2048))
+    d = decode_at_context(eng, 100, 16)
+    m = memory(eng)
+    assert m["kv_pool_bytes"] == eng.num_blocks * GEOM.kv_bytes_per_token() * 16
+    per_layer = sum(2 * n * k for n, k in GEOM.linear_shapes().values())  # bf16 copies of the INT4 linears
+    assert m["dense_cache_bytes"] == per_layer * GEOM.num_hidden_layers
+    assert m["weights_gpu_bytes"] == m["weight_buffer_bytes"] + m["dense_cache_bytes"]
+    assert m["container_bytes"] <= m["weight_buffer_bytes"]
+    assert m["graph_pool_bytes"] >= 0 and m["graph_device_bytes"] >= 0  # capture took, never gave back
+    assert m["peak_allocated_bytes"] >= m["kv_pool_bytes"] + m["dense_cache_bytes"]
+    raw = {"meta": {"device": torch.cuda.get_device_name()}, "memory": m, "decode_batched": [],
+           "prefill": [], "eager": [],
+           "decode_batch1": [dict(d, bytes_per_token_parts=bytes_per_token(eng, 100))]}
+    rep = build_report(raw)
+    assert set(REQUIRED_KEYS) <= set(rep) and rep["decode_batch1"][0]["bytes_per_token"] > 0
+    assert "| 100 |" in markdown(rep)
