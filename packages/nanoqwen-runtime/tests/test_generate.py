@@ -63,7 +63,7 @@ def test_stop_string_ends_generation_and_is_not_shown(pipe):
 
 
 def test_eos_ids_come_from_the_container(pipe):
-    assert pipe.eos_ids == frozenset(pipe.backend.config.eos_token_ids)
+    assert pipe.eos_ids == frozenset(pipe.backend.config.eos_token_id)
     assert pipe.sampling_params().max_tokens == 32  # the container's generation defaults
     with pytest.raises(ValueError, match="top_p"):
         pipe.sampling_params(top_p=2.0)

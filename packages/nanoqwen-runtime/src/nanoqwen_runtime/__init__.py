@@ -18,7 +18,7 @@ _LAZY = {
     "SamplingParams": "sampling", "SamplingError": "sampling", "Sampler": "sampling",
     "Backend": "backend", "ReferenceBackend": "backend", "BackendError": "backend",
     "ContextLengthError": "backend", "TokenRequest": "backend",
-    "ReferenceModel": "reference", "ModelConfig": "config",
+    "ReferenceModel": "reference", "TokenEvent": "events",
     "PagedKVCache": "kv_cache", "KVCacheSpec": "kv_cache", "BlockAllocator": "kv_cache",
 }
 

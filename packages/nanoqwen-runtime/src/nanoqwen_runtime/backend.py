@@ -7,7 +7,7 @@ it for free and identically.
 
     backend = ReferenceBackend.from_file(path, device="cpu")      # or the CUDA engine, same protocol
     run = backend.start([TokenRequest(prompt_ids, params, eos_ids)])
-    for events in run:           # one list per model step: TokenEvent(index, token_id, finish_reason)
+    for events in run:           # one list per model step of events.TokenEvent (request = index)
         ...                      # run.finish(i) ends request i early (a stop string matched)
 
 `ReferenceBackend` schedules every step the same way: each unfinished request contributes either
@@ -23,8 +23,9 @@ from os import PathLike
 from typing import Protocol, runtime_checkable
 
 import torch
+from nanoqwen_model import Qwen2Config
 
-from .config import ModelConfig
+from .events import FINISH_CONTEXT, FINISH_EOS, FINISH_LENGTH, TokenEvent
 from .kv_cache import KVCacheSpec, PagedKVCache, SequencePages, build_step_metadata
 from .reference import ReferenceModel
 from .sampling import Sampler, SamplingParams
@@ -39,12 +40,6 @@ __all__ = [
     "ReferenceBackend",
     "resolve_device",
 ]
-
-FINISH_EOS = "eos"          # sampled one of the EOS ids (the id is reported, its text is not shown)
-FINISH_LENGTH = "length"    # reached max_tokens
-FINISH_CONTEXT = "context"  # the context window is full
-FINISH_STOP = "stop"        # the caller ended it (a stop string)
-
 
 class BackendError(RuntimeError):
     """A backend cannot run as asked (for example `--device cuda` without a GPU)."""
@@ -67,13 +62,6 @@ class TokenRequest:
             raise ValueError("a request needs at least one prompt token")
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    index: int                 # position of the request in `start(requests)`
-    token_id: int
-    finish_reason: str | None  # set on the request's last event
-
-
 @runtime_checkable
 class BackendRun(Protocol):
     def __iter__(self) -> Iterator[list[TokenEvent]]: ...
@@ -83,7 +71,7 @@ class BackendRun(Protocol):
 @runtime_checkable
 class Backend(Protocol):
     name: str           # printed by the CLI, e.g. "reference (plain torch) on cpu, float32"
-    config: ModelConfig
+    config: Qwen2Config
     max_context: int    # prompt + generated tokens per sequence
 
     def start(self, requests: Sequence[TokenRequest]) -> BackendRun: ...
@@ -210,7 +198,7 @@ class _ReferenceRun:
                 elif len(s.generated) >= s.budget:
                     hit_limit = len(s.generated) >= s.request.params.max_tokens
                     reason = FINISH_LENGTH if hit_limit else FINISH_CONTEXT
-                events.append(TokenEvent(i, tok, reason))
+                events.append(TokenEvent(i, tok, len(s.generated) - 1, finish_reason=reason))
                 if reason is not None:
                     self.finish(i)
             if events:

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from .backend import FINISH_STOP, Backend, ReferenceBackend, TokenRequest
+from .backend import Backend, ReferenceBackend, TokenRequest
 from .chat import ChatTemplate, special_tokens_from
+from .events import FINISH_STOP
 from .sampling import SamplingParams, StopMatcher
 from .tokenizer import Tokenizer
 
@@ -140,7 +141,7 @@ class Pipeline:
         for events in run:
             now = time.perf_counter()
             for ev in events:
-                tr = tracks[ev.index]
+                tr = tracks[ev.request]
                 if tr.t_first is None:
                     tr.t_first = now
                 tr.ids.append(ev.token_id)
@@ -151,15 +152,15 @@ class Pipeline:
                 shown, stopped = tr.stop.push(piece)
                 if stopped and reason is None:
                     reason = FINISH_STOP
-                    run.finish(ev.index)
+                    run.finish(ev.request)
                 if reason is not None and not stopped:
                     shown += tr.stop.flush()
                 tr.text.append(shown)
                 result = None
                 if reason is not None:
-                    result = GenerationResult(ev.index, tr.prompt_tokens, tr.ids, "".join(tr.text), reason,
+                    result = GenerationResult(ev.request, tr.prompt_tokens, tr.ids, "".join(tr.text), reason,
                                               ttft_s=tr.t_first - t0, decode_s=now - tr.t_first)
-                yield TextEvent(ev.index, shown, ev.token_id, result)
+                yield TextEvent(ev.request, shown, ev.token_id, result)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:

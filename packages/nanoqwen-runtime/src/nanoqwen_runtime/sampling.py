@@ -2,9 +2,10 @@
 
 - `SamplingParams` validates everything at construction and says what is wrong
   (`temperature=-1`: "temperature must be >= 0 (0 means greedy)").
-- `Sampler` picks the next token of one sequence from its fp32 logits: greedy when temperature is 0
-  (as llama.cpp and the OpenAI API), otherwise temperature, then top-k, then top-p (nucleus), then a
-  draw from a per-sequence `torch.Generator` seeded from `seed`, so a seeded run repeats exactly.
+- `Sampler` picks the next token of one sequence from its logits with the repo's one sampling
+  reference (`nanoqwen_model.sampling`): greedy when temperature is 0 (as llama.cpp and the OpenAI
+  API), otherwise temperature, then top-k, then top-p (nucleus), then a draw from a per-sequence CPU
+  `torch.Generator` seeded from `seed`, so a seeded run repeats exactly on any device.
 - `StopMatcher` finds stop strings in streamed text and holds back the tail that could still become
   one, so text after (and including) a stop string is never emitted.
 """
@@ -16,6 +17,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 import torch
+from nanoqwen_model.sampling import sample
 
 __all__ = ["SamplingParams", "Sampler", "StopMatcher", "SamplingError"]
 
@@ -88,23 +90,7 @@ class Sampler:
         p = self.params
         if logits.dim() != 1:
             raise ValueError(f"Sampler takes logits of shape [vocab], got {tuple(logits.shape)}")
-        if p.greedy:
-            return int(torch.argmax(logits).item())
-        x = logits.float().cpu() / p.temperature
-        if p.top_k and p.top_k < x.numel():
-            vals, idx = torch.topk(x, p.top_k)  # sorted descending
-        else:
-            vals, idx = torch.sort(x, descending=True)
-        probs = torch.softmax(vals, dim=-1)
-        if p.top_p < 1.0:
-            cum = torch.cumsum(probs, dim=-1)
-            # keep token i when the mass before it is < top_p (the token crossing top_p is kept)
-            keep = int(((cum - probs) < p.top_p).sum().item())
-            keep = max(keep, 1)
-            probs = probs[:keep] / probs[:keep].sum()
-            idx = idx[:keep]
-        choice = torch.multinomial(probs, 1, generator=self._gen)
-        return int(idx[choice].item())
+        return sample(logits, p.temperature, p.top_k, p.top_p, self._gen)
 
 
 class StopMatcher:

@@ -19,7 +19,7 @@ import torch
 from .tokenizer import bytes_to_unicode
 
 __all__ = ["TINY_CONFIG", "tiny_config", "QWEN_CHAT_TEMPLATE", "tiny_tokenizer_json", "write_tiny_container",
-           "hf_state_dict"]
+           "hf_state_dict", "hf_model"]
 
 # Multiples of 128 along every input dimension, so INT4 (tile 8x128) works.
 TINY_CONFIG = {
@@ -196,3 +196,25 @@ def hf_state_dict(path: str | PathLike) -> dict[str, torch.Tensor]:
             sd[m + "mlp.up_proj.weight"] = gu[inter:]
             sd[m + "mlp.down_proj.weight"] = get(p + "down")
     return sd
+
+
+def hf_model(path: str | PathLike):
+    """transformers' Qwen2ForCausalLM (fp32, eager attention) holding the container's weights,
+    dequantized: the oracle of the reference runtime on any container. Needs transformers."""
+    import nanoqwen_format as nqf
+    import transformers
+    from nanoqwen_model import Qwen2Config
+
+    with nqf.open(path) as f:
+        cfg = Qwen2Config.from_metadata(f.config)
+    hf_cfg = transformers.Qwen2Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, attn_implementation="eager")
+    model = transformers.Qwen2ForCausalLM(hf_cfg).float().eval()
+    missing, unexpected = model.load_state_dict(hf_state_dict(path), strict=False)
+    if unexpected or any("rotary" not in m for m in missing):
+        raise RuntimeError(f"weights do not fit HF's Qwen2: missing {missing}, unexpected {unexpected}")
+    return model

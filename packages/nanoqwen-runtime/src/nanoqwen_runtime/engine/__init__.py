@@ -4,15 +4,19 @@
     engine = Engine.from_file(path, EngineConfig())
     for event in engine.generate([Request(prompt_ids, SamplingParams(max_tokens=64))]): ...
 
-Modules: config (dataclasses), scheduler (continuous batching, block accounting, preemption),
+The model's shape is `nanoqwen_model.Qwen2Config` (read from the container); its synthetic stand-ins
+are `nanoqwen_model.QWEN25_CODER_7B` / `QWEN25_CODER_05B`.
+
+Modules: config (EngineConfig), scheduler (continuous batching, block accounting, preemption),
 metadata (step inputs + static device buffers), loader (.nanoqwen -> device), weights (typed views),
 model (the step, graph capture), ops_torch / ops_kernels (op backends), engine (the API),
 synthetic (random weights with real geometry).
 """
 
-from .config import GRAPH_BUCKETS, QWEN25_05B, QWEN25_7B, EngineConfig, ModelGeometry, parse_bytes
-from .engine import Engine, Event, FinishEvent, TokenEvent
+from ..events import TokenEvent
+from .config import GRAPH_BUCKETS, EngineConfig, parse_bytes
+from .engine import Engine, Event, FinishEvent
 from .scheduler import FinishReason, Request
 
-__all__ = ["Engine", "EngineConfig", "ModelGeometry", "Request", "Event", "TokenEvent", "FinishEvent",
-           "FinishReason", "GRAPH_BUCKETS", "QWEN25_7B", "QWEN25_05B", "parse_bytes"]
+__all__ = ["Engine", "EngineConfig", "Request", "Event", "TokenEvent", "FinishEvent", "FinishReason",
+           "GRAPH_BUCKETS", "parse_bytes"]

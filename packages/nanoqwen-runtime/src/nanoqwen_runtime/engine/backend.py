@@ -4,34 +4,34 @@
     pipeline = load_pipeline(path, EngineConfig())          # tokenizer, template, defaults, engine
     for ev in pipeline.stream(["def fib(n):"], pipeline.sampling_params(max_tokens=64)): ...
 
-Mapping: the engine's per-step events become lists of `backend.TokenEvent(index, token_id,
-finish_reason)`; an EOS token is reported with reason "eos" (the pipeline hides its text); stop
-strings stay the pipeline's job (`run.finish(i)` aborts the engine request). A prompt that does not
-fit is refused at `start()` with `ContextLengthError`, any other refusal with `BackendError`.
+Mapping: the engine's `TokenEvent`s are passed on with `request` set to the request's index in
+`start()`. Requests are submitted with `detokenize=False` and without stop strings: text and stop
+strings are the pipeline's job (`run.finish(i)` aborts the engine request), so every token is decoded
+once. A prompt that does not fit is refused at `start()` with `ContextLengthError`, any other refusal
+with `BackendError`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from os import PathLike
 
-from ..backend import BackendError, ContextLengthError, TokenEvent, TokenRequest
-from ..config import ModelConfig
-from .config import EngineConfig
-from .engine import Engine, FinishEvent
-from .engine import TokenEvent as EngineTokenEvent
-from .scheduler import FinishReason, Request
+from nanoqwen_model import Qwen2Config
 
-_REASONS = {FinishReason.EOS: "eos", FinishReason.LENGTH: "length", FinishReason.CONTEXT: "context",
-            FinishReason.STOP: "stop", FinishReason.ABORTED: "stop"}
+from ..backend import BackendError, ContextLengthError, TokenRequest
+from ..events import TokenEvent
+from .config import EngineConfig
+from .engine import Engine
+from .scheduler import Request
 
 
 class EngineBackend:
     """`Backend` over one `Engine` (requests of one `start()` run together, continuously batched)."""
 
-    def __init__(self, engine: Engine, config: ModelConfig):
+    def __init__(self, engine: Engine):
         self.engine = engine
-        self.config = config
+        self.config: Qwen2Config = engine.geom
         self.max_context = engine.max_model_len
         c = engine.config
         self.name = (f"CUDA engine ({c.backend} op backend, {c.mode} mode) on {engine.device}, "
@@ -40,12 +40,7 @@ class EngineBackend:
     @classmethod
     def from_file(cls, path: str | PathLike, config: EngineConfig | None = None,
                   progress=None) -> EngineBackend:
-        engine = Engine.from_file(path, config, progress=progress)
-        import nanoqwen_format as nqf
-
-        with nqf.open(path) as f:
-            cfg = ModelConfig.from_dict(f.config)
-        return cls(engine, cfg)
+        return cls(Engine.from_file(path, config, progress=progress))
 
     def start(self, requests: Sequence[TokenRequest]) -> _EngineRun:
         if not requests:
@@ -61,7 +56,8 @@ class _EngineRun:
         self.ids = [f"run-{id(self)}-{i}" for i in range(len(requests))]
         self.index = {rid: i for i, rid in enumerate(self.ids)}
         for rid, r in zip(self.ids, requests, strict=True):
-            req = Request(list(r.prompt_ids), r.params.with_(stop=()), rid, eos_ids=frozenset(r.eos_ids))
+            req = Request(list(r.prompt_ids), r.params.with_(stop=()), rid, eos_ids=frozenset(r.eos_ids),
+                          detokenize=False)
             ev = engine.submit(req)
             if ev is not None:
                 for other in self.ids:  # leave nothing queued behind the refusal
@@ -75,20 +71,8 @@ class _EngineRun:
 
     def __iter__(self) -> Iterator[list[TokenEvent]]:
         while self.engine.has_work:
-            out: list[TokenEvent] = []
-            last: dict[int, int] = {}
-            for ev in self.engine.step():
-                if isinstance(ev, EngineTokenEvent):
-                    i = self.index[ev.request_id]
-                    last[i] = len(out)
-                    out.append(TokenEvent(i, ev.token_id, None))
-                elif isinstance(ev, FinishEvent):
-                    i = self.index[ev.request_id]
-                    reason = _REASONS[ev.reason]
-                    if ev.reason is FinishReason.EOS:
-                        out.append(TokenEvent(i, ev.tokens[-1], reason))
-                    elif i in last:
-                        out[last[i]] = TokenEvent(i, out[last[i]].token_id, reason)
+            out = [dataclasses.replace(ev, request=self.index[ev.request])
+                   for ev in self.engine.step() if isinstance(ev, TokenEvent)]
             if out:
                 yield out
 

@@ -1,117 +1,18 @@
-"""Configuration of the CUDA engine: the model geometry read from a container, and the engine's knobs.
+"""Configuration of the CUDA engine: `EngineConfig`, everything the engine does not read from the file.
 
-Two dataclasses and nothing else:
-
-- `ModelGeometry` is the Qwen2 shape (hidden size, heads, layers, ...) taken from the container's
-  `config` metadata map (HF `config.json` key names, see docs/DESIGN.md). Derived sizes (the fused qkv
-  width, GQA group, bytes per KV token) are computed once in `__post_init__`.
-- `EngineConfig` is everything the engine does not read from the file: KV memory budget, page size,
-  batch limits, prefill chunk, graph or eager mode, op backend. Behaviour is never read from a file
-  name or an environment variable: the CLI builds an `EngineConfig` from its flags.
+The model's shape is not here: it is the container's `config` map parsed into
+`nanoqwen_model.Qwen2Config`, the one model description of the repo. `EngineConfig` holds the KV
+memory budget, page size, batch limits, prefill chunk, graph or eager mode and op backend. Behaviour is
+never read from a file name or an environment variable: the CLI builds an `EngineConfig` from its flags.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 # Decode batches are padded up to one of these sizes; one CUDA graph is captured per size. Powers of
 # two keep the padding waste under 2x and the number of graphs (and their memory) small.
 GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-
-
-@dataclass(frozen=True)
-class ModelGeometry:
-    """Qwen2 decoder shape. Field names follow HF `config.json` where one exists."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 32768
-    tie_word_embeddings: bool = False
-    eos_token_ids: tuple[int, ...] = ()
-    # derived
-    q_dim: int = field(init=False)
-    kv_dim: int = field(init=False)
-    qkv_dim: int = field(init=False)
-    group: int = field(init=False)  # query heads per KV head (GQA)
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "intermediate_size", "vocab_size"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"model config: {self.num_attention_heads} query heads are not a multiple of "
-                             f"{self.num_key_value_heads} KV heads")
-        object.__setattr__(self, "q_dim", self.num_attention_heads * self.head_dim)
-        object.__setattr__(self, "kv_dim", self.num_key_value_heads * self.head_dim)
-        object.__setattr__(self, "qkv_dim", self.q_dim + 2 * self.kv_dim)
-        object.__setattr__(self, "group", self.num_attention_heads // self.num_key_value_heads)
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelGeometry:
-        """Build from the container's `config` metadata map (HF key names)."""
-        arch = config.get("architecture", "qwen2")
-        if arch != "qwen2":
-            raise ValueError(f"model config: architecture {arch!r} is not supported (only 'qwen2')")
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "num_key_value_heads", "intermediate_size", "vocab_size") if k not in config]
-        if missing:
-            raise ValueError(f"model config: missing keys {missing}")
-        eos = config.get("eos_token_id", ())
-        eos = (eos,) if isinstance(eos, int) else tuple(int(e) for e in (eos or ()))
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        return cls(
-            hidden_size=int(config["hidden_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=int(config["num_attention_heads"]),
-            num_key_value_heads=int(config["num_key_value_heads"]),
-            head_dim=int(head_dim),
-            intermediate_size=int(config["intermediate_size"]),
-            vocab_size=int(config["vocab_size"]),
-            rope_theta=float(config.get("rope_theta", 1_000_000.0)),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            eos_token_ids=eos,
-        )
-
-    def to_config(self) -> dict[str, Any]:
-        """The `config` metadata map for a container (inverse of `from_config`)."""
-        return {
-            "architecture": "qwen2", "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
-            "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": None,
-            "eos_token_id": list(self.eos_token_ids), "pad_token_id": None,
-        }
-
-    def kv_bytes_per_token(self) -> int:
-        """bf16 K and V over all layers for one token."""
-        return self.num_hidden_layers * 2 * self.kv_dim * 2
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return self.kv_bytes_per_token() * block_size
-
-
-# Qwen2.5-Coder-7B and 0.5B shapes (../shared/TEST-MODELS.md); used by the synthetic builder and bench.
-QWEN25_7B = ModelGeometry(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                          num_key_value_heads=4, head_dim=128, intermediate_size=18944, vocab_size=152064,
-                          max_position_embeddings=32768, eos_token_ids=(151645, 151643))
-QWEN25_05B = ModelGeometry(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                           num_key_value_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
-                           max_position_embeddings=32768, tie_word_embeddings=True,
-                           eos_token_ids=(151645, 151643))
 
 
 @dataclass

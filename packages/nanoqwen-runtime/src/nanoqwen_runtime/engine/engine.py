@@ -3,7 +3,12 @@
     engine = Engine.from_file("model.nanoqwen", EngineConfig(kv_memory_bytes=parse_bytes("24GiB")))
     for ev in engine.generate([Request(tok.encode("def fib"), SamplingParams(max_tokens=64))]):
         if isinstance(ev, TokenEvent): print(ev.text, end="")
-        elif isinstance(ev, FinishEvent): print(ev.reason, ev.stats)
+        elif isinstance(ev, FinishEvent): print(ev.reason, ev.num_generated, ev.decode_tok_s)
+
+Every generated token is one `events.TokenEvent` (EOS tokens too, with no text), the last one with its
+finish reason; then a `FinishEvent` carries the request's statistics. Text is decoded here only for
+requests with `detokenize=True` (the default); the `Backend` adapter asks for none, because the
+`Pipeline` above it decodes.
 
 Continuous batching: `submit()` may be called at any time, also while iterating `generate()` (a new
 request joins at the next step); `step()` runs one engine step and returns its events. Each request
@@ -19,14 +24,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
+from nanoqwen_model import Qwen2Config
 
+from ..events import TokenEvent
 from ..kv_cache import BlockAllocator
 from ..sampling import StopMatcher
-from .config import EngineConfig, ModelGeometry
+from .config import EngineConfig
 from .loader import LoadStats, load
 from .metadata import build_step_inputs
 from .model import ModelRunner, Workspace
@@ -34,14 +41,6 @@ from .scheduler import BlockManager, FinishReason, Request, Scheduler, SeqStatus
 from .weights import ModelWeights
 
 GRAPH_RESERVE_BYTES = 1 << 30  # graph memory pool + CUDA context growth headroom
-
-
-@dataclass
-class TokenEvent:
-    request_id: str
-    token_id: int
-    text: str    # newly printable text ('' while a UTF-8 character or a possible stop string is pending)
-    index: int   # 0-based index of the generated token
 
 
 @dataclass
@@ -71,7 +70,7 @@ class _Stream:
 
 
 class Engine:
-    def __init__(self, geom: ModelGeometry, weights: ModelWeights, config: EngineConfig, *,
+    def __init__(self, geom: Qwen2Config, weights: ModelWeights, config: EngineConfig, *,
                  tokenizer=None, load_stats: LoadStats | None = None, keepalive=None):
         self.geom, self.weights, self.config = geom, weights, config
         self.tokenizer = tokenizer
@@ -95,9 +94,13 @@ class Engine:
         # in `last_logits[request_id]`. Off by default: it costs a copy per token.
         self.record_logits = False
         self.last_logits: dict[str, torch.Tensor] = {}
+        self._graph_memory = (0, 0)  # (torch reserved, device free) bytes graph capture took
         if config.mode == "graph":
             self.ops.warm_up()
+            before = _cuda_memory(self.device)
             self.runner.capture_graphs(self.blocks.padding_block)
+            after = _cuda_memory(self.device)
+            self._graph_memory = (after[0] - before[0], before[1] - after[1])
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
@@ -116,7 +119,7 @@ class Engine:
 
     def _size_pool(self) -> int:
         cfg, g = self.config, self.geom
-        per_block = g.kv_bytes_per_block(cfg.block_size)
+        per_block = g.kv_bytes_per_token() * cfg.block_size
         if cfg.num_blocks is not None:
             return cfg.num_blocks
         if cfg.kv_memory_bytes is not None:
@@ -150,7 +153,9 @@ class Engine:
             return FinishEvent(request.request_id, FinishReason.REFUSED, detail=why,
                                num_prompt_tokens=len(request.prompt_tokens))
         seq = self.scheduler.add(request)
-        dec = self.tokenizer.stream_decoder(skip_special_tokens=True) if self.tokenizer else None
+        dec = None
+        if request.detokenize and self.tokenizer is not None:
+            dec = self.tokenizer.stream_decoder(skip_special_tokens=True)
         self._streams[seq.seq_id] = _Stream(seq, dec, StopMatcher(request.params.stop), time.perf_counter())
         return None
 
@@ -198,19 +203,21 @@ class Engine:
         if idx == 0:
             st.t_first = time.perf_counter()
         rid = seq.request.request_id
-        eos = seq.request.eos_ids if seq.request.eos_ids is not None else self.geom.eos_token_ids
+        eos = seq.request.eos_ids if seq.request.eos_ids is not None else self.geom.eos_token_id
         if tok in eos and not seq.request.ignore_eos:
-            return [self._finish(st, FinishReason.EOS)]
+            return [TokenEvent(rid, tok, idx, "", FinishReason.EOS.value), self._finish(st, FinishReason.EOS)]
         text = st.decoder.push(tok) if st.decoder is not None else ""
         shown, stopped = st.stop.push(text)
-        events: list[Event] = [TokenEvent(rid, tok, shown, idx)]
+        reason = None
         if stopped:
-            events.append(self._finish(st, FinishReason.STOP))
+            reason = FinishReason.STOP
         elif seq.num_generated >= seq.request.params.max_tokens:
-            events.append(self._finish(st, FinishReason.LENGTH))
+            reason = FinishReason.LENGTH
         elif len(seq.tokens) >= self.max_model_len:
-            events.append(self._finish(st, FinishReason.CONTEXT))
-        return events
+            reason = FinishReason.CONTEXT
+        if reason is None:
+            return [TokenEvent(rid, tok, idx, shown)]
+        return [TokenEvent(rid, tok, idx, shown, reason.value), self._finish(st, reason)]
 
     def _finish(self, st: _Stream, reason: FinishReason) -> FinishEvent:
         seq = st.seq
@@ -246,8 +253,31 @@ class Engine:
     def check_accounting(self) -> None:
         self.blocks.check(self.scheduler.live())
 
+    def memory_report(self) -> MemoryReport:
+        """Where this engine's device memory goes (`MemoryReport`); the torch counters are read now."""
+        w = self.weights
+        tensors = [w.embed_tokens, w.final_norm]
+        for lin in [w.lm_head] + [x for lw in w.layers for x in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]:
+            tensors += [t for t in (getattr(lin, f.name) for f in fields(lin)) if isinstance(t, torch.Tensor)]
+        for lw in w.layers:
+            tensors += [t for t in (lw.input_norm, lw.post_attn_norm, lw.qkv_bias) if t is not None]
+        dense = 0
+        if self.config.dense_weight_cache and hasattr(self.ops, "dense_cache_bytes"):
+            dense = self.ops.dense_cache_bytes(w)
+        ws = [t for t in (getattr(self.runner.ws, f.name) for f in fields(self.runner.ws))
+              if isinstance(t, torch.Tensor)]
+        cuda = self.device.type == "cuda"
+        return MemoryReport(
+            container_bytes=_tensor_bytes(tensors), weight_buffer_bytes=_storage_bytes(tensors),
+            dense_cache_bytes=dense, kv_pool_bytes=self.runner.kv.numel() * self.runner.kv.element_size(),
+            workspace_bytes=_storage_bytes(ws) + self.runner.buffers.nbytes,
+            graph_pool_bytes=self._graph_memory[0], graph_device_bytes=self._graph_memory[1],
+            allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else 0,
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else 0,
+            reserved_bytes=torch.cuda.memory_reserved(self.device) if cuda else 0)
 
-def make_ops(config: EngineConfig, geom: ModelGeometry):
+
+def make_ops(config: EngineConfig, geom: Qwen2Config):
     """The op backend named by `config.backend` (explicit: no fallback from one to the other)."""
     device = torch.device(config.device)
     if config.backend == "torch":
@@ -255,7 +285,60 @@ def make_ops(config: EngineConfig, geom: ModelGeometry):
             raise ValueError("backend='torch' runs eagerly only; use mode='eager'")
         from .ops_torch import TorchOps
 
-        return TorchOps(head_dim=geom.head_dim, rope_theta=geom.rope_theta, device=device)
+        return TorchOps(geom, device=device)
     from .ops_kernels import KernelOps
 
     return KernelOps(geom, config, device)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Device memory of one engine, in bytes (`Engine.memory_report()`).
+
+    container_bytes: the model's tensors as a container holds them (tied embeddings counted once).
+    weight_buffer_bytes: the device memory those tensors occupy (the loader's one buffer, alignment
+      padding included; or the separate tensors of weights built in memory).
+    dense_cache_bytes: the bf16 copy of every quantized linear (`EngineConfig.dense_weight_cache`).
+    kv_pool_bytes: the paged KV pool. workspace_bytes: the step's activation buffers and the static
+      step-input buffers (not the op backend's own plans and split-K scratch).
+    graph_pool_bytes / graph_device_bytes: growth of torch's reserved memory / drop of the device's
+      free memory across graph capture (the second adds what the driver keeps for the graphs).
+    allocated / peak_allocated / reserved: torch's counters for the device when the report was made
+      (process-wide: they include whatever else the process holds).
+    """
+
+    container_bytes: int
+    weight_buffer_bytes: int
+    dense_cache_bytes: int
+    kv_pool_bytes: int
+    workspace_bytes: int
+    graph_pool_bytes: int
+    graph_device_bytes: int
+    allocated_bytes: int
+    peak_allocated_bytes: int
+    reserved_bytes: int
+
+    @property
+    def weights_gpu_bytes(self) -> int:
+        """Device memory holding weights: the weight buffer plus the bf16 dense cache."""
+        return self.weight_buffer_bytes + self.dense_cache_bytes
+
+
+def _tensor_bytes(tensors) -> int:
+    """Bytes of the distinct tensors (same address and size counted once: a tied lm_head)."""
+    seen = {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
+    return sum(n for _, n in seen)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under the tensors (views of one buffer count it once)."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())
+
+
+def _cuda_memory(device: torch.device) -> tuple[int, int]:
+    """(torch reserved bytes, device free bytes) of a CUDA device after a synchronize; (0, 0) else."""
+    if device.type != "cuda":
+        return 0, 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_reserved(device), torch.cuda.mem_get_info(device)[0]

@@ -21,8 +21,8 @@ from pathlib import Path
 import nanoqwen_format as nqf
 import numpy as np
 import torch
+from nanoqwen_model import Qwen2Config
 
-from .config import ModelGeometry
 from .weights import DenseLinear, Int4Linear, Int8Linear, LayerWeights, Linear, ModelWeights
 
 CHUNK_BYTES = 64 << 20
@@ -43,7 +43,7 @@ class LoadStats:
 
 @dataclass
 class LoadedModel:
-    geometry: ModelGeometry
+    geometry: Qwen2Config
     weights: ModelWeights
     metadata: dict
     stats: LoadStats
@@ -113,23 +113,20 @@ def _plain(f, name: str, buf: torch.Tensor, base: int) -> torch.Tensor:
     return _view(buf, rec.offset - base, rec.nbytes, torch.bfloat16, rec.shape)
 
 
-def check_shapes(geom: ModelGeometry, w: ModelWeights) -> None:
+def check_shapes(geom: Qwen2Config, w: ModelWeights) -> None:
     """Raise ValueError naming the first tensor whose shape disagrees with the config."""
-    H, V = geom.hidden_size, geom.vocab_size
-    want = {"embed_tokens": (tuple(w.embed_tokens.shape), (V, H)),
-            "final_norm": (tuple(w.final_norm.shape), (H,)),
-            "lm_head": ((w.lm_head.n, w.lm_head.k), (V, H))}
+    got = {"embed_tokens": tuple(w.embed_tokens.shape), "final_norm": tuple(w.final_norm.shape),
+           "lm_head": (w.lm_head.n, w.lm_head.k)}
     for i, lw in enumerate(w.layers):
-        want[f"layers.{i}.qkv"] = ((lw.qkv.n, lw.qkv.k), (geom.qkv_dim, H))
-        want[f"layers.{i}.qkv_bias"] = (tuple(lw.qkv_bias.shape), (geom.qkv_dim,))
-        want[f"layers.{i}.o_proj"] = ((lw.o_proj.n, lw.o_proj.k), (H, geom.q_dim))
-        want[f"layers.{i}.gate_up"] = ((lw.gate_up.n, lw.gate_up.k), (2 * geom.intermediate_size, H))
-        want[f"layers.{i}.down"] = ((lw.down.n, lw.down.k), (H, geom.intermediate_size))
-        want[f"layers.{i}.input_norm"] = (tuple(lw.input_norm.shape), (H,))
-        want[f"layers.{i}.post_attn_norm"] = (tuple(lw.post_attn_norm.shape), (H,))
-    for name, (got, exp) in want.items():
-        if tuple(got) != tuple(exp):
-            raise ValueError(f"tensor {name!r} has shape {list(got)}, the config implies {list(exp)}")
+        p = f"layers.{i}."
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            lin = getattr(lw, name)
+            got[p + name] = (lin.n, lin.k)
+        for name in ("qkv_bias", "input_norm", "post_attn_norm"):
+            got[p + name] = tuple(getattr(lw, name).shape)
+    for name, want in geom.tensor_shapes(with_lm_head=True).items():
+        if got[name] != tuple(want):
+            raise ValueError(f"tensor {name!r} has shape {list(got[name])}, the config implies {list(want)}")
 
 
 def load(path: str | Path, device: str | torch.device = "cuda", *, verify: bool = False,
@@ -139,7 +136,7 @@ def load(path: str | Path, device: str | torch.device = "cuda", *, verify: bool 
     t0 = time.perf_counter()
     with nqf.open(path) as f:
         meta = f.metadata
-        geom = ModelGeometry.from_config(f.config)
+        geom = Qwen2Config.from_metadata(f.config)
         verify_s = 0.0
         if verify:
             tv = time.perf_counter()

@@ -24,13 +24,14 @@ addresses. The workspace memory is counted before the KV pool is sized.
 
 from __future__ import annotations
 
-import contextlib
+import collections
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from nanoqwen_model import Qwen2Config
 
-from .config import EngineConfig, ModelGeometry
+from .config import EngineConfig
 from .metadata import DeviceStepBuffers, StepInputs
 from .weights import ModelWeights
 
@@ -52,7 +53,7 @@ class Workspace:
     logits_unpadded: torch.Tensor | None  # bf16 [R, V] lm_head output when V % 8 != 0, else None
 
     @classmethod
-    def allocate(cls, g: ModelGeometry, max_tokens: int, max_rows: int, device) -> Workspace:
+    def allocate(cls, g: Qwen2Config, max_tokens: int, max_rows: int, device) -> Workspace:
         def e(*shape, dtype=torch.bfloat16):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
@@ -66,7 +67,7 @@ class Workspace:
                    e(R, dtype=torch.int32), logits, e(R, g.vocab_size) if vp != g.vocab_size else None)
 
     @staticmethod
-    def nbytes(g: ModelGeometry, max_tokens: int, max_rows: int) -> int:
+    def nbytes(g: Qwen2Config, max_tokens: int, max_rows: int) -> int:
         per_tok = 2 * (3 * g.hidden_size + g.qkv_dim + 2 * g.q_dim + 3 * g.intermediate_size)
         return max_tokens * per_tok + max_rows * (2 * g.hidden_size + 2 * g.vocab_size + 4)
 
@@ -74,7 +75,7 @@ class Workspace:
 class ModelRunner:
     """Runs steps: `run(inputs) -> sampled tokens` (numpy int32 [num_real])."""
 
-    def __init__(self, geom: ModelGeometry, weights: ModelWeights, cfg: EngineConfig, ops,
+    def __init__(self, geom: Qwen2Config, weights: ModelWeights, cfg: EngineConfig, ops,
                  num_blocks: int, max_pages: int):
         self.g, self.w, self.cfg, self.ops = geom, weights, cfg, ops
         self.device = torch.device(cfg.device)
@@ -91,9 +92,11 @@ class ModelRunner:
                                          max_pages=max_pages, device=self.device)
         self.context_classes = cfg.context_classes(max_pages * cfg.block_size)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, context class)
+        # which code paths each graph runs (the op backend's `paths` counted during its capture), and
+        # how often each was replayed: tests assert the path that ran instead of assuming it
+        self.graph_paths: dict[tuple[int, int], collections.Counter[str]] = {}
+        self.replays: collections.Counter[tuple[int, int]] = collections.Counter()
         self._graph_pool = None
-        # the backend's launch settings (kernel backend: PDL on/off), held around every forward
-        self._launch_context = getattr(ops, "launch_context", contextlib.nullcontext)
         if hasattr(ops, "check_weights"):
             ops.check_weights(weights)
         if hasattr(ops, "setup"):
@@ -155,9 +158,9 @@ class ModelRunner:
         graph = self.graphs.get((B, cls)) if inputs.kind == "decode" else None
         if graph is not None:
             graph.replay()
+            self.replays[(B, cls)] += 1
         else:
-            with self._launch_context():
-                self._forward(views, T, B, inputs.kind, cls)
+            self._forward(views, T, B, inputs.kind, cls)
         return self.ws.tokens[: inputs.num_real].cpu().numpy()
 
     def context_class(self, max_context_len: int) -> int:
@@ -183,16 +186,18 @@ class ModelRunner:
                 views = self.buffers.load(inputs)
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream), self._launch_context():
+                with torch.cuda.stream(stream):
                     for _ in range(2):
                         self._forward(views, bucket, bucket, "decode", cls)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 if self._graph_pool is None:
                     self._graph_pool = torch.cuda.graph_pool_handle()
-                with torch.cuda.graph(graph, pool=self._graph_pool), self._launch_context():
+                before = collections.Counter(self.ops.paths)
+                with torch.cuda.graph(graph, pool=self._graph_pool):
                     self._forward(views, bucket, bucket, "decode", cls)
                 self.graphs[(bucket, cls)] = graph
+                self.graph_paths[(bucket, cls)] = collections.Counter(self.ops.paths) - before
         torch.cuda.synchronize(self.device)
 
 

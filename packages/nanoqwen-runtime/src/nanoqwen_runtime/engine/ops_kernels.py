@@ -20,14 +20,17 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from nanoqwen_kernels import attention as kattn
 from nanoqwen_kernels import gemv as kgemv
 from nanoqwen_kernels import launch as klaunch
 from nanoqwen_kernels import layer_ops as kops
 from nanoqwen_kernels import sampling as ksamp
+from nanoqwen_model import Qwen2Config
 
-from .config import EngineConfig, ModelGeometry
+from .config import EngineConfig
 from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 
 GEMV_MAX_ROWS = 32
@@ -42,7 +45,7 @@ class KernelOps:
     name = "kernels"
     graph_capturable = True
 
-    def __init__(self, geom: ModelGeometry, cfg: EngineConfig, device: torch.device):
+    def __init__(self, geom: Qwen2Config, cfg: EngineConfig, device: torch.device):
         self.device = device
         klaunch.require_sm90(device)
         self.g, self.cfg = geom, cfg
@@ -62,6 +65,11 @@ class KernelOps:
         self.prefill_plan: kattn.PagedAttentionPlan | None = None
         self.sampling_state: ksamp.SamplingState | None = None
         self.max_context_len = 0
+        # Linear launches by path, counted as they are issued (a graph's capture counts what each of its
+        # replays runs; `ModelRunner.graph_paths` keeps that per graph): "gemv_int4", "gemv_int8"
+        # (per 8-row launch), "cublas_bf16" (a bf16 weight), "cublas_bf16_cache" (the bf16 copy of a
+        # quantized weight), "dequant_cublas" (dequantize into scratch + cuBLAS).
+        self.paths: collections.Counter[str] = collections.Counter()
 
     # ---- setup -------------------------------------------------------------------------------------
     def setup(self, *, max_context_len: int, max_rows: int, max_tokens: int, buckets, step_buffers,
@@ -86,10 +94,6 @@ class KernelOps:
     def warm_up(self) -> None:
         klaunch.warm_up(FAMILIES, self.device)
 
-    def launch_context(self):
-        """Context every step's launches (eager or captured) run in: PDL on or off per the config."""
-        return klaunch.use_pdl(self.cfg.pdl)
-
     def check_weights(self, weights) -> None:
         """Refuse what the kernels cannot run; build the bf16 weight cache when configured."""
         lins = _linears(weights)
@@ -102,7 +106,7 @@ class KernelOps:
                     continue
                 if isinstance(lin, Int4Linear):
                     dense = torch.empty(lin.n, lin.k, dtype=torch.bfloat16, device=self.device)
-                    kgemv.dequantize_int4(self._int4(lin), dense)
+                    kgemv.dequantize_int4(self._int4(lin), dense, pdl=self.cfg.pdl)
                     self._dense[id(lin)] = dense
                 elif isinstance(lin, Int8Linear):
                     self._dense[id(lin)] = lin.dequantize()
@@ -131,16 +135,16 @@ class KernelOps:
 
     # ---- elementwise / norms -------------------------------------------------------------------------
     def embed(self, ids, table, out) -> None:
-        kops.embedding_gather(ids, table, out)
+        kops.embedding_gather(ids, table, out, pdl=self.cfg.pdl)
 
     def rms_norm(self, x, w, eps, out) -> None:
-        kops.rms_norm(x, w, out, eps)
+        kops.rms_norm(x, w, out, eps, pdl=self.cfg.pdl)
 
     def add_rms_norm(self, x, residual, w, eps, out) -> None:
-        kops.fused_add_rms_norm(x, residual, w, out, eps)
+        kops.fused_add_rms_norm(x, residual, w, out, eps, pdl=self.cfg.pdl)
 
     def silu_mul(self, gate_up, out) -> None:
-        kops.silu_mul(gate_up, out)
+        kops.silu_mul(gate_up, out, pdl=self.cfg.pdl)
 
     # ---- linear ------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, lin: Linear, out: torch.Tensor,
@@ -154,6 +158,7 @@ class KernelOps:
         else:
             dense = self._dense.get(id(lin)) if m > kgemv.MAX_M else None
         if dense is not None:
+            self.paths["cublas_bf16" if isinstance(lin, DenseLinear) else "cublas_bf16_cache"] += 1
             if bias is None:
                 torch.mm(x, dense.t(), out=out)
             else:
@@ -161,9 +166,10 @@ class KernelOps:
             return
         if isinstance(lin, Int8Linear):  # the lm_head option: one GEMV launch per 8 rows
             w8 = self._int8(lin)
+            self.paths["gemv_int8"] += -(-m // kgemv.MAX_M)
             for r in range(0, m, kgemv.MAX_M):
                 e = min(m, r + kgemv.MAX_M)
-                kgemv.gemv_int8(x[r:e], w8, out[r:e])
+                kgemv.gemv_int8(x[r:e], w8, out[r:e], pdl=self.cfg.pdl)
             return
         if not isinstance(lin, Int4Linear):
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
@@ -171,12 +177,14 @@ class KernelOps:
         if m <= GEMV_MAX_ROWS or lin.n * lin.k > self._scratch_numel:
             # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMV)
             plan = self.plans[(lin.n, lin.k)]
+            self.paths["gemv_int4"] += -(-m // kgemv.MAX_M)
             for r in range(0, m, kgemv.MAX_M):
                 e = min(m, r + kgemv.MAX_M)
-                kgemv.gemv_int4(x[r:e], w, out[r:e], bias, self.workspace, plan)
+                kgemv.gemv_int4(x[r:e], w, out[r:e], bias, self.workspace, plan, pdl=self.cfg.pdl)
         else:
             scratch = self._scratch[: lin.n * lin.k].view(lin.n, lin.k)
-            kgemv.linear_int4_prefill(x, w, out, scratch, bias)
+            self.paths["dequant_cublas"] += 1
+            kgemv.linear_int4_prefill(x, w, out, scratch, bias, pdl=self.cfg.pdl)
 
     def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor) -> None:
         """out = down(silu(gate) * up); act is the [M, I] scratch used when not fused."""
@@ -184,17 +192,19 @@ class KernelOps:
         fused_rows = kgemv.MAX_M if id(down) in self._dense else GEMV_MAX_ROWS
         if isinstance(down, Int4Linear) and m <= fused_rows:
             w, plan = self._int4(down), self.plans[(down.n, down.k)]
+            self.paths["gemv_int4"] += -(-m // kgemv.MAX_M)
             for r in range(0, m, kgemv.MAX_M):
                 e = min(m, r + kgemv.MAX_M)
-                kgemv.gemv_int4(gate_up[r:e], w, out[r:e], None, self.workspace, plan, silu_mul_input=True)
+                kgemv.gemv_int4(gate_up[r:e], w, out[r:e], None, self.workspace, plan, silu_mul_input=True,
+                                pdl=self.cfg.pdl)
             return
-        kops.silu_mul(gate_up, act)
+        kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
         self.linear(act, down, out)
 
     # ---- attention block -----------------------------------------------------------------------------
     def qkv_rope_kv_write(self, qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv) -> None:
         kops.qkv_rope_kv_write(qkv, self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache,
-                               v_cache, None)
+                               v_cache, None, pdl=self.cfg.pdl)
 
     def attention_plan(self, *, kind, query_start, context_lens, page_table, num_rows, num_tokens,
                        max_context_len):
@@ -207,8 +217,8 @@ class KernelOps:
 
     def attention_run(self, meta, q, k_cache, v_cache, out) -> None:
         plan, pt, cl, qsl = meta
-        plan.run(q, k_cache, v_cache, pt, cl, qsl, out.view(q.shape))
+        plan.run(q, k_cache, v_cache, pt, cl, qsl, out.view(q.shape), pdl=self.cfg.pdl)
 
     # ---- sampling ------------------------------------------------------------------------------------
     def sample(self, logits, temperature, top_p, top_k, seed, offset, out) -> None:
-        ksamp.sample_tokens(logits, self.sampling_state, out)
+        ksamp.sample_tokens(logits, self.sampling_state, out, pdl=self.cfg.pdl)

@@ -2,7 +2,8 @@
 the CUDA kernel backend, so the whole engine (scheduler, step metadata, paged cache, sampling rules)
 runs and is tested on the CPU.
 
-Numerics follow the kernels, not the fp32 reference: the residual stream is bf16 (the fused
+The math is nanoqwen-model's (RMSNorm, RoPE, attention, sampling); what this backend adds is the
+engine's rounding. Numerics follow the kernels, not the fp32 reference: the residual stream is bf16 (the fused
 add+RMSNorm kernel rounds the sum to bf16 and stores it back), norms/RoPE/softmax are fp32 inside,
 linear layers compute in fp32 from bf16 inputs and round the output to bf16. INT4 weights are
 dequantized once, on first use, and cached (this backend is for correctness, not speed).
@@ -13,10 +14,11 @@ kernel backend works too. This backend runs eagerly only (it reads step lengths 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
+from nanoqwen_model import Qwen2Config
+from nanoqwen_model.forward import apply_rope, causal_attention, rms_norm, rope_inv_freq
+from nanoqwen_model.sampling import sample
 
 from .weights import DenseLinear, Linear
 
@@ -25,10 +27,9 @@ class TorchOps:
     name = "torch"
     graph_capturable = False
 
-    def __init__(self, *, head_dim: int, rope_theta: float, device: torch.device):
+    def __init__(self, geom: Qwen2Config, device: torch.device):
         self.device = device
-        inv = rope_theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        self.inv_freq = inv.float().to(device)
+        self.inv_freq = rope_inv_freq(geom.head_dim, geom.rope_theta, device)
         self._dense: dict[int, torch.Tensor] = {}
 
     # ---- elementwise / norms --------------------------------------------------------------------
@@ -37,8 +38,7 @@ class TorchOps:
         out.copy_(table[ids.long()])
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> None:
-        xf = x.float()
-        out.copy_((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(out.dtype))
+        out.copy_(rms_norm(x, w, eps).to(out.dtype))
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
                      out: torch.Tensor) -> None:
@@ -83,19 +83,10 @@ class TorchOps:
         T = qkv.shape[0]
         d = q_out.shape[-1]
         qd, kd = n_heads * d, n_kv * d
-        q = qkv[:, :qd].float().view(T, n_heads, d)
-        k = qkv[:, qd:qd + kd].float().view(T, n_kv, d)
+        q = apply_rope(qkv[:, :qd].view(T, n_heads, d), positions, self.inv_freq)
+        kr = apply_rope(qkv[:, qd:qd + kd].view(T, n_kv, d), positions, self.inv_freq).to(k_cache.dtype)
         v = qkv[:, qd + kd:].view(T, n_kv, d)
-        ang = positions.float()[:, None] * self.inv_freq[None, :]
-        cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
-        sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
-
-        def rope(x):
-            h = x.shape[-1] // 2
-            return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
-
-        q_out.copy_(rope(q).to(q_out.dtype))
-        kr = rope(k).to(k_cache.dtype)
+        q_out.copy_(q.to(q_out.dtype))
         bs = k_cache.shape[2]
         slots = slot_mapping.long()
         keep = slots >= 0
@@ -108,24 +99,16 @@ class TorchOps:
                   out: torch.Tensor, num_rows: int) -> None:
         """Paged causal attention, prefill or decode. q bf16 [T, Hq, D] -> out bf16 [T, Hq*D].
         Row b's queries are q[query_start[b]:query_start[b+1]], the last of its context_lens[b] tokens."""
-        hq, d = q.shape[1], q.shape[2]
-        hkv, bs = k_cache.shape[1], k_cache.shape[2]
-        g = hq // hkv
-        scale = 1.0 / math.sqrt(d)
+        hkv, bs, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         qs = query_start.tolist()
         ctxs = context_lens.tolist()
         for b in range(num_rows):
             s0, s1, ctx = qs[b], qs[b + 1], ctxs[b]
-            ql = s1 - s0
             npages = -(-ctx // bs)
             pages = page_table[b, :npages].long()
-            k = k_cache[pages].permute(1, 0, 2, 3).reshape(hkv, npages * bs, d)[:, :ctx].float()
-            v = v_cache[pages].permute(1, 0, 2, 3).reshape(hkv, npages * bs, d)[:, :ctx].float()
-            qh = q[s0:s1].float().view(ql, hkv, g, d).permute(1, 2, 0, 3)  # [hkv, g, ql, d]
-            sc = torch.einsum("hgqd,hkd->hgqk", qh, k) * scale
-            qpos = torch.arange(ctx - ql, ctx)[:, None]
-            sc = sc.masked_fill(torch.arange(ctx)[None, :] > qpos, float("-inf"))
-            o = torch.einsum("hgqk,hkd->qhgd", torch.softmax(sc, -1), v).reshape(ql, hq * d)
+            k = k_cache[pages].permute(0, 2, 1, 3).reshape(npages * bs, hkv, d)[:ctx]
+            v = v_cache[pages].permute(0, 2, 1, 3).reshape(npages * bs, hkv, d)[:ctx]
+            o = causal_attention(q[s0:s1], k, v, torch.arange(ctx - (s1 - s0), ctx))
             out[s0:s1] = o.to(out.dtype)
 
     # ---- sampling --------------------------------------------------------------------------------
@@ -135,22 +118,5 @@ class TorchOps:
         is 0; otherwise temperature -> top-k -> top-p -> one draw from a generator seeded by
         (seed, offset), so a row's draw depends only on its own seed and token index."""
         for b in range(logits.shape[0]):
-            t = float(temperature[b])
-            row = logits[b].float()
-            if t == 0.0:
-                out[b] = int(torch.argmax(row))
-                continue
-            x = row / t
-            k = int(top_k[b])
-            if 0 < k < x.numel():
-                vals, idx = torch.topk(x, k)
-            else:
-                vals, idx = torch.sort(x, descending=True)
-            probs = torch.softmax(vals, -1)
-            p = float(top_p[b])
-            if p < 1.0:
-                cum = torch.cumsum(probs, -1)
-                keep = max(1, int(((cum - probs) < p).sum()))
-                probs, idx = probs[:keep], idx[:keep]
             gen = torch.Generator().manual_seed((int(seed[b]) * 0x9E3779B97F4A7C15 + int(offset[b])) % 2**63)
-            out[b] = int(idx[torch.multinomial(probs.cpu(), 1, generator=gen)])
+            out[b] = sample(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]), gen)

@@ -61,7 +61,8 @@ class Request:
     `params.seed=None` gets a fresh random seed when the engine accepts the request. `ignore_eos`
     keeps generating past EOS tokens (benchmarks use it to fix the output length); `eos_ids`
     replaces the model's EOS ids for this request. A request whose prompt + max_tokens exceeds the
-    context limit runs until the context is full (finish reason "context").
+    context limit runs until the context is full (finish reason "context"). `detokenize=False` leaves
+    the events' text empty (the `Backend` adapter: its `Pipeline` decodes the tokens itself, once).
     """
 
     prompt_tokens: list[int]
@@ -69,6 +70,7 @@ class Request:
     request_id: str | None = None
     ignore_eos: bool = False
     eos_ids: frozenset[int] | None = None
+    detokenize: bool = True
 
 
 @dataclass(eq=False)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from nanoqwen_model import Qwen2Config
 
-from .config import ModelGeometry
 from .weights import DenseLinear, Int4Linear, Int8Linear, LayerWeights, Linear, ModelWeights
 
 # Nibbles are drawn uniform on 0..15 and every 0 is replaced by 8: q - 8 then has mean exactly 0
@@ -69,7 +69,7 @@ def _normal(shape, scale: float, device, gen, shift: float = 0.0) -> torch.Tenso
     return (torch.randn(*shape, generator=gen, device=device) * scale + shift).to(torch.bfloat16)
 
 
-def random_weights(geom: ModelGeometry, device: str | torch.device = "cuda", *, seed: int = 0,
+def random_weights(geom: Qwen2Config, device: str | torch.device = "cuda", *, seed: int = 0,
                    lm_head: str = "bf16", group_size: int = 128) -> ModelWeights:
     """A whole model on `device`. lm_head: "bf16" (dense), "int4" or "int8"; tied geometry shares embed."""
     device = torch.device(device)
@@ -126,7 +126,7 @@ def _quantized_int8(lin: Int8Linear):
                                nqf.layout_tag("int8", lin.group_size), "int8")
 
 
-def write_container(path: str | Path, geom: ModelGeometry, *, seed: int = 0, lm_head: str = "bf16",
+def write_container(path: str | Path, geom: Qwen2Config, *, seed: int = 0, lm_head: str = "bf16",
                     group_size: int = 128, device: str | torch.device = "cpu",
                     tokenizer_json: str | None = None, chat_template: str | None = None) -> Path:
     """Write a synthetic .nanoqwen (weights from `random_weights` on `device`). Returns the path."""
@@ -158,8 +158,8 @@ def write_container(path: str | Path, geom: ModelGeometry, *, seed: int = 0, lm_
         if not geom.tie_word_embeddings:
             add_linear(wr, "lm_head", w.lm_head)
         meta = {
-            "config": geom.to_config(),
-            "generation": {"eos_token_ids": list(geom.eos_token_ids), "temperature": 0.0, "top_p": 1.0,
+            "config": geom.to_metadata(),
+            "generation": {"eos_token_ids": list(geom.eos_token_id), "temperature": 0.0, "top_p": 1.0,
                            "top_k": 0, "max_new_tokens": 256},
             "quantization": {"method": "synthetic", "bits": 4, "group_size": group_size, "symmetric": True,
                              "lm_head": lm_head},

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from nanoqwen_model import codec
 
 
 @dataclass
@@ -39,7 +40,8 @@ class Int4Linear:
 
     def dequantize(self) -> torch.Tensor:
         """bf16 [N, K] (torch reference of the tile layout; allocates)."""
-        return dequantize_int4(self.qweight, self.scales, self.zeros, self.n, self.k, self.group_size)
+        w = codec.dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size)
+        return w.to(torch.bfloat16)
 
 
 @dataclass
@@ -55,8 +57,8 @@ class Int8Linear:
         return self.qweight.numel() + self.scales.numel() * 2
 
     def dequantize(self) -> torch.Tensor:
-        s = self.scales.float().repeat_interleave(self.group_size, dim=1)
-        return (self.qweight.float() * s).to(torch.bfloat16)
+        """bf16 [N, K] (allocates)."""
+        return codec.dequantize_int8(self.qweight, self.scales, self.group_size).to(torch.bfloat16)
 
 
 @dataclass
@@ -115,49 +117,3 @@ class ModelWeights:
         other += self.final_norm.numel() * 2 + self.embed_tokens.shape[1] * 2
         return {"int4_words": words, "int4_scales": scales, "lm_head": self.lm_head.nbytes,
                 "norms_bias_embed": other}
-
-
-# position inside a tile word of nibble p: KOFF from docs/DESIGN.md
-_KOFF = (0, 8, 16, 24, 1, 9, 17, 25)
-
-
-def _tile_column_index(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For words [32 lanes, 4 words] x 8 nibbles: (row within tile [32,4,8], col within tile [32,4,8])."""
-    lane = torch.arange(32, device=device).view(32, 1, 1)
-    w = torch.arange(4, device=device).view(1, 4, 1)
-    koff = torch.tensor(_KOFF, device=device).view(1, 1, 8)
-    row = (lane // 4).expand(32, 4, 8)
-    col = 32 * w + 2 * (lane % 4) + koff
-    return row, col
-
-
-def unpack_int4(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """int32 [N/8, K/128, 32, 4] tile words -> uint8 [N, K] values 0..15 (torch reference)."""
-    words = qweight.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 4, device=qweight.device)
-    nib = ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)  # [N/8, K/128, 32, 4, 8]
-    row, col = _tile_column_index(qweight.device)
-    out = torch.empty(n // 8, k // 128, 8, 128, dtype=torch.uint8, device=qweight.device)
-    out[:, :, row, col] = nib
-    return out.permute(0, 2, 1, 3).reshape(n, k)
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] values 0..15 -> int32 [N/8, K/128, 32, 4] tile words (inverse of unpack_int4)."""
-    n, k = q.shape
-    tiles = q.reshape(n // 8, 8, k // 128, 128).permute(0, 2, 1, 3)  # [N/8, K/128, 8, 128]
-    row, col = _tile_column_index(q.device)
-    nib = tiles[:, :, row, col].to(torch.int64)  # [N/8, K/128, 32, 4, 8]
-    shifts = torch.arange(0, 32, 4, device=q.device)
-    words = (nib << shifts).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32)
-
-
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                    n: int, k: int, group_size: int) -> torch.Tensor:
-    """w[n, k] = (q - z) * f32(s) as bf16 [N, K] (fp32 math, one rounding at the end)."""
-    q = unpack_int4(qweight, n, k).float()
-    z = 8.0 if zeros is None else zeros.float().repeat_interleave(group_size, dim=1)
-    s = scales.float().repeat_interleave(group_size, dim=1)
-    return ((q - z) * s).to(torch.bfloat16)

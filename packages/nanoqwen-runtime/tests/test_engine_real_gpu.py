@@ -1,0 +1,154 @@
+"""The CUDA engine on a real model: Qwen2.5-Coder-0.5B-Instruct packed with RTN (INT4 g128), against
+the plain-torch reference runtime (fp32, the oracle) and, where transformers is installed, the
+reference against HF's Qwen2ForCausalLM on the same dequantized weights.
+
+32 coding prompts (the Qwen chat template), 64 tokens each. The reference decodes all of them greedily
+one token per step; the engine (kernel backend, CUDA graphs, no bf16 weight cache, so every decode
+linear is the INT4 GEMV) is teacher-forced with the reference's tokens at batch 1 (8 prompts, one at
+a time), 8 and 32, one token per request per decode step. At every position:
+
+- logits: max |engine - reference| <= the noise bound of `engine.agreement` (twice the distance of the
+  engine's torch backend, which rounds at the same points, from the reference, plus one bf16 ulp);
+- greedy: the engine's own choice equals the reference's token at every position before the first
+  near-tie (reference top-2 gap below twice the bound); the number of tokens compared is asserted to
+  be exactly that count, and at least 64 over the 8 or more prompts of each batch size;
+- path: each decode step replayed a captured graph, and the graph's linears were INT4 GEMVs.
+
+Where the model is missing this fails under NANOQWEN_REQUIRE_GPU=1 (`nox -s gpu_tests`) and skips
+elsewhere; it never passes vacuously.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nanoqwen_runtime.engine import Engine, EngineConfig
+from nanoqwen_runtime.engine.agreement import greedy_agreement, noise_bound, reference_decode, teacher_forced
+from nanoqwen_runtime.generate import Pipeline
+from nanoqwen_runtime.reference import ReferenceModel
+
+pytestmark = [pytest.mark.gpu, pytest.mark.model]
+
+STEPS = 64
+BATCHES = {1: 8, 8: 8, 32: 32}  # batch size -> prompts run at that size (batch 1: 8, one at a time)
+MIN_COMPARED = 64  # greedy tokens compared per batch size, at the least (issue 11: 64 tokens, 8 prompts)
+# fp32 reference vs fp32 HF on the same weights: only summation order differs. A logit passes ~100
+# matmul stages (24 layers x 4, attention, head), each off by ~sqrt(K) * 2^-24 ~ 4e-6 of its scale
+# (K <= 4864), accumulating as a random walk: ~10 x 4e-6 = 4e-5 relative; logits reach ~30: 1.2e-3.
+HF_LOGIT_BOUND = 2e-3
+
+TASKS = [
+    "is_prime(n) that returns True when n is prime", "a function that reverses a linked list",
+    "binary search over a sorted list", "a function that merges two sorted lists",
+    "an LRU cache class with get and put", "a function that flattens a nested list",
+    "a function that counts word frequencies in a string", "fizzbuzz for 1..n, returning a list",
+    "a function that checks balanced parentheses", "quicksort", "a Stack class with push and pop",
+    "a function that parses a CSV line with quoted fields", "the n-th Fibonacci number, iteratively",
+    "a function that converts a Roman numeral to an int", "a function that transposes a matrix",
+    "a breadth-first search over an adjacency dict", "a function that removes duplicates keeping order",
+    "a decorator that times a function", "a function that validates an IPv4 address",
+    "run-length encoding of a string", "a function that rotates a list by k", "a trie with insert and find",
+    "the greatest common divisor of two ints", "a function that chunks a list into pieces of n",
+    "a context manager that changes the working directory", "a function that computes a moving average",
+    "a function that finds anagram groups", "a generator of prime numbers", "matrix multiplication",
+    "a function that converts snake_case to camelCase", "Dijkstra's shortest paths on a dict graph",
+    "a function that returns the k largest numbers",
+]
+
+
+@pytest.fixture(scope="module")
+def container(qwen05b_packed):
+    return qwen05b_packed("rtn")
+
+
+@pytest.fixture(scope="module")
+def prompts(container):
+    pipe = Pipeline.from_container(container, backend=None)
+    chats = [pipe.chat_prompt([{"role": "user", "content": f"Write {t} in Python."}]) for t in TASKS]
+    return [pipe.tokenizer.encode(c) for c in chats]
+
+
+@pytest.fixture(scope="module")
+def reference(container, prompts):
+    model = ReferenceModel.from_file(container, device="cuda", dtype=torch.float32)
+    ref = reference_decode(model, prompts, STEPS)
+    del model
+    torch.cuda.empty_cache()
+    return ref
+
+
+def engine_config(**kw) -> EngineConfig:
+    # max_batch 32 caps the graph buckets at 32; no dense weight cache: steps of up to 32 rows run
+    # the INT4 GEMV (8 rows per launch) instead of cuBLAS on a bf16 copy
+    base = dict(kv_memory_bytes=4 << 30, max_model_len=1024, prefill_chunk=1024, max_batch=32,
+                dense_weight_cache=False)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def bound(container, prompts, reference):
+    """Per prompt: the noise bound at each position (torch backend on the GPU, all prompts batched)."""
+    engine = Engine.from_file(container, engine_config(backend="torch", mode="eager"))
+    twin = teacher_forced(engine, prompts, reference.tokens, batch=32)
+    del engine
+    torch.cuda.empty_cache()
+    return [noise_bound(reference.logits[p], twin.logits[p]) for p in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def engine(container):
+    return Engine.from_file(container, engine_config())
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_teacher_forced_decode_matches_reference(engine, prompts, reference, bound, batch):
+    n = BATCHES[batch]
+    replays_before = engine.runner.replays.copy()
+    run = teacher_forced(engine, prompts[:n], reference.tokens[:n], batch=batch)
+    replays = engine.runner.replays - replays_before
+    cls = engine.runner.context_class(max(len(p) for p in prompts[:n]) + STEPS)
+    key = (engine.config.bucket_for(batch), cls)
+    # every decode step replayed a graph; all but at most one per group (a step of the sequences
+    # whose prefill ended first, while others still prefill) ran all `batch` requests at once
+    assert sum(replays.values()) == run.decode_steps >= (n // batch) * (STEPS - 1)
+    assert replays[key] >= (n // batch) * (STEPS - 2), replays
+    paths = engine.runner.graph_paths[key]
+    layers = engine.geom.num_hidden_layers
+    # per layer qkv, o_proj, gate_up and down (silu-fused) as INT4 GEMVs, one launch per 8 rows; the
+    # tied bf16 lm_head on cuBLAS
+    assert paths == {"gemv_int4": 4 * layers * -(-batch // 8), "cublas_bf16": 1}, paths
+    worst, compared, expected = 0.0, 0, 0
+    for p in range(n):
+        diff = (run.logits[p] - reference.logits[p]).abs().amax(dim=-1)
+        over = diff / bound[p]
+        worst = max(worst, float(over.max()))
+        assert bool((diff <= bound[p]).all()), (
+            f"batch {batch} prompt {p}: position {int(over.argmax())} off by {float(diff.max()):.4f}, "
+            f"bound {float(bound[p][int(over.argmax())]):.4f}")
+        c, e = greedy_agreement(run.chosen[p], reference, p, 2 * bound[p])
+        assert c == e, f"batch {batch} prompt {p}: engine chose {run.chosen[p][c]} at {c}, reference " \
+                       f"{reference.tokens[p][c]} (gap {float(reference.gap(p)[c]):.3f})"
+        compared += c
+        expected += e
+    print(f"\n[real 0.5B rtn, batch {batch}] {n} prompts x {STEPS} teacher-forced steps: worst position "
+          f"at {worst:.2f} of its bound; greedy equal for {compared} tokens before near-ties")
+    assert compared == expected >= MIN_COMPARED
+    assert engine.kv_blocks_used() == 0
+
+
+def test_reference_matches_hf_on_the_same_weights(container, prompts, reference):
+    """The oracle of the oracle, where transformers is installed: HF's dense forward over prompt +
+    the reference's tokens gives every position's logits in one pass."""
+    pytest.importorskip("transformers")
+    from nanoqwen_runtime.testing import hf_model
+
+    hf = hf_model(container).to("cuda")
+    worst = 0.0
+    for p in range(2):
+        ids = torch.tensor([prompts[p] + reference.tokens[p]], device="cuda")
+        with torch.no_grad():
+            want = hf(ids).logits[0, len(prompts[p]) - 1: -1].float()
+        worst = max(worst, float((reference.logits[p] - want).abs().max()))
+    print(f"\n[real 0.5B rtn] reference vs HF: max |logit diff| {worst:.2e} over 2 x {STEPS} positions")
+    assert worst <= HF_LOGIT_BOUND
