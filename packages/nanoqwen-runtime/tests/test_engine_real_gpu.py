@@ -4,14 +4,15 @@ reference against HF's Qwen2ForCausalLM on the same dequantized weights.
 
 32 coding prompts (the Qwen chat template), 64 tokens each. The reference decodes all of them greedily
 one token per step; the engine (kernel backend, CUDA graphs, no bf16 weight cache, so every decode
-linear is the INT4 GEMV) is teacher-forced with the reference's tokens at batch 1 (8 prompts, one at
-a time), 8 and 32, one token per request per decode step. At every position:
+linear is the INT4 GEMV) is teacher-forced with the reference's tokens at batch 1 (one prompt at a
+time), 8 and 32, one token per request per decode step, all 32 prompts each time. At every position:
 
 - logits: max |engine - reference| <= the noise bound of `engine.agreement` (twice the distance of the
   engine's torch backend, which rounds at the same points, from the reference, plus one bf16 ulp);
 - greedy: the engine's own choice equals the reference's token at every position before the first
   near-tie (reference top-2 gap below twice the bound); the number of tokens compared is asserted to
-  be exactly that count, and at least 64 over the 8 or more prompts of each batch size;
+  be exactly that count, and at least 64 over the 32 prompts (the first near-tie of a chat answer
+  comes early: on the H200 the first 8 prompts alone gave 44 tokens, so 8 prompts cannot promise 64);
 - path: each decode step replayed a captured graph, and the graph's linears were INT4 GEMVs.
 
 Where the model is missing this fails under NANOQWEN_REQUIRE_GPU=1 (`nox -s gpu_tests`) and skips
@@ -30,8 +31,8 @@ from nanoqwen_runtime.reference import ReferenceModel
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 
 STEPS = 64
-BATCHES = {1: 8, 8: 8, 32: 32}  # batch size -> prompts run at that size (batch 1: 8, one at a time)
-MIN_COMPARED = 64  # greedy tokens compared per batch size, at the least (issue 11: 64 tokens, 8 prompts)
+BATCHES = (1, 8, 32)
+MIN_COMPARED = 64  # greedy tokens compared before near-ties per batch size, over the 32 prompts
 # fp32 reference vs fp32 HF on the same weights: only summation order differs. A logit passes ~100
 # matmul stages (24 layers x 4, attention, head), each off by ~sqrt(K) * 2^-24 ~ 4e-6 of its scale
 # (K <= 4864), accumulating as a random walk: ~10 x 4e-6 = 4e-5 relative; logits reach ~30: 1.2e-3.
@@ -101,9 +102,9 @@ def engine(container):
     return Engine.from_file(container, engine_config())
 
 
-@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("batch", BATCHES)
 def test_teacher_forced_decode_matches_reference(engine, prompts, reference, bound, batch):
-    n = BATCHES[batch]
+    n = len(prompts)
     replays_before = engine.runner.replays.copy()
     run = teacher_forced(engine, prompts[:n], reference.tokens[:n], batch=batch)
     replays = engine.runner.replays - replays_before
@@ -137,18 +138,37 @@ def test_teacher_forced_decode_matches_reference(engine, prompts, reference, bou
     assert engine.kv_blocks_used() == 0
 
 
-def test_reference_matches_hf_on_the_same_weights(container, prompts, reference):
+# HF's logits for prompt + tokens, computed in a fresh interpreter: on the H200 image, importing
+# transformers after CuPy makes `inspect` touch CuPy's lazy `cupy.testing`, which imports an image
+# copy of numpy.testing that holds null bytes (SyntaxError); a clean process imports transformers first.
+HF_SCRIPT = """
+import sys, torch
+from nanoqwen_runtime.testing import hf_model
+container, inp, out = sys.argv[1:]
+seqs = torch.load(inp)
+hf = hf_model(container).to("cuda")
+with torch.no_grad():
+    torch.save([hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu() for ids in seqs], out)
+"""
+
+
+def test_reference_matches_hf_on_the_same_weights(container, prompts, reference, tmp_path):
     """The oracle of the oracle, where transformers is installed: HF's dense forward over prompt +
     the reference's tokens gives every position's logits in one pass."""
-    pytest.importorskip("transformers")
-    from nanoqwen_runtime.testing import hf_model
+    import importlib.util
+    import subprocess
+    import sys
 
-    hf = hf_model(container).to("cuda")
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed here: the reference-vs-HF check runs on the CPU suite")
+    seqs = [prompts[p] + reference.tokens[p] for p in range(2)]
+    torch.save(seqs, tmp_path / "in.pt")
+    proc = subprocess.run([sys.executable, "-c", HF_SCRIPT, str(container), str(tmp_path / "in.pt"),
+                           str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     worst = 0.0
-    for p in range(2):
-        ids = torch.tensor([prompts[p] + reference.tokens[p]], device="cuda")
-        with torch.no_grad():
-            want = hf(ids).logits[0, len(prompts[p]) - 1: -1].float()
+    for p, logits in enumerate(torch.load(tmp_path / "out.pt")):
+        want = logits[len(prompts[p]) - 1: -1].to(reference.logits[p].device)
         worst = max(worst, float((reference.logits[p] - want).abs().max()))
     print(f"\n[real 0.5B rtn] reference vs HF: max |logit diff| {worst:.2e} over 2 x {STEPS} positions")
     assert worst <= HF_LOGIT_BOUND

@@ -22,6 +22,7 @@ after weights, workspace and the graph memory pool's reserve (`GRAPH_RESERVE_BYT
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
@@ -337,8 +338,12 @@ def _storage_bytes(tensors) -> int:
 
 
 def _cuda_memory(device: torch.device) -> tuple[int, int]:
-    """(torch reserved bytes, device free bytes) of a CUDA device after a synchronize; (0, 0) else."""
+    """(torch reserved bytes, device free bytes) of a CUDA device; (0, 0) else. Cached blocks nobody
+    holds are released first, as `torch.cuda.graph` does when capture starts: otherwise that release
+    would count against the capture (seen on the H200: -1.66 GB after earlier engines in one process)."""
     if device.type != "cuda":
         return 0, 0
+    gc.collect()
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     return torch.cuda.memory_reserved(device), torch.cuda.mem_get_info(device)[0]
