@@ -74,6 +74,6 @@ def test_verify_reports_truncation_and_missing_file(model, tmp_path):
     result = runner.invoke(app, ["verify", str(model)])
     assert result.exit_code == 1 and "TruncatedError" in result.output
     result = runner.invoke(app, ["inspect", str(tmp_path / "absent.nanoqwen")])
-    assert result.exit_code == 1 and "cannot read" in result.output
+    assert result.exit_code == 1 and "no such file" in result.output
     result = runner.invoke(app, ["verify", str(tmp_path)])  # a folder, not a file
-    assert result.exit_code == 1
+    assert result.exit_code == 1 and "is a folder, not a .nanoqwen container" in result.output

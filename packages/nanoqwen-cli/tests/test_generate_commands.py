@@ -80,10 +80,9 @@ def test_bad_options_exit_2_with_a_message(model, args, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_cuda_without_gpu_is_an_error(model):
     r = invoke("generate", model, "-p", "x", "--device", "cuda")
-    assert r.exit_code == 2
+    assert r.exit_code == 1  # the machine, not the command line
     assert "no CUDA GPU is available" in r.stderr
     assert "backend:" not in r.stderr  # nothing ran on the CPU instead
 
@@ -92,7 +91,7 @@ def test_cuda_without_gpu_is_an_error(model):
 def test_cuda_engine_options_without_gpu_are_an_error(model):
     # --device cuda picks the engine; its options are accepted, and the missing GPU is still the error
     r = invoke("generate", model, "-p", "x", "--device", "cuda", "--kv-memory", "1GiB", "--eager")
-    assert r.exit_code == 2 and "no CUDA GPU is available" in r.stderr
+    assert r.exit_code == 1 and "no CUDA GPU is available" in r.stderr
     assert "backend:" not in r.stderr
 
 
@@ -144,3 +143,134 @@ def test_generate_on_cuda_runs_the_engine(tmp_path):
     assert outs[0]["text"] == outs[1]["text"]  # greedy is deterministic
     # graph and eager launch the same kernels on the same data
     assert outs[0]["text"] == outs[2]["text"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# prompts from a file or stdin; Ctrl-C in generate and chat
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_prompt_from_file_and_stdin_match_the_argument(model, tmp_path):
+    args = ("--json", "--max-tokens", "6", "--temperature", "0")
+    want = json.loads(invoke("generate", model, "-p", "def add(a, b):\n", *args).stdout)
+    prompt = tmp_path / "prompt.py"
+    prompt.write_bytes(b"def add(a, b):\n")  # byte for byte: the trailing newline is part of the prompt
+    from_file = json.loads(invoke("generate", model, "--prompt-file", prompt, *args).stdout)
+    from_stdin = json.loads(invoke("generate", model, "-p", "-", *args, input=b"def add(a, b):\n").stdout)
+    for got in (from_file, from_stdin):
+        assert (got["text"], got["prompt_tokens"]) == (want["text"], want["prompt_tokens"])
+
+
+def interrupt_stream(monkeypatch, after_text: int = 1, calls: tuple[int, ...] = (0,)):
+    """Make Pipeline.stream raise KeyboardInterrupt (as Ctrl-C would) once `after_text` events with
+    text have been yielded, on the calls numbered in `calls`. Returns the texts shown before it."""
+    from nanoqwen_runtime.generate import Pipeline as P
+
+    real = P.stream
+    shown: list[str] = []
+    count = [0]
+
+    def stream(self, prompts, params):
+        n = count[0]
+        count[0] += 1
+        seen = 0
+        if n in calls and after_text == 0:
+            raise KeyboardInterrupt
+        for ev in real(self, prompts, params):
+            yield ev
+            if n in calls and ev.text:
+                shown.append(ev.text)
+                seen += 1
+                if seen >= after_text:
+                    raise KeyboardInterrupt
+
+    monkeypatch.setattr(P, "stream", stream)
+    return shown
+
+
+def test_generate_ctrl_c_ends_the_line_and_exits_130(model, monkeypatch):
+    shown = interrupt_stream(monkeypatch, after_text=3)
+    r = invoke("generate", model, "-p", "x", "--max-tokens", "40", "--temperature", "0")
+    assert r.exit_code == 130, r.output
+    assert r.stdout == "".join(shown) + ("" if shown[-1].endswith("\n") else "\n")
+    assert r.stderr.splitlines()[-1] == "interrupted (Ctrl-C)"
+    assert "prompt tokens" not in r.stderr  # no statistics of a cut-short run
+
+
+def chat_prompt_tokens(model, messages) -> int:
+    pipe = Pipeline.load(model, dtype=torch.float32)
+    return len(pipe.tokenizer.encode(pipe.chat_prompt(messages)))
+
+
+def test_chat_ctrl_c_stops_the_reply_and_keeps_it(model, monkeypatch):
+    shown = interrupt_stream(monkeypatch, after_text=2)
+    r = invoke("chat", model, "--max-tokens", "30", "--temperature", "0", input="first\nsecond\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("assistant> ") == 2
+    assert "(stopped; the partial reply is kept in the history)" in r.stderr
+    partial = "".join(shown)
+    n = chat_prompt_tokens(model, [{"role": "user", "content": "first"},
+                                   {"role": "assistant", "content": partial},
+                                   {"role": "user", "content": "second"}])
+    assert f"[{n} prompt tokens" in r.stderr  # the second turn carries the partial reply
+
+
+def test_chat_ctrl_c_before_any_text_drops_the_question(model, monkeypatch):
+    interrupt_stream(monkeypatch, after_text=0)
+    r = invoke("chat", model, "--max-tokens", "3", input="first\nsecond\n")
+    assert r.exit_code == 0, r.output
+    assert "(stopped before any text; the question is dropped from the history)" in r.stderr
+    n = chat_prompt_tokens(model, [{"role": "user", "content": "second"}])
+    assert f"[{n} prompt tokens" in r.stderr
+
+
+def test_chat_ctrl_c_or_ctrl_d_at_the_prompt_exits_0(model, monkeypatch):
+    import nanoqwen_cli.generate_commands as gc
+
+    for signal in (KeyboardInterrupt, EOFError):
+        def press(prompt, signal=signal):
+            raise signal
+
+        monkeypatch.setattr(gc, "input", press, raising=False)
+        r = invoke("chat", model)
+        assert r.exit_code == 0, r.output
+        assert "error" not in r.stderr and "interrupted" not in r.stderr
+
+
+def test_chat_refused_line_keeps_the_history(model):
+    r = invoke("chat", model, "--max-tokens", "3", input=b"one\n\xc3(\ntwo\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("assistant> ") == 2
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "byte offset 0 (0xc3" in errors[0]
+    sizes = [int(line.split()[0].strip("[")) for line in r.stderr.splitlines() if "prompt tokens" in line]
+    assert sizes[1] > sizes[0] + 3  # turn "two" carries turn "one" and its answer
+
+
+def test_engine_is_ready_after_an_interrupted_reply(model, monkeypatch):
+    """The CUDA engine's request outlives a closed Pipeline.stream; after Ctrl-C the CLI aborts it, so
+    the next turn can start (the engine refuses a start() while it has work). On the CPU torch backend."""
+    from nanoqwen_cli.generate_commands import Stopped, _reply
+    from nanoqwen_runtime.engine import Engine, EngineConfig
+    from nanoqwen_runtime.engine.backend import EngineBackend
+
+    cfg = EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=64, block_size=16,
+                       max_model_len=256, prefill_chunk=48, max_batch=8)
+    engine = Engine.from_file(model, cfg)
+    pipe = Pipeline.from_container(model, EngineBackend(engine))
+    params = pipe.sampling_params(max_tokens=20, temperature=0.0)
+    ids = pipe.tokenizer.encode("def f():")
+    real_step, steps = engine.step, [0]
+
+    def step():
+        steps[0] += 1
+        if steps[0] == 4:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    with pytest.raises(Stopped):
+        _reply(pipe, ids, params, stream=False)
+    assert not engine.has_work and engine.kv_blocks_used() == 0
+    result = _reply(pipe, ids, params, stream=False)
+    assert result.generated_tokens >= 1 and result.error is None

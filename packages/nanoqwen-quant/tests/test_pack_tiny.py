@@ -266,4 +266,4 @@ def test_cli_pack_and_eval_json(tiny_hf, tmp_path, tiny_config, make_tiny_folder
     assert d["tokens"] > 0 and d["perplexity"] > 1  # exp(mean NLL) > 1 unless every token had p = 1
     bad = make_tiny_folder(tmp_path / "llama", dict(tiny_config, model_type="llama"))
     res = runner.invoke(app, ["pack", str(bad), "-o", str(tmp_path / "x.nanoqwen")])
-    assert res.exit_code == 2 and "not supported" in res.output and not (tmp_path / "x.nanoqwen").exists()
+    assert res.exit_code == 1 and "not supported" in res.output and not (tmp_path / "x.nanoqwen").exists()

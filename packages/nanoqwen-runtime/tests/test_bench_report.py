@@ -119,17 +119,23 @@ def test_report_schema_and_ratios_from_fake_numbers(tmp_path):
 def test_report_with_model_file_renders():
     """`--model FILE` stores the model's LoadStats; markdown() once raised KeyError 'file_bytes' on it."""
     stats = {"path": "/m/q.nanoqwen", "nbytes": 5_550_000_000, "seconds": 1.1, "verify_seconds": 0.0,
-             "total_seconds": 1.2, "upload_GBps": 5.0}
+             "verify_wait_seconds": 0.0, "finite_seconds": 0.0, "total_seconds": 1.2, "verified": False,
+             "upload_GBps": 5.0}
     load_test = {"file_bytes": 5_550_000_000, "write_s": 30.0,
-                 "plain": {"total_seconds": 1.12, "upload_GBps": 5.0, "verify_seconds": 0.0},
-                 "verify": {"total_seconds": 1.79, "upload_GBps": 5.0, "verify_seconds": 0.83}}
+                 "plain": {"total_seconds": 1.12, "upload_GBps": 5.0, "verify_seconds": 0.0,
+                           "verified": False},
+                 "verify": {"total_seconds": 1.29, "upload_GBps": 4.6, "verify_seconds": 0.83,
+                            "verify_wait_seconds": 0.09, "finite_seconds": 0.004, "verified": True}}
     raw = fake_raw(model_load=stats, load_test=load_test)
     raw["meta"].update(command="nanoqwen-cli bench --model /m/q.nanoqwen", model="/m/q.nanoqwen")
     rep = build_report(raw)
     check_schema(rep)
     md = markdown(rep)
     assert "## Loading the model" in md and "5.55 GB from /m/q.nanoqwen: 1.20 s" in md
-    assert "with --verify 1.79 s" in md
+    assert "5.55 GB from /m/q.nanoqwen: 1.20 s (upload 1.10 s; not verified)" in md
+    assert ("with --no-verify 1.12 s (upload 5.0 GB/s); verified (the default) 1.29 s (upload 4.6 GB/s; "
+            "checksums hashed in 0.83 s beside the copies, upload waited 0.09 s for them; "
+            "NaN/Inf check 0.004 s)") in md
 
 
 def test_partial_report_has_every_key():
@@ -296,11 +302,11 @@ def test_profile_marks_every_launch_of_the_kernel_backend(tiny_path, monkeypatch
     L = TINY.num_hidden_layers
     kernels = {k["kernel"]: k["launches_per_step"] for k in p["kernels"]}
     # per layer: 2 norms, 4 GEMVs (down with SiLU*mul fused), rope + KV write, attention; per step:
-    # embedding, final norm, sampling
-    assert p["kernel_launches_per_step"] == 3 + 8 * L and p["library_calls_per_step"] == 1
-    assert p["launches_per_step"] == 4 + 8 * L
+    # embedding, final norm, sampling; torch/cuBLAS: the bf16 lm_head and the logits' range (NaN check)
+    assert p["kernel_launches_per_step"] == 3 + 8 * L and p["library_calls_per_step"] == 2
+    assert p["launches_per_step"] == 5 + 8 * L
     assert kernels["gemv_int4_g128_sym"] == 3 * L and kernels["gemv_int4_g128_sym_silu"] == L
-    assert kernels["paged_attention_decode"] == L and kernels[bench_profile.LIBRARY] == 1
+    assert kernels["paged_attention_decode"] == L and kernels[bench_profile.LIBRARY] == 2
     assert "spin_ns" not in kernels and launched.count("spin_ns") >= 3  # waits ran, were not counted
     assert engine.runner.ops is engine.ops
     assert klaunch.launch is recorded and kgemv.launch is recorded and kops.launch is recorded

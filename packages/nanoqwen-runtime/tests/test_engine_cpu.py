@@ -381,3 +381,25 @@ def test_config_validation_and_helpers():
         EngineConfig(device="cpu", backend="torch", mode="graph")
     with pytest.raises(ValueError, match="power of two"):
         cpu_config(block_size=12)
+
+
+def test_pipeline_stream_closed_early_frees_the_engine(tmp_path):
+    """A caller that stops iterating `Pipeline.stream` (Ctrl-C in chat) leaves nothing running: the
+    engine has no work and no KV blocks in use, and the next request runs and matches a fresh one."""
+    from nanoqwen_runtime.engine.backend import load_pipeline
+    from nanoqwen_runtime.testing import write_tiny_container
+
+    path = write_tiny_container(tmp_path / "tok.nanoqwen", method="rtn", seed=3)
+    pipe = load_pipeline(path, cpu_config(max_model_len=None, num_blocks=64))
+    params = pipe.sampling_params(max_tokens=20, temperature=0.0)
+    events = pipe.stream(["def fib(n):", "import os"], params)
+    for _ in range(3):
+        next(events)
+    engine = pipe.backend.engine
+    assert engine.has_work and engine.kv_blocks_used() > 0
+    events.close()
+    assert not engine.has_work and engine.kv_blocks_used() == 0
+    again = pipe.generate(["class A:"], params)[0]
+    fresh_pipe = load_pipeline(path, cpu_config(max_model_len=None, num_blocks=64))
+    fresh = fresh_pipe.generate(["class A:"], params)[0]
+    assert again.token_ids == fresh.token_ids

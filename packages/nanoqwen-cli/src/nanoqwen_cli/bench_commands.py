@@ -5,7 +5,9 @@ GPU memory, bytes per token against the read bandwidth measured in the same run,
     nanoqwen-cli bench --model m.nanoqwen      a given container
     nanoqwen-cli bench --out bench/engine      where bench.json, bench.md and the plots go
 
-Needs a Hopper GPU; on a machine without one it exits 1 with that reason (no CPU fallback).
+Needs a Hopper GPU; on a machine without one it exits 1 with that reason (no CPU fallback). The
+options and the --model file are checked first (a GGUF or an HF folder gets the command that packs
+it); nothing is written before the GPU is found.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ from typing import Annotated
 
 import typer
 
+from .errors import CliError, UsageError
+from .inputs import check_model_path
+
 
 def bench(
-    model: Annotated[Path | None, typer.Option(help="a .nanoqwen container (default: synthetic 7B)")] = None,
+    model: Annotated[Path | None, typer.Option(help="a .nanoqwen container (default: synthetic 7B weights "
+                                                    "built on the GPU)")] = None,
     out: Annotated[Path, typer.Option(help="output folder for bench.json, bench.md, plots")] = Path(
         "bench/engine"),
     kv_memory: Annotated[str, typer.Option(help="KV pool size, e.g. 24GiB")] = "24GiB",
@@ -40,15 +46,23 @@ def bench(
     Writes bench.json, bench.md and two plots into --out and prints the
     markdown. Exits 1 if any section failed (the rest is still written).
     """
+    if profile_steps < 1:
+        raise UsageError(f"--profile-steps must be >= 1, got {profile_steps}")
+    if model is not None:
+        check_model_path(model)
+    from nanoqwen_runtime.engine.config import parse_bytes
+
+    try:
+        kv_bytes = parse_bytes(kv_memory)
+    except ValueError as e:
+        raise UsageError(f"--kv-memory: {e}") from None
     import torch
 
     if not torch.cuda.is_available():
-        typer.echo("nanoqwen-cli bench needs a CUDA GPU (sm_90); none is available here", err=True)
-        raise typer.Exit(1)
+        raise CliError("nanoqwen-cli bench needs a CUDA GPU (sm_90); none is available here")
     from nanoqwen_runtime.engine.bench import run_bench
-    from nanoqwen_runtime.engine.config import parse_bytes
 
-    rep = run_bench(model=str(model) if model else None, out_dir=out, kv_memory=parse_bytes(kv_memory),
+    rep = run_bench(model=str(model) if model else None, out_dir=out, kv_memory=kv_bytes,
                     quick=quick, log=lambda s: typer.echo(s, err=True), load_test_dir=load_test,
                     profile_steps=profile_steps)
     typer.echo((out / "bench.md").read_text())

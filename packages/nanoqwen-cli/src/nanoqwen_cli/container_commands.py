@@ -1,11 +1,13 @@
 """`nanoqwen-cli inspect` and `nanoqwen-cli verify`: look inside and check a .nanoqwen container.
 
 inspect FILE          a table of tensors (name, encoding/layout, shape, offset, bytes, xxh3) and a
-                      metadata summary; exit 0, or 1 when the file cannot be opened
+                      metadata summary; exit 0, or 1 and one line on stderr when the file cannot be
+                      opened (missing, not a container, damaged header, trailer or index)
 inspect FILE --json   the same as one JSON object (schema below); long strings and binary
                       metadata values are summarised as {"chars": n} / {"bytes": n}
 verify FILE           checks the header, trailer, index, metadata and every tensor checksum;
-                      exit 0 and "OK ..." when sound, exit 1 and the reason on stderr otherwise
+                      exit 0 and "OK ..." when sound, exit 1 and the reason (the FormatError's class
+                      and message, as one line on stderr: errors.py) otherwise
 
 JSON schema: {"path", "version": "1.0", "file_bytes", "data_offset", "index_offset",
 "tensor_bytes", "tensors": [{"name", "encoding", "dtype", "shape", "offset", "nbytes", "xxh3"
@@ -17,20 +19,23 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import nanoqwen_format as nqf
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+
+from .inputs import check_model_path
+
+if TYPE_CHECKING:
+    import nanoqwen_format as nqf
 
 # Metadata strings longer than this (the tokenizer JSON, the chat template) are shown by length only.
 LONG_STRING = 200
 
 
-def _console() -> Console:
+def _console():
     """stdout console; when piped, wide enough that the tensor table is never truncated."""
+    from rich.console import Console
+
     console = Console()
     return console if console.is_terminal else Console(width=200)
 
@@ -74,29 +79,18 @@ def _describe(f: nqf.NanoqwenFile) -> dict:
     }
 
 
-def _open_or_exit(path: Path, err: Console) -> nqf.NanoqwenFile:
-    try:
-        return nqf.open(path)
-    except nqf.FormatError as e:
-        _say(err, "INVALID", f"{type(e).__name__}: {e}")
-    except OSError as e:
-        _say(err, "ERROR", f"cannot read {path}: {e.strerror or e}")
-    raise typer.Exit(1)
-
-
-def _say(console: Console, label: str, message: str) -> None:
-    """One unwrapped line `LABEL message`; the message is escaped (it may contain [brackets])."""
-    console.print(f"[bold red]{label}[/] {escape(message)}", highlight=False, soft_wrap=True)
-
-
 def inspect(
     file: Annotated[Path, typer.Argument(help="a .nanoqwen file")],
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
 ) -> None:
     """Show the tensors and metadata of a .nanoqwen file (reads the index only, not the tensors)."""
-    out, err = _console(), Console(stderr=True)
-    with _open_or_exit(file, err) as f:
+    import nanoqwen_format as nqf
+    from rich.markup import escape
+    from rich.table import Table
+
+    with nqf.open(check_model_path(file)) as f:
         info = _describe(f)
+    out = _console()
     if as_json:
         typer.echo(json.dumps(info, indent=2, ensure_ascii=False))
         return
@@ -132,21 +126,12 @@ def inspect(
 
 def verify(file: Annotated[Path, typer.Argument(help="a .nanoqwen file")]) -> None:
     """Check every checksum of a .nanoqwen file: exit 0 when sound, 1 (saying why) otherwise."""
-    out, err = Console(), Console(stderr=True)
+    import nanoqwen_format as nqf
+
     t0 = time.perf_counter()
-    f = _open_or_exit(file, err)
-    try:
+    with nqf.open(check_model_path(file)) as f:  # a FormatError is the answer: one line, exit 1
         nbytes = f.verify()
-    except nqf.FormatError as e:
-        _say(err, "INVALID", f"{type(e).__name__}: {e}")
-        raise typer.Exit(1) from None
-    finally:
-        f.close()
+        version, count = f"{f.major}.{f.minor}", len(f.records)
     dt = time.perf_counter() - t0
-    out.print(
-        f"OK {escape(str(file))}: .nanoqwen {f.major}.{f.minor}, {len(f.records)} tensors, "
-        f"{nbytes:,} tensor bytes "
-        f"verified in {dt:.2f} s ({nbytes / max(dt, 1e-9) / 1e9:.1f} GB/s)",
-        highlight=False,
-        soft_wrap=True,
-    )
+    typer.echo(f"OK {file}: .nanoqwen {version}, {count} tensors, {nbytes:,} tensor bytes "
+               f"verified in {dt:.2f} s ({nbytes / max(dt, 1e-9) / 1e9:.1f} GB/s)")

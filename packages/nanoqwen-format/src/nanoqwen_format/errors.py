@@ -34,6 +34,7 @@ __all__ = [
     "EncodingError",
     "TensorNotFoundError",
     "WriterStateError",
+    "ConcurrentWriteError",
     "ClosedFileError",
 ]
 
@@ -153,6 +154,10 @@ class TensorNotFoundError(FormatError, KeyError):
 
 class WriterStateError(FormatError):
     """The writer is used outside its `with` block, after close, or after a failed write."""
+
+
+class ConcurrentWriteError(FormatError):
+    """Another writer, alive, is writing the same path (its temp file is locked): the second is refused."""
 
 
 class ClosedFileError(FormatError):

@@ -13,8 +13,10 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import time
 
 import numpy as np
+import xxhash
 
 from . import int4, int8
 from .errors import (
@@ -54,7 +56,7 @@ from .spec import (
     xxh3,
 )
 
-__all__ = ["open", "NanoqwenFile"]
+__all__ = ["open", "NanoqwenFile", "StreamVerifier"]
 
 _builtin_open = open
 
@@ -307,22 +309,32 @@ class NanoqwenFile:
         Returns the number of tensor bytes checked; raises ChecksumError naming the first bad tensor.
         """
         self._check_open()
-        view = memoryview(self._mm)
-        total = 0
-        try:
-            for rec in self.records.values():
-                got = xxh3(view[rec.offset : rec.offset + rec.nbytes])
-                if got != rec.checksum:
-                    raise self._err(
-                        ChecksumError,
-                        f"tensor {rec.name!r}",
-                        f"checksum mismatch: stored {rec.checksum:016x}, computed {got:016x}",
-                        tensor=rec.name,
-                    )
-                total += rec.nbytes
-        finally:
-            view.release()
-        return total
+        return sum(self.verify_tensor(name) for name in self.records)
+
+    def verify_tensor(self, name: str) -> int:
+        """Check one tensor's xxh3-64 (a loader calls it as it reads each tensor: one pass over the
+        bytes instead of `verify()` then the reads). Returns its byte count; raises ChecksumError
+        naming the tensor."""
+        rec = self._rec(name)
+        with memoryview(self._mm) as view:
+            got = xxh3(view[rec.offset : rec.offset + rec.nbytes])
+        if got != rec.checksum:
+            raise self._checksum_error(rec, got)
+        return rec.nbytes
+
+    def stream_verifier(self) -> StreamVerifier:
+        """A `StreamVerifier` of this file's tensors, for a loader that copies the data region in
+        chunks and hashes the bytes as they pass (instead of a separate `verify()` pass)."""
+        self._check_open()
+        return StreamVerifier(self)
+
+    def _checksum_error(self, rec: TensorRecord, computed: int) -> ChecksumError:
+        return self._err(
+            ChecksumError,
+            f"tensor {rec.name!r}",
+            f"checksum mismatch: stored {rec.checksum:016x}, computed {computed:016x}",
+            tensor=rec.name,
+        )
 
     # ---- lifetime -------------------------------------------------------------------------------
     def _release(self) -> None:
@@ -346,6 +358,72 @@ class NanoqwenFile:
     def __repr__(self) -> str:
         version = f"{getattr(self, 'major', '?')}.{getattr(self, 'minor', '?')}"
         return f"NanoqwenFile({self.path!r}, version {version}, {len(getattr(self, 'records', {}))} tensors)"
+
+
+class StreamVerifier:
+    """Per-tensor xxh3-64 over bytes that arrive in chunks, in file order (`NanoqwenFile.stream_verifier`).
+
+    `feed(offset, chunk)` takes the file's bytes `[offset, offset + len(chunk))`; each call continues
+    where the previous one ended (any chunk size; the first may start anywhere up to the first
+    tensor). Each tensor's hash gets exactly its own `nbytes` bytes from its `offset` (SPEC.md section
+    4: the zero padding between tensors is not covered); when its last byte has arrived, the digest is
+    compared and a mismatch raises `ChecksumError` naming the tensor (and every later `feed` raises it
+    again). `finish()` checks that every tensor was seen. `seconds` is the time spent hashing.
+    Not thread-safe: feed it from one thread at a time (a loader may use one worker thread: xxhash
+    releases the GIL, so hashing overlaps the copies).
+    """
+
+    def __init__(self, f: NanoqwenFile) -> None:
+        self._f = f
+        self._recs = list(f.records.values())  # in increasing offset order (SPEC.md section 6)
+        self._i = 0  # the first tensor not yet complete
+        self._h = None  # streaming xxh3 state of tensor _i once its first byte arrived
+        self._pos: int | None = None
+        self.error: ChecksumError | None = None
+        self.nbytes = 0
+        self.seconds = 0.0
+
+    def feed(self, offset: int, chunk) -> None:
+        """Hash the tensor bytes inside `chunk` (a contiguous bytes-like, e.g. a uint8 numpy array)."""
+        if self.error is not None:
+            raise self.error
+        end = offset + len(chunk)
+        if self._pos is not None and offset != self._pos:
+            raise ValueError(f"chunks must be contiguous: expected offset {self._pos}, got {offset}")
+        self._pos = end
+        t0 = time.perf_counter()
+        try:
+            view = memoryview(chunk).cast("B")
+            while self._i < len(self._recs):
+                rec = self._recs[self._i]
+                r0, r1 = rec.offset, rec.offset + rec.nbytes
+                if r0 > end or (r0 == end and r1 > r0):
+                    break  # starts in a later chunk
+                if self._h is None:
+                    if r0 < offset:
+                        raise ValueError(f"tensor {rec.name!r} starts at {r0}, before the first chunk")
+                    self._h = xxhash.xxh3_64()
+                lo, hi = max(r0, offset), min(r1, end)
+                if hi > lo:
+                    self._h.update(view[lo - offset : hi - offset])
+                    self.nbytes += hi - lo
+                if r1 > end:
+                    break  # continues in the next chunk
+                got, self._h = self._h.intdigest(), None
+                self._i += 1
+                if got != rec.checksum:
+                    self.error = self._f._checksum_error(rec, got)
+                    raise self.error
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def finish(self) -> int:
+        """Raise if a tensor's bytes did not all arrive; return the tensor bytes hashed."""
+        if self.error is not None:
+            raise self.error
+        if self._i < len(self._recs):
+            raise ValueError(f"stream ended before tensor {self._recs[self._i].name!r} was complete")
+        return self.nbytes
 
 
 def _array_header_count(data: bytes) -> int | None:

@@ -3,16 +3,23 @@
 Tensors are written one by one as they are added, each hashed and padded to a 256-byte boundary,
 so memory holds at most the tensor being written (plus the small index). The index, the metadata
 and the trailer go at the end (SPEC.md section 3), which is why no offset needs to be known in
-advance. Everything is written to a temporary file in the destination folder; on a clean exit of
-the `with` block it is flushed, fsynced and renamed over `path` atomically (then the folder is
-fsynced). On any exception, KeyboardInterrupt included, the temporary file is removed and `path`
-is left untouched. The writer applies the same hard limits as the reader before writing a byte.
+advance. Everything is written to a temporary file `NAME.partial-PID-RANDOM` in the destination
+folder (partials.py: mode 0666 & ~umask, locked while written; stale ones of a killed writer are
+removed first, and a running write to the same path is refused); on a clean exit of the `with`
+block it is flushed, fsynced and renamed over `path` atomically (then the folder is fsynced). An
+existing file at `path` is replaced; a directory or another non-regular file there is refused
+before anything is written. On any exception, KeyboardInterrupt included, the temporary file is
+removed and `path` is left untouched. The writer applies the same hard limits as the reader before
+writing a byte.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-import tempfile
+import stat
+import warnings
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
@@ -26,6 +33,7 @@ from .errors import (
     WriterStateError,
 )
 from .metadata import pack_metadata
+from .partials import PartialFile, PartialFileWarning, clean_partials, create_partial
 from .quantized import PLAIN_ENCODINGS, QuantizedTensor
 from .records import TensorRecord, check_record, record_to_map
 from .spec import (
@@ -51,10 +59,15 @@ class Writer:
         w.add_array(name, array, encoding="bf16")   # "bf16" | "f16" | "f32"
         w.add_quantized(name, qt)                   # QuantizedTensor from nqf.int4 / nqf.int8
         w.set_metadata(meta)                        # any time before the block exits
+
+    `partials`: after open(), the temp files of earlier writes to `path` that were removed (stale)
+    or left alone. Each is reported to `on_partial(PartialFile)` (`str()` of it is a one-line report)
+    or, without it, as a PartialFileWarning.
     """
 
-    def __init__(self, path) -> None:
+    def __init__(self, path, on_partial: Callable[[PartialFile], None] | None = None) -> None:
         self.path = os.fspath(path)
+        self._on_partial = on_partial
         self._fh = None
         self._tmp: str | None = None
         self._records: list[TensorRecord] = []
@@ -62,6 +75,7 @@ class Writer:
         self._meta_bytes: bytes = pack_metadata({})
         self._pos = 0
         self._state = "new"  # new -> open -> done | failed
+        self.partials: list[PartialFile] = []
 
     # ---- lifetime -------------------------------------------------------------------------------
     def __enter__(self) -> Writer:
@@ -76,13 +90,19 @@ class Writer:
         return False
 
     def open(self) -> None:
-        """Create the temporary file and write the header (called by `with`)."""
+        """Check the target, clean up after earlier writes, create the temp file and write the header
+        (called by `with`). IsADirectoryError / FileExistsError when `path` is a directory or another
+        non-regular file; ConcurrentWriteError when a live writer is writing `path`."""
         if self._state != "new":
             raise WriterStateError(f"writer is {self._state}; open() only once", path=self.path)
-        folder = os.path.dirname(os.path.abspath(self.path))
-        fd, self._tmp = tempfile.mkstemp(
-            prefix=f".{os.path.basename(self.path)}.", suffix=".partial", dir=folder
-        )
+        _check_target(self.path)
+        self.partials = clean_partials(self.path)
+        for p in self.partials:
+            if self._on_partial is not None:
+                self._on_partial(p)
+            else:
+                warnings.warn(f"{self.path}: {p}", PartialFileWarning, stacklevel=2)
+        fd, self._tmp = create_partial(self.path)
         self._fh = os.fdopen(fd, "wb")
         self._state = "open"
         try:
@@ -285,6 +305,21 @@ class Writer:
 
 def _pack_index(records: list[TensorRecord]) -> bytes:
     return msgpack.packb([record_to_map(r) for r in records], use_bin_type=True)
+
+
+def _check_target(path: str) -> None:
+    """Refuse a target that a rename would not simply replace: a directory (also through a symlink),
+    a device, a FIFO or a socket. A missing path, a regular file or a symlink to one is fine."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError:
+        return  # e.g. a dangling or looping symlink: the rename replaces the link itself
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory; give a file path", path)
+    if not stat.S_ISREG(st.st_mode):
+        raise FileExistsError(errno.EEXIST, "exists and is not a regular file; it will not be replaced", path)
 
 
 def _fsync_dir(folder: str) -> None:

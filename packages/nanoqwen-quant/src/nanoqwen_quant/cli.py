@@ -2,12 +2,19 @@
 and write the held-out evaluation text.
 
     nanoqwen-quant pack SRC -o OUT.nanoqwen --method rtn|gptq|none --group-size 128 [--sym|--asym]
-                        [--lm-head bf16|int8|int4] [--calib PATH ...] [--calib-tokens N] [--device D]
-                        [--resume]
-    nanoqwen-quant eval MODEL.nanoqwen --text FILE [--json] [--seq-len 1024] [--max-tokens N]
+                        [--lm-head bf16|int8|int4] [--calib PATH ...] [--calib-tokens N]
+                        [--calib-seq-len N] [--calib-batch N] [--damp F] [--act-order|--no-act-order]
+                        [--device D] [--resume] [--checkpoint-dir DIR] [--debug]
+    nanoqwen-quant eval MODEL.nanoqwen --text FILE [--json] [--seq-len 1024] [--max-tokens N] [--device D]
     nanoqwen-quant heldout -o FILE [--chars N]     held-out stdlib code, disjoint from calibration
 
 SRC is a GGUF file, a local HF folder (safetensors + config.json + tokenizer.json), or an HF hub id.
+
+Errors: one line on stderr, `error: ...`, and exit code 2 for a bad command line (an option value or
+combination, `-o` naming a directory: `UsageError` and click's own parse errors) or 1 for everything
+else (files, the source, the device, CUDA out of memory, a corrupt container); 130 on Ctrl-C.
+`--debug` (or NANOQWEN_DEBUG=1) also prints the traceback. `pack` checks every option, the device and
+the output path before it opens the source.
 """
 
 from __future__ import annotations
@@ -15,8 +22,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import nanoqwen_format as nqf
+import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -25,64 +37,142 @@ from rich.table import Table
 from .calib import heldout_rule, heldout_text
 from .evaluate import perplexity
 from .gptq import GPTQConfig
-from .options import PackOptions
-from .pack import PackSummary
+from .options import PackOptions, UsageError
+from .pack import PackSummary, check_output_path
 from .pack import pack as do_pack
 from .sources import open_source
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Import Qwen2 checkpoints and quantize them to INT4 (RTN, GPTQ) into .nanoqwen files.")
 err = Console(stderr=True)
+DEBUG_HELP = "on an error, print the traceback too (also NANOQWEN_DEBUG=1)"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _message(e: BaseException) -> str:
+    """What went wrong, in one line, with advice where there is one. The expected failures are
+    ValueErrors (UsageError, SourceError, ConfigError, CalibrationError), RuntimeErrors
+    (CheckpointError, DeviceError, CUDA OOM), OSErrors and nanoqwen_format's FormatErrors."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        # torch says "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ... (a paragraph)"
+        detail = _one_line(str(e)).removeprefix("CUDA out of memory.").strip().split(". ", 1)[0].rstrip(".")
+        return (f"CUDA out of memory{f' ({detail})' if detail else ''}; try fewer --calib-tokens, a smaller "
+                "--calib-batch, another GPU (--device cuda:N) or --device cpu")
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror or e}"
+    if isinstance(e, ValueError | RuntimeError | OSError | nqf.FormatError):
+        return _one_line(str(e)) or type(e).__name__
+    return (f"unexpected {type(e).__name__}: {_one_line(str(e))} (rerun with --debug and report the "
+            "traceback)")
+
+
+@contextmanager
+def _errors(debug: bool) -> Iterator[None]:
+    """Turn every exception of a command into one stderr line and an exit code (module docstring)."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort):
+        raise
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        raise typer.Exit(130) from None
+    except Exception as e:
+        if debug or os.environ.get("NANOQWEN_DEBUG") == "1":
+            traceback.print_exception(e, file=sys.stderr)
+        sys.stderr.write(f"error: {_message(e)}\n")
+        raise typer.Exit(2 if isinstance(e, UsageError) else 1) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `nanoqwen-quant` entry point: the typer app, with its parse errors (a bad option value, a
+    missing argument) as one line too."""
+    command = typer.main.get_command(app)
+    try:
+        rv = command.main(args=argv, prog_name="nanoqwen-quant", standalone_mode=False)
+    except typer.Abort:
+        sys.stderr.write("error: interrupted\n")
+        return 130
+    except Exception as e:
+        # click's exceptions, told by their interface: recent typer releases carry their own copy of
+        # click, older ones raise click's own classes
+        if not (hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int)):
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()  # no arguments at all: the help, as click prints it
+            return e.exit_code
+        ctx = getattr(e, "ctx", None)
+        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        sys.stderr.write(f"error: {_one_line(e.format_message())}{where}\n")
+        return e.exit_code
+    return rv if isinstance(rv, int) else 0
 
 
 @app.command()
 def pack(
-    src: str = typer.Argument(..., help="GGUF file, local HF folder, or HF hub id (owner/name[@rev])"),
-    out: Path = typer.Option(..., "-o", "--out", help="output .nanoqwen path (written atomically)"),
+    src: str = typer.Argument(..., help="GGUF file, local HF folder, or HF hub id "
+                              "(owner/name or owner/name@revision)"),
+    out: Path = typer.Option(..., "-o", "--out", help="output .nanoqwen path: written to "
+                             "OUT.partial-PID-RANDOM beside it, then renamed; an existing file is replaced, "
+                             "a directory refused"),
     method: str = typer.Option("rtn", help="none (bf16 linears) | rtn | gptq"),
-    group_size: int = typer.Option(128, help="INT4 group size: 32, 64 or 128"),
-    sym: bool = typer.Option(True, "--sym/--asym", help="symmetric (zero point 8) or asymmetric"),
+    group_size: int = typer.Option(128, help="INT4 group size: 32, 64 or 128 (also the int8/int4 lm_head's)"),
+    sym: bool = typer.Option(True, "--sym/--asym", help="symmetric (zero point 8) or asymmetric INT4"),
     lm_head: str = typer.Option("bf16", help="bf16 | int8 | int4 (RTN, group size as above)"),
-    calib: list[str] = typer.Option(None, help="calibration files/folders (default: Python stdlib sources)"),
-    calib_tokens: int = typer.Option(65536, help="calibration tokens (whole windows of --calib-seq-len)"),
-    calib_seq_len: int = typer.Option(2048, help="tokens per calibration window"),
-    calib_batch: int = typer.Option(4, help="windows per forward chunk"),
-    damp: float = typer.Option(0.01, help="GPTQ damping, fraction of mean diag(H)"),
-    act_order: bool = typer.Option(True, "--act-order/--no-act-order", help="GPTQ act-order (static groups)"),
+    calib: list[str] = typer.Option(None, help="GPTQ: calibration files/folders, repeatable "
+                                    "(default: Python stdlib sources)"),
+    calib_tokens: int = typer.Option(65536, help="GPTQ: calibration tokens (whole windows of "
+                                     "--calib-seq-len)"),
+    calib_seq_len: int = typer.Option(2048, help="GPTQ: tokens per calibration window (>= 16)"),
+    calib_batch: int = typer.Option(4, help="GPTQ: windows per forward chunk (bounds activation memory)"),
+    damp: float = typer.Option(0.01, help="GPTQ: damping, fraction of mean diag(H); raised x10 on failure"),
+    act_order: bool = typer.Option(True, "--act-order/--no-act-order",
+                                   help="GPTQ: act-order (static groups)"),
     device: str = typer.Option("auto", help="auto (CUDA when present) | cpu | cuda | cuda:N"),
-    resume: bool = typer.Option(False, help="continue an interrupted GPTQ run from OUT.ckpt"),
-    checkpoint_dir: str = typer.Option(None, help="GPTQ checkpoint folder (default OUT.ckpt)"),
+    resume: bool = typer.Option(False, "--resume",
+                                help="GPTQ: continue an interrupted run from its checkpoint folder"),
+    checkpoint_dir: str = typer.Option(None, help="GPTQ: checkpoint folder (default OUT.ckpt)"),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
-    """Pack SRC into OUT with the given recipe."""
+    """Pack SRC into OUT with the given recipe. Options marked GPTQ are refused with another --method."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (resume)
-    opts = PackOptions(method=method, group_size=group_size, symmetric=sym, lm_head=lm_head, device=device,
-                       calib_paths=calib or None, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
-                       calib_batch=calib_batch, gptq=GPTQConfig(damp_percent=damp, act_order=act_order),
-                       checkpoint_dir=checkpoint_dir, resume=resume)
-    try:
+    with _errors(debug):
+        opts = PackOptions(method=method, group_size=group_size, symmetric=sym, lm_head=lm_head,
+                           device=device, calib_paths=calib or None, calib_tokens=calib_tokens,
+                           calib_seq_len=calib_seq_len, calib_batch=calib_batch,
+                           gptq=GPTQConfig(damp_percent=damp, act_order=act_order),
+                           checkpoint_dir=checkpoint_dir, resume=resume)
+        # everything that can be checked without the source, before it is opened (a GGUF's tokenizer
+        # conversion and a hub download take a while, hashing the source 25-60 s)
         opts.validate()
-        err.print(f"opening {src}")
+        reported: set[str] = set()
+
+        def say(line: str) -> None:
+            if line not in reported:  # a file left alone is found again by pack() and by the writer
+                reported.add(line)
+                err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+        for p in check_output_path(out, opts):
+            say(f"{out}: {p}")
+        if err.is_terminal:  # feedback while a hub download or a GGUF's tokenizer conversion runs
+            err.print(f"opening {src}", markup=False, highlight=False, soft_wrap=True)
         source = open_source(src)
-    except Exception as e:  # every source / option error is a clear one-line message
-        err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from e
-    c = source.config
-    err.print(f"qwen2: {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads}/"
-              f"{c.num_key_value_heads}, intermediate {c.intermediate_size}, vocab {c.vocab_size}, "
-              f"tied {c.tie_word_embeddings}; method {method} g{group_size} {'sym' if sym else 'asym'}, "
-              f"lm_head {lm_head}")
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-    with Progress(*columns, console=err, transient=False) as bar:
-        task = bar.add_task("layers", total=c.num_hidden_layers)
+        opts.check_model(source.config)
+        c = source.config
+        err.print(f"qwen2: {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
+                  f"{c.num_attention_heads}/{c.num_key_value_heads}, intermediate {c.intermediate_size}, "
+                  f"vocab {c.vocab_size}, tied {c.tie_word_embeddings}; method {method} g{group_size} "
+                  f"{'sym' if sym else 'asym'}, lm_head {lm_head}", soft_wrap=True)
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        with Progress(*columns, console=err, transient=False) as bar:
+            task = bar.add_task("layers", total=c.num_hidden_layers)
 
-        def progress(stage: str, done: int, total: int) -> None:
-            bar.update(task, description=stage, completed=done, total=total)
+            def progress(stage: str, done: int, total: int) -> None:
+                bar.update(task, description=stage, completed=done, total=total)
 
-        try:
-            summary = do_pack(source, out, opts, progress=progress, log=lambda m: bar.console.print(m))
-        except Exception as e:
-            err.print(f"[red]error:[/red] {type(e).__name__}: {e}")
-            raise typer.Exit(1) from e
+            summary = do_pack(source, out, opts, progress=progress, log=say)
     _print_summary(summary)
 
 
@@ -112,15 +202,13 @@ def eval_cmd(
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
     seq_len: int = typer.Option(1024, help="tokens per window"),
     max_tokens: int = typer.Option(None, help="score only the first N tokens of the text"),
-    device: str = typer.Option("auto", help="auto | cpu | cuda"),
+    device: str = typer.Option("auto", help="auto (CUDA when present) | cpu | cuda | cuda:N"),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Perplexity of MODEL on the text (plain-torch forward)."""
-    try:
+    with _errors(debug):
         r = perplexity(model, text.read_text(encoding="utf-8"), seq_len=seq_len, max_tokens=max_tokens,
                        device=device, text_name=str(text))
-    except Exception as e:
-        err.print(f"[red]error:[/red] {type(e).__name__}: {e}")
-        raise typer.Exit(1) from e
     if json_out:
         sys.stdout.write(json.dumps(r.to_dict()) + "\n")
     else:
@@ -132,14 +220,21 @@ def eval_cmd(
 def heldout(
     out: Path = typer.Option(..., "-o", "--out", help="where to write the text"),
     chars: int = typer.Option(200_000, help="at least this many characters (whole files)"),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Write held-out Python stdlib code that the default calibration set never uses."""
-    text = heldout_text(chars)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
+    with _errors(debug):
+        if out.is_dir():
+            raise UsageError(f"output (-o/--out) {out} is a directory; give a file path")
+        text = heldout_text(chars)
+        tmp = out.with_name(out.name + ".tmp")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
     err.print(f"wrote {len(text)} characters to {out} ({heldout_rule()})")
 
 
 if __name__ == "__main__":
-    app()
+    sys.exit(main())

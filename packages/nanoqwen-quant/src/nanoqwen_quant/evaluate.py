@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from nanoqwen_model.config import Qwen2Config
 
+from .options import UsageError, resolve_device
+
 EVAL_BATCH = 4  # windows per forward call
 
 
@@ -59,11 +61,15 @@ def load_f32(f, name: str, device: torch.device) -> torch.Tensor:
 
 def perplexity(model: str | Path, text: str, seq_len: int = 1024, max_tokens: int | None = None,
                device: str = "auto", text_name: str = "") -> EvalResult:
-    """Perplexity of `model` on `text` (see module docstring)."""
+    """Perplexity of `model` on `text` (see module docstring). UsageError for seq_len < 2, max_tokens < 2
+    or a device string other than auto / cpu / cuda[:N]; DeviceError when CUDA is asked for and absent."""
     from tokenizers import Tokenizer
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    if seq_len < 2:
+        raise UsageError(f"seq_len (--seq-len) must be >= 2, got {seq_len}")
+    if max_tokens is not None and max_tokens < 2:
+        raise UsageError(f"max_tokens (--max-tokens) must be >= 2, got {max_tokens}")
+    dev = resolve_device(device)
     t0 = time.perf_counter()
     with nqf.open(model) as f:
         cfg = Qwen2Config.from_metadata(f.config)

@@ -62,11 +62,13 @@ def bf16_bits(t: torch.Tensor) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------- container
 def write_container(source: Source, opts: PackOptions, out: Path, quantized_layer: QuantizedLayer,
-                    metadata: Callable[[float | None], dict], progress: Progress) -> None:
+                    metadata: Callable[[float | None], dict], progress: Progress,
+                    log: Callable[[str], None] = print) -> None:
     """Write the container `out`. `metadata(lm_head_w_rel)` is called once every tensor is written
-    (lm_head_w_rel: the int8/int4 lm_head's weight error, None for bf16)."""
+    (lm_head_w_rel: the int8/int4 lm_head's weight error, None for bf16). Temp files of earlier writes
+    to `out` that the writer removes or leaves alone are reported to `log`, one line each."""
     cfg = source.config
-    with nqf.Writer(out) as w:
+    with nqf.Writer(out, on_partial=lambda p: log(f"{out}: {p}")) as w:
         w.add_array("embed_tokens", bf16_bits(source.embed_tokens()), "bf16")
         for i in range(cfg.num_hidden_layers):
             progress(f"layer {i}", i, cfg.num_hidden_layers)
@@ -151,21 +153,29 @@ class Checkpoint:
     def _layer_path(self, i: int) -> Path:
         return self.folder / f"layer_{i:03d}.pt"
 
-    def open(self, fingerprint: str, resume: bool, n_layers: int) -> int:
-        """Create the folder, or check the one there against `fingerprint` when resuming. Returns the
-        first layer still to quantize (0 for a fresh run, n_layers when all are done)."""
-        recipe = self.folder / "recipe.json"
+    def check(self, resume: bool) -> None:
+        """Raise CheckpointError unless a run can start (`resume` False: no folder there yet) or resume
+        (`resume` True: a checkpoint folder is there). Cheap: called before the source is read; the
+        fingerprint is compared by `open`."""
         if self.folder.exists() and not resume:
             raise CheckpointError(f"checkpoint folder {self.folder} exists: pass --resume to continue that "
                                   "run, or delete it to start over")
         if not self.folder.exists():
             if resume:
                 raise CheckpointError(f"--resume: no checkpoint folder {self.folder}")
+            return
+        if not (self.folder / "recipe.json").is_file():
+            raise CheckpointError(f"{self.folder} is not a nanoqwen-quant checkpoint (no recipe.json)")
+
+    def open(self, fingerprint: str, resume: bool, n_layers: int) -> int:
+        """Create the folder, or check the one there against `fingerprint` when resuming. Returns the
+        first layer still to quantize (0 for a fresh run, n_layers when all are done)."""
+        recipe = self.folder / "recipe.json"
+        self.check(resume)
+        if not self.folder.exists():
             self.folder.mkdir(parents=True)
             recipe.write_text(json.dumps({"fingerprint": fingerprint}))
             return 0
-        if not recipe.is_file():
-            raise CheckpointError(f"{self.folder} is not a nanoqwen-quant checkpoint (no recipe.json)")
         if json.loads(recipe.read_text()).get("fingerprint") != fingerprint:
             raise CheckpointError(f"{self.folder} was made with another source, recipe, calibration set or "
                                   "device type; it cannot be resumed with these options")

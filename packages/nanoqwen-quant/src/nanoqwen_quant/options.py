@@ -6,15 +6,19 @@ Read by the GPTQ layer loop (`gptq_layers.py`), the container writer (`io.py`) a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
+from nanoqwen_model.config import Qwen2Config
 
+from .calib import user_files
 from .gptq import GPTQConfig
 from .rtn import GROUP_SIZES
 
-__all__ = ["LINEARS", "LM_HEAD_CHOICES", "METHODS", "PackOptions", "Progress", "no_progress"]
+__all__ = ["LINEARS", "LM_HEAD_CHOICES", "METHODS", "DeviceError", "PackOptions", "Progress", "UsageError",
+           "no_progress", "resolve_device"]
 
 LINEARS = ("qkv", "o_proj", "gate_up", "down")  # the fused linears of a layer that get quantized
 LM_HEAD_CHOICES = ("bf16", "int8", "int4")
@@ -23,8 +27,49 @@ METHODS = ("none", "rtn", "gptq")
 Progress = Callable[[str, int, int], None]  # (stage description, done, total)
 
 
+class UsageError(ValueError):
+    """An option value or a combination of options that cannot work: the command line is wrong (exit 2).
+    Messages name the field and its `nanoqwen-quant pack` option."""
+
+
+class DeviceError(RuntimeError):
+    """The device asked for is not there: CUDA without a CUDA device, or `cuda:N` past the last one."""
+
+
 def no_progress(stage: str, done: int, total: int) -> None:
     """The default `Progress`: reports nowhere."""
+
+
+def resolve_device(spec: str) -> torch.device:
+    """"auto" (CUDA when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N" -> torch.device.
+
+    UsageError for any other string; DeviceError when CUDA is asked for and torch sees none, or N is
+    not one of its devices. Called before any source is read."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise UsageError(f"device (--device) must be auto, cpu, cuda or cuda:N, got {spec!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {spec!r} (--device) asked for, but torch {torch.__version__} sees no "
+                              "CUDA device; use --device cpu (or auto)")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise DeviceError(f"device {spec!r} (--device) asked for, but torch sees {n} CUDA device(s): "
+                              f"cuda:0..cuda:{n - 1}")
+    return dev
+
+
+# Options that only GPTQ reads: field -> its `nanoqwen-quant pack` option. Set to anything but the
+# default with another method, they would be ignored silently: refused instead.
+_GPTQ_ONLY = {"calib_paths": "--calib", "calib_tokens": "--calib-tokens", "calib_seq_len": "--calib-seq-len",
+              "calib_batch": "--calib-batch", "checkpoint_dir": "--checkpoint-dir", "resume": "--resume"}
+_GPTQ_CONFIG = {"damp_percent": "--damp", "act_order": "--act-order/--no-act-order", "block_size": "",
+                "static_groups": ""}
 
 
 @dataclass
@@ -45,23 +90,71 @@ class PackOptions:
     resume: bool = False
 
     def validate(self) -> None:
-        """Raise ValueError on an unknown choice; copies group size and symmetry into `gptq`."""
+        """Check every option and their combinations before any source is read; copy group size and
+        symmetry into `gptq`.
+
+        UsageError: an unknown choice, a value out of range, an option the method does not use (GPTQ
+        options with rtn/none, a group size or --asym with nothing to quantize). DeviceError: CUDA asked
+        for and absent. CalibrationError (a ValueError): a --calib path that does not exist or holds no
+        file. Only the checkpoint folder and the output path are left to `pack.check_output_path`."""
         if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+            raise UsageError(f"method (--method) must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.lm_head not in LM_HEAD_CHOICES:
-            raise ValueError(f"lm_head must be one of {LM_HEAD_CHOICES}, got {self.lm_head!r}")
+            raise UsageError(f"lm_head (--lm-head) must be one of {', '.join(LM_HEAD_CHOICES)}, "
+                             f"got {self.lm_head!r}")
         if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size}")
-        if self.calib_batch < 1:
-            raise ValueError(f"calib_batch must be >= 1, got {self.calib_batch}")
+            raise UsageError(f"group_size (--group-size) must be one of {', '.join(map(str, GROUP_SIZES))}, "
+                             f"got {self.group_size}")
+        quantized = self.method != "none" or self.lm_head != "bf16"
+        if not quantized and self.group_size != PackOptions.group_size:
+            raise UsageError("group_size (--group-size) applies to int4/int8 weights, and method none with "
+                             "lm_head bf16 writes none")
+        if not self.symmetric and self.method == "none" and self.lm_head != "int4":
+            raise UsageError(f"symmetric=False (--asym) applies to int4 weights, and method none with "
+                             f"lm_head {self.lm_head} writes none (the int8 lm_head is symmetric only)")
+        resolve_device(self.device)
+        if self.method == "gptq":
+            self._validate_gptq()
+        else:
+            defaults, gdefaults = PackOptions(), GPTQConfig()
+            for f in fields(self):
+                if f.name in _GPTQ_ONLY and getattr(self, f.name) != getattr(defaults, f.name):
+                    raise UsageError(f"{f.name} ({_GPTQ_ONLY[f.name]}) applies to method gptq only, "
+                                     f"not {self.method}")
+            for name, opt in _GPTQ_CONFIG.items():
+                if getattr(self.gptq, name) != getattr(gdefaults, name):
+                    raise UsageError(f"gptq.{name}{f' ({opt})' if opt else ''} applies to method gptq only, "
+                                     f"not {self.method}")
         self.gptq.group_size = self.group_size
         self.gptq.symmetric = self.symmetric
 
+    def _validate_gptq(self) -> None:
+        if self.calib_seq_len < 16:
+            raise UsageError(f"calib_seq_len (--calib-seq-len) must be >= 16, got {self.calib_seq_len}")
+        if self.calib_tokens < self.calib_seq_len:
+            raise UsageError(f"calib_tokens (--calib-tokens) must be at least one window of calib_seq_len "
+                             f"(--calib-seq-len) = {self.calib_seq_len} tokens, got {self.calib_tokens}")
+        if self.calib_batch < 1:
+            raise UsageError(f"calib_batch (--calib-batch) must be >= 1, got {self.calib_batch}")
+        g = self.gptq
+        if not (math.isfinite(g.damp_percent) and g.damp_percent > 0):
+            raise UsageError(f"gptq.damp_percent (--damp) must be a number > 0, got {g.damp_percent}")
+        if g.block_size < 1:
+            raise UsageError(f"gptq.block_size must be >= 1, got {g.block_size}")
+        if not g.static_groups:
+            raise UsageError("gptq.static_groups=False is not supported (the runtime has no g_idx)")
+        if self.calib_paths is not None:
+            if not self.calib_paths:
+                raise UsageError("calib_paths (--calib) is an empty list; leave it out for the default")
+            user_files(self.calib_paths)  # CalibrationError when a path is missing or holds no file
+
+    def check_model(self, config: Qwen2Config) -> None:
+        """UsageError when the recipe cannot be applied to this model (read from its config only, before
+        any weight): an int4 lm_head needs vocab_size % 8 == 0 (the INT4 tile layout's rows)."""
+        if self.lm_head == "int4" and config.vocab_size % 8:
+            raise UsageError(f"lm_head int4 (--lm-head) needs vocab_size % 8 == 0, and this model's "
+                             f"vocab_size is {config.vocab_size}: use --lm-head int8 or bf16")
+
     def resolved_device(self) -> torch.device:
-        """The device to quantize on: "auto" is CUDA when torch sees one, else the CPU."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dev = torch.device(self.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda asked for, but torch sees no CUDA device")
-        return dev
+        """The device to quantize on (`resolve_device(self.device)`)."""
+        return resolve_device(self.device)

@@ -22,24 +22,27 @@ Per-layer errors in the metadata (`quantization.layer_errors`) are defined in me
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import nanoqwen_format as nqf
 import torch
 
 from .calib import CalibrationSet, build_calibration
 from .gptq_layers import run_gptq
 from .io import Checkpoint, container_metadata, write_container
 from .metrics import weight_rel_err
-from .options import LINEARS, PackOptions, Progress, no_progress
+from .options import LINEARS, PackOptions, Progress, UsageError, no_progress
 from .rtn import QuantResult, quantize_rtn
 from .sources import Source
 
-__all__ = ["PackOptions", "PackSummary", "pack"]
+__all__ = ["PackOptions", "PackSummary", "check_output_path", "checkpoint_folder", "pack"]
 
 # Bumped whenever what a checkpoint holds, or how the layer loop computes it, changes: a checkpoint of
 # an older loop is then refused instead of being resumed into a file a fresh run would not write.
@@ -59,29 +62,65 @@ class PackSummary:
     device: str
 
 
+def check_output_path(out: str | Path, opts: PackOptions) -> list[nqf.PartialFile]:
+    """Check that a pack to `out` can write its files, before any source is read; remove the stale temp
+    files of killed packs to `out` and return them (and those left alone), one-line `str()` each.
+
+    UsageError: `out` is a directory or another non-regular file (a regular file, or a symlink to
+    one, is replaced atomically when the pack succeeds). FileNotFoundError / NotADirectoryError /
+    PermissionError: the folder of `out` is missing, not a folder, or not writable. CheckpointError
+    (GPTQ): the checkpoint folder is there without `resume`, or missing with it.
+    nanoqwen_format.ConcurrentWriteError: another pack is writing `out` now."""
+    out = Path(out)
+    if out.is_dir():
+        raise UsageError(f"output (-o/--out) {out} is a directory; give a file path such as "
+                         f"{out / 'model.nanoqwen'}")
+    if out.exists() and not out.is_file():
+        raise UsageError(f"output (-o/--out) {out} exists and is not a regular file")
+    folder = out.absolute().parent
+    if not folder.exists():
+        raise FileNotFoundError(errno.ENOENT, "output folder does not exist", str(folder))
+    if not folder.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "output folder is not a folder", str(folder))
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "output folder is not writable", str(folder))
+    if opts.method == "gptq":
+        checkpoint_folder(out, opts).check(opts.resume)
+    return nqf.clean_partials(out)
+
+
+def checkpoint_folder(out: Path, opts: PackOptions) -> Checkpoint:
+    """The GPTQ checkpoint folder of a pack to `out`: `opts.checkpoint_dir`, or OUT.ckpt."""
+    return Checkpoint(Path(opts.checkpoint_dir) if opts.checkpoint_dir else Path(str(out) + ".ckpt"))
+
+
 def pack(source: Source, out: str | Path, opts: PackOptions, progress: Progress = no_progress,
          log: Callable[[str], None] = print, calibration: CalibrationSet | None = None) -> PackSummary:
     """Pack `source` into `out` (written atomically). Returns the summary; raises on any failure.
 
+    Every option, the device and the output path are checked first (`opts.validate()`,
+    `opts.check_model(source.config)`, `check_output_path`), before any tensor is read or hashed;
+    removed stale temp files are reported to `log`.
     `calibration`: pre-tokenized GPTQ calibration windows; by default they are built from
     `opts.calib_paths` (or the stdlib) with the source's tokenizer."""
     opts.validate()
+    opts.check_model(source.config)
+    dev = opts.resolved_device()
     out = Path(out)
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"output folder {out.parent} does not exist")
+    for p in check_output_path(out, opts):
+        log(f"{out}: {p}")
     t0 = time.perf_counter()
     source.check_complete()
     source_sha = source.source_sha256()
-    dev = opts.resolved_device()
     if opts.method in ("none", "rtn"):
-        layer_errors, notes = _pack_rtn(source, out, opts, dev, source_sha, progress)
+        layer_errors, notes = _pack_rtn(source, out, opts, dev, source_sha, progress, log)
     else:
         layer_errors, notes = _pack_gptq(source, out, opts, dev, source_sha, progress, log, calibration)
     return PackSummary(out, time.perf_counter() - t0, out.stat().st_size, layer_errors, notes, str(dev))
 
 
 def _pack_rtn(source: Source, out: Path, opts: PackOptions, dev: torch.device, source_sha: str,
-              progress: Progress) -> tuple[list[dict], list[str]]:
+              progress: Progress, log: Callable[[str], None]) -> tuple[list[dict], list[str]]:
     """Method none or rtn: straight into the container writer, one layer at a time."""
     layer_errors: list[dict] = []
 
@@ -101,7 +140,7 @@ def _pack_rtn(source: Source, out: Path, opts: PackOptions, dev: torch.device, s
     def meta(lm_head_w_rel: float | None) -> dict:
         return container_metadata(source, opts, layer_errors, {}, source_sha, lm_head_w_rel)
 
-    write_container(source, opts, out, quantized_layer, meta, progress)
+    write_container(source, opts, out, quantized_layer, meta, progress, log)
     return layer_errors, []
 
 
@@ -109,7 +148,7 @@ def _pack_gptq(source: Source, out: Path, opts: PackOptions, dev: torch.device, 
                progress: Progress, log: Callable[[str], None],
                calibration: CalibrationSet | None) -> tuple[list[dict], list[str]]:
     """Method gptq: the layer loop into the checkpoint, then the container from the checkpoint."""
-    ckpt = Checkpoint(Path(opts.checkpoint_dir) if opts.checkpoint_dir else Path(str(out) + ".ckpt"))
+    ckpt = checkpoint_folder(out, opts)
     calib = calibration or build_calibration(source.tokenizer_json, opts.calib_tokens, opts.calib_seq_len,
                                              opts.calib_paths)
     log(f"calibration: {calib.tokens} tokens ({calib.ids.shape[0]} x {calib.ids.shape[1]}) from "
@@ -131,7 +170,7 @@ def _pack_gptq(source: Source, out: Path, opts: PackOptions, dev: torch.device, 
         extra = {"gptq": opts.gptq.to_metadata(), "calibration": calib.to_metadata(), "gptq_notes": notes}
         return container_metadata(source, opts, layer_errors, extra, source_sha, lm_head_w_rel)
 
-    write_container(source, opts, out, quantized_layer, meta, progress)
+    write_container(source, opts, out, quantized_layer, meta, progress, log)
     ckpt.remove()
     return layer_errors, notes
 

@@ -18,7 +18,8 @@ _LAZY = {
     "SamplingParams": "sampling", "SamplingError": "sampling", "Sampler": "sampling",
     "Backend": "backend", "ReferenceBackend": "backend", "BackendError": "backend",
     "ContextLengthError": "backend", "TokenRequest": "backend",
-    "ReferenceModel": "reference", "TokenEvent": "events",
+    "ReferenceModel": "reference", "TokenEvent": "events", "ErrorEvent": "events",
+    "WeightError": "integrity", "NonFiniteWeightError": "integrity",
     "PagedKVCache": "kv_cache", "KVCacheSpec": "kv_cache", "BlockAllocator": "kv_cache",
 }
 

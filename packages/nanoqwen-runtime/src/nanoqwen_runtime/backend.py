@@ -10,6 +10,9 @@ it for free and identically.
     for events in run:           # one list per model step of events.TokenEvent (request = index)
         ...                      # run.finish(i) ends request i early (a stop string matched)
 
+A request whose logits hold NaN/Inf ends with an `events.ErrorEvent` instead of a token (no token is
+sampled from such logits); the other requests of the run go on.
+
 `ReferenceBackend` schedules every step the same way: each unfinished request contributes either
 its next prefill chunk (up to `prefill_chunk` tokens) or its one decode token, all in one
 `ReferenceModel.forward` over the shared page pool, so several sequences prefill and decode at once.
@@ -25,7 +28,14 @@ from typing import Protocol, runtime_checkable
 import torch
 from nanoqwen_model import Qwen2Config
 
-from .events import FINISH_CONTEXT, FINISH_EOS, FINISH_LENGTH, TokenEvent
+from .events import (
+    FINISH_CONTEXT,
+    FINISH_EOS,
+    FINISH_LENGTH,
+    ErrorEvent,
+    TokenEvent,
+    nonfinite_logits_message,
+)
 from .kv_cache import KVCacheSpec, PagedKVCache, SequencePages, build_step_metadata
 from .reference import ReferenceModel
 from .sampling import Sampler, SamplingParams
@@ -37,6 +47,7 @@ __all__ = [
     "ContextLengthError",
     "TokenRequest",
     "TokenEvent",
+    "ErrorEvent",
     "ReferenceBackend",
     "resolve_device",
 ]
@@ -64,7 +75,7 @@ class TokenRequest:
 
 @runtime_checkable
 class BackendRun(Protocol):
-    def __iter__(self) -> Iterator[list[TokenEvent]]: ...
+    def __iter__(self) -> Iterator[list[TokenEvent | ErrorEvent]]: ...
     def finish(self, index: int) -> None: ...
 
 
@@ -113,9 +124,10 @@ class ReferenceBackend:
 
     @classmethod
     def from_file(cls, path: str | PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                  **kwargs) -> ReferenceBackend:
+                  *, verify: bool = True, **kwargs) -> ReferenceBackend:
+        """Load a container (checksums and finite weights checked unless `verify=False`: integrity.py)."""
         dev = resolve_device(device)
-        return cls(ReferenceModel.from_file(path, device=dev, dtype=dtype), **kwargs)
+        return cls(ReferenceModel.from_file(path, device=dev, dtype=dtype, verify=verify), **kwargs)
 
     def check_prompt(self, n_prompt: int) -> None:
         if n_prompt >= self.max_context:
@@ -163,7 +175,7 @@ class _ReferenceRun:
             s.done = True
             s.pages.release()
 
-    def __iter__(self) -> Iterator[list[TokenEvent]]:
+    def __iter__(self) -> Iterator[list[TokenEvent | ErrorEvent]]:
         chunk = self.backend.prefill_chunk
         while True:
             active = [i for i, s in enumerate(self.seqs) if not s.done]
@@ -184,11 +196,16 @@ class _ReferenceRun:
                     qlens.append(1)
             meta = build_step_metadata([self.seqs[i].pages for i in active], qlens, self.cache.device)
             logits = self.backend.model.forward(torch.tensor(tokens, dtype=torch.int64), meta, self.cache)
-            events = []
+            events: list[TokenEvent | ErrorEvent] = []
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
             for row, i in enumerate(active):
                 s = self.seqs[i]
                 if s.prefilled < len(s.request.prompt_ids):
                     continue  # mid-prefill: no token yet
+                if not finite[row]:
+                    events.append(ErrorEvent(i, len(s.generated), nonfinite_logits_message(len(s.generated))))
+                    self.finish(i)
+                    continue
                 tok = s.sampler(logits[row])
                 s.generated.append(tok)
                 s.pending = tok

@@ -5,7 +5,11 @@ template, EOS ids, generation defaults) and builds the backend. `Pipeline.stream
 `TextEvent`s as tokens arrive: the text of each token is produced by a `StreamDecoder` (never half a
 UTF-8 character) and passed through a `StopMatcher` (text from a stop string on is never shown).
 EOS tokens end a request without adding text. Every request ends with a `GenerationResult` carrying
-its statistics:
+its statistics. A request the model fails at run time (its logits hold NaN/Inf: a backend's
+`events.ErrorEvent`) ends with `finish_reason == "error"` and `GenerationResult.error`, a one-line
+message; no token is sampled from such logits, so nothing garbled is shown. `stream`/`generate` do
+not raise for it (the other prompts of the call go on); the caller decides (`nanoqwen-cli`: one line
+on stderr, exit code 1).
 
     prompt_tokens, generated_tokens
     ttft_s        start of the call -> first generated token (tokenizing excluded, prefill included)
@@ -24,7 +28,7 @@ import torch
 
 from .backend import Backend, ReferenceBackend, TokenRequest
 from .chat import ChatTemplate, special_tokens_from
-from .events import FINISH_STOP
+from .events import FINISH_ERROR, FINISH_STOP, ErrorEvent
 from .sampling import SamplingParams, StopMatcher
 from .tokenizer import Tokenizer
 
@@ -37,9 +41,10 @@ class GenerationResult:
     prompt_tokens: int
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: str           # "eos", "length", "context", "stop" or "error"
     ttft_s: float
     decode_s: float
+    error: str | None = None     # finish_reason "error": what failed, one line
 
     @property
     def generated_tokens(self) -> int:
@@ -51,16 +56,19 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
 
     def stats(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
-                "ttft_s": round(self.ttft_s, 4), "decode_tok_s": round(self.decode_tok_s, 3),
-                "finish_reason": self.finish_reason}
+        out = {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+               "ttft_s": round(self.ttft_s, 4), "decode_tok_s": round(self.decode_tok_s, 3),
+               "finish_reason": self.finish_reason}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
 
 
 @dataclass
 class TextEvent:
     index: int
     text: str                    # new text to show (may be "")
-    token_id: int
+    token_id: int | None         # None on the last event of a request that ended with an error
     result: GenerationResult | None = None  # set on the request's last event
 
 
@@ -91,10 +99,15 @@ class Pipeline:
         self.defaults = dict(defaults or {})
 
     @classmethod
-    def load(cls, path: str | PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32,
-             **backend_kwargs) -> Pipeline:
-        """Open a container and build the reference backend on `device` ('cpu' or 'cuda')."""
-        backend = ReferenceBackend.from_file(path, device=device, dtype=dtype, **backend_kwargs)
+    def load(cls, path: str | PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32, *,
+             verify: bool = True, **backend_kwargs) -> Pipeline:
+        """Open a container and build the reference backend on `device` ('cpu' or 'cuda').
+
+        verify (default): every tensor's checksum and finite weights are checked as they load
+        (`nanoqwen_format.ChecksumError` / `integrity.NonFiniteWeightError`, naming the tensor);
+        `verify=False` skips both (the index and metadata checksums are always checked)."""
+        backend = ReferenceBackend.from_file(path, device=device, dtype=dtype, verify=verify,
+                                             **backend_kwargs)
         return cls.from_container(path, backend)
 
     @classmethod
@@ -138,17 +151,31 @@ class Pipeline:
                   for i, p in zip(ids, params, strict=True)]
         t0 = time.perf_counter()
         run = self.backend.start(requests)
+        open_requests = set(range(len(requests)))
+        try:
+            yield from self._events(run, tracks, open_requests, t0)
+        finally:
+            # closed early (the caller stopped iterating, Ctrl-C): end what is still running, so the
+            # backend holds nothing of this call and is ready for the next
+            for i in sorted(open_requests):
+                run.finish(i)
+
+    def _events(self, run, tracks: list[_Track], open_requests: set[int], t0: float) -> Iterator[TextEvent]:
         for events in run:
             now = time.perf_counter()
             for ev in events:
                 tr = tracks[ev.request]
                 if tr.t_first is None:
                     tr.t_first = now
-                tr.ids.append(ev.token_id)
                 reason = ev.finish_reason
-                piece = "" if ev.token_id in self.eos_ids else tr.decoder.push(ev.token_id)
-                if reason is not None:
-                    piece += tr.decoder.flush()
+                if isinstance(ev, ErrorEvent):  # no token: flush the text held back so far, then end
+                    token, piece = None, tr.decoder.flush()
+                else:
+                    token = ev.token_id
+                    tr.ids.append(token)
+                    piece = "" if token in self.eos_ids else tr.decoder.push(token)
+                    if reason is not None:
+                        piece += tr.decoder.flush()
                 shown, stopped = tr.stop.push(piece)
                 if stopped and reason is None:
                     reason = FINISH_STOP
@@ -158,9 +185,11 @@ class Pipeline:
                 tr.text.append(shown)
                 result = None
                 if reason is not None:
+                    open_requests.discard(ev.request)
+                    error = ev.message if reason == FINISH_ERROR else None
                     result = GenerationResult(ev.request, tr.prompt_tokens, tr.ids, "".join(tr.text), reason,
-                                              ttft_s=tr.t_first - t0, decode_s=now - tr.t_first)
-                yield TextEvent(ev.request, shown, ev.token_id, result)
+                                              ttft_s=tr.t_first - t0, decode_s=now - tr.t_first, error=error)
+                yield TextEvent(ev.request, shown, token, result)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:

@@ -6,11 +6,13 @@ this module adds only what paging needs: weights read from a container, and an `
 each step's keys and values into the page pool and attends over each sequence's whole context read
 back through its page table (kv_cache.py has the diagram).
 
-Weights: bf16 tensors are used as stored; INT4/INT8 tensors are dequantized once at load with
-nanoqwen_format's numpy reference and kept in `dtype` (the matmul dtype: bf16 or f32). Norms and biases
-are fp32. One `forward` runs one step for B sequences: `query_lens[b]` new tokens of sequence b (a
-prefill chunk, or 1 token in decode), flattened into one [T] token batch. K/V are stored in the pool's
-dtype (fp32 by default on the reference backend, bf16 in the engine).
+Weights: each tensor's checksum is checked as it is read, and NaN/Inf in its bf16 values or scales is
+refused (integrity.py; `verify=False` skips both). bf16 tensors are used as stored; INT4/INT8 tensors
+are dequantized once at load with nanoqwen_format's numpy reference and kept in `dtype` (the matmul
+dtype: bf16 or f32). Norms and biases are fp32. One `forward` runs one step for B sequences:
+`query_lens[b]` new tokens of sequence b (a prefill chunk, or 1 token in decode), flattened into one
+[T] token batch. K/V are stored in the pool's dtype (fp32 by default on the reference backend, bf16 in
+the engine).
 """
 
 from __future__ import annotations
@@ -22,20 +24,21 @@ import torch
 from nanoqwen_model import Qwen2Config
 from nanoqwen_model.forward import causal_attention, forward, rope_inv_freq
 
+from .integrity import WeightError, check_finite
 from .kv_cache import PagedKVCache, StepMetadata
 
 __all__ = ["ReferenceModel", "load_weights", "WeightError", "PagedAttend"]
 
 
-class WeightError(ValueError):
-    """A weight is missing from the container or has the wrong shape."""
-
-
 def load_weights(path: str | PathLike, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu") -> tuple[Qwen2Config, dict[str, torch.Tensor]]:
+                 device: torch.device | str = "cpu", *, verify: bool = True
+                 ) -> tuple[Qwen2Config, dict[str, torch.Tensor]]:
     """Read config and every weight of a container; quantized tensors are dequantized (once) to `dtype`.
 
     Returns (config, {name: tensor}) with norms and biases in fp32 and matrices in `dtype`.
+    verify (default): each tensor's checksum is checked as it is read (nanoqwen_format.ChecksumError
+    naming it), and NaN/Inf in a bf16 tensor or in the scales of a quantized one is refused
+    (`NonFiniteWeightError`) before it is dequantized (integrity.py).
     """
     import nanoqwen_format as nqf
 
@@ -49,11 +52,18 @@ def load_weights(path: str | PathLike, dtype: torch.dtype = torch.bfloat16,
             if name not in f.records:
                 raise WeightError(f"container is missing tensor {name!r}")
             rec = f.records[name]
+            if verify:
+                f.verify_tensor(name)
             if rec.encoding in ("bf16", "f16", "f32"):
                 t = torch.from_numpy(f.array(name).copy())
                 if rec.encoding == "bf16":
                     t = t.view(torch.bfloat16)
+                if verify:
+                    check_finite([(name, "", t)], f.path)
             else:
+                if verify and rec.is_quantized:
+                    scales = torch.from_numpy(f.quantized(name).scales.copy()).view(torch.bfloat16)
+                    check_finite([(name, "scales", scales)], f.path)
                 t = torch.from_numpy(f.dequantize(name))
             weights[name] = t.to(device=device, dtype=torch.float32 if t.dim() == 1 else dtype)
     return cfg, weights
@@ -109,8 +119,9 @@ class ReferenceModel:
 
     @classmethod
     def from_file(cls, path: str | PathLike, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.bfloat16) -> ReferenceModel:
-        cfg, weights = load_weights(path, dtype=dtype, device=device)
+                  dtype: torch.dtype = torch.bfloat16, *, verify: bool = True) -> ReferenceModel:
+        """Load a container (`load_weights`; `verify=False` skips its checksum and finite checks)."""
+        cfg, weights = load_weights(path, dtype=dtype, device=device, verify=verify)
         return cls(cfg, weights, device=device, dtype=dtype)
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ dequantized float32 tensors, in HF Qwen2 names, so tests can load them into tran
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
 
@@ -129,8 +130,13 @@ def _random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def write_tiny_container(path: str | PathLike, method: str = "none", seed: int = 0,
-                         config_overrides: dict | None = None) -> Path:
-    """Write a tiny random model. method: "none" (bf16 linears) or "rtn" (INT4, group 128, symmetric)."""
+                         config_overrides: dict | None = None,
+                         edit: Callable[[str, object], object] | None = None) -> Path:
+    """Write a tiny random model. method: "none" (bf16 linears) or "rtn" (INT4, group 128, symmetric).
+
+    `edit(name, value)`, when given, sees each tensor before it is written (a float32 array, or the
+    `QuantizedTensor` of an INT4 linear) and returns what to write instead: tests plant NaN, Inf or
+    huge values with it, under valid checksums."""
     import nanoqwen_format as nqf
 
     if method not in ("none", "rtn"):
@@ -142,10 +148,15 @@ def write_tiny_container(path: str | PathLike, method: str = "none", seed: int =
         for name, t in weights.items():
             a = t.float().numpy()
             is_linear = name.split(".")[-1] in ("qkv", "o_proj", "gate_up", "down")
+            value = np.ascontiguousarray(a)
             if method == "rtn" and is_linear:
-                w.add_quantized(name, nqf.int4.quantize_rtn(np.ascontiguousarray(a), 128, True))
+                value = nqf.int4.quantize_rtn(value, 128, True)
+            if edit is not None:
+                value = edit(name, value)
+            if isinstance(value, nqf.QuantizedTensor):
+                w.add_quantized(name, value)
             else:
-                w.add_array(name, np.ascontiguousarray(a), encoding="bf16")
+                w.add_array(name, value, encoding="bf16")
         w.set_metadata({
             "config": cfg,
             "tokenizer": tiny_tokenizer_json(),

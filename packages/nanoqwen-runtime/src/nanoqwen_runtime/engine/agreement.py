@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -96,14 +96,14 @@ def teacher_forced(engine: Engine, prompts: Sequence[Sequence[int]], forced: Seq
     decode_before = engine.num_steps["decode"]
 
     def forced_step(plan):
-        sampled = run_step(plan)
-        out = np.array(sampled, copy=True)
+        step = run_step(plan)
+        tokens = np.array(step.tokens, copy=True)
         for row, (seq, samples) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
             if samples:
                 rid = seq.request.request_id
-                chosen[rid].append(int(sampled[row]))
-                out[row] = forced[int(rid)][seq.num_generated]
-        return out
+                chosen[rid].append(int(step.tokens[row]))
+                tokens[row] = forced[int(rid)][seq.num_generated]
+        return replace(step, tokens=tokens)
 
     engine._run = forced_step
     engine.record_logits = True

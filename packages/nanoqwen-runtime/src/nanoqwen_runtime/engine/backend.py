@@ -7,8 +7,9 @@
 Mapping: the engine's `TokenEvent`s are passed on with `request` set to the request's index in
 `start()`. Requests are submitted with `detokenize=False` and without stop strings: text and stop
 strings are the pipeline's job (`run.finish(i)` aborts the engine request), so every token is decoded
-once. A prompt that does not fit is refused at `start()` with `ContextLengthError`, any other refusal
-with `BackendError`.
+once. A request the engine ends with `FinishReason.ERROR` (non-finite logits) becomes an
+`events.ErrorEvent` carrying the engine's detail. A prompt that does not fit is refused at `start()`
+with `ContextLengthError`, any other refusal with `BackendError`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from os import PathLike
 from nanoqwen_model import Qwen2Config
 
 from ..backend import BackendError, ContextLengthError, TokenRequest
-from ..events import TokenEvent
+from ..events import ErrorEvent, TokenEvent
 from .config import EngineConfig
-from .engine import Engine
-from .scheduler import Request
+from .engine import Engine, FinishEvent
+from .scheduler import FinishReason, Request
 
 
 class EngineBackend:
@@ -69,10 +70,14 @@ class _EngineRun:
     def finish(self, index: int) -> None:
         self.engine.abort(self.ids[index])
 
-    def __iter__(self) -> Iterator[list[TokenEvent]]:
+    def __iter__(self) -> Iterator[list[TokenEvent | ErrorEvent]]:
         while self.engine.has_work:
-            out = [dataclasses.replace(ev, request=self.index[ev.request])
-                   for ev in self.engine.step() if isinstance(ev, TokenEvent)]
+            out: list[TokenEvent | ErrorEvent] = []
+            for ev in self.engine.step():
+                if isinstance(ev, TokenEvent):
+                    out.append(dataclasses.replace(ev, request=self.index[ev.request]))
+                elif isinstance(ev, FinishEvent) and ev.reason is FinishReason.ERROR:
+                    out.append(ErrorEvent(self.index[ev.request_id], ev.num_generated, ev.detail))
             if out:
                 yield out
 

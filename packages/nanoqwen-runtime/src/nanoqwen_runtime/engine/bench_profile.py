@@ -47,7 +47,7 @@ END = "<end>"
 LIBRARY = "<torch/cuBLAS>"
 # the op calls of ModelRunner._forward; anything else on the backend (plans, setup) passes through
 TIMED_OPS = ("embed", "rms_norm", "add_rms_norm", "linear", "mlp_down", "silu_mul", "qkv_rope_kv_write",
-             "attention_run", "attention", "sample")
+             "attention_run", "attention", "logits_range", "sample")
 
 
 class Timeline:
@@ -221,7 +221,7 @@ def op_accounting(engine, context: int):
         if op in ("attention_run", "attention"):
             q = args[1] if op == "attention_run" else args[0]
             return 2 * b(q) + q.shape[0] * context * kv_token_layer
-        if op == "sample":
+        if op in ("sample", "logits_range"):
             return b(args[0])
         return 0
 

@@ -50,7 +50,10 @@ class EngineConfig:
     # with it the step reads 2 bytes per weight once. Costs 13 GB at 7B; batch <= 8 decode (the
     # INT4 GEMV) is unaffected.
     dense_weight_cache: bool = True
-    verify: bool = False  # verify the container's checksums while loading
+    # Integrity at load (integrity.py): every tensor's checksum, hashed on a worker thread as the bytes
+    # pass through the pinned staging buffers (overlapping the copies), and no NaN/Inf in norms,
+    # embeddings, bf16 weights or scales. False (the CLI's --no-verify) skips both.
+    verify: bool = True
     # Kernel backend: launch with programmatic dependent launch (a kernel's blocks may start under the
     # tail of the previous one; the next GEMV's weight prefetch would overlap it). Same arithmetic
     # either way (a GPU test checks the logits bit for bit). Off by default: on the H200 we measure

@@ -14,7 +14,9 @@ Continuous batching: `submit()` may be called at any time, also while iterating 
 request joins at the next step); `step()` runs one engine step and returns its events. Each request
 ends on its own terms: EOS (unless `ignore_eos`), a stop string (text from the stop string on is not
 emitted), its `max_tokens`, or the context limit. A request that can never run is refused at once
-with a `FinishEvent(reason="refused", detail=...)`; the engine never crashes on it.
+with a `FinishEvent(reason="refused", detail=...)`; the engine never crashes on it. A request whose
+logits hold NaN/Inf at a step (corrupt or overflowing weights) ends with
+`FinishEvent(reason="error", detail=...)`, and the token sampled from those logits is not emitted.
 
 Sizing: the KV pool gets `kv_memory_bytes`, or `kv_memory_fraction` of the device memory that is free
 after weights, workspace and the graph memory pool's reserve (`GRAPH_RESERVE_BYTES`).
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 from nanoqwen_model import Qwen2Config
 
-from ..events import TokenEvent
+from ..events import TokenEvent, nonfinite_logits_message
 from ..kv_cache import BlockAllocator
 from ..sampling import StopMatcher
 from .config import EngineConfig
@@ -48,7 +50,7 @@ GRAPH_RESERVE_BYTES = 1 << 30  # graph memory pool + CUDA context growth headroo
 class FinishEvent:
     request_id: str
     reason: FinishReason
-    detail: str = ""                 # refusal reason, or the stop string that matched
+    detail: str = ""                 # refusal or error reason (one line)
     text: str = ""                   # held-back text flushed at the end
     num_prompt_tokens: int = 0
     num_generated: int = 0
@@ -176,14 +178,22 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
-        tokens = self._run(plan)
+        out = self._run(plan)
         if self.record_logits:
             lg = self.runner.logits(len(plan.seqs))
             for row, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
                 if smp:
                     self.last_logits[s.request.request_id] = lg[row].clone()
-        sampled = {s.seq_id: int(t) for s, t, smp in zip(plan.seqs, tokens, plan.sample, strict=True) if smp}
+        sampled: dict[int, int] = {}
         events: list[Event] = []
+        for s, t, ok, smp in zip(plan.seqs, out.tokens, out.finite, plan.sample, strict=True):
+            if not smp:
+                continue  # mid-prefill chunk: no token, and its logits are not looked at
+            if ok:
+                sampled[s.seq_id] = int(t)
+            else:  # finished before commit: the scheduler appends no token to it
+                events.append(self._finish(self._streams[s.seq_id], FinishReason.ERROR,
+                                           nonfinite_logits_message(s.num_generated)))
         for seq in self.scheduler.commit(plan, sampled):
             events.extend(self._on_token(self._streams[seq.seq_id]))
         return events
@@ -220,7 +230,7 @@ class Engine:
             return [TokenEvent(rid, tok, idx, shown)]
         return [TokenEvent(rid, tok, idx, shown, reason.value), self._finish(st, reason)]
 
-    def _finish(self, st: _Stream, reason: FinishReason) -> FinishEvent:
+    def _finish(self, st: _Stream, reason: FinishReason, detail: str = "") -> FinishEvent:
         seq = st.seq
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq, reason)
@@ -233,7 +243,8 @@ class Engine:
         now = time.perf_counter()
         n = seq.num_generated
         dec = (n - 1) / (now - st.t_first) if n > 1 and now > st.t_first else 0.0
-        return FinishEvent(seq.request.request_id, reason, text=tail, num_prompt_tokens=seq.num_prompt,
+        return FinishEvent(seq.request.request_id, reason, detail, text=tail,
+                           num_prompt_tokens=seq.num_prompt,
                            num_generated=n, num_preemptions=seq.num_preemptions,
                            ttft_s=(st.t_first - st.t_submit) if st.t_first else 0.0, decode_tok_s=dec,
                            tokens=seq.tokens[seq.num_prompt:])

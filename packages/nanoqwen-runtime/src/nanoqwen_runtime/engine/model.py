@@ -14,8 +14,14 @@ Per layer, the step launches (kernel backend, decode):
     8 SiLU * mul
     9 INT4 GEMV down
 
-plus, per step: embedding gather, final add + norm, row gather, lm_head GEMV, sampling.
-`ModelRunner.kernels_per_step()` counts the launches by recording them (see `LaunchCounter`).
+plus, per step: embedding gather, final add + norm, row gather, lm_head GEMV, the logits' range per
+row, sampling. `bench_profile.profile_decode_ops` counts and times the launches of a step.
+
+The logits' range (`ops.logits_range`: one min/max reduction over the step's B x V bf16 logits, 0.3 MB
+at batch 1 for V = 152064) is written to static buffers beside the sampled tokens; `run()` reads
+tokens and ranges back in one copy, the synchronisation every step already has. A row whose minimum or
+maximum is not finite (NaN propagates through min/max; +-Inf is an extreme) had non-finite logits: the
+engine ends its request with an error instead of emitting its token (`StepOutput.finite`).
 
 All activations live in workspace tensors sized for the largest step (`prefill_chunk` tokens or
 `max_batch` rows), so a step allocates nothing and a captured graph always reads and writes the same
@@ -47,7 +53,12 @@ class Workspace:
     gate_up: torch.Tensor  # bf16 [T, 2I]
     act: torch.Tensor     # bf16 [T, I]
     last: torch.Tensor    # bf16 [R, H] normed hidden state of the sampled rows
-    tokens: torch.Tensor  # int32 [R]
+    # uint8 [8R]: what a step reads back, in one copy: the sampled tokens (int32 [R]), then each row's
+    # smallest and largest logit (bf16 [R] each); the three fields below are views of it
+    step_out: torch.Tensor
+    tokens: torch.Tensor      # int32 [R]
+    logit_min: torch.Tensor   # bf16 [R]
+    logit_max: torch.Tensor   # bf16 [R]
     logits: torch.Tensor  # bf16 [R, Vp] (the GPU sampler reads bf16; the reference rounds to bf16 too);
     # Vp = V rounded up to 8 (the sampler reads 16-byte rows); columns V.. are -inf
     logits_unpadded: torch.Tensor | None  # bf16 [R, V] lm_head output when V % 8 != 0, else None
@@ -61,19 +72,31 @@ class Workspace:
         vp = -(-g.vocab_size // 8) * 8
         logits = e(R, vp)
         logits[:, g.vocab_size:] = float("-inf")
+        out = e(8 * R, dtype=torch.uint8)
         return cls(e(T, g.hidden_size), e(T, g.hidden_size), e(T, g.qkv_dim),
                    e(T, g.num_attention_heads, g.head_dim), e(T, g.q_dim), e(T, g.hidden_size),
                    e(T, 2 * g.intermediate_size), e(T, g.intermediate_size), e(R, g.hidden_size),
-                   e(R, dtype=torch.int32), logits, e(R, g.vocab_size) if vp != g.vocab_size else None)
+                   out, out[:4 * R].view(torch.int32), out[4 * R:6 * R].view(torch.bfloat16),
+                   out[6 * R:].view(torch.bfloat16), logits,
+                   e(R, g.vocab_size) if vp != g.vocab_size else None)
 
     @staticmethod
     def nbytes(g: Qwen2Config, max_tokens: int, max_rows: int) -> int:
         per_tok = 2 * (3 * g.hidden_size + g.qkv_dim + 2 * g.q_dim + 3 * g.intermediate_size)
-        return max_tokens * per_tok + max_rows * (2 * g.hidden_size + 2 * g.vocab_size + 4)
+        return max_tokens * per_tok + max_rows * (2 * g.hidden_size + 2 * g.vocab_size + 8)
+
+
+@dataclass
+class StepOutput:
+    """What one step gives back for its real rows: sampled tokens (int32 [n]) and whether each row's
+    logits were all finite (bool [n]); a row that was not is not to be emitted."""
+
+    tokens: np.ndarray
+    finite: np.ndarray
 
 
 class ModelRunner:
-    """Runs steps: `run(inputs) -> sampled tokens` (numpy int32 [num_real])."""
+    """Runs steps: `run(inputs) -> StepOutput` (sampled tokens and finite-logits flags of the real rows)."""
 
     def __init__(self, geom: Qwen2Config, weights: ModelWeights, cfg: EngineConfig, ops,
                  num_blocks: int, max_pages: int):
@@ -145,13 +168,14 @@ class ModelRunner:
         else:
             ops.linear(last, w.lm_head, ws.logits_unpadded[:B])
             ws.logits[:B, : g.vocab_size].copy_(ws.logits_unpadded[:B])
+        ops.logits_range(ws.logits[:B, : g.vocab_size], ws.logit_min[:B], ws.logit_max[:B])
         ops.sample(ws.logits[:B], v["temperature"], v["top_p"], v["top_k"], v["seed"], v["offset"],
                    ws.tokens[:B])
 
     # ---- steps -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> np.ndarray:
-        """Run one step; returns the sampled tokens of the real rows (int32 [num_real])."""
+    def run(self, inputs: StepInputs) -> StepOutput:
+        """Run one step; returns the sampled tokens and finite-logits flags of the real rows."""
         views = self.buffers.load(inputs)
         B, T = inputs.num_rows, inputs.num_tokens
         cls = self.context_class(inputs.max_context_len)
@@ -161,7 +185,14 @@ class ModelRunner:
             self.replays[(B, cls)] += 1
         else:
             self._forward(views, T, B, inputs.kind, cls)
-        return self.ws.tokens[: inputs.num_real].cpu().numpy()
+        return self._read_back(inputs.num_real)
+
+    def _read_back(self, n: int) -> StepOutput:
+        """Tokens and logit ranges of rows 0..n-1, in one device-to-host copy (it waits for the step)."""
+        R = self.ws.tokens.shape[0]
+        out = self.ws.step_out.to("cpu", copy=True)
+        ranges = out[4 * R:].view(torch.bfloat16).view(2, R)[:, :n]
+        return StepOutput(out[:4 * R].view(torch.int32)[:n].numpy(), torch.isfinite(ranges).all(0).numpy())
 
     def context_class(self, max_context_len: int) -> int:
         """The smallest context class holding `max_context_len` (the attention plan it runs with)."""

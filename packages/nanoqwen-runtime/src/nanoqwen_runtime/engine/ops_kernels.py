@@ -14,6 +14,7 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   it (`silu_mul_input=True`), so the MLP is two launches; prefill runs `silu_mul` then the GEMM.
 - attention: decode plans, one per graph bucket, planned for the longest context (`max_model_len`):
   one graph serves every length. One prefill plan for chunks of up to `prefill_chunk` tokens.
+- logits range: `torch.aminmax` per row into static buffers (the engine's NaN/Inf check of the logits).
 - sampling: `sample_tokens` over the engine's static per-row parameter buffers (a `SamplingState`
   whose tensors ARE those buffers); the row's offset (tokens generated so far) is written each step.
 """
@@ -220,5 +221,11 @@ class KernelOps:
         plan.run(q, k_cache, v_cache, pt, cl, qsl, out.view(q.shape), pdl=self.cfg.pdl)
 
     # ---- sampling ------------------------------------------------------------------------------------
+    def logits_range(self, logits, out_min, out_max) -> None:
+        """Each row's smallest and largest logit (bf16 [B] each; NaN propagates): one torch reduction
+        over B x V bf16 (0.3 MB at batch 1), capturable, into the engine's static read-back buffer.
+        The sampler never faults on NaN (it ranks NaN lowest); the engine drops such a row's token."""
+        torch.aminmax(logits, dim=-1, out=(out_min, out_max))
+
     def sample(self, logits, temperature, top_p, top_k, seed, offset, out) -> None:
         ksamp.sample_tokens(logits, self.sampling_state, out, pdl=self.cfg.pdl)

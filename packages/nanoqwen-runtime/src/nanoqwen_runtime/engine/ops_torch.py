@@ -29,6 +29,7 @@ class TorchOps:
 
     def __init__(self, geom: Qwen2Config, device: torch.device):
         self.device = device
+        self.vocab_size = geom.vocab_size
         self.inv_freq = rope_inv_freq(geom.head_dim, geom.rope_theta, device)
         self._dense: dict[int, torch.Tensor] = {}
 
@@ -112,11 +113,20 @@ class TorchOps:
             out[s0:s1] = o.to(out.dtype)
 
     # ---- sampling --------------------------------------------------------------------------------
+    def logits_range(self, logits: torch.Tensor, out_min: torch.Tensor, out_max: torch.Tensor) -> None:
+        """logits bf16 [B, V] -> out_min, out_max bf16 [B]: each row's extremes (NaN if it holds one)."""
+        torch.aminmax(logits, dim=-1, out=(out_min, out_max))
+
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                top_k: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, out: torch.Tensor) -> None:
-        """logits f32 [B, V] -> out int32 [B]. Greedy (argmax, lowest id on ties) where temperature
+        """logits [B, Vp] -> out int32 [B]. Greedy (argmax, lowest id on ties) where temperature
         is 0; otherwise temperature -> top-k -> top-p -> one draw from a generator seeded by
-        (seed, offset), so a row's draw depends only on its own seed and token index."""
+        (seed, offset), so a row's draw depends only on its own seed and token index. A row with
+        NaN/Inf among its V logits gets token 0 (torch's multinomial would raise on it): the engine
+        reads the row's range (`logits_range`) and never emits that token."""
         for b in range(logits.shape[0]):
+            if not bool(torch.isfinite(logits[b, : self.vocab_size]).all()):
+                out[b] = 0
+                continue
             gen = torch.Generator().manual_seed((int(seed[b]) * 0x9E3779B97F4A7C15 + int(offset[b])) % 2**63)
             out[b] = sample(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]), gen)

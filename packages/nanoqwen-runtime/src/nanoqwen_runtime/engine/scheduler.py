@@ -46,6 +46,7 @@ class FinishReason(enum.StrEnum):
     CONTEXT = "context"    # the engine's context limit reached
     REFUSED = "refused"    # never admitted (reason in the event)
     ABORTED = "aborted"    # cancelled by the caller
+    ERROR = "error"        # the model failed at run time (non-finite logits); no token emitted (detail)
 
 
 class SeqStatus(enum.Enum):
