@@ -248,8 +248,9 @@ def test_chat_refused_line_keeps_the_history(model):
 
 
 def test_engine_is_ready_after_an_interrupted_reply(model, monkeypatch):
-    """The CUDA engine's request outlives a closed Pipeline.stream; after Ctrl-C the CLI aborts it, so
-    the next turn can start (the engine refuses a start() while it has work). On the CPU torch backend."""
+    """After Ctrl-C the interrupted request is ended in the engine (Pipeline.stream finishes what is
+    still running when the CLI closes it), so the next turn can start (the engine refuses a start()
+    while it has work). On the CPU torch backend."""
     from nanoqwen_cli.generate_commands import Stopped, _reply
     from nanoqwen_runtime.engine import Engine, EngineConfig
     from nanoqwen_runtime.engine.backend import EngineBackend
