@@ -19,14 +19,14 @@ import pytest
 import torch
 from nanoqwen_runtime import Pipeline
 from nanoqwen_runtime.backend import ReferenceBackend, TokenRequest
-from nanoqwen_runtime.engine import Engine, EngineConfig, FinishReason, Request, TokenEvent
+from nanoqwen_runtime.engine import Engine, EngineConfig, FinishReason, Request
 from nanoqwen_runtime.engine import loader as engine_loader
 from nanoqwen_runtime.engine.backend import load_pipeline
 from nanoqwen_runtime.events import ErrorEvent
 from nanoqwen_runtime.integrity import NonFiniteWeightError, WeightError
 from nanoqwen_runtime.reference import ReferenceModel
 from nanoqwen_runtime.sampling import SamplingParams
-from nanoqwen_runtime.testing import write_tiny_container
+from nanoqwen_runtime.testing import engine_events, write_tiny_container
 
 BF16_NAN = 0x7FC0
 BF16_INF = 0x7F80
@@ -213,16 +213,6 @@ def overflowing(tmp_path_factory) -> Path:
         return np.full_like(value, 3e38) if name == "final_norm" else value
 
     return write_tiny_container(tmp_path_factory.mktemp("overflow") / "huge.nanoqwen", "rtn", 2, edit=edit)
-
-
-def engine_events(engine, requests):
-    toks, fins = {}, {}
-    for ev in engine.generate(requests):
-        if isinstance(ev, TokenEvent):
-            toks.setdefault(ev.request, []).append(ev.token_id)
-        else:
-            fins[ev.request_id] = ev
-    return toks, fins
 
 
 @pytest.mark.parametrize("mode", list(SAMPLING))

@@ -25,6 +25,7 @@ from nanoqwen_runtime.engine import loader as engine_loader
 from nanoqwen_runtime.engine.synthetic import write_container
 from nanoqwen_runtime.integrity import NonFiniteWeightError
 from nanoqwen_runtime.sampling import SamplingParams
+from nanoqwen_runtime.testing import engine_events
 
 pytestmark = pytest.mark.gpu
 
@@ -91,22 +92,12 @@ def test_streamed_checksums_and_finite_check_on_the_gpu(healthy, tmp_path, monke
     Engine.from_file(nan, gpu_config(verify=False, mode="eager"))
 
 
-def run(engine, requests):
-    toks, fins = {}, {}
-    for ev in engine.generate(requests):
-        if isinstance(ev, TokenEvent):
-            toks.setdefault(ev.request, []).append(ev.token_id)
-        else:
-            fins[ev.request_id] = ev
-    return toks, fins
-
-
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 def test_overflowing_container_ends_requests_with_error(overflowing, mode, sampling):
     engine = Engine.from_file(overflowing, gpu_config(mode=mode))
     reqs = [Request(list(range(100, 100 + n)), SAMPLING[sampling], f"r{n}") for n in (1, 37, 300)]
-    toks, fins = run(engine, reqs)
+    toks, fins = engine_events(engine, reqs)
     assert toks == {} and len(fins) == 3
     for f in fins.values():
         assert f.reason is FinishReason.ERROR and f.num_generated == 0

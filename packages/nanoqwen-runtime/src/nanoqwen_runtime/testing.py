@@ -20,7 +20,7 @@ import torch
 from .tokenizer import bytes_to_unicode
 
 __all__ = ["TINY_CONFIG", "tiny_config", "QWEN_CHAT_TEMPLATE", "tiny_tokenizer_json", "write_tiny_container",
-           "hf_state_dict", "hf_model"]
+           "hf_state_dict", "hf_model", "engine_events"]
 
 # Multiples of 128 along every input dimension, so INT4 (tile 8x128) works.
 TINY_CONFIG = {
@@ -229,3 +229,17 @@ def hf_model(path: str | PathLike):
     if unexpected or any("rotary" not in m for m in missing):
         raise RuntimeError(f"weights do not fit HF's Qwen2: missing {missing}, unexpected {unexpected}")
     return model
+
+
+def engine_events(engine, requests) -> tuple[dict, dict]:
+    """Run `requests` on an engine to the end: ({request_id: [token ids]}, {request_id: FinishEvent})."""
+    from .events import TokenEvent
+
+    toks: dict = {}
+    fins: dict = {}
+    for ev in engine.generate(requests):
+        if isinstance(ev, TokenEvent):
+            toks.setdefault(ev.request, []).append(ev.token_id)
+        else:
+            fins[ev.request_id] = ev
+    return toks, fins
