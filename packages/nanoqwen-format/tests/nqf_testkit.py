@@ -32,7 +32,18 @@ def build_tensors(seed: int = 0) -> dict:
         "layers.0.down": ("quant", nqf.int4.quantize_rtn(rng.standard_normal((24, 384)), 128, True), None),
         "layers.0.gate_up": ("quant", nqf.int4.quantize_rtn(rng.standard_normal((16, 128)), 32, True), None),
         "lm_head": ("quant", nqf.int8.quantize_rtn(rng.standard_normal((37, 256)), 128), None),
+        "layers.0.o_proj": ("quant", f16s_tensor(rng, 16, 256, 64), None),
     }
+
+
+def f16s_tensor(rng, n: int, k: int, g: int):
+    """A random asymmetric `int4-g{G}-tile8x128-f16s-v1` tensor: fp16 scales that are not bf16 values
+    (10 mantissa bits), zero points over the whole 0..16 range (16 included)."""
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    scales = (rng.uniform(0.5, 2.0, (n, k // g)) * 1e-2).astype(np.float16)
+    zeros = rng.integers(0, 17, (n, k // g), dtype=np.uint8)
+    zeros.flat[0] = 16
+    return nqf.int4.pack(q, scales, zeros, g, scale_dtype="f16")
 
 
 def write_container(path, tensors=None, meta=None) -> dict:

@@ -84,7 +84,8 @@ def _decode(rec: dict, blob: bytes) -> np.ndarray:
         return np.frombuffer(blob, "<f4").reshape(shape).copy()
     n, k = shape
     g = rec["group_size"]
-    assert rec["layout"] == f"{enc}-g{g}-" + ("tile8x128" if enc == "int4" else "rowmajor") + "-v1"
+    f16s = enc == "int4" and rec["layout"] == f"int4-g{g}-tile8x128-f16s-v1"  # SPEC.md 8.2, fp16 scales
+    assert f16s or rec["layout"] == f"{enc}-g{g}-" + ("tile8x128" if enc == "int4" else "rowmajor") + "-v1"
     if enc == "int8":
         q = np.frombuffer(blob, np.int8, n * k).reshape(n, k).astype(np.float32)
         s_off = _align_up(n * k, 256)
@@ -105,7 +106,10 @@ def _decode(rec: dict, blob: bytes) -> np.ndarray:
     q[rows, cols] = nibbles
     assert (q >= 0).all(), "every (row, column) is covered exactly by the layout"
     s_off = _align_up(n * k // 2, 256)
-    s = _bf16_to_f32(np.frombuffer(blob, "<u2", n * (k // g), s_off)).reshape(n, k // g)
+    if f16s:
+        s = np.frombuffer(blob, "<f2", n * (k // g), s_off).astype(np.float32).reshape(n, k // g)
+    else:
+        s = _bf16_to_f32(np.frombuffer(blob, "<u2", n * (k // g), s_off)).reshape(n, k // g)
     if rec["symmetric"]:
         z = np.full((n, k // g), 8.0, np.float32)
         assert len(blob) == s_off + 2 * n * (k // g)

@@ -65,6 +65,56 @@ def test_int4_pack_matches_layout_formula(n, k, group_size, symmetric):
     np.testing.assert_array_equal(nqf.int4.dequantize(qt), ref.astype(np.float32))
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_f16s_pack_and_dequantize(group_size, symmetric, tmp_path):
+    """The -f16s variant: same words, fp16 scales kept exactly (not bf16 values), zero points up to 16;
+    dequantize is (q - z) * f32(s) in float64 then rounded once -- exact, as the product of a 5-bit
+    integer and an 11-bit significand fits fp32's 24 bits."""
+    n, k = 24, 384
+    rng = np.random.default_rng(group_size + symmetric)
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 1e-1, (n, k // group_size)).astype(np.float16)
+    assert not np.array_equal(nqf.bf16.to_f32(nqf.bf16.from_f32(scales.astype(np.float32))),
+                              scales.astype(np.float32))  # the test needs scales bf16 cannot hold
+    zeros = None if symmetric else rng.integers(0, 17, (n, k // group_size), dtype=np.uint8)
+    if zeros is not None:
+        zeros[0, 0] = 16
+    qt = nqf.int4.pack(q, scales, zeros, group_size, scale_dtype="f16")
+    assert qt.layout == f"int4-g{group_size}-tile8x128-f16s-v1" and qt.scale_dtype == "f16"
+    assert qt.layout == nqf.layout_tag("int4", group_size, "f16")
+    assert np.array_equal(nqf.int4.unpack(qt), q)
+    z = np.full((n, k // group_size), 8.0) if symmetric else zeros.astype(np.float64)
+    ref = (q - np.repeat(z, group_size, axis=1)) * np.repeat(scales.astype(np.float64), group_size, axis=1)
+    np.testing.assert_array_equal(nqf.int4.dequantize(qt), ref.astype(np.float32))
+    path = tmp_path / "f16s.nanoqwen"
+    with nqf.Writer(path) as w:
+        w.add_quantized("w", qt)
+    with nqf.open(path) as f:
+        rec = f.records["w"]
+        assert (rec.layout, rec.dtype, f.major, f.minor) == (qt.layout, "bf16", 1, 1)
+        back = f.quantized("w")
+        assert back.scales.dtype == np.float16 and np.array_equal(back.scales, scales)
+        np.testing.assert_array_equal(f.dequantize("w"), ref.astype(np.float32))
+        # the scale part sits where SPEC.md 8.2 says, as IEEE binary16 little-endian
+        s_off = -(-n * k // 2 // 256) * 256
+        assert bytes(f.raw("w")[s_off : s_off + 2 * scales.size]) == scales.astype("<f2").tobytes()
+
+
+def test_int4_f16s_rejects_bad_input():
+    q, s16 = np.zeros((8, 128), np.uint8), np.ones((8, 1), np.float16)
+    with pytest.raises(nqf.EncodingError, match="zero point 17 > 16"):
+        nqf.int4.pack(q, s16, np.full((8, 1), 17, np.uint8), 128, scale_dtype="f16")
+    with pytest.raises(nqf.EncodingError, match="zero point 16 > 15"):  # the bf16 layout keeps 0..15
+        nqf.int4.pack(q, np.ones((8, 1), np.uint16), np.full((8, 1), 16, np.uint8), 128)
+    with pytest.raises(nqf.EncodingError, match="scales must be float16"):
+        nqf.int4.pack(q, np.ones((8, 1), np.uint16), None, 128, scale_dtype="f16")
+    with pytest.raises(nqf.EncodingError, match="scale_dtype"):
+        nqf.int4.pack(q, s16, None, 128, scale_dtype="f32")
+    with pytest.raises(nqf.EncodingError):
+        nqf.layout_tag("int8", 128, "f16")  # no int8 layout with fp16 scales
+
+
 def test_int4_words_are_little_endian_bytes():
     q = np.zeros((8, 128), dtype=np.uint8)
     q[0, 0], q[0, 1] = 3, 5  # lane 0, word 0: nibble 0 holds col 0, nibble 4 holds col 1

@@ -83,12 +83,17 @@ def test_tensor_checksum_mismatch_found_by_verify(container_bytes, tmp_path):
     assert type(ei.value) is nqf.ChecksumError and ei.value.tensor == first and first in str(ei.value)
 
 
-@pytest.mark.parametrize("case", ["unknown_encoding", "unknown_int4_layout"])
+@pytest.mark.parametrize(
+    "case",
+    ["unknown_encoding", "unknown_int4_layout", "unknown_int4_f16s_version", "unknown_int8_f16s_layout"],
+)
 def test_unknown_encoding_opens_but_access_fails(case, container_bytes, tmp_path):
     path = tmp_path / f"{case}.nanoqwen"
     path.write_bytes(attacks.ON_ACCESS[case](container_bytes))
     with nqf.open(path) as f:
-        name = next(n for n, r in f.records.items() if "fp8" in r.encoding or (r.layout or "").endswith("v9"))
+        name = next(n for n, r in f.records.items()
+                    if "fp8" in r.encoding or (r.layout or "").endswith("v9")
+                    or (r.encoding == "int8" and "f16s" in (r.layout or "")))
         assert f.verify() > 0  # checksums still cover it
         assert f.raw(name).nbytes == f.records[name].nbytes
         accessors = (f.quantized, f.dequantize) if f.records[name].is_quantized else (f.array, f.dequantize)

@@ -4,8 +4,9 @@
 
 (`test_memcheck.py` runs that, through the `compute_sanitizer` fixture of conftest.py.) Each launch is
 also checked against its reference, so the run proves the kernels touch only their own memory on the
-paths the full tests exercise: GEMV (all group sizes, sym/asym, M = 1/5/8, split-K forced and not,
-SiLU input), dequantize, the layer ops with a padding slot, and the sampler (greedy, top-k, top-p).
+paths the full tests exercise: GEMV (all group sizes, sym/asym, bf16 and fp16 scales, M = 1/5/8,
+split-K forced and not, SiLU input), dequantize, the layer ops with a padding slot, and the sampler
+(greedy, top-k, top-p).
 Exits 0 when all pass.
 """
 
@@ -22,36 +23,38 @@ def main() -> int:
     g.manual_seed(5)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     n, k = 40, 640
-    for gs in (32, 64, 128):
-        for sym in (True, False):
-            words = torch.randint(0, 256, (n * k // 2,), generator=g, device=dev, dtype=torch.uint8)
-            scales = (0.02 * torch.rand(n, k // gs, generator=g, device=dev) + 0.01).to(torch.bfloat16)
-            zeros = (
-                None
-                if sym
-                else torch.randint(0, 16, (n, k // gs), generator=g, device=dev, dtype=torch.uint8)
-            )
-            w = gemv.Int4Weight(
-                words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, zeros, n, k, gs
-            )
-            dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, gs)
-            for m in (1, 5, 8):
-                for target in (3, 10_000):
-                    plan = gemv.plan_shape(n, k, sms, target)
-                    ws = gemv.GemvWorkspace.allocate([plan], dev)
-                    x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
-                    bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
-                    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-                    gemv.gemv_int4(x, w, out, bias, ws, plan)
-                    R.assert_close(out, R.linear(x, dense, bias), f"gemv g{gs} sym={sym} M={m}")
-            gu = torch.randn(3, 2 * k, generator=g, device=dev).to(torch.bfloat16)
-            out = torch.empty(3, n, dtype=torch.bfloat16, device=dev)
-            ws = gemv.GemvWorkspace.allocate([gemv.plan_shape(n, k, sms)], dev)
-            gemv.gemv_int4(gu, w, out, None, ws, silu_mul_input=True)
-            R.assert_close(out, R.linear(R.silu_mul(gu).to(torch.bfloat16), dense), "gemv silu")
-            deq = torch.empty(n, k, dtype=torch.bfloat16, device=dev)
-            gemv.dequantize_int4(w, deq)
-            assert torch.equal(deq, dense.to(torch.bfloat16))
+    cases = [(gs, sym, sdt) for gs in (32, 64, 128) for sym in (True, False)
+             for sdt in (torch.bfloat16, torch.float16)]  # fp16 scales: the -f16s layout, zero points 0..16
+    for gs, sym, sdt in cases:
+        words = torch.randint(0, 256, (n * k // 2,), generator=g, device=dev, dtype=torch.uint8)
+        scales = (0.02 * torch.rand(n, k // gs, generator=g, device=dev) + 0.01).to(sdt)
+        zmax = 17 if sdt == torch.float16 else 16
+        zeros = (
+            None
+            if sym
+            else torch.randint(0, zmax, (n, k // gs), generator=g, device=dev, dtype=torch.uint8)
+        )
+        w = gemv.Int4Weight(
+            words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, zeros, n, k, gs
+        )
+        dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, gs)
+        for m in (1, 5, 8):
+            for target in (3, 10_000):
+                plan = gemv.plan_shape(n, k, sms, target)
+                ws = gemv.GemvWorkspace.allocate([plan], dev)
+                x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
+                bias = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
+                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+                gemv.gemv_int4(x, w, out, bias, ws, plan)
+                R.assert_close(out, R.linear(x, dense, bias), f"gemv g{gs} sym={sym} {sdt} M={m}")
+        gu = torch.randn(3, 2 * k, generator=g, device=dev).to(torch.bfloat16)
+        out = torch.empty(3, n, dtype=torch.bfloat16, device=dev)
+        ws = gemv.GemvWorkspace.allocate([gemv.plan_shape(n, k, sms)], dev)
+        gemv.gemv_int4(gu, w, out, None, ws, silu_mul_input=True)
+        R.assert_close(out, R.linear(R.silu_mul(gu).to(torch.bfloat16), dense), "gemv silu")
+        deq = torch.empty(n, k, dtype=torch.bfloat16, device=dev)
+        gemv.dequantize_int4(w, deq)
+        assert torch.equal(deq, dense.to(torch.bfloat16))
 
     t, h = 3, 1000
     x = torch.randn(t, h, generator=g, device=dev).to(torch.bfloat16)

@@ -2,7 +2,12 @@
 prefill linear, against the fp32 torch reference (nanoqwen_model's INT4 codec, then an fp32 product)
 on fresh random weights, at the Qwen2.5-Coder-7B shapes and at odd shapes. Outputs are NaN-poisoned
 before each launch. Every comparison uses the tolerance table of reference.py (bf16 output: 2^-7
-relative + 1e-4 absolute, derived there) or is exact."""
+relative + 1e-4 absolute, derived there) or is exact.
+
+The scale dtype is a parameter of the tables (ids `bf16_scales` / `fp16_scales`): fp16 scales are the
+`int4-g{G}-tile8x128-f16s-v1` layout of imported GPTQ/AWQ checkpoints, with zero points 0..16. Widening
+either scale type to f32 is exact, so the derivation of the tolerance is the same for both; select the
+fp16 cases with `-k fp16_scales`."""
 
 from __future__ import annotations
 
@@ -29,21 +34,36 @@ CASES_7B = [
     for m in (1, 3, 8)
     if not (name == "lm_head" and m == 3)
 ]
+# fp16 scales at the 7B shapes: M = 1 and 8 cover the code paths (the odd-shape table covers every M)
+CASES_7B_SCALES = [
+    pytest.param(*c.values, dt, id=f"{c.id}-{dt_id}")
+    for c in CASES_7B
+    for dt, dt_id in ((torch.bfloat16, "bf16_scales"), (torch.float16, "fp16_scales"))
+    if dt == torch.bfloat16 or c.values[3] != 3
+]
+SCALES = pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16],
+                                 ids=["bf16_scales", "fp16_scales"])
 
 
-def random_int4(n, k, group_size, symmetric, gen, device):
+def random_int4(n, k, group_size, symmetric, gen, device, scale_dtype=torch.bfloat16):
     """A random Int4Weight whose outputs are O(1) for N(0, 1) inputs: every bit pattern of the packed
-    words is a valid weight, so the words are random bytes."""
+    words is a valid weight, so the words are random bytes. scale_dtype float16: the -f16s layout, whose
+    zero points span 0..16 (GPTQ v1's stored-minus-one gives 16); the scales are then fp16 values with
+    10 mantissa bits, which bf16 could not hold (a kernel reading them as bf16 would fail)."""
     from nanoqwen_kernels.gemv import Int4Weight
 
     words = torch.randint(0, 256, (n * k // 2,), generator=gen, device=device, dtype=torch.uint8)
     qweight = words.view(torch.int32).reshape(n // 8, k // 128, 32, 4)
     base = 1.0 / (4.6 * k**0.5)
-    scales = (base * (0.5 + torch.rand(n, k // group_size, generator=gen, device=device))).to(torch.bfloat16)
+    scales = (base * (0.5 + torch.rand(n, k // group_size, generator=gen, device=device))).to(scale_dtype)
     zeros = None
     if not symmetric:
-        zeros = torch.randint(0, 16, (n, k // group_size), generator=gen, device=device, dtype=torch.uint8)
-    return Int4Weight(qweight, scales, zeros, n, k, group_size)
+        zmax = 16 if scale_dtype == torch.float16 else 15
+        zeros = torch.randint(0, zmax + 1, (n, k // group_size), generator=gen, device=device,
+                              dtype=torch.uint8)
+    w = Int4Weight(qweight, scales, zeros, n, k, group_size)
+    assert w.kernel_suffix().endswith("_f16s") == (scale_dtype == torch.float16)  # which kernel runs
+    return w
 
 
 def reference_out(x, w, bias, silu=False):
@@ -63,10 +83,10 @@ def run_gemv(x, w, bias, plan=None, silu=False):
     return out, ws
 
 
-@pytest.mark.parametrize("name,n,k,m", CASES_7B)
+@pytest.mark.parametrize("name,n,k,m,scale_dtype", CASES_7B_SCALES)
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-def test_gemv_7b_shapes(name, n, k, m, symmetric, gen, device):
-    w = random_int4(n, k, 128, symmetric, gen, device)
+def test_gemv_7b_shapes(name, n, k, m, scale_dtype, symmetric, gen, device):
+    w = random_int4(n, k, 128, symmetric, gen, device, scale_dtype)
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16) if name == "qkv" else None
     out, ws = run_gemv(x, w, bias)
@@ -79,10 +99,11 @@ def test_gemv_7b_shapes(name, n, k, m, symmetric, gen, device):
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("split", [False, True], ids=["auto", "forced_split"])
-def test_gemv_odd_shapes(n, k, group_size, symmetric, m, split, gen, device):
+@SCALES
+def test_gemv_odd_shapes(n, k, group_size, symmetric, m, split, scale_dtype, gen, device):
     from nanoqwen_kernels.gemv import plan_shape
 
-    w = random_int4(n, k, group_size, symmetric, gen, device)
+    w = random_int4(n, k, group_size, symmetric, gen, device, scale_dtype)
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -96,8 +117,9 @@ def test_gemv_odd_shapes(n, k, group_size, symmetric, m, split, gen, device):
 
 @pytest.mark.parametrize("m", [1, 4, 8])
 @pytest.mark.parametrize("n,k", [(3584, 18944), (40, 640)])
-def test_gemv_fused_silu_mul_input(m, n, k, gen, device):
-    w = random_int4(n, k, 128, False, gen, device)
+@SCALES
+def test_gemv_fused_silu_mul_input(m, n, k, scale_dtype, gen, device):
+    w = random_int4(n, k, 128, False, gen, device, scale_dtype)
     gate_up = torch.randn(m, 2 * k, generator=gen, device=device).to(torch.bfloat16)
     out, _ = run_gemv(gate_up, w, None, silu=True)
     R.assert_close(out, reference_out(gate_up, w, None, silu=True), "gemv silu_mul input")
@@ -139,11 +161,13 @@ def test_gemv_repeated_launches_and_graph_replay(pdl, gen, device):
         R.assert_close(out, reference_out(x, w, None), "gemv graph replay")
 
 
-@pytest.mark.parametrize("n,k,group_size,symmetric", [(4608, 3584, 128, True), (200, 640, 32, False)])
-def test_dequantize_is_exact(n, k, group_size, symmetric, gen, device):
+@pytest.mark.parametrize("n,k,group_size,symmetric", [(4608, 3584, 128, True), (200, 640, 32, False),
+                                                      (136, 1024, 64, False)])
+@SCALES
+def test_dequantize_is_exact(n, k, group_size, symmetric, scale_dtype, gen, device):
     from nanoqwen_kernels.gemv import dequantize_int4
 
-    w = random_int4(n, k, group_size, symmetric, gen, device)
+    w = random_int4(n, k, group_size, symmetric, gen, device, scale_dtype)
     out = torch.full((n, k), float("nan"), dtype=torch.bfloat16, device=device)
     dequantize_int4(w, out)
     ref = R.dequantize_int4(w.qweight, w.scales, w.zeros, group_size).to(torch.bfloat16)
@@ -151,11 +175,12 @@ def test_dequantize_is_exact(n, k, group_size, symmetric, gen, device):
 
 
 @pytest.mark.parametrize("t", [1, 17, 512])
-def test_linear_int4_prefill(t, gen, device):
+@SCALES
+def test_linear_int4_prefill(t, scale_dtype, gen, device):
     from nanoqwen_kernels.gemv import linear_int4_prefill
 
     n, k = 4608, 3584
-    w = random_int4(n, k, 128, False, gen, device)
+    w = random_int4(n, k, 128, False, gen, device, scale_dtype)
     x = torch.randn(t, k, generator=gen, device=device).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
     out = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device=device)
@@ -180,3 +205,22 @@ def test_gemv_rejects_bad_inputs(gen, device):
     with pytest.raises(ValueError, match="contiguous"):
         xt = torch.randn(384, 2, device=device).to(torch.bfloat16).t()
         gemv_int4(xt, w, torch.empty(2, 24, dtype=torch.bfloat16, device=device))
+
+
+def test_int4_weight_fp16_scales_dtype(gen, device):
+    """Int4Weight takes bf16 or fp16 scales and refuses others; from_quantized keeps fp16 scales fp16
+    (a -f16s QuantizedTensor's np.float16 scales must not be reinterpreted as bf16 bits)."""
+    import nanoqwen_format as nqf
+    import numpy as np
+    from nanoqwen_kernels.gemv import Int4Weight
+
+    w = random_int4(24, 384, 128, True, gen, device)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        Int4Weight(w.qweight, w.scales.float(), None, 24, 384, 128)
+    rng = np.random.default_rng(0)
+    s16 = rng.uniform(1e-3, 1e-1, (24, 3)).astype(np.float16)
+    qt = nqf.int4.pack(rng.integers(0, 16, (24, 384), dtype=np.uint8), s16,
+                       rng.integers(0, 17, (24, 3), dtype=np.uint8), 128, scale_dtype="f16")
+    up = Int4Weight.from_quantized(qt, device)
+    assert up.scales.dtype == torch.float16 and up.kernel_suffix() == "g128_asym_f16s"
+    assert torch.equal(up.scales.cpu(), torch.from_numpy(s16))

@@ -31,6 +31,26 @@ def test_int4_matches_format_reference(group_size, symmetric, shape):
                           nqf.int4.dequantize(qt))
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_f16_scales_match_format_reference(group_size, symmetric):
+    """The -f16s layout: fp16 scales (values bf16 cannot hold), zero points 0..16 (16 included)."""
+    rng = np.random.default_rng([group_size, int(symmetric), 16])
+    n, k = 40, 384
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    s16 = rng.uniform(1e-3, 1e-1, (n, k // group_size)).astype(np.float16)
+    zeros = None if symmetric else rng.integers(0, 17, (n, k // group_size), dtype=np.uint8)
+    if zeros is not None:
+        zeros[-1, -1] = 16
+    qt = nqf.int4.pack(q, s16, zeros, group_size, scale_dtype="f16")
+    words = torch.from_numpy(qt.qweight.view(np.int32))
+    got = codec.dequantize_int4(words, torch.from_numpy(qt.scales),
+                                None if zeros is None else torch.from_numpy(zeros), group_size)
+    assert np.array_equal(got.numpy(), nqf.int4.dequantize(qt))
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        codec.dequantize_int4(words, torch.from_numpy(qt.scales).float(), None, group_size)
+
+
 def test_int4_pack_covers_every_nibble_value():
     """Every value 0..15 at every position of a tile survives pack -> unpack (no lost bits)."""
     q = (torch.arange(8 * 256) % 16).reshape(8, 256).to(torch.uint8).roll(3, 1)

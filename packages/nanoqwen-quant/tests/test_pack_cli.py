@@ -66,24 +66,25 @@ REFUSALS = [
     ("out-folder-is-file", ["-o", "{dir}/f/m.nanoqwen"], lambda t: (t / "out" / "f").write_text("x"), 1,
      "output folder is not a folder"),
     ("no-out", [], None, 2, "Missing option '-o'"),
-    ("method", ["--method", "awq"], None, 2, "method (--method) must be one of none, rtn, gptq, got 'awq'"),
+    ("method", ["--method", "awq"], None, 2,
+     "method (--method) must be one of none, rtn, gptq, import, got 'awq'"),
     ("group-size", ["--group-size", "48"], None, 2, "group_size (--group-size) must be one of 32, 64, 128"),
     ("group-size-not-int", ["--group-size", "abc"], None, 2, "Invalid value for '--group-size'"),
     ("lm-head", ["--lm-head", "int2"], None, 2, "lm_head (--lm-head) must be one of bf16, int8, int4"),
     ("device-name", ["--device", "gpu"], None, 2, "must be auto, cpu, cuda or cuda:N, got 'gpu'"),
     ("device-mps", ["--device", "mps"], None, 2, "must be auto, cpu, cuda or cuda:N"),
     ("none-group-size", ["--method", "none", "--group-size", "64"], None, 2, "applies to int4/int8 weights"),
-    ("none-asym", ["--method", "none", "--asym"], None, 2, "symmetric=False (--asym) applies to int4"),
-    ("none-asym-int8-head", ["--method", "none", "--asym", "--lm-head", "int8"], None, 2,
+    ("none-sym", ["--method", "none", "--sym"], None, 2, "symmetric=True (--sym) applies to int4"),
+    ("none-sym-int8-head", ["--method", "none", "--sym", "--lm-head", "int8"], None, 2,
      "the int8 lm_head is symmetric only"),
     ("rtn-damp", ["--damp", "0.1"], None, 2,
      "gptq.damp_percent (--damp) applies to method gptq only, not rtn"),
     ("rtn-act-order", ["--no-act-order"], None, 2,
      "(--act-order/--no-act-order) applies to method gptq only"),
-    ("rtn-calib", ["--calib", "{tmp}"], None, 2, "calib_paths (--calib) applies to method gptq only"),
+    ("rtn-calib", ["--calib", "{tmp}"], None, 2, "calib_paths (--calib) applies to method gptq or --awq"),
     ("rtn-calib-tokens", ["--calib-tokens", "4096"], None, 2, "calib_tokens (--calib-tokens) applies"),
     ("none-calib-batch", ["--method", "none", "--calib-batch", "2"], None, 2, "(--calib-batch) applies to"),
-    ("rtn-resume", ["--resume"], None, 2, "resume (--resume) applies to method gptq only"),
+    ("rtn-resume", ["--resume"], None, 2, "resume (--resume) applies to method gptq or --awq only"),
     ("rtn-checkpoint-dir", ["--checkpoint-dir", "{tmp}/ck"], None, 2, "(--checkpoint-dir) applies"),
     ("gptq-seq-len", ["--method", "gptq", "--calib-seq-len", "8"], None, 2, "must be >= 16, got 8"),
     ("gptq-tokens", ["--method", "gptq", "--calib-tokens", "100", "--calib-seq-len", "512"], None, 2,
@@ -227,7 +228,7 @@ def test_library_pack_validates_before_reading_the_source(tiny_hf, tmp_path, mon
         pack(src, tmp_path, PackOptions())
     with pytest.raises(UsageError, match="device"):
         pack(src, tmp_path / "m.nanoqwen", PackOptions(device="tpu"))
-    with pytest.raises(UsageError, match="applies to method gptq only"):
+    with pytest.raises(UsageError, match="applies to method gptq or --awq only"):
         pack(src, tmp_path / "m.nanoqwen", PackOptions(calib_paths=[str(tmp_path)]))
     with pytest.raises(FileNotFoundError, match="output folder does not exist"):
         pack(src, tmp_path / "x" / "m.nanoqwen", PackOptions())

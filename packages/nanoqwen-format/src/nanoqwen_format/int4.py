@@ -2,6 +2,8 @@
 
 Logical weight q[N, K] in 0..15, bf16 scales s[N, K/G], zero points z[N, K/G] (asymmetric) or the
 implicit 8 (symmetric); w[n, k] = (q[n, k] - z[n, k // G]) * f32(s[n, k // G]).
+The `int4-g{G}-tile8x128-f16s-v1` variant has the same words and fp16 scales (np.float16), zero points
+0..16 (imported GPTQ/AWQ checkpoints: `pack(..., scale_dtype="f16")`); the formula is the same.
 
 Packed words are uint32 [N/8, K/128, 32, 4]: one 8x128 tile is 512 contiguous bytes, lane L = 4g + t
 owns the four words [L, 0..3]; word w covers tile columns 32w .. 32w+31 and its nibble p (bits 4p..4p+3)
@@ -21,7 +23,7 @@ import numpy as np
 
 from . import bf16
 from .errors import EncodingError
-from .quantized import GROUP_SIZES, QuantizedTensor, layout_tag
+from .quantized import GROUP_SIZES, MAX_ZERO, SCALE_DTYPES, QuantizedTensor, layout_tag
 
 __all__ = ["KOFF", "quantize_rtn", "pack", "unpack", "dequantize"]
 
@@ -35,12 +37,17 @@ def _check_nk(n: int, k: int, group_size: int) -> None:
         raise EncodingError(f"int4 tile8x128 needs N % 8 == 0 and K % 128 == 0, got [{n}, {k}]")
 
 
-def pack(q, scales, zeros, group_size: int) -> QuantizedTensor:
+def pack(q, scales, zeros, group_size: int, scale_dtype: str = "bf16") -> QuantizedTensor:
     """Pack logical int4 values into the tile8x128 layout.
 
-    q: uint8 [N, K] values 0..15; scales: uint16 bf16 bits [N, K/G]; zeros: uint8 [N, K/G] in 0..15
-    or None (symmetric, implicit zero point 8). Returns a QuantizedTensor (encoding "int4").
+    q: uint8 [N, K] values 0..15; scales [N, K/G]: uint16 bf16 bits (scale_dtype "bf16", layout
+    `int4-g{G}-tile8x128-v1`) or np.float16 (scale_dtype "f16", layout `...-f16s-v1`); zeros: uint8
+    [N, K/G] in 0..15 (0..16 with f16 scales) or None (symmetric, implicit zero point 8). Returns a
+    QuantizedTensor (encoding "int4").
     """
+    if scale_dtype not in SCALE_DTYPES:
+        raise EncodingError(f"int4.pack: scale_dtype must be one of {tuple(SCALE_DTYPES)}, "
+                            f"got {scale_dtype!r}")
     q = np.asarray(q)
     if q.ndim != 2 or q.dtype != np.uint8:
         raise EncodingError(f"int4.pack needs q as uint8 [N, K], got {q.dtype} {list(q.shape)}")
@@ -50,8 +57,9 @@ def pack(q, scales, zeros, group_size: int) -> QuantizedTensor:
         raise EncodingError(f"int4.pack: q has value {int(q.max())} > 15")
     if zeros is not None:
         zeros = np.ascontiguousarray(zeros)
-        if zeros.dtype == np.uint8 and zeros.size and int(zeros.max()) > 15:
-            raise EncodingError(f"int4.pack: zero point {int(zeros.max())} > 15")
+        zmax = MAX_ZERO[scale_dtype]
+        if zeros.dtype == np.uint8 and zeros.size and int(zeros.max()) > zmax:
+            raise EncodingError(f"int4.pack: zero point {int(zeros.max())} > {zmax}")
     x = q.reshape(n // 8, 8, k // 128, 4, 2, 2, 4, 2)  # [N/8, g, KT, w, jp, jl, t, h]
     byte = x[:, :, :, :, :, 0] | (x[:, :, :, :, :, 1] << np.uint8(4))  # [N/8, g, KT, w, jp, t, h]
     byte = byte.transpose(0, 2, 1, 5, 3, 6, 4)  # [N/8, KT, g, t, w, h, jp]
@@ -63,7 +71,7 @@ def pack(q, scales, zeros, group_size: int) -> QuantizedTensor:
         shape=(n, k),
         group_size=group_size,
         symmetric=zeros is None,
-        layout=layout_tag("int4", group_size),
+        layout=layout_tag("int4", group_size, scale_dtype),
         encoding="int4",
     )
 
@@ -82,13 +90,14 @@ def unpack(qt: QuantizedTensor) -> np.ndarray:
 
 
 def dequantize(qt: QuantizedTensor) -> np.ndarray:
-    """Reference dequantization: np.float32 [N, K], w = (q - z) * f32(s)."""
+    """Reference dequantization: np.float32 [N, K], w = (q - z) * f32(s) (s bf16 or fp16: widened exactly,
+    one rounding in the product)."""
     _check_qt(qt)
     n, k = qt.shape
     g = qt.group_size
     q = unpack(qt).reshape(n, k // g, g).astype(np.float32)
     z = np.float32(8.0) if qt.zeros is None else qt.zeros.astype(np.float32)[:, :, None]
-    s = bf16.to_f32(qt.scales)[:, :, None]
+    s = qt.scales_f32()[:, :, None]
     return ((q - z) * s).reshape(n, k)
 
 

@@ -40,7 +40,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .metadata import check_tree, unpack_section
-from .quantized import PLAIN_ENCODINGS, QuantizedTensor, parse_layout
+from .quantized import PLAIN_ENCODINGS, SCALE_DTYPES, QuantizedTensor, parse_layout
 from .records import TensorRecord, parse_index
 from .spec import (
     DATA_ALIGN,
@@ -281,7 +281,8 @@ class NanoqwenFile:
             qw = np.frombuffer(self._mm, "<u4", n * k // 8, base).reshape(n // 8, k // 128, 32, 4)
         else:
             qw = np.frombuffer(self._mm, np.int8, n * k, base).reshape(n, k)
-        scales = np.frombuffer(self._mm, "<u2", n * (k // g), base + lay.scales_offset).reshape(n, k // g)
+        sdt = SCALE_DTYPES[lay.scale_dtype]  # bf16 bit patterns, or fp16 values (-f16s)
+        scales = np.frombuffer(self._mm, sdt, n * (k // g), base + lay.scales_offset).reshape(n, k // g)
         zeros = None
         if lay.zeros_offset is not None:
             zeros = np.frombuffer(self._mm, np.uint8, n * (k // g), base + lay.zeros_offset).reshape(

@@ -15,7 +15,7 @@ import xxhash
 MAGIC = b"\x89NQWEN\r\n"  # 8 bytes; the \x89 and \r\n catch text-mode transfers, as PNG's magic does
 TRAILER_MAGIC = b"NQWN-END"  # last 8 bytes of every complete file
 MAJOR = 1
-MINOR = 0
+MINOR = 1  # 1.1: the int4 `-f16s` layout tag (SPEC.md section 8.2)
 
 # Header: offset 0, 64 bytes of fields, zero padding up to DATA_ALIGN.
 #   magic 8s | major u16 | minor u16 | header_nbytes u32 | data_offset u64 | reserved 32x | header_xxh3 u64

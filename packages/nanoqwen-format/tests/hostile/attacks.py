@@ -101,6 +101,10 @@ def _int4_index(p: Parts) -> int:
     return next(i for i, r in enumerate(p.index) if r["encoding"] == "int4")
 
 
+def _f16s_index(p: Parts) -> int:
+    return next(i for i, r in enumerate(p.index) if "-f16s-" in r.get("layout", ""))
+
+
 CASES = {
     **{
         f"truncated_{s}": (_truncate_at(s), nqf.TruncatedError)
@@ -219,6 +223,30 @@ CASES = {
         lambda d: Parts(d).with_record(_int4_index(Parts(d)), dtype="f32"),
         nqf.MalformedIndexError,
     ),
+    # the fp16-scale int4 variant (container 1.1): the same shape rules as the bf16 tile layout
+    "int4_f16s_nbytes_short": (
+        lambda d: Parts(d).with_record(
+            _f16s_index(Parts(d)), nbytes=Parts(d).index[_f16s_index(Parts(d))]["nbytes"] - 2
+        ),
+        nqf.ShapeMismatchError,
+    ),
+    "int4_f16s_symmetric_flipped": (
+        lambda d: Parts(d).with_record(_f16s_index(Parts(d)), symmetric=True),
+        nqf.ShapeMismatchError,
+    ),
+    "int4_f16s_group_size_disagrees": (
+        lambda d: Parts(d).with_record(_f16s_index(Parts(d)), group_size=128),
+        nqf.ShapeMismatchError,
+    ),
+    "int4_f16s_rows_not_multiple_of_8": (
+        lambda d: Parts(d).with_record(_f16s_index(Parts(d)), shape=[12, 256]),
+        nqf.ShapeMismatchError,
+    ),
+    "int4_f16s_dtype_f16": (
+        # dtype stays the compute type "bf16"; the scale type is in the layout tag only
+        lambda d: Parts(d).with_record(_f16s_index(Parts(d)), dtype="f16"),
+        nqf.MalformedIndexError,
+    ),
     "metadata_not_msgpack": (lambda d: Parts(d).build(meta_bytes=b"\xc1"), nqf.MetadataError),
     "metadata_not_map": (lambda d: Parts(d).build(meta_bytes=msgpack.packb([1, 2])), nqf.MetadataError),
     "metadata_int_key": (lambda d: Parts(d).build(meta_bytes=b"\x81\x01\x02"), nqf.MetadataError),
@@ -249,6 +277,16 @@ ON_ACCESS = {
     "unknown_encoding": lambda d: Parts(d).with_record(0, encoding="fp8-e4m3", dtype="fp8-e4m3"),
     "unknown_int4_layout": lambda d: Parts(d).with_record(
         _int4_index(Parts(d)), layout=Parts(d).index[_int4_index(Parts(d))]["layout"].replace("-v1", "-v9")
+    ),
+    "unknown_int4_f16s_version": lambda d: Parts(d).with_record(
+        _f16s_index(Parts(d)), layout=Parts(d).index[_f16s_index(Parts(d))]["layout"].replace("-v1", "-v9")
+    ),
+    # no int8 layout has fp16 scales: an unknown tag of a known family
+    "unknown_int8_f16s_layout": lambda d: Parts(d).with_record(
+        next(i for i, r in enumerate(Parts(d).index) if r["encoding"] == "int8"),
+        layout=next(r for r in Parts(d).index if r["encoding"] == "int8")["layout"].replace(
+            "-v1", "-f16s-v1"
+        ),
     ),
 }
 

@@ -1,7 +1,9 @@
 """INT4 linear layers: decode GEMV (M = 1..8) on tensor cores, and the prefill path (dequantize + cuBLAS).
 
-Weights are in the `int4-g{G}-tile8x128-v1` layout of DESIGN.md, held on the GPU as an `Int4Weight`
-(the three parts of nanoqwen_format's QuantizedTensor as torch tensors). The decode kernel reads them
+Weights are in the `int4-g{G}-tile8x128-v1` layout of DESIGN.md, or its fp16-scale variant
+`int4-g{G}-tile8x128-f16s-v1` (imported GPTQ/AWQ checkpoints), held on the GPU as an `Int4Weight`
+(the three parts of nanoqwen_format's QuantizedTensor as torch tensors; the scales' torch dtype,
+bfloat16 or float16, picks the kernel: `_f16s` entry points for float16). The decode kernel reads them
 as they are stored; see csrc/gemv_int4.cuh for how.
 
 Plan, then run: `plan_gemv(N, K, device)` fixes the split-K factor for a shape (a pure function of
@@ -41,12 +43,14 @@ TARGET_BLOCKS_PER_SM = 4
 # Most tile-columns one block stages: M = 8 rows x 48 x 128 bf16 = 96 KB of shared memory, so two
 # blocks still fit an SM for any K (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns).
 KC_MAX = 48
+SCALE_DTYPES = (torch.bfloat16, torch.float16)  # Int4Weight.scales: layouts int4-...-v1 / int4-...-f16s-v1
 
 
 @dataclasses.dataclass(frozen=True)
 class Int4Weight:
     """An INT4 weight on the GPU. qweight: int32 [N/8, K/128, 32, 4] (the uint32 words, same bits);
-    scales: bf16 [N, K/G]; zeros: uint8 [N, K/G] (asymmetric) or None (symmetric, zero point 8)."""
+    scales: bf16 [N, K/G], or float16 for the `-f16s` layout; zeros: uint8 [N, K/G] (asymmetric; 0..15,
+    0..16 with fp16 scales) or None (symmetric, zero point 8)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -63,7 +67,9 @@ class Int4Weight:
             raise ValueError(f"INT4 tile layout needs N % 8 == 0 and K % 128 == 0, got [{n}, {k}]")
         dev = self.qweight.device
         check(self.qweight, "qweight", torch.int32, (n // 8, k // 128, 32, 4), dev)
-        check(self.scales, "scales", torch.bfloat16, (n, k // g), dev, align=8)
+        if self.scales.dtype not in SCALE_DTYPES:
+            raise ValueError(f"scales must be bfloat16 or float16, got {self.scales.dtype}")
+        check(self.scales, "scales", self.scales.dtype, (n, k // g), dev, align=8)
         if self.zeros is not None:
             check(self.zeros, "zeros", torch.uint8, (n, k // g), dev, align=4)
 
@@ -71,19 +77,27 @@ class Int4Weight:
     def symmetric(self) -> bool:
         return self.zeros is None
 
+    @property
+    def f16_scales(self) -> bool:
+        return self.scales.dtype == torch.float16
+
     @classmethod
     def from_quantized(cls, qt, device: torch.device | str = "cuda") -> Int4Weight:
-        """Upload a nanoqwen_format QuantizedTensor (encoding "int4")."""
+        """Upload a nanoqwen_format QuantizedTensor (encoding "int4", bf16 or fp16 scales)."""
         if qt.encoding != "int4":
             raise ValueError(f"expected an int4 QuantizedTensor, got encoding {qt.encoding!r}")
         n, k = qt.shape
         qweight = torch.from_numpy(np.ascontiguousarray(qt.qweight).view(np.int32)).to(device)
-        scales = torch.from_numpy(np.ascontiguousarray(qt.scales)).view(torch.bfloat16).to(device)
+        scales = torch.from_numpy(np.ascontiguousarray(qt.scales))  # np.float16 (f16s) or bf16 bits
+        if qt.scale_dtype == "bf16":
+            scales = scales.view(torch.bfloat16)
+        scales = scales.to(device)
         zeros = None if qt.zeros is None else torch.from_numpy(np.ascontiguousarray(qt.zeros)).to(device)
         return cls(qweight, scales, zeros, n, k, qt.group_size)
 
     def kernel_suffix(self) -> str:
-        return f"g{self.group_size}_{'sym' if self.symmetric else 'asym'}"
+        """`g{G}_{sym|asym}[_f16s]`: the part of the kernel names (csrc/gemv.cu) this weight picks."""
+        return f"g{self.group_size}_{'sym' if self.symmetric else 'asym'}{'_f16s' if self.f16_scales else ''}"
 
     def nbytes(self) -> int:
         """Bytes the GEMV must read: packed weights + scales (+ zeros)."""

@@ -4,7 +4,8 @@ The model math is nanoqwen_model's, imported, never re-implemented here (one tru
 tested against the same definitions the reference runtime and the quantizer compute with):
 
     kernel                          oracle
-    gemv_int4 / dequant_int4        nanoqwen_model.codec.dequantize_int4, then forward.linear in fp32
+    gemv_int4 / dequant_int4        nanoqwen_model.codec.dequantize_int4 (bf16 or fp16 scales), then
+                                    forward.linear in fp32
     gemv_int8                       nanoqwen_model.codec.dequantize_int8, then forward.linear in fp32
     rms_norm_bf16                   nanoqwen_model.forward.rms_norm
     qkv_rope_kv_write_bf16          nanoqwen_model.forward.apply_rope (+ the paged write below)

@@ -12,6 +12,9 @@ p = 4h + j (bits 4p..4p+3) holds
     row 8 tile_row + g,   column 128 tile_col + 32 w + 8 j + 2 t + h
 
 Dequantization: w[n, k] = (q[n, k] - z[n, k // G]) * f32(s[n, k // G]), z = 8 when symmetric.
+The `int4-g{G}-tile8x128-f16s-v1` variant (imported GPTQ/AWQ checkpoints) has the same words with
+fp16 scales (torch.float16) and zero points 0..16: `dequantize_int4` takes either scale dtype and
+widens it exactly, so the product is exact in f32 for both (|q - z| <= 16 times an 11-bit significand).
 INT8 layout `int8-g{G}-rowmajor-v1`: q int8 [N, K], w = q * f32(s[n, k // G]).
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["unpack_int4", "pack_int4", "dequantize_int4", "dequantize_int8"]
+__all__ = ["unpack_int4", "pack_int4", "dequantize_int4", "dequantize_int8", "SCALE_DTYPES"]
 
 _SHIFTS = tuple(range(0, 32, 4))
 
@@ -48,9 +51,15 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+SCALE_DTYPES = (torch.bfloat16, torch.float16)  # layouts int4-...-v1 and int4-...-f16s-v1
+
+
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     group_size: int) -> torch.Tensor:
-    """f32 [N, K] from words [N/8, K/128, 32, 4], scales bf16 [N, K/G], zeros uint8 [N, K/G] or None."""
+    """f32 [N, K] from words [N/8, K/128, 32, 4], scales bf16 or fp16 [N, K/G], zeros uint8 [N, K/G]
+    (0..16) or None."""
+    if scales.dtype not in SCALE_DTYPES:
+        raise TypeError(f"INT4 scales must be bfloat16 or float16, got {scales.dtype}")
     q = unpack_int4(qweight).float()
     n, k = q.shape
     q = q.reshape(n, k // group_size, group_size)

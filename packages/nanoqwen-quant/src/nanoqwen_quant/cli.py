@@ -1,11 +1,14 @@
 """`nanoqwen-quant`: pack a Qwen2 checkpoint into a .nanoqwen (none / rtn / gptq), evaluate perplexity,
 and write the held-out evaluation text.
 
-    nanoqwen-quant pack SRC -o OUT.nanoqwen --method rtn|gptq|none --group-size 128 [--sym|--asym]
+    nanoqwen-quant pack SRC -o OUT.nanoqwen --method rtn|gptq|none|import --group-size 128 [--sym|--asym]
+                        [--clip|--no-clip] [--clip-act] [--awq|--no-awq]
                         [--lm-head bf16|int8|int4] [--calib PATH ...] [--calib-tokens N]
                         [--calib-seq-len N] [--calib-batch N] [--damp F] [--act-order|--no-act-order]
+                        [--static-groups|--dynamic-groups]
                         [--device D] [--resume] [--checkpoint-dir DIR] [--debug]
-    nanoqwen-quant eval MODEL.nanoqwen --text FILE [--json] [--seq-len 1024] [--max-tokens N] [--device D]
+    nanoqwen-quant eval MODEL.nanoqwen --text FILE [--reference NONE.nanoqwen] [--json] [--seq-len 1024]
+                        [--max-tokens N] [--device D]
     nanoqwen-quant heldout -o FILE [--chars N]     held-out stdlib code, disjoint from calibration
 
 SRC is a GGUF file, a local HF folder (safetensors + config.json + tokenizer.json), or an HF hub id.
@@ -35,16 +38,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .calib import heldout_rule, heldout_text
-from .evaluate import perplexity
+from .evaluate import evaluate
 from .gptq import GPTQConfig
 from .options import PackOptions, UsageError
 from .pack import PackSummary, check_output_path
 from .pack import pack as do_pack
-from .sources import open_source
+from .sources import QuantizedHFSource, open_source
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Import Qwen2 checkpoints and quantize them to INT4 (RTN, GPTQ) into .nanoqwen files.")
 err = Console(stderr=True)
+_D = PackOptions()  # the CLI's defaults are the recipe's (PackOptions)
 DEBUG_HELP = "on an error, print the traceback too (also NANOQWEN_DEBUG=1)"
 
 
@@ -117,32 +121,47 @@ def pack(
     out: Path = typer.Option(..., "-o", "--out", help="output .nanoqwen path: written to "
                              "OUT.partial-PID-RANDOM beside it, then renamed; an existing file is replaced, "
                              "a directory refused"),
-    method: str = typer.Option("rtn", help="none (bf16 linears) | rtn | gptq"),
-    group_size: int = typer.Option(128, help="INT4 group size: 32, 64 or 128 (also the int8/int4 lm_head's)"),
-    sym: bool = typer.Option(True, "--sym/--asym", help="symmetric (zero point 8) or asymmetric INT4"),
+    method: str = typer.Option(None, help="none (bf16 linears) | rtn | gptq | import (a GPTQ/AWQ "
+                               "checkpoint, exactly); default: import for a GPTQ/AWQ checkpoint, else rtn"),
+    group_size: int = typer.Option(_D.group_size, help="INT4 group size: 32, 64 or 128 (also the int8/int4 "
+                                   "lm_head's)"),
+    sym: bool = typer.Option(_D.symmetric, "--sym/--asym",
+                             help="symmetric (zero point 8) or asymmetric INT4"),
+    clip: bool = typer.Option(_D.clip, "--clip/--no-clip", help="per-group clip search of the INT4 scales "
+                              "(RTN's grid; GPTQ's static groups)"),
+    clip_act: bool = typer.Option(_D.clip_act, "--clip-act/--no-clip-act", help="weight the clip search by "
+                                  "the calibration activations' E[x^2] (needs --method gptq or --awq)"),
+    awq: bool = typer.Option(_D.awq, "--awq/--no-awq", help="AWQ activation-aware scaling from the "
+                             "calibration set, folded into the norms / up rows (calibrated layer loop)"),
     lm_head: str = typer.Option("bf16", help="bf16 | int8 | int4 (RTN, group size as above)"),
-    calib: list[str] = typer.Option(None, help="GPTQ: calibration files/folders, repeatable "
+    calib: list[str] = typer.Option(None, help="GPTQ/AWQ: calibration files/folders, repeatable "
                                     "(default: Python stdlib sources)"),
-    calib_tokens: int = typer.Option(65536, help="GPTQ: calibration tokens (whole windows of "
+    calib_tokens: int = typer.Option(65536, help="GPTQ/AWQ: calibration tokens (whole windows of "
                                      "--calib-seq-len)"),
-    calib_seq_len: int = typer.Option(2048, help="GPTQ: tokens per calibration window (>= 16)"),
-    calib_batch: int = typer.Option(4, help="GPTQ: windows per forward chunk (bounds activation memory)"),
+    calib_seq_len: int = typer.Option(2048, help="GPTQ/AWQ: tokens per calibration window (>= 16)"),
+    calib_batch: int = typer.Option(4, help="GPTQ/AWQ: windows per forward chunk (bounds activation memory)"),
     damp: float = typer.Option(0.01, help="GPTQ: damping, fraction of mean diag(H); raised x10 on failure"),
     act_order: bool = typer.Option(True, "--act-order/--no-act-order",
                                    help="GPTQ: act-order (static groups)"),
+    static_groups: bool = typer.Option(True, "--static-groups/--dynamic-groups",
+                                       help="GPTQ: group scales from the original weights (static) or from "
+                                       "the updated ones as the sweep reaches each group (dynamic: needs "
+                                       "--no-act-order)"),
     device: str = typer.Option("auto", help="auto (CUDA when present) | cpu | cuda | cuda:N"),
     resume: bool = typer.Option(False, "--resume",
-                                help="GPTQ: continue an interrupted run from its checkpoint folder"),
-    checkpoint_dir: str = typer.Option(None, help="GPTQ: checkpoint folder (default OUT.ckpt)"),
+                                help="GPTQ/AWQ: continue an interrupted run from its checkpoint folder"),
+    checkpoint_dir: str = typer.Option(None, help="GPTQ/AWQ: checkpoint folder (default OUT.ckpt)"),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Pack SRC into OUT with the given recipe. Options marked GPTQ are refused with another --method."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (resume)
     with _errors(debug):
-        opts = PackOptions(method=method, group_size=group_size, symmetric=sym, lm_head=lm_head,
+        opts = PackOptions(method=method or _D.method, group_size=group_size, symmetric=sym, clip=clip,
+                           clip_act=clip_act, awq=awq, lm_head=lm_head,
                            device=device, calib_paths=calib or None, calib_tokens=calib_tokens,
                            calib_seq_len=calib_seq_len, calib_batch=calib_batch,
-                           gptq=GPTQConfig(damp_percent=damp, act_order=act_order),
+                           gptq=GPTQConfig(damp_percent=damp, act_order=act_order,
+                                           static_groups=static_groups),
                            checkpoint_dir=checkpoint_dir, resume=resume)
         # everything that can be checked without the source, before it is opened (a GGUF's tokenizer
         # conversion and a hub download take a while, hashing the source 25-60 s)
@@ -159,12 +178,20 @@ def pack(
         if err.is_terminal:  # feedback while a hub download or a GGUF's tokenizer conversion runs
             err.print(f"opening {src}", markup=False, highlight=False, soft_wrap=True)
         source = open_source(src)
+        if method is None and isinstance(source, QuantizedHFSource):  # no --method: import it exactly
+            opts.method = "import"
+            opts.validate()
         opts.check_model(source.config)
         c = source.config
         err.print(f"qwen2: {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
                   f"{c.num_attention_heads}/{c.num_key_value_heads}, intermediate {c.intermediate_size}, "
-                  f"vocab {c.vocab_size}, tied {c.tie_word_embeddings}; method {method} g{group_size} "
-                  f"{'sym' if sym else 'asym'}, lm_head {lm_head}", soft_wrap=True)
+                  f"vocab {c.vocab_size}, tied {c.tie_word_embeddings}; method {opts.method} g{group_size} "
+                  f"{'sym' if sym else 'asym'}{' clip' if clip else ''}{'-act' if clip_act else ''}"
+                  f"{' awq' if awq else ''}, lm_head {lm_head}", soft_wrap=True)
+        if opts.method == "import":  # the checkpoint's scheme, not the (unused) quantizer options above
+            sc = source.scheme
+            err.print(f"importing {sc.method} ({sc.fmt}) g{sc.group_size} {'sym' if sc.sym else 'asym'} "
+                      "exactly: int4 with fp16 scales", soft_wrap=True)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=err, transient=False) as bar:
             task = bar.add_task("layers", total=c.num_hidden_layers)
@@ -199,21 +226,27 @@ def _print_summary(s: PackSummary) -> None:
 def eval_cmd(
     model: Path = typer.Argument(..., help=".nanoqwen file"),
     text: Path = typer.Option(..., help="UTF-8 text file (held-out code; see `heldout`)"),
+    reference: Path = typer.Option(None, help="the --method none pack of the same source: also report its "
+                                   "perplexity and the greedy next-token agreement with it"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
     seq_len: int = typer.Option(1024, help="tokens per window"),
     max_tokens: int = typer.Option(None, help="score only the first N tokens of the text"),
     device: str = typer.Option("auto", help="auto (CUDA when present) | cpu | cuda | cuda:N"),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
-    """Perplexity of MODEL on the text (plain-torch forward)."""
+    """Perplexity of MODEL on the text and, with --reference, the greedy (teacher-forced top-1)
+    agreement with the reference (plain-torch forward; on the GPU with --device cuda)."""
     with _errors(debug):
-        r = perplexity(model, text.read_text(encoding="utf-8"), seq_len=seq_len, max_tokens=max_tokens,
-                       device=device, text_name=str(text))
+        r = evaluate(model, text.read_text(encoding="utf-8"), reference=reference, seq_len=seq_len,
+                     max_tokens=max_tokens, device=device, text_name=str(text))
     if json_out:
         sys.stdout.write(json.dumps(r.to_dict()) + "\n")
     else:
         print(f"perplexity {r.perplexity:.4f} over {r.tokens} tokens ({r.windows} windows <= {r.seq_len}), "
               f"{r.seconds:.1f} s on {r.device}")
+        if r.agreement is not None:
+            print(f"reference perplexity {r.reference_perplexity:.4f} ({100 * r.ppl_delta:+.2f}%), greedy "
+                  f"agreement {100 * r.agreement:.2f}%")
 
 
 @app.command()

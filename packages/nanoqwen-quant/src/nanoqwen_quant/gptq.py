@@ -6,8 +6,9 @@ As in the reference implementation (github.com/IST-DASLab/gptq, `gptq.py`):
 - H = 2/n * sum x x^T accumulated in fp32 over calibration tokens (`HessianAccumulator`);
   dead inputs (H_ii = 0) get H_ii = 1 and their weight column zeroed;
 - static groups: the scale/zero of every group is computed from the original weights before any
-  update (the grid of `rtn.py`), so act-order needs no g_idx at run time; act-order permutes columns
-  by descending H_ii;
+  update (the grid of `rtn.py`, or with `clip` the clip search of `clip.py` on those original weights,
+  its error weighted by diag(H) with `clip_act`), so act-order needs no g_idx at run time; act-order
+  permutes columns by descending H_ii; the error feedback then runs on that grid;
 - damping: H += damp * mean(diag H) * I with damp = 1%; when the Cholesky factorisation fails the
   damping is multiplied by 10 (0.01 -> 0.1 -> 1 ...) and the raise is reported in `GPTQResult`;
 - H^-1 via Cholesky, then its upper Cholesky factor; lazy batch updates over blocks of 128 columns.
@@ -22,20 +23,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .clip import clip_group_params
 from .rtn import QuantResult, check_weight, group_params, quantize_columns
 
 __all__ = ["HessianAccumulator", "GPTQConfig", "GPTQResult", "gptq_quantize"]
 
 
 class HessianAccumulator:
-    """H = 2/n * sum_i x_i x_i^T over all n calibration tokens seen, fp32 [K, K] on `device`.
+    """H = 2/n * sum_i x_i x_i^T over all n calibration tokens seen, fp32 [K, K] on `device`, and
+    abs_mean = 1/n * sum_i |x_i|, fp32 [K] (AWQ's per-channel activation statistic).
 
     Uses the reference's running form (H *= n_old/n_new; H += (sqrt(2/n_new) x)^T (sqrt(2/n_new) x)).
     """
 
     def __init__(self, k: int, device: torch.device | str):
         self.H = torch.zeros(k, k, dtype=torch.float32, device=device)
+        self.abs_sum = torch.zeros(k, dtype=torch.float64, device=device)
         self.n = 0
+
+    @property
+    def abs_mean(self) -> torch.Tensor:
+        """f32 [K]: mean |x| per input channel over the tokens seen."""
+        return (self.abs_sum / max(self.n, 1)).float()
 
     def add(self, x: torch.Tensor) -> None:
         """x: [..., K] activations (any float dtype); every leading position is one token."""
@@ -43,6 +52,7 @@ class HessianAccumulator:
         t = x.shape[0]
         if t == 0:
             return
+        self.abs_sum += x.abs().sum(0, dtype=torch.float64)
         self.H *= self.n / (self.n + t)
         self.n += t
         x = x * (2.0 / self.n) ** 0.5
@@ -51,7 +61,8 @@ class HessianAccumulator:
 
 @dataclass
 class GPTQConfig:
-    """GPTQ recipe. Defaults are the paper's: 1% damping, blocks of 128, act-order, static groups."""
+    """GPTQ recipe. Defaults are the paper's: 1% damping, blocks of 128, act-order, static groups.
+    `group_size`, `symmetric`, `clip` and `clip_act` are copied from PackOptions by its validate()."""
 
     group_size: int = 128
     symmetric: bool = True
@@ -59,10 +70,12 @@ class GPTQConfig:
     block_size: int = 128
     act_order: bool = True
     static_groups: bool = True  # the only mode implemented (dynamic groups + act-order need a g_idx)
+    clip: bool = False  # group scales by the clip search (clip.py) instead of the full range
+    clip_act: bool = False  # ... with the error weighted by diag(H)
 
     def to_metadata(self) -> dict:
         return {"damp_percent": self.damp_percent, "block_size": self.block_size, "act_order": self.act_order,
-                "static_groups": self.static_groups}
+                "static_groups": self.static_groups, "clip": self.clip, "clip_act": self.clip_act}
 
 
 @dataclass
@@ -103,8 +116,12 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResu
     check_weight(w, cfg.group_size)
     if H.shape != (w.shape[1], w.shape[1]):
         raise ValueError(f"H must be [{w.shape[1]}, {w.shape[1]}], got {list(H.shape)}")
-    if not cfg.static_groups:
-        raise ValueError("only static groups are supported (the runtime has no g_idx)")
+    if not cfg.static_groups and cfg.act_order:
+        raise ValueError("dynamic groups need act_order=False (with act-order they need a g_idx, which the "
+                         "runtime has not)")
+    if not cfg.static_groups and cfg.block_size % cfg.group_size:
+        raise ValueError(f"dynamic groups need block_size % group_size == 0, got {cfg.block_size} / "
+                         f"{cfg.group_size}")
     H = H.clone()
     G = cfg.group_size
     W = w.clone().float()
@@ -112,8 +129,17 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResu
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
-    # static groups: parameters from the original (dead-zeroed) weights, before any update
-    scale, zero = group_params(W, G, cfg.symmetric)  # [N, K/G]
+    col_weight = torch.diag(H).clone() if cfg.clip_act else None
+
+    def params(wg: torch.Tensor, cw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if cfg.clip:
+            return clip_group_params(wg, G, cfg.symmetric, cw)
+        return group_params(wg, G, cfg.symmetric)
+
+    # static groups: parameters from the original (dead-zeroed) weights, before any update; dynamic
+    # groups (no act-order): from the updated weights when the sweep reaches the group (AutoGPTQ's
+    # default), filled in by _gptq_blocks
+    scale, zero = params(W, col_weight)  # [N, K/G]
     perm = None
     if cfg.act_order:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
@@ -131,8 +157,11 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, cfg: GPTQConfig) -> GPTQResu
     del W
     losses = torch.zeros(n, dtype=torch.float64, device=Wt.device)
     B = cfg.block_size
+    dynamic = None if cfg.static_groups else (G, params, col_weight)
     with _single_thread_on_cpu(Wt.device):
-        _gptq_blocks(Wt, Qt, st, zt, Hinv, losses, B)
+        _gptq_blocks(Wt, Qt, st, zt, Hinv, losses, B, dynamic)
+    if dynamic is not None:
+        scale, zero = st[::G].t().contiguous(), zt[::G].t().contiguous()
     Q = Qt.t()
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
@@ -158,9 +187,11 @@ def _single_thread_on_cpu(device: torch.device):
 
 
 def _gptq_blocks(Wt: torch.Tensor, Qt: torch.Tensor, st: torch.Tensor, zt: torch.Tensor, Hinv: torch.Tensor,
-                 losses: torch.Tensor, B: int) -> None:
+                 losses: torch.Tensor, B: int, dynamic=None) -> None:
     """The reference's lazy-batch loop on transposed tensors: Wt, Qt, st, zt [K, N] (Wt, Qt updated in
-    place), Hinv [K, K] upper Cholesky factor of H^-1, losses f64 [N] accumulated."""
+    place), Hinv [K, K] upper Cholesky factor of H^-1, losses f64 [N] accumulated. dynamic: None (static
+    groups) or (G, params(w [N, G], col_weight [G] | None) -> (s, z) [N, 1], col_weight [K] | None): the
+    rows of st / zt of each group are recomputed from the updated weights when the sweep reaches it."""
     k = Wt.shape[0]
     for i1 in range(0, k, B):
         i2 = min(i1 + B, k)
@@ -168,6 +199,11 @@ def _gptq_blocks(Wt: torch.Tensor, Qt: torch.Tensor, st: torch.Tensor, zt: torch
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
+            if dynamic is not None and (i1 + i) % dynamic[0] == 0:
+                G, params, cw = dynamic
+                s, z = params(W1[i:i + G].t(), None if cw is None else cw[i1 + i:i1 + i + G])
+                st[i1 + i:i1 + i + G] = s.t()
+                zt[i1 + i:i1 + i + G] = z.t()
             wcol = W1[i]
             qi = quantize_columns(wcol, st[i1 + i], zt[i1 + i])
             Qt[i1 + i] = qi

@@ -10,7 +10,8 @@ Checkpoint folder (`OUT.ckpt` by default):
 
     recipe.json         {"fingerprint": sha256 of source, recipe, calibration tokens, device type}
     layer_{i:03d}.pt    {name}.q / {name}.scale / {name}.zero of the four linears of layer i,
-                        "errors" (json: per-projection metrics), "notes" (json: damping raises)
+                        "errors" (json: per-projection metrics), "notes" (json: damping raises),
+                        norm.{input_norm,post_attn_norm} (AWQ only: the norms its scales were folded into)
     hidden.pt           {"next_layer": i + 1, "x": f32 [tokens, hidden], the inputs of layer i + 1}
 
 Both .pt files go to a temp name, are fsynced and renamed (`atomic_torch_save`), layer file first, so
@@ -23,7 +24,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -137,11 +138,13 @@ class CheckpointError(RuntimeError):
 
 @dataclass
 class LayerCheckpoint:
-    """One layer's GPTQ result as stored: the four quantized linears (CPU), errors and damping notes."""
+    """One layer's GPTQ result as stored: the four quantized linears (CPU), errors and damping notes,
+    and the norms AWQ folded its scales into (f32, bf16-exact; empty without AWQ)."""
 
     quant: dict[str, QuantResult]
     errors: dict[str, dict]
     notes: list[str]
+    norms: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Checkpoint:
@@ -196,13 +199,16 @@ class Checkpoint:
             d[f"{name}.scale"] = r.scale
             if r.zero is not None:
                 d[f"{name}.zero"] = r.zero
+        for name, t in layer.norms.items():
+            d[f"norm.{name}"] = t
         atomic_torch_save(d, self._layer_path(i))
 
     def load_layer(self, i: int, group_size: int) -> LayerCheckpoint:
         d = torch.load(self._layer_path(i), weights_only=True, map_location="cpu")
         quant = {n: QuantResult(d[f"{n}.q"], d[f"{n}.scale"], d.get(f"{n}.zero"), group_size)
                  for n in LINEARS}
-        return LayerCheckpoint(quant, json.loads(d["errors"]), json.loads(d["notes"]))
+        norms = {k.removeprefix("norm."): v for k, v in d.items() if k.startswith("norm.")}
+        return LayerCheckpoint(quant, json.loads(d["errors"]), json.loads(d["notes"]), norms)
 
     def save_hidden(self, next_layer: int, x: torch.Tensor) -> None:
         """x f32 [tokens, hidden]: the inputs of layer `next_layer` (written after its layer file)."""

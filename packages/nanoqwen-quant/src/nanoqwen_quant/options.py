@@ -22,7 +22,7 @@ __all__ = ["LINEARS", "LM_HEAD_CHOICES", "METHODS", "DeviceError", "PackOptions"
 
 LINEARS = ("qkv", "o_proj", "gate_up", "down")  # the fused linears of a layer that get quantized
 LM_HEAD_CHOICES = ("bf16", "int8", "int4")
-METHODS = ("none", "rtn", "gptq")
+METHODS = ("none", "rtn", "gptq", "import")  # import: a GPTQ/AWQ checkpoint as it is (checkpoints.py)
 
 Progress = Callable[[str, int, int], None]  # (stage description, done, total)
 
@@ -64,21 +64,33 @@ def resolve_device(spec: str) -> torch.device:
     return dev
 
 
-# Options that only GPTQ reads: field -> its `nanoqwen-quant pack` option. Set to anything but the
-# default with another method, they would be ignored silently: refused instead.
-_GPTQ_ONLY = {"calib_paths": "--calib", "calib_tokens": "--calib-tokens", "calib_seq_len": "--calib-seq-len",
-              "calib_batch": "--calib-batch", "checkpoint_dir": "--checkpoint-dir", "resume": "--resume"}
+# Options that only a calibrated pack (GPTQ, or AWQ scaling) reads: field -> its `nanoqwen-quant pack`
+# option. Set to anything but the default without calibration, they would be ignored silently: refused.
+_CALIBRATED_ONLY = {"calib_paths": "--calib", "calib_tokens": "--calib-tokens",
+                    "calib_seq_len": "--calib-seq-len", "calib_batch": "--calib-batch",
+                    "checkpoint_dir": "--checkpoint-dir", "resume": "--resume"}
 _GPTQ_CONFIG = {"damp_percent": "--damp", "act_order": "--act-order/--no-act-order", "block_size": "",
-                "static_groups": ""}
+                "static_groups": "--static-groups/--dynamic-groups"}
 
 
 @dataclass
 class PackOptions:
-    """The recipe. `calib_tokens` is rounded down to whole `calib_seq_len` windows."""
+    """The recipe. `calib_tokens` is rounded down to whole `calib_seq_len` windows.
+
+    clip: each INT4 group's scale (and zero) chosen by the clip search (clip.py) instead of the full
+    range; with clip_act its error is weighted by the calibration activations' E[x^2] (needs
+    calibration: method gptq or awq). awq: activation-aware input scaling (awq.py) before quantizing,
+    folded into the norms / up rows; needs calibration, so it runs the calibrated layer loop
+    (gptq_layers.py) for rtn too."""
 
     method: str = "rtn"
     group_size: int = 128
-    symmetric: bool = True
+    # asymmetric (a zero point per group) by the quality table (bench/quality/README.md): on the real
+    # 0.5B, RTN g128 asym +2.4% held-out perplexity vs none, sym +8.6%, for 4.19 vs 4.13 bits/weight
+    symmetric: bool = False
+    clip: bool = False
+    clip_act: bool = False
+    awq: bool = False
     lm_head: str = "bf16"
     device: str = "auto"  # "auto": CUDA when present, else CPU
     calib_paths: list[str] | None = None
@@ -109,26 +121,50 @@ class PackOptions:
         if not quantized and self.group_size != PackOptions.group_size:
             raise UsageError("group_size (--group-size) applies to int4/int8 weights, and method none with "
                              "lm_head bf16 writes none")
-        if not self.symmetric and self.method == "none" and self.lm_head != "int4":
-            raise UsageError(f"symmetric=False (--asym) applies to int4 weights, and method none with "
+        if self.symmetric != PackOptions.symmetric and self.method == "none" and self.lm_head != "int4":
+            flag = "True (--sym)" if self.symmetric else "False (--asym)"
+            raise UsageError(f"symmetric={flag} applies to int4 weights, and method none with "
                              f"lm_head {self.lm_head} writes none (the int8 lm_head is symmetric only)")
         resolve_device(self.device)
-        if self.method == "gptq":
-            self._validate_gptq()
+        self._validate_recipe()
+        if self.calibrated:
+            self._validate_calibration()
         else:
-            defaults, gdefaults = PackOptions(), GPTQConfig()
+            defaults = PackOptions()
             for f in fields(self):
-                if f.name in _GPTQ_ONLY and getattr(self, f.name) != getattr(defaults, f.name):
-                    raise UsageError(f"{f.name} ({_GPTQ_ONLY[f.name]}) applies to method gptq only, "
-                                     f"not {self.method}")
+                if f.name in _CALIBRATED_ONLY and getattr(self, f.name) != getattr(defaults, f.name):
+                    raise UsageError(f"{f.name} ({_CALIBRATED_ONLY[f.name]}) applies to method gptq or "
+                                     f"--awq only, not {self.method} without --awq")
+        if self.method != "gptq":
+            gdefaults = GPTQConfig()
             for name, opt in _GPTQ_CONFIG.items():
                 if getattr(self.gptq, name) != getattr(gdefaults, name):
                     raise UsageError(f"gptq.{name}{f' ({opt})' if opt else ''} applies to method gptq only, "
                                      f"not {self.method}")
         self.gptq.group_size = self.group_size
         self.gptq.symmetric = self.symmetric
+        self.gptq.clip = self.clip
+        self.gptq.clip_act = self.clip_act
 
-    def _validate_gptq(self) -> None:
+    @property
+    def calibrated(self) -> bool:
+        """Whether the pack runs the calibrated layer loop (GPTQ, or AWQ scaling with either method)."""
+        return self.method == "gptq" or self.awq
+
+    def recipe_metadata(self) -> dict:
+        """The recipe fields beyond method / group size / symmetry, for the container's metadata."""
+        return {"clip": self.clip, "clip_act": self.clip_act, "awq": self.awq}
+
+    def _validate_recipe(self) -> None:
+        if self.method == "none" and (self.clip or self.awq):
+            raise UsageError("clip (--clip) and awq (--awq) apply to int4 linears, and method none writes "
+                             "bf16 linears")
+        if self.clip_act and not self.clip:
+            raise UsageError("clip_act (--clip-act) weights the clip search: it needs clip (--clip)")
+        if self.clip_act and not self.calibrated:
+            raise UsageError("clip_act (--clip-act) needs calibration activations: method gptq or --awq")
+
+    def _validate_calibration(self) -> None:
         if self.calib_seq_len < 16:
             raise UsageError(f"calib_seq_len (--calib-seq-len) must be >= 16, got {self.calib_seq_len}")
         if self.calib_tokens < self.calib_seq_len:
@@ -141,8 +177,9 @@ class PackOptions:
             raise UsageError(f"gptq.damp_percent (--damp) must be a number > 0, got {g.damp_percent}")
         if g.block_size < 1:
             raise UsageError(f"gptq.block_size must be >= 1, got {g.block_size}")
-        if not g.static_groups:
-            raise UsageError("gptq.static_groups=False is not supported (the runtime has no g_idx)")
+        if not g.static_groups and g.act_order:
+            raise UsageError("gptq.static_groups=False (--dynamic-groups) needs --no-act-order (with "
+                             "act-order, dynamic groups need a g_idx, which the runtime has not)")
         if self.calib_paths is not None:
             if not self.calib_paths:
                 raise UsageError("calib_paths (--calib) is an empty list; leave it out for the default")

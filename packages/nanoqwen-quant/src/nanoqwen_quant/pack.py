@@ -1,4 +1,5 @@
-"""`pack`: a Qwen2 checkpoint -> a `.nanoqwen` container, with method none (bf16), rtn or gptq.
+"""`pack`: a Qwen2 checkpoint -> a `.nanoqwen` container, with method none (bf16), rtn or gptq, optionally
+with the clip search (clip.py) and AWQ scaling (awq.py).
 
 This module only orchestrates; each step has its own module, imported one way (nothing imports
 pack.py):
@@ -10,10 +11,13 @@ pack.py):
 Flow (one decoder layer in memory at a time):
 
     none / rtn:  the container writer asks for each layer's quantized linears as it reaches the
-                 layer (RTN of the four fused linears, or nothing for none) and streams it out.
-    gptq:        calibration windows -> gptq_layers.run_gptq fills the checkpoint folder layer by
-                 layer (resumable) -> the container is assembled from the checkpoint files -> the
-                 folder is removed.
+                 layer (RTN of the four fused linears, clip-searched with --clip, or nothing for
+                 none) and streams it out.
+    gptq, or rtn with --awq (calibrated): calibration windows -> gptq_layers.run_gptq fills the
+                 checkpoint folder layer by layer (resumable) -> the container is assembled from the
+                 checkpoint files (AWQ's folded norms replace the source's) -> the folder is removed.
+    import:      a GPTQ/AWQ checkpoint (pack_import.py, checkpoints.py): its codes, fp16 scales and
+                 zero points are moved into the f16-scale INT4 layout layer by layer, exactly.
 
 Resume: the checkpoint records a fingerprint of the recipe, source, calibration tokens and device
 type; a mismatch is refused. A resumed run assembles a byte-identical file (see gptq_layers.py).
@@ -35,10 +39,12 @@ import nanoqwen_format as nqf
 import torch
 
 from .calib import CalibrationSet, build_calibration
+from .clip import quantize_rtn_clipped
 from .gptq_layers import run_gptq
 from .io import Checkpoint, container_metadata, write_container
 from .metrics import weight_rel_err
 from .options import LINEARS, PackOptions, Progress, UsageError, no_progress
+from .pack_import import check_import_options, pack_import
 from .rtn import QuantResult, quantize_rtn
 from .sources import Source
 
@@ -47,7 +53,8 @@ __all__ = ["PackOptions", "PackSummary", "check_output_path", "checkpoint_folder
 # Bumped whenever what a checkpoint holds, or how the layer loop computes it, changes: a checkpoint of
 # an older loop is then refused instead of being resumed into a file a fresh run would not write.
 # 2: activations are flat [tokens, hidden] and computed with nanoqwen_model's forward.
-CHECKPOINT_VERSION = 2
+# 3: clip search and AWQ (folded norms in the layer files), RTN as the loop's quantizer.
+CHECKPOINT_VERSION = 3
 
 
 @dataclass
@@ -105,6 +112,7 @@ def pack(source: Source, out: str | Path, opts: PackOptions, progress: Progress 
     `opts.calib_paths` (or the stdlib) with the source's tokenizer."""
     opts.validate()
     opts.check_model(source.config)
+    check_import_options(source, opts)  # a GPTQ/AWQ source is imported, never requantized
     dev = opts.resolved_device()
     out = Path(out)
     for p in check_output_path(out, opts):
@@ -112,7 +120,9 @@ def pack(source: Source, out: str | Path, opts: PackOptions, progress: Progress 
     t0 = time.perf_counter()
     source.check_complete()
     source_sha = source.source_sha256()
-    if opts.method in ("none", "rtn"):
+    if opts.method == "import":
+        layer_errors, notes = pack_import(source, out, opts, source_sha, progress, log)
+    elif not opts.calibrated:
         layer_errors, notes = _pack_rtn(source, out, opts, dev, source_sha, progress, log)
     else:
         layer_errors, notes = _pack_gptq(source, out, opts, dev, source_sha, progress, log, calibration)
@@ -131,14 +141,18 @@ def _pack_rtn(source: Source, out: Path, opts: PackOptions, dev: torch.device, s
         res, errs = {}, {}
         for name in LINEARS:
             w = lw[name].to(dev)
-            r = quantize_rtn(w, opts.group_size, opts.symmetric)
+            if opts.clip:
+                r = quantize_rtn_clipped(w, opts.group_size, opts.symmetric)
+            else:
+                r = quantize_rtn(w, opts.group_size, opts.symmetric)
             errs[name] = {"w_rel": weight_rel_err(w, r.dequantize())}
             res[name] = r.cpu()
         layer_errors.append(errs)
         return res
 
     def meta(lm_head_w_rel: float | None) -> dict:
-        return container_metadata(source, opts, layer_errors, {}, source_sha, lm_head_w_rel)
+        extra = opts.recipe_metadata() if opts.method != "none" else {}
+        return container_metadata(source, opts, layer_errors, extra, source_sha, lm_head_w_rel)
 
     write_container(source, opts, out, quantized_layer, meta, progress, log)
     return layer_errors, []
@@ -147,7 +161,7 @@ def _pack_rtn(source: Source, out: Path, opts: PackOptions, dev: torch.device, s
 def _pack_gptq(source: Source, out: Path, opts: PackOptions, dev: torch.device, source_sha: str,
                progress: Progress, log: Callable[[str], None],
                calibration: CalibrationSet | None) -> tuple[list[dict], list[str]]:
-    """Method gptq: the layer loop into the checkpoint, then the container from the checkpoint."""
+    """Method gptq, or rtn with AWQ: the layer loop into the checkpoint, then the container from it."""
     ckpt = checkpoint_folder(out, opts)
     calib = calibration or build_calibration(source.tokenizer_json, opts.calib_tokens, opts.calib_seq_len,
                                              opts.calib_paths)
@@ -164,10 +178,14 @@ def _pack_gptq(source: Source, out: Path, opts: PackOptions, dev: torch.device, 
         del layer
 
     def quantized_layer(i: int, lw: dict[str, torch.Tensor]) -> dict[str, QuantResult]:
-        return ckpt.load_layer(i, opts.group_size).quant
+        layer = ckpt.load_layer(i, opts.group_size)
+        lw.update(layer.norms)  # AWQ's folded norms: the writer takes the non-linear tensors from lw
+        return layer.quant
 
     def meta(lm_head_w_rel: float | None) -> dict:
-        extra = {"gptq": opts.gptq.to_metadata(), "calibration": calib.to_metadata(), "gptq_notes": notes}
+        extra = {**opts.recipe_metadata(), "calibration": calib.to_metadata()}
+        if opts.method == "gptq":
+            extra |= {"gptq": opts.gptq.to_metadata(), "gptq_notes": notes}
         return container_metadata(source, opts, layer_errors, extra, source_sha, lm_head_w_rel)
 
     write_container(source, opts, out, quantized_layer, meta, progress, log)
@@ -180,5 +198,6 @@ def _fingerprint(source_sha: str, opts: PackOptions, tokens_sha: str, config: di
     d = {"checkpoint_version": CHECKPOINT_VERSION, "device": dev.type, "source_sha256": source_sha,
          "config": config, "tokens_sha256": tokens_sha, "group_size": opts.group_size,
          "symmetric": opts.symmetric, "gptq": opts.gptq.to_metadata(), "calib_batch": opts.calib_batch,
+         "method": opts.method, "recipe": opts.recipe_metadata(),
          "torch": torch.__version__}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()

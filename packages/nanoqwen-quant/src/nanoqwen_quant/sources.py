@@ -34,6 +34,8 @@ import torch
 from nanoqwen_model.config import GGUF_ARCHITECTURES, Qwen2Config, UnsupportedModelError
 from nanoqwen_model.forward import LAYER_TENSORS
 
+from .checkpoints import QuantScheme, import_layer, layer_tensor_names, read_scheme
+
 
 class SourceError(ValueError):
     """The checkpoint source is missing, incomplete or malformed."""
@@ -335,7 +337,64 @@ class HFFolderSource(Source):
 
 # ------------------------------------------------------------------------------------- hub id
 HUB_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "chat_template.jinja", "model.safetensors.index.json", "*.safetensors"]
+                "chat_template.jinja", "model.safetensors.index.json", "*.safetensors",
+                "quantize_config.json"]  # AutoGPTQ's older checkpoints keep their scheme there
+
+
+class QuantizedHFSource(HFFolderSource):
+    """A GPTQ or AWQ checkpoint folder (nanoqwen_quant.checkpoints reads its formats). `layer(i)` holds
+    only the non-quantized tensors (norms, the fused q/k/v bias, bf16); `quantized_layer(i)` the four
+    fused linears as exact `int4-g{G}-tile8x128-f16s-v1` QuantizedTensors."""
+
+    def __init__(self, folder: str | Path, scheme: QuantScheme, spec: str | None = None):
+        super().__init__(folder, spec)
+        self.scheme = scheme
+
+    def _raw(self, hf_name: str) -> np.ndarray:
+        """One tensor as stored (no dtype conversion), numpy."""
+        from safetensors import safe_open
+
+        f = self._where.get(hf_name)
+        if f is None:
+            raise SourceError(f"{self.spec}: missing tensor {hf_name}")
+        with safe_open(f, framework="pt") as h:
+            return h.get_tensor(hf_name).numpy()
+
+    def quantized_layer(self, i: int):
+        """{container linear name: nanoqwen_format.QuantizedTensor} of decoder layer i."""
+        if not 0 <= i < self.config.num_hidden_layers:
+            raise IndexError(f"layer {i} out of range 0..{self.config.num_hidden_layers - 1}")
+        return import_layer(self._raw, self._has, i, self.config.tensor_shapes(), self.scheme, self.spec)
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """The non-quantized tensors of layer i (bf16): norms and the fused q/k/v bias."""
+        if not 0 <= i < self.config.num_hidden_layers:
+            raise IndexError(f"layer {i} out of range 0..{self.config.num_hidden_layers - 1}")
+        p = f"model.layers.{i}."
+        return {"input_norm": self._get(p + "input_layernorm.weight"),
+                "qkv_bias": torch.cat([self._get(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0),
+                "post_attn_norm": self._get(p + "post_attention_layernorm.weight")}
+
+    def check_complete(self) -> None:
+        """SourceError naming the first missing tensor, or a quantized lm_head (no tensor data read)."""
+        if self._has("lm_head.qweight"):
+            raise SourceError(f"{self.spec}: the lm_head is quantized (lm_head.qweight): not supported; "
+                              "nanoqwen imports checkpoints with a float lm_head")
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.config.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for i in range(self.config.num_hidden_layers):
+            names += layer_tensor_names(i)
+        for n in names:
+            if not self._has(n):
+                raise SourceError(f"{self.spec}: missing tensor {n} (a {self.scheme.method} checkpoint)")
+
+
+def hf_folder_source(folder: str | Path, spec: str | None = None) -> HFFolderSource:
+    """HFFolderSource, or QuantizedHFSource when the folder declares a GPTQ/AWQ quantization (any other
+    declared quantization is refused: its `.weight` tensors are not float weights)."""
+    scheme = read_scheme(Path(folder))
+    return HFFolderSource(folder, spec) if scheme is None else QuantizedHFSource(folder, scheme, spec)
 
 
 def hub_source(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> HFFolderSource:
@@ -343,9 +402,12 @@ def hub_source(repo_id: str, revision: str | None = None, cache_dir: str | None 
     from huggingface_hub import hf_hub_download, snapshot_download
 
     cfg = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir)
-    packable(Qwen2Config.from_hf(json.loads(Path(cfg).read_text())))
+    cfg_map = json.loads(Path(cfg).read_text())
+    packable(Qwen2Config.from_hf(cfg_map))
+    if cfg_map.get("quantization_config") is not None:  # refuse an unsupported scheme before the download
+        QuantScheme.from_config(cfg_map["quantization_config"], f"{repo_id}: config.json")
     folder = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=HUB_PATTERNS)
-    return HFFolderSource(folder, spec=repo_id if revision is None else f"{repo_id}@{revision}")
+    return hf_folder_source(folder, spec=repo_id if revision is None else f"{repo_id}@{revision}")
 
 
 def open_source(spec: str) -> Source:
@@ -358,7 +420,7 @@ def open_source(spec: str) -> Source:
             raise SourceError(f"{spec}: a file source must be a GGUF (magic {magic!r})")
         return GGUFSource(p)
     if p.is_dir():
-        return HFFolderSource(p)
+        return hf_folder_source(p)
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         repo, _, rev = spec.partition("@")
         return hub_source(repo, rev or None)
@@ -366,4 +428,4 @@ def open_source(spec: str) -> Source:
 
 
 __all__ = ["Source", "GGUFSource", "HFFolderSource", "SourceError", "UnsupportedModelError", "open_source",
-           "hub_source", "packable"]
+           "hub_source", "hf_folder_source", "QuantizedHFSource", "packable"]

@@ -62,7 +62,10 @@ def load_weights(path: str | PathLike, dtype: torch.dtype = torch.bfloat16,
                     check_finite([(name, "", t)], f.path)
             else:
                 if verify and rec.is_quantized:
-                    scales = torch.from_numpy(f.quantized(name).scales.copy()).view(torch.bfloat16)
+                    qt = f.quantized(name)
+                    scales = torch.from_numpy(qt.scales.copy())  # fp16 values (-f16s) or bf16 bits
+                    if qt.scale_dtype == "bf16":
+                        scales = scales.view(torch.bfloat16)
                     check_finite([(name, "scales", scales)], f.path)
                 t = torch.from_numpy(f.dequantize(name))
             weights[name] = t.to(device=device, dtype=torch.float32 if t.dim() == 1 else dtype)

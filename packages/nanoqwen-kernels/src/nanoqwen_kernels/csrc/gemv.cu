@@ -1,9 +1,11 @@
 // gemv.cu: extern "C" entry points of the INT4 linear family (algorithms in gemv_int4.cuh).
 //
-//   gemv_int4_g{32,64,128}_{sym,asym}[_silu]   decode GEMV, M = 1..8; `_silu` takes gate_up [M, 2K]
+//   gemv_int4_g{32,64,128}_{sym,asym}[_f16s][_silu]
+//                                              decode GEMV, M = 1..8; `_silu` takes gate_up [M, 2K]
 //                                              and applies SiLU(gate) * up while staging x (fuses the
-//                                              MLP activation into the down projection)
-//   dequant_int4_g{32,64,128}_{sym,asym}       INT4 -> dense bf16 [N, K] (prefill: + cuBLAS GEMM)
+//                                              MLP activation into the down projection); `_f16s`: fp16
+//                                              scales (layout int4-g{G}-tile8x128-f16s-v1), else bf16
+//   dequant_int4_g{32,64,128}_{sym,asym}[_f16s] INT4 -> dense bf16 [N, K] (prefill: + cuBLAS GEMM)
 //   gemv_int8_g{64,128}                        decode GEMV, M = 1..8, INT8 row-major weights (the
 //                                              `--lm-head int8` layout; gemv_int8.cuh)
 //
@@ -15,14 +17,14 @@
 
 using namespace nq_gemv;
 
-#define NQ_GEMV_ENTRY(NAME, G, ASYM, XMODE)                                                           \
+#define NQ_GEMV_ENTRY(NAME, G, ASYM, XMODE, ST)                                                       \
   extern "C" __global__ void __launch_bounds__(THREADS, (G == 128 && XMODE == 0) ? NQ_GEMV_MIN_BLOCKS_G128 : NQ_GEMV_MIN_BLOCKS) \
       NAME(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,                          \
-           const bf16_t* __restrict__ scales, const u8* __restrict__ zeros,                           \
+           const u16* __restrict__ scales, const u8* __restrict__ zeros,                              \
            const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,         \
            int* __restrict__ counters, int M, int N, int K, int kc) {                                 \
-    gemv_int4<G, ASYM, XMODE, NQ_GEMV_UNROLL>(x, qweight, scales, zeros, bias, out, ws, counters, M, \
-                                              N, K, kc);                                              \
+    gemv_int4<G, ASYM, XMODE, NQ_GEMV_UNROLL, ST>(x, qweight, scales, zeros, bias, out, ws, counters, \
+                                                  M, N, K, kc);                                       \
   }
 
 // Tile-columns per pipeline stage (two stages in flight) and the blocks per SM the register budget
@@ -38,33 +40,51 @@ using namespace nq_gemv;
 #define NQ_GEMV_MIN_BLOCKS_G128 4  // plain-input g128: 64 registers, 4 blocks = 32 warps per SM
 #endif
 
-NQ_GEMV_ENTRY(gemv_int4_g128_sym, 128, false, 0)
-NQ_GEMV_ENTRY(gemv_int4_g128_asym, 128, true, 0)
-NQ_GEMV_ENTRY(gemv_int4_g64_sym, 64, false, 0)
-NQ_GEMV_ENTRY(gemv_int4_g64_asym, 64, true, 0)
-NQ_GEMV_ENTRY(gemv_int4_g32_sym, 32, false, 0)
-NQ_GEMV_ENTRY(gemv_int4_g32_asym, 32, true, 0)
-NQ_GEMV_ENTRY(gemv_int4_g128_sym_silu, 128, false, 1)
-NQ_GEMV_ENTRY(gemv_int4_g128_asym_silu, 128, true, 1)
-NQ_GEMV_ENTRY(gemv_int4_g64_sym_silu, 64, false, 1)
-NQ_GEMV_ENTRY(gemv_int4_g64_asym_silu, 64, true, 1)
-NQ_GEMV_ENTRY(gemv_int4_g32_sym_silu, 32, false, 1)
-NQ_GEMV_ENTRY(gemv_int4_g32_asym_silu, 32, true, 1)
+NQ_GEMV_ENTRY(gemv_int4_g128_sym, 128, false, 0, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g128_asym, 128, true, 0, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g64_sym, 64, false, 0, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g64_asym, 64, true, 0, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g32_sym, 32, false, 0, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g32_asym, 32, true, 0, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g128_sym_silu, 128, false, 1, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g128_asym_silu, 128, true, 1, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g64_sym_silu, 64, false, 1, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g64_asym_silu, 64, true, 1, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g32_sym_silu, 32, false, 1, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g32_asym_silu, 32, true, 1, ScaleBF16)
+NQ_GEMV_ENTRY(gemv_int4_g128_sym_f16s, 128, false, 0, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g128_asym_f16s, 128, true, 0, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g64_sym_f16s, 64, false, 0, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g64_asym_f16s, 64, true, 0, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g32_sym_f16s, 32, false, 0, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g32_asym_f16s, 32, true, 0, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g128_sym_f16s_silu, 128, false, 1, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g128_asym_f16s_silu, 128, true, 1, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g64_sym_f16s_silu, 64, false, 1, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g64_asym_f16s_silu, 64, true, 1, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g32_sym_f16s_silu, 32, false, 1, ScaleF16)
+NQ_GEMV_ENTRY(gemv_int4_g32_asym_f16s_silu, 32, true, 1, ScaleF16)
 
-#define NQ_DEQUANT_ENTRY(NAME, G, ASYM)                                                               \
+#define NQ_DEQUANT_ENTRY(NAME, G, ASYM, ST)                                                           \
   extern "C" __global__ void __launch_bounds__(256)                                                   \
-      NAME(const uint4* __restrict__ qweight, const bf16_t* __restrict__ scales,                     \
+      NAME(const uint4* __restrict__ qweight, const u16* __restrict__ scales,                        \
            const u8* __restrict__ zeros, bf16_t* __restrict__ out, int N, int K) {                    \
     pdl_enter();                                                                                      \
-    dequant_int4<G, ASYM>(qweight, scales, zeros, out, N, K);                                         \
+    dequant_int4<G, ASYM, ST>(qweight, scales, zeros, out, N, K);                                     \
   }
 
-NQ_DEQUANT_ENTRY(dequant_int4_g128_sym, 128, false)
-NQ_DEQUANT_ENTRY(dequant_int4_g128_asym, 128, true)
-NQ_DEQUANT_ENTRY(dequant_int4_g64_sym, 64, false)
-NQ_DEQUANT_ENTRY(dequant_int4_g64_asym, 64, true)
-NQ_DEQUANT_ENTRY(dequant_int4_g32_sym, 32, false)
-NQ_DEQUANT_ENTRY(dequant_int4_g32_asym, 32, true)
+NQ_DEQUANT_ENTRY(dequant_int4_g128_sym, 128, false, ScaleBF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g128_asym, 128, true, ScaleBF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g64_sym, 64, false, ScaleBF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g64_asym, 64, true, ScaleBF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g32_sym, 32, false, ScaleBF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g32_asym, 32, true, ScaleBF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g128_sym_f16s, 128, false, ScaleF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g128_asym_f16s, 128, true, ScaleF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g64_sym_f16s, 64, false, ScaleF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g64_asym_f16s, 64, true, ScaleF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g32_sym_f16s, 32, false, ScaleF16)
+NQ_DEQUANT_ENTRY(dequant_int4_g32_asym_f16s, 32, true, ScaleF16)
 
 // Blocks per SM the INT8 GEMV's register budget must allow: 3 (72 registers). 4 (64 registers, 32 warps
 // per SM) measured 3.7% slower on the H200 at M = 1 (bench/kernels/results/int8_lm_head-2026-11-30.json).

@@ -1,5 +1,9 @@
 // gemv_int4.cuh: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for decode, M = 1..8, W in the INT4 layout
-// `int4-g{G}-tile8x128-v1` (docs/DESIGN.md), bf16 activations, fp32 accumulation.
+// `int4-g{G}-tile8x128-v1` (docs/DESIGN.md), bf16 activations, fp32 accumulation; and the same with
+// fp16 scales (`int4-g{G}-tile8x128-f16s-v1`, imported GPTQ/AWQ checkpoints): the scale type is the
+// template parameter ST (ScaleBF16 / ScaleF16), which only changes how a scale's 16 bits widen to f32
+// (a shift for bf16, cvt.f32.f16 for fp16: both exact). Zero points may be 0..16 there: bf16(128 + q)
+// - bf16(128 + z) is exact for any z < 128, so the kernels need nothing else.
 //
 // Data layout. qweight u32 [N/8, K/128, 32, 4]: one 8x128 tile is 512 contiguous bytes; lane L of a
 // warp loads words [L, 0..3] with one 16-byte load. Lane L = 4g + t holds, in word w, row g of the
@@ -76,6 +80,18 @@ NQ_DEVICE float ld_cg_f32(const float* p) {
   return v;
 }
 
+// The two scale types of the INT4 layouts: 16 bits per scale, widened exactly to f32.
+struct ScaleBF16 {
+  static NQ_DEVICE float to_f32(u16 bits) { return __uint_as_float(((u32)bits) << 16); }
+};
+struct ScaleF16 {
+  static NQ_DEVICE float to_f32(u16 bits) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+    return f;
+  }
+};
+
 template <int G>
 struct ScaleBits {
   using type = u32;  // G = 128: one bf16, G = 64: two
@@ -90,7 +106,7 @@ template <int G>
 struct GroupIO {
   static constexpr int GPT = 128 / G;
   // raw scale bits of groups (tc*GPT .. +GPT-1) of one row, packed little-endian (GPT * 16 bits)
-  static NQ_DEVICE typename ScaleBits<G>::type load_scales(const bf16_t* s_row, int tc) {
+  static NQ_DEVICE typename ScaleBits<G>::type load_scales(const u16* s_row, int tc) {
     if constexpr (GPT == 1) return (u32)s_row[tc];
     else if constexpr (GPT == 2) return *reinterpret_cast<const u32*>(s_row + 2 * tc);
     else return *reinterpret_cast<const u64*>(s_row + 4 * tc);
@@ -144,9 +160,10 @@ struct Stage {
   u32 z0[U], z1[U];
 };
 
-template <int G, bool ASYM, int XMODE, int U>
+// scales: the raw 16-bit scale words, bf16 or fp16 as ST says.
+template <int G, bool ASYM, int XMODE, int U, typename ST>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
-                         const bf16_t* __restrict__ scales, const u8* __restrict__ zeros,
+                         const u16* __restrict__ scales, const u8* __restrict__ zeros,
                          const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
                          int* __restrict__ counters, int M, int N, int K, int kc) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -167,8 +184,8 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   const int row0 = 8 * tr0 + g, row1 = 8 * (has1 ? tr1 : tr0) + g;
   const uint4* w0p = qweight + ((i64)tr0 * KT) * 32 + lane;
   const uint4* w1p = qweight + ((i64)(has1 ? tr1 : tr0) * KT) * 32 + lane;
-  const bf16_t* s0p = scales + (i64)row0 * KG;
-  const bf16_t* s1p = scales + (i64)row1 * KG;
+  const u16* s0p = scales + (i64)row0 * KG;
+  const u16* s1p = scales + (i64)row1 * KG;
   const u8* z0p = ASYM ? zeros + (i64)row0 * KG : nullptr;
   const u8* z1p = ASYM ? zeros + (i64)row1 * KG : nullptr;
 
@@ -219,8 +236,8 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
         mma_bf16(c, dq(w0[w], 0, nz0), dq(w1[w], 0, nz1), dq(w0[w], 1, nz0), dq(w1[w], 1, nz1), b.x, b.y);
         mma_bf16(c, dq(w0[w], 2, nz0), dq(w1[w], 2, nz1), dq(w0[w], 3, nz0), dq(w1[w], 3, nz1), b.z, b.w);
       }
-      const float sc0 = bf16_to_f32((bf16_t)(s0 >> (16 * gi)));
-      const float sc1 = bf16_to_f32((bf16_t)(s1 >> (16 * gi)));
+      const float sc0 = ST::to_f32((u16)(s0 >> (16 * gi)));
+      const float sc1 = ST::to_f32((u16)(s1 >> (16 * gi)));
       acc[0] = fmaf(c[0], sc0, acc[0]);
       acc[1] = fmaf(c[1], sc0, acc[1]);
       acc[2] = fmaf(c[2], sc1, acc[2]);
@@ -309,10 +326,20 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (or graph replay)
 }
 
+// a[i] for a lane-dependent i in 0..3, as selects (a dynamic index would put `a` in local memory).
+NQ_DEVICE u32 select4(const u32 (&a)[4], int i) {
+  return i == 0 ? a[0] : i == 1 ? a[1] : i == 2 ? a[2] : a[3];
+}
+
 // Dequantize to a dense bf16 [N, K] matrix (prefill path: then a cuBLAS GEMM). One warp per tile,
-// grid-stride. Each value is bf16((q - z) * s), rounded once.
-template <int G, bool ASYM>
-NQ_DEVICE void dequant_int4(const uint4* __restrict__ qweight, const bf16_t* __restrict__ scales,
+// grid-stride. Each value is bf16((q - z) * s), rounded once (s widened from bf16 or fp16 by ST).
+//
+// Stores are the cost here (4 bytes written per byte read), so they are made full-width: in the tile
+// layout lane (g, t) holds, for word w and nibble j, columns 32w + 8j + 2t and +1 of row g. A 4-lane
+// transpose (3 shuffles per word) gives lane t the eight columns 32w + 8t .. +7 instead, which it
+// writes as one 16-byte store; the 4 lanes of a row then write 64 contiguous bytes per word.
+template <int G, bool ASYM, typename ST>
+NQ_DEVICE void dequant_int4(const uint4* __restrict__ qweight, const u16* __restrict__ scales,
                             const u8* __restrict__ zeros, bf16_t* __restrict__ out, int N, int K) {
   const int KT = K / 128, KG = K / G;
   const i64 ntiles = (i64)(N / 8) * KT;
@@ -324,18 +351,29 @@ NQ_DEVICE void dequant_int4(const uint4* __restrict__ qweight, const bf16_t* __r
     const uint4 v = ld_stream_v4(qweight + tile * 32 + lane);
     const u32 wv[4] = {v.x, v.y, v.z, v.w};
     const int row = 8 * tr + g;
-    bf16_t* orow = out + (i64)row * K + tc * 128 + 2 * t;
+    bf16_t* orow = out + (i64)row * K + tc * 128 + 8 * t;
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const int grp = (tc * 128 + 32 * w) / G;
-      const float s = bf16_to_f32(scales[(i64)row * KG + grp]);
+      const float s = ST::to_f32(scales[(i64)row * KG + grp]);
       const float z = ASYM ? (float)zeros[(i64)row * KG + grp] : 8.f;
+      u32 mine[4];  // mine[j]: columns 32w + 8j + 2t, +1
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const u32 p = lop3_and_or(wv[w] >> (4 * j), 0x000f000fu, 0x43004300u);
-        const float lo = (bf16x2_lo(p) - 128.f - z) * s, hi = (bf16x2_hi(p) - 128.f - z) * s;
-        *reinterpret_cast<u32*>(orow + 32 * w + 8 * j) = f32x2_to_bf16x2(lo, hi);
+        mine[j] = f32x2_to_bf16x2((bf16x2_lo(p) - 128.f - z) * s, (bf16x2_hi(p) - 128.f - z) * s);
       }
+      // Round r (1..3): lane t sends mine[(t + r) & 3] and receives from lane s = (t - r) & 3 of its
+      // group that lane's mine[t], i.e. its columns 32w + 8t + 2s. recv[0] is the lane's own mine[t].
+      // got[s] = recv[(t - s) & 3]. All indices are lane-dependent: 4-way selects, no local memory.
+      u32 recv[4];
+      recv[0] = select4(mine, t);
+#pragma unroll
+      for (int r = 1; r < 4; ++r)
+        recv[r] = __shfl_sync(0xffffffffu, select4(mine, (t + r) & 3), (lane & ~3) | ((t - r) & 3));
+      *reinterpret_cast<uint4*>(orow + 32 * w) =
+          make_uint4(select4(recv, t), select4(recv, (t - 1) & 3), select4(recv, (t - 2) & 3),
+                     select4(recv, (t - 3) & 3));
     }
   }
 }

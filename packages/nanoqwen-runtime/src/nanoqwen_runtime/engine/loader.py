@@ -153,7 +153,8 @@ def _linear(f, name: str, buf: torch.Tensor, base: int) -> Linear:
         raise nqf.FormatError(f"tensor {name!r}: encoding {rec.encoding!r} is not supported by the engine")
     lay = nqf.quantized.parse_layout(rec.encoding, rec.layout, rec.shape, rec.group_size, rec.symmetric)
     n, k, g = lay.n, lay.k, lay.group_size
-    scales = _view(buf, off + lay.scales_offset, n * (k // g) * 2, torch.bfloat16, (n, k // g))
+    sdt = torch.float16 if lay.scale_dtype == "f16" else torch.bfloat16  # the -f16s int4 layout: fp16
+    scales = _view(buf, off + lay.scales_offset, n * (k // g) * 2, sdt, (n, k // g))
     if rec.encoding == "int8":
         return Int8Linear(_view(buf, off, n * k, torch.int8, (n, k)), scales, n, k, g)
     qweight = _view(buf, off, n * k // 2, torch.int32, (n // 8, k // 128, 32, 4))
@@ -188,7 +189,8 @@ def check_shapes(geom: Qwen2Config, w: ModelWeights) -> None:
 
 def finite_check_targets(w: ModelWeights) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(name, part, tensor) of every floating tensor the model computes with as stored: bf16 norms,
-    biases, embeddings and dense linears, and the bf16 scales of INT4/INT8 linears (integrity.py)."""
+    biases, embeddings and dense linears, and the scales of INT4/INT8 linears (bf16, or fp16 for the
+    -f16s INT4 layout) (integrity.py)."""
     def linear(name: str, lin: Linear):
         if isinstance(lin, DenseLinear):
             yield name, "", lin.weight

@@ -4,7 +4,9 @@ Each linear layer is one of three kinds, matching the container encodings of doc
 
 - `Int4Linear`: layout `int4-g{G}-tile8x128-v1`; qweight int32 [N/8, K/128, 32, 4] (the uint32 words
   viewed as int32: torch has no uint32 arithmetic, the kernels read raw bits), scales bf16 [N, K/G],
-  zeros uint8 [N, K/G] or None (symmetric: implicit 8).
+  zeros uint8 [N, K/G] or None (symmetric: implicit 8). Layout `int4-g{G}-tile8x128-f16s-v1`
+  (imported GPTQ/AWQ checkpoints): the same with float16 scales and zero points 0..16; the scales'
+  dtype is what every backend dispatches on.
 - `Int8Linear`: layout `int8-g{G}-rowmajor-v1` (lm_head option); qweight int8 [N, K], scales bf16.
 - `DenseLinear`: bf16 [N, K] (unquantized checkpoints, the default lm_head).
 
@@ -23,7 +25,7 @@ from nanoqwen_model import codec
 @dataclass
 class Int4Linear:
     qweight: torch.Tensor          # int32 [N/8, K/128, 32, 4]
-    scales: torch.Tensor           # bf16 [N, K/G]
+    scales: torch.Tensor           # bf16 [N, K/G], or float16 (the -f16s layout)
     zeros: torch.Tensor | None     # uint8 [N, K/G] or None
     n: int
     k: int
