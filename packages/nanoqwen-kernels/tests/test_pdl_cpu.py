@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from nanoqwen_kernels import attention, cuda_driver, gemv, launch, layer_ops, sampling
+from nanoqwen_kernels import attention, cuda_driver, gemm, gemv, launch, layer_ops, sampling
 from nanoqwen_kernels.specs import SPECS
 
 CSRC = Path(launch.__file__).parent / "csrc"
@@ -102,13 +102,14 @@ def test_every_kernel_entry_waits_before_touching_dependent_memory():
             for name, body in _kernel_bodies((CSRC / source).read_text()):
                 seen += 1
                 first = body.replace("\\", " ").split(";")[0].strip()
-                if first.startswith(("gemv_int4<", "nq_gemv8::gemv_int8<")):
+                if first.startswith(("gemv_int4<", "nq_gemv8::gemv_int8<", "gemm_int4<")):
                     # the decode GEMVs prefetch weights first; their wait is inside (checked below)
                     continue
                 assert first in ("pdl_enter()", "pdl_wait()"), f"{source}:{name} starts with {first!r}"
     assert seen >= 10
     for header, fn, first_x in (("gemv_int4.cuh", "NQ_DEVICE void gemv_int4(", "stage_x<XMODE>(xs"),
-                                ("gemv_int8.cuh", "NQ_DEVICE void gemv_int8(", "ld_v4(x + ")):
+                                ("gemv_int8.cuh", "NQ_DEVICE void gemv_int8(", "ld_v4(x + "),
+                                ("gemm_int4.cuh", "NQ_DEVICE void gemm_int4(", "issue(0);")):
         src = (CSRC / header).read_text()
         body = src[src.index(fn):]
         wait, stage, first_store = body.index("pdl_wait();"), body.index(first_x), body.index("out[")
@@ -119,7 +120,7 @@ def test_every_kernel_entry_waits_before_touching_dependent_memory():
 
 
 LAUNCHERS = [
-    gemv.gemv_int4, gemv.gemv_int8, gemv.dequantize_int4, gemv.linear_int4_prefill,
+    gemv.gemv_int4, gemv.gemv_int8, gemv.dequantize_int4, gemv.linear_int4_prefill, gemm.gemm_int4,
     layer_ops.rms_norm, layer_ops.fused_add_rms_norm, layer_ops.silu_mul, layer_ops.embedding_gather,
     layer_ops.qkv_rope_kv_write, sampling.sample_tokens, attention.PagedAttentionPlan.run,
 ]  # fmt: skip
@@ -169,6 +170,9 @@ def _call_every_launcher(pdl_kw: dict) -> None:
     dense = torch.zeros(n, k, **bf)
     gemv.dequantize_int4(w4, dense, **pdl_kw)
     gemv.linear_int4_prefill(torch.zeros(9, k, **bf), w4, torch.zeros(9, n, **bf), dense, **pdl_kw)
+    gplan = gemm.plan_gemm_shape(n, k, 128, 16, 132)  # split K: the workspace path
+    gws = gemm.allocate_workspace([gplan], torch.device("cpu"))
+    gemm.gemm_int4(torch.zeros(9, k, **bf), w4, torch.zeros(9, n, **bf), None, gws, gplan, **pdl_kw)
     h = torch.zeros(3, 64, **bf)
     layer_ops.rms_norm(h, torch.ones(64, **bf), torch.zeros_like(h), 1e-6, **pdl_kw)
     layer_ops.fused_add_rms_norm(h, torch.zeros_like(h), torch.ones(64, **bf), torch.zeros_like(h), 1e-6,
@@ -198,14 +202,14 @@ def test_launchers_pass_pdl_to_every_launch(pdl, monkeypatch):
     def record(family, kernel, *args, pdl=False, **kw):
         launched.append((kernel, pdl))
 
-    for mod in (gemv, layer_ops, sampling):
+    for mod in (gemv, gemm, layer_ops, sampling):
         monkeypatch.setattr(mod, "require_sm90", lambda device: 0)
         monkeypatch.setattr(mod, "launch", record)
     monkeypatch.setattr(launch, "launch", record)  # attention calls launch.launch
     monkeypatch.setattr(gemv, "_sm_count", lambda index: 132)
     _call_every_launcher({} if pdl is None else {"pdl": pdl})
     kernels = [k for k, _ in launched]
-    assert len(kernels) == 13 and "paged_attention_combine_hd64" in kernels, kernels
+    assert len(kernels) == 14 and "paged_attention_combine_hd64" in kernels, kernels
     assert all(p is bool(pdl) for _, p in launched), launched
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nanoqwen_kernels import gemv, layer_ops, sampling
+from nanoqwen_kernels import gemm, gemv, layer_ops, sampling
 from nanoqwen_kernels.launch import UnsupportedDeviceError, require_sm90
 
 SHAPES = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (152064, 3584), (8, 128), (200, 640),
@@ -52,3 +52,85 @@ def test_cpu_tensors_get_a_clear_error():
         sampling.sample_tokens(
             x, sampling.SamplingState.allocate(2, "cpu"), torch.empty(2, dtype=torch.int32)
         )
+
+
+# ---- INT4 GEMM (M > 8) -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m,n_tiles", [(1, 2), (9, 2), (16, 2), (17, 4), (32, 4), (33, 8), (64, 8), (65, 8),
+                                       (4096, 8)])  # fmt: skip
+def test_gemm_n_tiles_by_m(m, n_tiles):
+    assert gemm.n_tiles_for(m) == n_tiles
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("max_m", [16, 32, 64, None])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_gemm_plan_covers_k_and_fits(n, k, max_m, group_size):
+    plan = gemm.plan_gemm_shape(n, k, group_size, max_m, 132)
+    kt = k // 128
+    assert plan.splits * plan.kc >= kt and (plan.splits - 1) * plan.kc < kt
+    assert plan.blocks_n == -(-n // gemm.ROWS_PER_BLOCK)
+    if max_m is None:  # many M blocks: never split K (the M blocks give the CTAs; no [S, M, N] scratch)
+        assert plan.splits == 1 and plan.n_tiles == 8
+    else:
+        assert plan.rows_per_mblock == max_m
+        # the split count is the argmin of the documented cost model (ties: fewer splits)
+        slots = 132 * gemm.blocks_per_sm(group_size, plan.n_tiles)
+        kt = k // 128
+        costs = {s: gemm.split_cost(plan.blocks_n, kt, s, slots, max_m) for s in range(1, min(kt, 64) + 1)}
+        assert gemm.split_cost(plan.blocks_n, kt, plan.splits, slots, max_m) == min(costs.values())
+    for silu in (False, True):
+        assert plan.shared_bytes(silu) <= 227 * 1024 // gemm.blocks_per_sm(group_size, plan.n_tiles)
+
+
+def test_gemm_split_plans_of_the_7b_shapes():
+    """Wave quantization: down at M <= 64 (28 row blocks, 1 block per SM at NT = 8) splits into one
+    wave (<= 132 blocks), not into 5 x 28 = 140 (two waves); qkv at M = 16 fills its 264 slots."""
+    down = gemm.plan_gemm_shape(3584, 18944, 128, 64, 132)
+    assert down.splits > 1 and down.blocks_n * down.splits <= 132
+    qkv = gemm.plan_gemm_shape(4608, 3584, 128, 16, 132)
+    assert 132 < qkv.blocks_n * qkv.splits <= 264
+    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).splits == 1  # 296 row blocks: partials cost more
+
+
+def test_gemm_grid_walks_m_blocks_fastest():
+    plan = gemm.plan_gemm_shape(37888, 3584, 128, None, 132)
+    assert plan.grid(4096) == (64, 296, 1)
+    assert plan.grid(65) == (2, 296, 1)
+    small = gemm.plan_gemm_shape(3584, 18944, 128, 32, 132)
+    assert small.grid(20) == (1, 28, small.splits) and small.splits > 1  # down: 28 row blocks alone
+
+
+def test_gemm_workspace_sized_from_all_plans():
+    shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]
+    plans = gemm.plans_for_shapes(shapes, 128, 132)
+    ws = gemm.allocate_workspace(plans, torch.device("cpu"))
+    assert ws.partials.numel() == max(p.workspace_floats(64) for p in plans) > 0
+    assert ws.counters.numel() >= max(p.blocks_n for p in plans if p.splits > 1)
+    assert int(ws.counters.abs().sum()) == 0
+
+
+def test_gemm_kernel_names_are_all_built():
+    from nanoqwen_kernels import build
+    from nanoqwen_kernels.specs import SPECS
+
+    suffixes = [f"g{g}_{kind}{scale}" for g in (32, 64, 128) for kind in ("sym", "asym")
+                for scale in ("", "_f16s")]
+    names = {gemm.kernel_name(s, silu, nt) for s in suffixes for silu in (False, True) for nt in (2, 4, 8)}
+    hot = set(SPECS["gemm"].hot_kernels)
+    assert hot <= names
+    assert all(n.startswith("gemm_int4_g32_") and n.endswith("_n8") for n in names - hot)  # specs.py
+    src = (build.CSRC_DIR / "gemm.cu").read_text()
+    assert all(f"NQ_GEMM_G({g})" in src for g in (32, 64, 128))
+
+
+def test_gemm_plan_refuses_inconsistent_shapes():
+    with pytest.raises(ValueError, match="exactly once"):
+        gemm.GemmPlan(3584, 3584, 128, 8, 3, 5, 64)  # 3 x 5 tile-columns < 28
+    with pytest.raises(ValueError, match="one M block"):
+        gemm.GemmPlan(3584, 3584, 128, 8, 2, 14, None)  # split K over many M blocks: no [S, M, N] scratch
+    with pytest.raises(ValueError, match="does not serve"):
+        gemm.GemmPlan(3584, 3584, 128, 4, 1, 28, 64)
+    with pytest.raises(ValueError, match="at least one row"):
+        gemm.n_tiles_for(0)

@@ -258,6 +258,7 @@ def test_profile_marks_every_launch_of_the_kernel_backend(tiny_path, monkeypatch
     bf16 lm_head (torch.mm here, cuBLAS on the GPU) is the one library call, the GPU-side waits are
     not counted as kernels, and every patched `launch` is restored."""
     import nanoqwen_kernels.attention as kattn
+    import nanoqwen_kernels.gemm as kgemm
     import nanoqwen_kernels.gemv as kgemv
     import nanoqwen_kernels.layer_ops as kops
     import nanoqwen_kernels.sampling as ksamp
@@ -271,7 +272,7 @@ def test_profile_marks_every_launch_of_the_kernel_backend(tiny_path, monkeypatch
 
     launched: list[str] = []
     monkeypatch.setattr(klaunch, "launch", recorded)
-    for mod in (kops, ksamp, kgemv):
+    for mod in (kops, ksamp, kgemv, kgemm):  # (the 20-token prefill runs the INT4 GEMM)
         monkeypatch.setattr(mod, "require_sm90", lambda device: 0)
         monkeypatch.setattr(mod, "launch", recorded)
     monkeypatch.setattr(kgemv, "_sm_count", lambda index: 132)

@@ -4,8 +4,9 @@ reference against HF's Qwen2ForCausalLM on the same dequantized weights.
 
 32 coding prompts (the Qwen chat template), 64 tokens each. The reference decodes all of them greedily
 one token per step; the engine (kernel backend, CUDA graphs, no bf16 weight cache, so every decode
-linear is the INT4 GEMV) is teacher-forced with the reference's tokens at batch 1 (one prompt at a
-time), 8 and 32, one token per request per decode step, all 32 prompts each time. At every position:
+linear is the INT4 GEMV at batch <= 8 and the INT4 GEMM above) is teacher-forced with the reference's
+tokens at batch 1 (one prompt at a time), 8, 16 and 32, one token per request per decode step, all 32
+prompts each time. At every position:
 
 - logits: max |engine - reference| <= the noise bound of `engine.agreement` (twice the distance of the
   engine's torch backend, which rounds at the same points, from the reference, plus one bf16 ulp);
@@ -13,7 +14,8 @@ time), 8 and 32, one token per request per decode step, all 32 prompts each time
   near-tie (reference top-2 gap below twice the bound); the number of tokens compared is asserted to
   be exactly that count, and at least 64 over the 32 prompts (the first near-tie of a chat answer
   comes early: on the H200 the first 8 prompts alone gave 44 tokens, so 8 prompts cannot promise 64);
-- path: each decode step replayed a captured graph, and the graph's linears were INT4 GEMVs.
+- path: each decode step replayed a captured graph, and the graph's linears were INT4 GEMVs (batch
+  <= 8) or INT4 GEMMs (16, 32).
 
 Where the model is missing this fails under NANOQWEN_REQUIRE_GPU=1 (`nox -s gpu_tests`) and skips
 elsewhere; it never passes vacuously.
@@ -31,7 +33,7 @@ from nanoqwen_runtime.reference import ReferenceModel
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 
 STEPS = 64
-BATCHES = (1, 8, 32)
+BATCHES = (1, 8, 16, 32)
 MIN_COMPARED = 64  # greedy tokens compared before near-ties per batch size, over the 32 prompts
 # fp32 reference vs fp32 HF on the same weights: only summation order differs. A logit passes ~100
 # matmul stages (24 layers x 4, attention, head), each off by ~sqrt(K) * 2^-24 ~ 4e-6 of its scale
@@ -79,8 +81,8 @@ def reference(container, prompts):
 
 
 def engine_config(**kw) -> EngineConfig:
-    # max_batch 32 caps the graph buckets at 32; no dense weight cache: steps of up to 32 rows run
-    # the INT4 GEMV (8 rows per launch) instead of cuBLAS on a bf16 copy
+    # max_batch 32 caps the graph buckets at 32; no dense weight cache (the default): steps of more
+    # than 8 rows run the INT4 GEMM instead of cuBLAS on a bf16 copy
     base = dict(kv_memory_bytes=4 << 30, max_model_len=1024, prefill_chunk=1024, max_batch=32,
                 dense_weight_cache=False)
     base.update(kw)
@@ -116,9 +118,10 @@ def test_teacher_forced_decode_matches_reference(engine, prompts, reference, bou
     assert replays[key] >= (n // batch) * (STEPS - 2), replays
     paths = engine.runner.graph_paths[key]
     layers = engine.geom.num_hidden_layers
-    # per layer qkv, o_proj, gate_up and down (silu-fused) as INT4 GEMVs, one launch per 8 rows; the
-    # tied bf16 lm_head on cuBLAS
-    assert paths == {"gemv_int4": 4 * layers * -(-batch // 8), "cublas_bf16": 1}, paths
+    # per layer qkv, o_proj, gate_up and down (silu-fused): one INT4 GEMV launch (<= 8 rows) or one
+    # INT4 GEMM launch (more); the tied bf16 lm_head on cuBLAS
+    kind = "gemv_int4" if batch <= 8 else "int4_gemm"
+    assert paths == {kind: 4 * layers, "cublas_bf16": 1}, paths
     worst, compared, expected = 0.0, 0, 0
     for p in range(n):
         diff = (run.logits[p] - reference.logits[p]).abs().amax(dim=-1)

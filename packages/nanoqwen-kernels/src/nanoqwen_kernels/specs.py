@@ -27,13 +27,35 @@ SPECS: dict[str, KernelSpec] = {
         name="gemv",
         sources=("gemv.cu",),
         hot_kernels=tuple(
-            f"gemv_int4_g{g}_{kind}{suffix}"
+            f"gemv_int4_g{g}_{kind}{scales}{suffix}"
             for g in (32, 64, 128)
             for kind in ("sym", "asym")
+            for scales in ("", "_f16s")  # bf16 scales, or fp16 (layout int4-g{G}-tile8x128-f16s-v1)
             for suffix in ("", "_silu")
         )
-        + tuple(f"dequant_int4_g{g}_{kind}" for g in (32, 64, 128) for kind in ("sym", "asym"))
+        + tuple(
+            f"dequant_int4_g{g}_{kind}{scales}"
+            for g in (32, 64, 128)
+            for kind in ("sym", "asym")
+            for scales in ("", "_f16s")
+        )
         + ("gemv_int8_g64", "gemv_int8_g128"),
+    ),
+    # INT4 GEMM, M > 8 (gemm.py). Hot: every kernel but g32 at NT = 8, which ptxas spills even at 255
+    # registers (4 groups per tile-column: up to 252 bytes): correct, slower, rarely used (the shipped
+    # containers are g128).
+    "gemm": KernelSpec(
+        name="gemm",
+        sources=("gemm.cu",),
+        hot_kernels=tuple(
+            f"gemm_int4_g{g}_{kind}{scale}{suffix}_n{nt}"
+            for g in (32, 64, 128)
+            for kind in ("sym", "asym")
+            for scale in ("", "_f16s")
+            for suffix in ("", "_silu")
+            for nt in (2, 4, 8)
+            if not (g == 32 and nt == 8)
+        ),
     ),
     "sampling": KernelSpec(
         name="sampling",

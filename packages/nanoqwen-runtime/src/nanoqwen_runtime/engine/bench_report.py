@@ -14,7 +14,7 @@ of it (`roofline_frac_copy`), because earlier results were given that way; it is
 bf16 lm_head GEMV reads at 107% of it).
 
 raw = {
-  "meta": {"command", "device", "date", "torch", "python", "model"},
+  "meta": {"command", "device", "date", "torch", "python", "model", "prefix_caching", "speculation"},
   "read_bandwidth": {"bytes_per_s", "nbytes", "reps", "median_s", "min_s", "max_s"},
   "copy_bandwidth_Bps": float,
   "memory": Engine.memory_report() as a dict, plus "weights_gpu_bytes", "device_total_bytes",
@@ -25,6 +25,7 @@ raw = {
   "eager": [{"batch", "engine_tok_s", ...}],
   "profile": bench_profile.profile_decode_ops(...) result,
   "model_load": LoadStats as a dict (--model FILE), "load_test": bench.load_time(...) result,
+  "prefix_cache": bench.prefix_cache_ttft(...) result, "engine_stats": EngineStats as a dict,
   "errors": {section: message},
 }
 """
@@ -111,7 +112,10 @@ def build_report(raw: dict) -> dict:
         "launches_per_decode_step": prof.get("launches_per_step") if prof else None,
         "profile": prof,
     }
-    for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test"):
+    rep["prefix_caching"] = meta.get("prefix_caching")
+    rep["speculation"] = meta.get("speculation")
+    for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
+              "prefix_cache", "engine_stats"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -159,6 +163,9 @@ def markdown(rep: dict) -> str:
                        ("device_total_bytes", "device total")):
         if key in m:
             lines.append(f"| {label} | {_gb(m[key])} |")
+    if "kv_pool_tokens" in m:
+        lines += ["", f"KV pool: {m['kv_pool_tokens']} tokens; a bf16 dense weight cache (the pre-INT4-GEMM "
+                  f"default) would take {m['kv_tokens_of_dense_cache']} of them."]
     lines += ["", "## Decode, batch 1 (CUDA graph)", "",
               "| context | graph tok/s | engine tok/s | bytes/token | read roofline tok/s "
               "| graph % of read roofline | engine % | graph % of copy roofline |",
@@ -183,6 +190,19 @@ def markdown(rep: dict) -> str:
                      f"{_f(r.get('prefill_s'), '.1f', 1e3)} |")
     if rep.get("ttft_2k_ms") is not None:
         lines += ["", f"Time to first token, 2048-token prompt: {rep['ttft_2k_ms']:.1f} ms"]
+    if rep.get("prefix_caching") is not None:
+        lines += ["", f"Features on in these figures: prefix caching {rep['prefix_caching']}, speculation "
+                  f"{rep.get('speculation')}"]
+    pc = rep.get("prefix_cache")
+    if pc:
+        lines += ["", f"Prefix cache: TTFT of a prompt sharing a {pc['prefix_tokens']}-token prefix with an "
+                  f"earlier one {1e3 * pc['warm_ttft_s']:.1f} ms vs cold {1e3 * pc['cold_ttft_s']:.1f} ms: "
+                  f"{100 * pc['warm_over_cold']:.1f}% (goal <= 15%), hit tokens {pc['warm_hit_tokens']}"]
+    es = rep.get("engine_stats")
+    if es:
+        lines += ["", f"Engine counters after the decode sections: prefix hit {es['prefix_hit_tokens']} of "
+                  f"{es['prefix_queried_tokens']} prompt tokens; drafted {es['spec_drafted_tokens']}, "
+                  f"accepted {es['spec_accepted_tokens']} in {es['spec_steps']} verify steps"]
     lines += ["", "## Graph vs eager (context 128, engine wall time)", "",
               "| batch | graph-mode tok/s | eager tok/s |",
               "| --- | --- | --- |"]

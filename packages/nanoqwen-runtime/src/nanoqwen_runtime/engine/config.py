@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..speculative import SpeculationConfig
+from .scheduler import VERIFY_MAX_ROWS
+
 # Decode batches are padded up to one of these sizes; one CUDA graph is captured per size. Powers of
 # two keep the padding waste under 2x and the number of graphs (and their memory) small.
 GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -44,12 +47,11 @@ class EngineConfig:
     # Admission keeps this fraction of blocks free for running sequences to grow into, so that a new
     # arrival does not immediately cause a preemption.
     admit_watermark: float = 0.01
-    # Kernel backend: keep a bf16 copy of every INT4 linear for steps of more than 8 rows (prefill
-    # chunks, decode batches of 16..64), run by cuBLAS. Without it such a step dequantises every
-    # weight again (measured on the H200: a batch-64 decode step 19 ms, 15 ms of it dequantising);
-    # with it the step reads 2 bytes per weight once. Costs 13 GB at 7B; batch <= 8 decode (the
-    # INT4 GEMV) is unaffected.
-    dense_weight_cache: bool = True
+    # Kernel backend, explicit option, off: keep a bf16 copy of every quantized linear and run steps
+    # of more than 8 rows on it with cuBLAS (2 bytes per weight read, 13 GB more at 7B, printed at
+    # load). Off, such steps run the INT4 GEMM on the container's tensors (ops_kernels.py: the
+    # weights on the GPU are the container's bytes, the rest goes to the KV pool).
+    dense_weight_cache: bool = False
     # Integrity at load (integrity.py): every tensor's checksum, hashed on a worker thread as the bytes
     # pass through the pinned staging buffers (overlapping the copies), and no NaN/Inf in norms,
     # embeddings, bf16 weights or scales. False (the CLI's --no-verify) skips both.
@@ -67,6 +69,14 @@ class EngineConfig:
     # a class splits the KV for that length: at batch 1, a plan made for 32K launches 64 splits and a
     # combine even for a 128-token context (7.5 us per layer measured vs ~4 us unsplit).
     graph_context_classes: tuple[int, ...] = (512, 8192)
+    # Prefix caching (engine/blocks.py): full KV blocks stay cached after their request ends, keyed by
+    # their token prefix, and a new request starts after the longest cached prefix of its prompt.
+    # Unreferenced cached blocks are evicted LRU when pages run out, so it never refuses or preempts
+    # more than without it. False (the CLI's --no-prefix-cache) frees blocks at once.
+    prefix_caching: bool = True
+    # Prompt-lookup speculative decoding for requests that leave `Request.speculation` None (greedy
+    # requests only; speculation is off for temperature > 0). None: off unless a request asks.
+    speculation: SpeculationConfig | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("kernels", "torch"):
@@ -91,11 +101,16 @@ class EngineConfig:
         if self.prefill_chunk < self.block_size:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be >= block_size "
                              f"({self.block_size})")
+        if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
+            raise ValueError(f"EngineConfig.speculation must be a SpeculationConfig or None, "
+                             f"got {self.speculation!r}")
         self.graph_buckets = tuple(sorted(b for b in self.graph_buckets if b <= self._bucket_cap()))
 
     def _bucket_cap(self) -> int:
+        """Largest bucket kept: the batch limit rounded up to a power of two, and at least the rows of a
+        verify step (a request may turn speculation on whatever the engine default)."""
         cap = 1
-        while cap < self.max_batch:
+        while cap < max(self.max_batch, VERIFY_MAX_ROWS):
             cap *= 2
         return cap
 

@@ -4,14 +4,21 @@ Same calls as `ops_torch.TorchOps`; every op launches on the current stream, all
 never synchronises, so a whole decode step can be captured in a CUDA graph. Plans (GEMV split-K
 shapes, attention split-KV launch shapes) are made once here, at engine start:
 
-- linear, INT4 weight, M rows:  M <= 8: one `gemv_int4` launch (bias fused). M > 8 (prefill
-  chunks, decode batches of 16..64): with `dense_weight_cache` (default), cuBLAS on a bf16 copy of the
-  weight made once at start; without it, one GEMV launch per 8 rows up to GEMV_MAX_ROWS rows (each
-  re-reads the weight), and above that `linear_int4_prefill` = dequantize into one shared bf16
-  scratch + cuBLAS, every step.
+- linear, INT4 weight, M rows (the weights on the GPU are the container's tensors, nothing more):
+    M <= 8                       one `gemv_int4` launch (bias fused)                 path "gemv_int4"
+    9 <= M <= INT4_GEMM_MAX_ROWS one `gemm_int4` launch (bias fused; decode batches,  path "int4_gemm"
+                                 prefill chunks)
+    M > INT4_GEMM_MAX_ROWS       PREFILL_PATH: "int4_gemm" again, or "dequant_gemm" =
+                                 `linear_int4_prefill`: dequantize into one shared bf16 scratch (the
+                                 size of the largest layer linear, not a copy per weight) + cuBLAS
+  INT4_GEMM_MAX_ROWS / PREFILL_PATH are the crossover of bench/kernels/bench_gemm.py (the INT4 GEMM
+  against dequantize + cuBLAS per M at the four 7B shapes); change them there, in one line each.
+  `dense_weight_cache=True` (explicit, off by default) keeps the old bf16 copy of every quantized
+  linear for M > 8 (path "cublas_bf16_cache"); its memory cost is printed at load.
 - linear, bf16 weight (the default lm_head): cuBLAS (`torch.mm`) into the preallocated output.
-- MLP down projection: at decode the GEMV reads gate_up [M, 2I] and applies SiLU*mul while staging
-  it (`silu_mul_input=True`), so the MLP is two launches; prefill runs `silu_mul` then the GEMM.
+- MLP down projection: the GEMV and the INT4 GEMM read gate_up [M, 2I] and apply SiLU*mul while
+  staging it (`silu_mul_input=True`), so the MLP is two launches; the dequantize + cuBLAS path runs
+  `silu_mul` first.
 - attention: decode plans, one per graph bucket, planned for the longest context (`max_model_len`):
   one graph serves every length. One prefill plan for chunks of up to `prefill_chunk` tokens.
 - logits range: `torch.aminmax` per row into static buffers (the engine's NaN/Inf check of the logits).
@@ -25,6 +32,7 @@ import collections
 
 import torch
 from nanoqwen_kernels import attention as kattn
+from nanoqwen_kernels import gemm as kgemm
 from nanoqwen_kernels import gemv as kgemv
 from nanoqwen_kernels import launch as klaunch
 from nanoqwen_kernels import layer_ops as kops
@@ -34,8 +42,13 @@ from nanoqwen_model import Qwen2Config
 from .config import EngineConfig
 from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 
-GEMV_MAX_ROWS = 32
-FAMILIES = ("layer_ops", "gemv", "attention", "sampling")
+# Steps of more than 8 rows: the INT4 GEMM up to INT4_GEMM_MAX_ROWS rows, then PREFILL_PATH. Set from
+# the crossover measured by bench/kernels/bench_gemm.py (bench/kernels/results/bench_gemm.md, H200,
+# 2026-12-01; sum of the four 7B linears of a layer): M = 64 int4_gemm 280 us vs dequant_gemm 334 us;
+# M = 128 int4_gemm 540 us vs dequant_gemm 339 us.
+INT4_GEMM_MAX_ROWS = 64
+PREFILL_PATH = "dequant_gemm"  # above INT4_GEMM_MAX_ROWS: "dequant_gemm" or "int4_gemm"
+FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")
 
 
 def _linears(weights) -> list[Linear]:
@@ -58,6 +71,11 @@ class KernelOps:
         shapes = {(geom.qkv_dim, H), (H, geom.q_dim), (2 * I, H), (H, I), (geom.vocab_size, H)}
         self.plans = {s: kgemv.plan_gemv(s[0], s[1], device) for s in shapes}
         self.workspace = kgemv.GemvWorkspace.allocate(self.plans.values(), device)
+        # the GEMM's split-K scratch, for every M class and group size (plans are cached per shape)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        self._sms = sms
+        self.gemm_workspace = kgemm.allocate_workspace(
+            [p for g in (32, 64, 128) for p in kgemm.plans_for_shapes(shapes, g, sms)], device)
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
@@ -68,8 +86,9 @@ class KernelOps:
         self.max_context_len = 0
         # Linear launches by path, counted as they are issued (a graph's capture counts what each of its
         # replays runs; `ModelRunner.graph_paths` keeps that per graph): "gemv_int4", "gemv_int8"
-        # (per 8-row launch), "cublas_bf16" (a bf16 weight), "cublas_bf16_cache" (the bf16 copy of a
-        # quantized weight), "dequant_cublas" (dequantize into scratch + cuBLAS).
+        # (per 8-row launch), "int4_gemm" (M > 8, INT4 tensor-core GEMM), "cublas_bf16" (a bf16
+        # weight), "cublas_bf16_cache" (the explicit bf16 copy of a quantized weight), "dequant_gemm"
+        # (dequantize into scratch + cuBLAS).
         self.paths: collections.Counter[str] = collections.Counter()
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -89,8 +108,15 @@ class KernelOps:
         d = step_buffers.dev
         self.sampling_state = ksamp.SamplingState(d["temperature"], d["top_k"], d["top_p"], d["seed"],
                                                   d["offset"])
-        if not self.cfg.dense_weight_cache:
+        dequant_used = PREFILL_PATH == "dequant_gemm" and max_tokens > INT4_GEMM_MAX_ROWS
+        if not self.cfg.dense_weight_cache and dequant_used:
             self._scratch = torch.empty(self._scratch_numel, dtype=torch.bfloat16, device=self.device)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Device bytes of the dequantize scratch (one bf16 buffer the size of the largest layer linear;
+        0 when no step can take the dequantize + cuBLAS path)."""
+        return 0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size()
 
     def warm_up(self) -> None:
         klaunch.warm_up(FAMILIES, self.device)
@@ -102,6 +128,8 @@ class KernelOps:
             if isinstance(lin, Int8Linear):
                 self._int8(lin)  # refuses a layout the INT8 GEMV cannot run (G = 32), before any work
         if self.cfg.dense_weight_cache:
+            print(f"nanoqwen engine: dense_weight_cache=True keeps a bf16 copy of every quantized linear: "
+                  f"{self.dense_cache_bytes(weights) / 1e9:.2f} GB more on the GPU (taken from the KV pool)")
             for lin in lins:
                 if id(lin) in self._dense:
                     continue
@@ -175,29 +203,44 @@ class KernelOps:
         if not isinstance(lin, Int4Linear):
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
         w = self._int4(lin)
-        if m <= GEMV_MAX_ROWS or lin.n * lin.k > self._scratch_numel:
-            # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMV)
-            plan = self.plans[(lin.n, lin.k)]
-            self.paths["gemv_int4"] += -(-m // kgemv.MAX_M)
-            for r in range(0, m, kgemv.MAX_M):
-                e = min(m, r + kgemv.MAX_M)
-                kgemv.gemv_int4(x[r:e], w, out[r:e], bias, self.workspace, plan, pdl=self.cfg.pdl)
+        path = self.int4_path(m)
+        if path == "gemv_int4":
+            self.paths["gemv_int4"] += 1
+            kgemv.gemv_int4(x, w, out, bias, self.workspace, self.plans[(lin.n, lin.k)], pdl=self.cfg.pdl)
+        elif path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
+            # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMM)
+            self.paths["int4_gemm"] += 1
+            kgemm.gemm_int4(x, w, out, bias, self.gemm_workspace, self._gemm_plan(w, m), pdl=self.cfg.pdl)
         else:
             scratch = self._scratch[: lin.n * lin.k].view(lin.n, lin.k)
-            self.paths["dequant_cublas"] += 1
+            self.paths["dequant_gemm"] += 1
             kgemv.linear_int4_prefill(x, w, out, scratch, bias, pdl=self.cfg.pdl)
+
+    @staticmethod
+    def int4_path(m: int) -> str:
+        """Which INT4 linear path an M-row step takes (module docstring; the table's one place)."""
+        if m <= kgemv.MAX_M:
+            return "gemv_int4"
+        return "int4_gemm" if m <= INT4_GEMM_MAX_ROWS else PREFILL_PATH
+
+    def _gemm_plan(self, w: kgemv.Int4Weight, m: int) -> kgemm.GemmPlan:
+        return kgemm.plan_gemm_shape(w.n, w.k, w.group_size, kgemm.m_class(m), self._sms)
 
     def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor) -> None:
         """out = down(silu(gate) * up); act is the [M, I] scratch used when not fused."""
         m = gate_up.shape[0]
-        fused_rows = kgemv.MAX_M if id(down) in self._dense else GEMV_MAX_ROWS
-        if isinstance(down, Int4Linear) and m <= fused_rows:
-            w, plan = self._int4(down), self.plans[(down.n, down.k)]
-            self.paths["gemv_int4"] += -(-m // kgemv.MAX_M)
-            for r in range(0, m, kgemv.MAX_M):
-                e = min(m, r + kgemv.MAX_M)
-                kgemv.gemv_int4(gate_up[r:e], w, out[r:e], None, self.workspace, plan, silu_mul_input=True,
-                                pdl=self.cfg.pdl)
+        path = self.int4_path(m)
+        # fused: the GEMV always; the INT4 GEMM unless the explicit bf16 cache serves this step
+        fused = path == "gemv_int4" or (path == "int4_gemm" and id(down) not in self._dense)
+        if isinstance(down, Int4Linear) and fused:
+            w = self._int4(down)
+            self.paths[path] += 1
+            if path == "gemv_int4":
+                kgemv.gemv_int4(gate_up, w, out, None, self.workspace, self.plans[(down.n, down.k)],
+                                silu_mul_input=True, pdl=self.cfg.pdl)
+            else:
+                kgemm.gemm_int4(gate_up, w, out, None, self.gemm_workspace, self._gemm_plan(w, m),
+                                silu_mul_input=True, pdl=self.cfg.pdl)
             return
         kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
         self.linear(act, down, out)

@@ -1,0 +1,172 @@
+"""Microbenchmark of the INT4 GEMM (M > 8) against cuBLAS bf16 and dequantize + cuBLAS, on one GPU.
+
+    PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-model/src:packages/nanoqwen-kernels/src \
+        python bench/kernels/bench_gemm.py --out bench/kernels/gemm [--quick]
+
+For the four Qwen2.5-Coder-7B layer linears (qkv 3584->4608, o 3584->3584, gate+up 3584->2x18944,
+down 18944->3584; INT4 g128 symmetric) and M in {16, 32, 64, 128, 512, 2048}, three ways to compute
+y[M, N] = x[M, K] @ W^T:
+
+- int4_gemm:     nanoqwen_kernels.gemm.gemm_int4 on the packed INT4 weights (the engine's path for
+                 9 <= M <= ops_kernels.INT4_GEMM_MAX_ROWS);
+- cublas_bf16:   torch.mm on a bf16 weight (what a bf16 copy of the weights buys: the ceiling the INT4
+                 GEMM must approach at large M, and beat at small M);
+- dequant_gemm:  gemv.linear_int4_prefill = dequantize into one bf16 scratch + torch.mm (the engine's
+                 path above INT4_GEMM_MAX_ROWS when PREFILL_PATH says so).
+
+Method as bench_kernels.py: R launches captured in one CUDA graph, each on a different copy of the
+weights (together > 4x the L2, so weights come from HBM), median of 15 replays. The read bandwidth
+(nanoqwen_kernels.bench.read_bandwidth, 1 GiB) is measured first in the same run. Reported: time,
+TFLOP/s (2 M N K per product), and the achieved bandwidth of each path's minimum bytes (weights +
+scales + x + out, each once) as a fraction of the read bandwidth (the roofline for M <= 64). The
+crossover between int4_gemm and dequant_gemm (summed over the four shapes) is printed: it is what
+ops_kernels.INT4_GEMM_MAX_ROWS / PREFILL_PATH should say. Writes bench_gemm.json and bench_gemm.md
+under --out. Runs in well under a minute on the H200 once the kernels are compiled (first use: NVRTC).
+"""
+
+# ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from nanoqwen_kernels import gemm, gemv
+from nanoqwen_kernels.bench import read_bandwidth
+
+SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
+MS = (16, 32, 64, 128, 512, 2048)
+L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
+
+
+def time_graph(fn, reps: int, replays: int = 15) -> float:
+    """Median seconds per call of fn(i) for i in range(reps), captured in one graph (bench_kernels.py)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(reps):  # warm: module loads, attribute settings, cuBLAS handles
+            fn(i)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(reps):
+                fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def random_weight(n, k, gen):
+    words = torch.randint(0, 256, (n * k // 2,), generator=gen, device="cuda", dtype=torch.uint8)
+    scales = (0.5 + torch.rand(n, k // 128, generator=gen, device="cuda")) / (4.6 * k**0.5)
+    scales = scales.to(torch.bfloat16)
+    return gemv.Int4Weight(words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, None, n, k, 128)
+
+
+def bench_shape(name, n, k, ms, gen, read_bw, rows):
+    w0 = random_weight(n, k, gen)
+    copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
+    weights = [w0] + [random_weight(n, k, gen) for _ in range(copies - 1)]
+    dense_copies = max(2, math.ceil(L2_ROTATE_BYTES / (2 * n * k)))
+    dense = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(dense_copies)]
+    scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms), torch.device("cuda"))
+    for m in ms:
+        x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        plan = gemm.plan_gemm(n, k, m)
+        act = 2 * m * (n + k)  # x read + out written, bf16
+        paths = {
+            "int4_gemm": (lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, plan),
+                          copies, w0.nbytes() + act),
+            "cublas_bf16": (lambda i: torch.mm(x, dense[i % dense_copies].t(), out=out), dense_copies,
+                            2 * n * k + act),
+            "dequant_gemm": (lambda i: gemv.linear_int4_prefill(x, weights[i % copies], out, scratch),
+                             copies, w0.nbytes() + act),
+        }  # fmt: skip
+        for path, (fn, reps, nbytes) in paths.items():
+            t = time_graph(fn, reps)
+            row = {"shape": name, "n": n, "k": k, "m": m, "path": path, "us": t * 1e6,
+                   "tflops": 2 * m * n * k / t / 1e12, "bytes": nbytes, "frac_read_bw": nbytes / t / read_bw}
+            if path == "int4_gemm":
+                row["plan"] = f"NT={plan.n_tiles} S={plan.splits} kc={plan.kc} grid={plan.grid(m)}"
+            rows.append(row)
+            print(f"{name:8s} M={m:5d} {path:13s} {t * 1e6:9.1f} us {row['tflops']:7.1f} TFLOP/s "
+                  f"{row['frac_read_bw']:6.1%} of read BW  {row.get('plan', '')}", flush=True)
+
+
+def crossover(rows) -> dict:
+    """Per M: the sum over the shapes of each path's time, and which quantized path is faster."""
+    out = {}
+    for m in sorted({r["m"] for r in rows}):
+        tot = {p: sum(r["us"] for r in rows if r["m"] == m and r["path"] == p)
+               for p in ("int4_gemm", "dequant_gemm", "cublas_bf16")}
+        out[m] = tot | {"faster_quantized": min(("int4_gemm", "dequant_gemm"), key=tot.__getitem__)}
+    return out
+
+
+def markdown(rep) -> str:
+    lines = [f"# INT4 GEMM microbenchmark ({rep['date']})", "", f"- device: {rep['device']}",
+             f"- read bandwidth: {rep['read_bandwidth_GBps']:.0f} GB/s (1 GiB, median of 30 launches)",
+             "- weights: INT4 g128 symmetric; bytes = weights (+ scales) + x + out, each once", "",
+             "| shape | M | path | us | TFLOP/s | % of read BW | vs cuBLAS bf16 | plan |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    cub = {(r["shape"], r["m"]): r["us"] for r in rep["rows"] if r["path"] == "cublas_bf16"}
+    for r in rep["rows"]:
+        lines.append(f"| {r['shape']} | {r['m']} | {r['path']} | {r['us']:.1f} | {r['tflops']:.1f} | "
+                     f"{r['frac_read_bw']:.1%} | {cub[(r['shape'], r['m'])] / r['us']:.2f}x | "
+                     f"{r.get('plan', '')} |")
+    lines += ["", "Sum over the four shapes (us), and the faster quantized path:", "",
+              "| M | int4_gemm | dequant_gemm | cublas_bf16 | faster |", "| --- | --- | --- | --- | --- |"]
+    for m, c in rep["crossover"].items():
+        lines.append(f"| {m} | {c['int4_gemm']:.1f} | {c['dequant_gemm']:.1f} | {c['cublas_bf16']:.1f} | "
+                     f"{c['faster_quantized']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for bench_gemm.json / bench_gemm.md")
+    ap.add_argument("--quick", action="store_true", help="M = 16, 64, 512 only")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rb = read_bandwidth(torch.device("cuda"), nbytes=1 << 30)
+    read_bw = rb["bytes_per_s"]
+    print(f"read bandwidth {read_bw / 1e9:.0f} GB/s", flush=True)
+    rows: list[dict] = []
+    for name, n, k in SHAPES:
+        bench_shape(name, n, k, (16, 64, 512) if args.quick else MS, gen, read_bw, rows)
+        torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
+    rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "device": torch.cuda.get_device_name(0), "command": " ".join(sys.argv),
+           "read_bandwidth_GBps": read_bw / 1e9, "read_bandwidth": rb, "rows": rows,
+           "crossover": crossover(rows)}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_gemm.json").write_text(json.dumps(rep, indent=1))
+    (args.out / "bench_gemm.md").write_text(markdown(rep))
+    for m, c in rep["crossover"].items():
+        print(f"M={m:5d}: int4_gemm {c['int4_gemm']:9.1f} us, dequant_gemm {c['dequant_gemm']:9.1f} us, "
+              f"cublas_bf16 {c['cublas_bf16']:9.1f} us -> {c['faster_quantized']}")
+    print(f"wrote {args.out}/bench_gemm.json and .md in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""INT4 GEMM on tensor cores for M > 8 rows: decode batches (9..64) and prefill chunks (any M).
+
+Same weights (`gemv.Int4Weight`, layout `int4-g{G}-tile8x128-v1`), same exact dequantisation and fp32
+accumulation as the decode GEMV (`gemv.gemv_int4`); each dequantised weight fragment is multiplied by
+the activation rows of a whole M block (csrc/gemm_int4.cuh explains the kernel).
+
+    y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
+
+Plan, then run: `plan_gemm(N, K, M)` picks the kernel's M block (R = 16, 32 or 64 rows: n-tiles
+NT = R / 8) and, for one M block (M <= 64), the split-K factor; a pure function of the shape, the
+M class and the SM count (cached). M > 64 runs ceil(M / 64) M blocks of 64 rows and never splits K
+(the M blocks give enough CTAs). The split-K scratch is a `gemv.GemvWorkspace`, allocated from the
+GEMM plans with `max_m = 64` (`allocate_workspace`); the GEMV and the GEMM may share one per stream
+when it is sized for both. `gemm_int4` allocates nothing and never synchronises: graph-capturable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import torch
+
+from . import gemv as _gemv
+from .gemv import GemvWorkspace, Int4Weight
+from .launch import check, i32, launch, ptr, require_sm90
+
+FAMILY = "gemm"
+MBLOCK = 64  # rows of x per M block at NT = 8 (the largest kernel)
+ROWS_PER_BLOCK = 128  # nq_gemm::ROWS_PER_BLOCK: 8 warps x 16 weight rows
+THREADS = 256
+CHUNK_COLS = 2 * 128  # nq_gemm::CH tile-columns of activations staged per chunk
+XPAD = 8  # nq_gemm::XPAD
+
+
+def blocks_per_sm(group_size: int, n_tiles: int) -> int:
+    """Resident blocks per SM of a kernel (csrc/gemm.cu NQ_GEMM_MIN_BLOCKS: what its registers allow);
+    the split-K planner aims for about one full wave of them."""
+    return 2 if n_tiles == 2 or (n_tiles == 4 and group_size == 128) else 1
+
+
+def n_tiles_for(m: int) -> int:
+    """n-tiles of 8 activation rows per M block for an M-row product: 2 (M <= 16), 4 (<= 32), 8."""
+    if m < 1:
+        raise ValueError(f"GEMM needs at least one row, got M = {m}")
+    return 2 if m <= 16 else 4 if m <= 32 else 8
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """Launch shape of one (N, K, M class): `n_tiles` (NT: M block of 8 NT rows), `splits` blocks
+    along K (only when M <= 64), each over `kc` tile-columns of 128. `max_m`: the largest M the plan
+    serves with one M block (16, 32, 64), or None for the multi-block class (M > 64)."""
+
+    n: int
+    k: int
+    group_size: int
+    n_tiles: int
+    splits: int
+    kc: int
+    max_m: int | None
+
+    def __post_init__(self) -> None:
+        kt = self.k // 128
+        if self.n_tiles not in (2, 4, 8) or (self.max_m is not None and self.max_m != 8 * self.n_tiles):
+            raise ValueError(f"GemmPlan: n_tiles {self.n_tiles} does not serve max_m {self.max_m}")
+        if self.splits < 1 or self.splits * self.kc < kt or (self.splits - 1) * self.kc >= kt:
+            raise ValueError(
+                f"GemmPlan: {self.splits} splits of {self.kc} tile-columns do not cover K / 128 = "
+                f"{kt} exactly once"
+            )
+        if self.splits > 1 and self.max_m is None:
+            raise ValueError("GemmPlan: split-K needs one M block (max_m 16, 32 or 64)")
+
+    @property
+    def blocks_n(self) -> int:
+        return -(-self.n // ROWS_PER_BLOCK)
+
+    @property
+    def rows_per_mblock(self) -> int:
+        return 8 * self.n_tiles
+
+    def m_blocks(self, m: int) -> int:
+        return -(-m // self.rows_per_mblock)
+
+    def shared_bytes(self, silu: bool) -> int:
+        """Dynamic shared memory: two activation chunk buffers (plain input), or one + the raw gate
+        and up rows of the next chunk (silu input)."""
+        return (3 if silu else 2) * self.rows_per_mblock * (CHUNK_COLS + XPAD) * 2
+
+    def workspace_floats(self, m: int) -> int:
+        return self.splits * m * self.n if self.splits > 1 else 0
+
+    def grid(self, m: int) -> tuple[int, int, int]:
+        return (self.m_blocks(m), self.blocks_n, self.splits)
+
+
+def m_class(m: int) -> int | None:
+    """The plan class of an M-row product: 16, 32, 64 (one M block of that many rows) or None (M > 64)."""
+    nt = n_tiles_for(m)
+    return None if m > MBLOCK else 8 * nt
+
+
+def split_cost(blocks_n: int, kt: int, splits: int, slots: int, max_m: int) -> int:
+    """Modelled time of a split-K plan, in tile-columns of one block: waves x (tile-columns per block
+    + the fp32 partials it writes and the last block reads back when split: 128 rows x M x 8 bytes
+    against a tile-column's 8 KB of packed weights = M / 8 tile-columns). Waves count whole rounds of
+    `slots` resident blocks: the blocks of a plan all take the same time, so a partial wave costs a
+    full one (gate_up at M = 16 on 264 slots: 296 blocks unsplit = 2 waves of 28, 4 splits = 5 waves
+    of 7 + 2)."""
+    kc = -(-kt // splits)
+    s = -(-kt // kc)
+    waves = -(-blocks_n * s // slots)
+    return waves * (kc + (max_m // 8 if s > 1 else 0))
+
+
+@functools.cache
+def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count: int) -> GemmPlan:
+    """The plan of an M class (`max_m` 16, 32, 64, or None for M > 64). Split K only for one M block:
+    the split count with the least `split_cost` on `sm_count` x `blocks_per_sm` resident blocks
+    (ties: fewer splits)."""
+    if max_m not in (16, 32, 64, None):
+        raise ValueError(f"max_m must be 16, 32, 64 or None, got {max_m}")
+    kt = k // 128
+    nt = 8 if max_m is None else max_m // 8
+    if max_m is None:
+        return GemmPlan(n, k, group_size, nt, 1, kt, None)
+    blocks_n = -(-n // ROWS_PER_BLOCK)
+    slots = sm_count * blocks_per_sm(group_size, nt)
+    best = min(range(1, min(kt, 64) + 1), key=lambda s: (split_cost(blocks_n, kt, s, slots, max_m), s))
+    kc = -(-kt // best)
+    return GemmPlan(n, k, group_size, nt, -(-kt // kc), kc, max_m)
+
+
+def plan_gemm(n: int, k: int, m: int, group_size: int = 128, device: torch.device | None = None) -> GemmPlan:
+    """The plan for an M-row product on `device` (default: the current CUDA device)."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    return plan_gemm_shape(n, k, group_size, m_class(m), _gemv._sm_count(require_sm90(device)))
+
+
+def plans_for_shapes(shapes, group_size: int, sm_count: int) -> list[GemmPlan]:
+    """Every plan (all M classes) of the given (N, K) shapes: what `allocate_workspace` sizes from."""
+    return [plan_gemm_shape(n, k, group_size, c, sm_count) for n, k in shapes for c in (16, 32, 64, None)]
+
+
+def allocate_workspace(plans, device: torch.device) -> GemvWorkspace:
+    """Split-K scratch for these GEMM plans (fp32 partials for up to 64 rows, zeroed counters)."""
+    return GemvWorkspace.allocate(plans, device, max_m=MBLOCK)
+
+
+def gemm_int4(
+    x: torch.Tensor,
+    weight: Int4Weight,
+    out: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    workspace: GemvWorkspace | None = None,
+    plan: GemmPlan | None = None,
+    silu_mul_input: bool = False,
+    family: str = FAMILY,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """out[M, N] = x[M, K] @ W^T (+ bias), any M >= 1 (meant for M > 8), bf16, on the current stream.
+
+    x: bf16 [M, K] contiguous; or, with `silu_mul_input`, the gate_up output [M, 2K] (the kernel
+    multiplies silu(gate) * up, rounded to bf16, as it stages it). weight: Int4Weight [N, K]; bias:
+    bf16 [N] or None; out: bf16 [M, N], written completely (nothing outside it). plan: from
+    `plan_gemm` for this M (default: made here); workspace: required when the plan splits K.
+    family: the registry entry to launch from (benchmarks may register variants). pdl: launch with
+    programmatic dependent launch. Returns out.
+    """
+    n, k = weight.n, weight.k
+    dev = weight.qweight.device
+    index = require_sm90(dev)
+    check(x, "x", torch.bfloat16, (None, 2 * k if silu_mul_input else k), dev)
+    m = x.shape[0]
+    if m < 1:
+        raise ValueError("x: GEMM needs at least one row")
+    check(out, "out", torch.bfloat16, (m, n), dev, align=2)
+    if bias is not None:
+        check(bias, "bias", torch.bfloat16, (n,), dev, align=2)
+    plan = plan or plan_gemm(n, k, m, weight.group_size, dev)
+    if (plan.n, plan.k, plan.group_size) != (n, k, weight.group_size):
+        raise ValueError(
+            f"plan is for [{plan.n}, {plan.k}] g{plan.group_size}, weight is [{n}, {k}] g{weight.group_size}"
+        )
+    if plan.max_m is not None and m > plan.max_m:
+        raise ValueError(f"plan serves M <= {plan.max_m}, got M = {m}: use plan_gemm(N, K, M)")
+    ws_ptr = cnt_ptr = np.uint64(0)
+    if plan.splits > 1:
+        if workspace is None:
+            raise ValueError(f"this shape splits K {plan.splits} ways: pass a workspace (allocate_workspace)")
+        small = workspace.partials.numel() < plan.workspace_floats(m)
+        if small or workspace.counters.numel() < plan.blocks_n:
+            raise ValueError("GEMM workspace too small for this shape; allocate it from all plans")
+        if workspace.partials.device != dev:
+            raise ValueError("GEMM workspace is on another device")
+        ws_ptr, cnt_ptr = ptr(workspace.partials), ptr(workspace.counters)
+    name = kernel_name(weight.kernel_suffix(), silu_mul_input, plan.n_tiles)
+    args = (
+        ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
+        ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc),
+    )  # fmt: skip
+    launch(
+        family, name, index, plan.grid(m), (THREADS, 1, 1), args, plan.shared_bytes(silu_mul_input), pdl=pdl
+    )
+    return out
+
+
+def kernel_name(suffix: str, silu: bool, n_tiles: int) -> str:
+    """Entry point for an `Int4Weight.kernel_suffix()` (e.g. "g128_sym", "g128_asym_f16s")."""
+    return f"gemm_int4_{suffix}{'_silu' if silu else ''}_n{n_tiles}"
+
+
+def gemm_bytes(weight: Int4Weight, m: int) -> int:
+    """Bytes the GEMM must move at least: packed weights + scales (+ zeros), x [M, K] and out [M, N]
+    (bf16), each once."""
+    return weight.nbytes() + 2 * m * (weight.k + weight.n)
