@@ -73,6 +73,8 @@ def test_stop_string(model):
     (["--threads", "0"], "--threads must be >= 1"),
     (["--kv-memory", "8GiB"], "--kv-memory and --eager are engine options"),
     (["--eager"], "--kv-memory and --eager are engine options"),
+    (["--speculate", "ngram:0"], "--speculate: speculation 'ngram:0': K must be in 1..7"),
+    (["--speculate", "ngram:"], "--speculate: unknown speculation 'ngram:'"),
 ])
 def test_bad_options_exit_2_with_a_message(model, args, message):
     r = invoke("generate", model, "-p", "x", *args)
@@ -275,3 +277,40 @@ def test_engine_is_ready_after_an_interrupted_reply(model, monkeypatch):
     assert not engine.has_work and engine.kv_blocks_used() == 0
     result = _reply(pipe, ids, params, stream=False)
     assert result.generated_tokens >= 1 and result.error is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# --speculate
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_speculate_off_is_the_default(model):
+    args = ("-p", "def add(a, b):", "--json", "--max-tokens", "6", "--temperature", "0")
+    plain = json.loads(invoke("generate", model, *args).stdout)
+    off = json.loads(invoke("generate", model, *args, "--speculate", "off").stdout)
+    assert plain["speculation"] is None and off == plain | {"ttft_s": off["ttft_s"],
+                                                            "decode_tok_s": off["decode_tok_s"]}
+
+
+def test_describe_params_says_whether_speculation_runs():
+    from nanoqwen_cli.generate_commands import _describe_params
+    from nanoqwen_runtime.speculative import SpeculationConfig
+
+    spec = SpeculationConfig(k=6)
+    assert _describe_params(SamplingParams(max_tokens=5), spec) == \
+        "sampling: greedy (temperature 0), max_tokens 5, speculation ngram:6"
+    sampled = _describe_params(SamplingParams(temperature=0.7, seed=1), spec)
+    assert sampled.endswith("speculation off (temperature > 0: sampled requests are not speculated)")
+    assert "speculation" not in _describe_params(SamplingParams(), None)
+
+
+def test_speculate_reference_backend_same_greedy_text(model):
+    """--speculate on the reference backend: the greedy answer is the one without it (exact), and the
+    stderr sampling line names the speculation."""
+    args = ("-p", "def add(a, b):\n    return a + b\n\ndef add(a, b):", "--max-tokens", "12",
+            "--temperature", "0")
+    plain = invoke("generate", model, *args)
+    spec = invoke("generate", model, *args, "--speculate", "ngram:3")
+    assert spec.exit_code == 0, spec.output
+    assert "speculation ngram:3" in spec.stderr
+    assert spec.stdout == plain.stdout

@@ -116,6 +116,10 @@ TABLE = [
     Row("unknown device", ("generate", M, *P, "--device", "tpu"), 2, ("--device must be",)),
     Row("--max-model-len over the model's", ("generate", M, *P, "--max-model-len", "4096"), 2,
         ("--max-model-len must be <= 256",)),
+    Row("--speculate with K over 7", ("generate", M, *P, "--speculate", "ngram:8"), 2,
+        ("--speculate", "K must be in 1..7")),
+    Row("--speculate unknown method, chat", ("chat", M, "--speculate", "medusa"), 2,
+        ("--speculate", "unknown speculation 'medusa'", "ngram:K")),
     # --- chat sessions go on ------------------------------------------------------------------------
     Row("chat: an invalid UTF-8 line, then a valid one", ("chat", M, "--max-tokens", "4"), 0,
         ("not valid UTF-8", "byte offset 0", "not sent"), stdin=b"\xff\xfe bad\nhello\n", replies=1),
@@ -126,6 +130,18 @@ TABLE = [
     Row("bench --model without a GPU", ("bench", "--model", M, "--out", "bench-out"), 1,
         ("needs a CUDA GPU",)),
     Row("bench with a bad --kv-memory", ("bench", "--model", M, "--kv-memory", "lots"), 2, ("--kv-memory",)),
+    Row("bench --workload without --model", ("bench", "--workload", "code-edit"), 2,
+        ("--workload needs --model", "random weights")),
+    Row("bench --workload unknown", ("bench", "--model", M, "--workload", "poetry"), 2,
+        ("--workload must be one of code-edit, free-form", "'poetry'")),
+    Row("bench --workload --speculate off", ("bench", "--model", M, "--workload", "code-edit", "--speculate",
+                                             "off"), 2, ("nothing to compare",)),
+    Row("bench --workload --prompts 0", ("bench", "--model", M, "--workload", "free-form", "--prompts", "0"),
+        2, ("--prompts must be >= 1",)),
+    Row("bench --speculate without --workload", ("bench", "--model", M, "--speculate", "ngram"), 2,
+        ("--speculate is a --workload option",)),
+    Row("bench --workload without a GPU", ("bench", "--model", M, "--workload", "code-edit", "--out",
+                                           "bench-out"), 1, ("needs a CUDA GPU",)),
 ]
 
 

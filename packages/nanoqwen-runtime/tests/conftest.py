@@ -4,14 +4,18 @@
 - `qwen_hf_tokenizer`: the HF oracle tokenizer of the real 0.5B (transformers' own GGUF conversion).
 - `qwen_packed_none`: the real 0.5B packed with `nanoqwen-quant pack --method none` (bf16 weights),
   through the root conftest's cached `qwen05b_packed`.
+- engine_testkit.py (importable from every test here): the tiny engine geometry, bounds and runners.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 from nanoqwen_runtime.testing import write_tiny_container
+
+sys.path.insert(0, str(Path(__file__).parent))  # engine_testkit.py: helpers shared by the engine tests
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import nanoqwen_format as nqf
 import numpy as np
 import pytest
 import torch
+from engine_testkit import LOGIT_ATOL, NEAR_TIE, TINY, assert_same_until_near_tie, cpu_config, run_engine
 from nanoqwen_model import Qwen2Config, codec
 from nanoqwen_runtime.engine import Engine, EngineConfig, FinishEvent, Request, TokenEvent
 from nanoqwen_runtime.engine.agreement import reference_decode, teacher_forced
@@ -28,24 +29,12 @@ from nanoqwen_runtime.engine.synthetic import random_int4, write_container
 from nanoqwen_runtime.kv_cache import KVCacheSpec, PagedKVCache, build_step_metadata
 from nanoqwen_runtime.reference import ReferenceModel
 from nanoqwen_runtime.sampling import SamplingParams
-
-TINY = Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=64, intermediate_size=384, vocab_size=512, rope_theta=1e6, rms_norm_eps=1e-6,
-                   max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=(3,))
-LOGIT_ATOL = 0.15
-NEAR_TIE = 2 * LOGIT_ATOL
+from nanoqwen_runtime.speculative import SpeculationConfig
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     return write_container(tmp_path_factory.mktemp("engine") / "tiny.nanoqwen", TINY, seed=1)
-
-
-def cpu_config(**kw):
-    base = dict(device="cpu", backend="torch", mode="eager", num_blocks=64, block_size=16,
-                max_model_len=256, prefill_chunk=48, max_batch=8)
-    base.update(kw)
-    return EngineConfig(**base)
 
 
 def test_int4_tile_layout_matches_format_reference():
@@ -103,33 +92,6 @@ def reference_greedy(path, prompt, n):
     return toks[len(prompt):], logits
 
 
-def run_engine(engine, requests, gaps=None):
-    """Run to completion; tokens per request. `gaps` (a dict) receives each token's top-2 logit gap."""
-    out = {}
-    fins = {}
-    engine.record_logits = gaps is not None
-    for ev in engine.generate(requests):
-        if isinstance(ev, TokenEvent):
-            out.setdefault(ev.request, []).append(ev.token_id)
-            if gaps is not None:
-                top2 = torch.topk(engine.last_logits[ev.request], 2).values
-                gaps.setdefault(ev.request, []).append(float(top2[0] - top2[1]))
-        else:
-            fins[ev.request_id] = ev
-    return out, fins
-
-
-def assert_same_until_near_tie(got, want, want_gaps):
-    """Per request: tokens equal up to the first token whose top-2 gap is < NEAR_TIE (from there on
-    either choice is right, and the sequences may diverge)."""
-    assert got.keys() == want.keys()
-    for rid in want:
-        for i, (a, b) in enumerate(zip(got[rid], want[rid], strict=True)):
-            if want_gaps[rid][i] < NEAR_TIE:
-                break
-            assert a == b, f"request {rid} token {i}: {a} != {b}"
-
-
 def test_engine_matches_reference_teacher_forced(tiny_path):
     """Every position of 12 decode steps, one token per step, with the reference's tokens fed back
     (`engine.agreement.teacher_forced`), at batch 1 and 3: logits within LOGIT_ATOL; the engine's own
@@ -139,8 +101,11 @@ def test_engine_matches_reference_teacher_forced(tiny_path):
     ref = reference_decode(ReferenceModel.from_file(tiny_path, dtype=torch.float32), prompts, 12)
     assert all(float(lg.std()) > 1.0 for lg in ref.logits)  # well-scaled synthetic weights
     for batch in (1, 3):
-        engine = Engine.from_file(tiny_path, cpu_config())
+        # batch 3 on an engine whose default is to speculate: teacher_forced turns it off per request
+        spec = SpeculationConfig.parse("ngram:4") if batch == 3 else None
+        engine = Engine.from_file(tiny_path, cpu_config(speculation=spec))
         run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
+        assert engine.stats().spec_steps == 0
         assert run.decode_steps >= (len(prompts) // batch) * 11  # tokens after the first: decode steps
         decided = 0
         for p in range(len(prompts)):
@@ -243,6 +208,7 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
     and the attention plans (which allocate CUDA work buffers) by a stand-in that checks the shapes
     the engine passes. This checks the engine <-> nanoqwen_kernels contract, not the numbers."""
     import nanoqwen_kernels.attention as kattn
+    import nanoqwen_kernels.gemm as kgemm
     import nanoqwen_kernels.gemv as kgemv
     import nanoqwen_kernels.layer_ops as kops
     import nanoqwen_kernels.sampling as ksamp
@@ -250,7 +216,7 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
     from nanoqwen_runtime.engine.engine import Engine as EngineCls
 
     launched: list[str] = []
-    for mod in (kops, ksamp, kgemv):
+    for mod in (kops, ksamp, kgemv, kgemm):
         monkeypatch.setattr(mod, "require_sm90", lambda device: 0)
         monkeypatch.setattr(mod, "launch", lambda fam, name, *a, **k: launched.append(name))
     monkeypatch.setattr(kgemv, "_sm_count", lambda index: 132)
@@ -285,7 +251,7 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
     engine = EngineCls(m.geometry, m.weights, cfg)
     assert engine.ops.name == "kernels"
     # prefill chunk 64: one prefill step holds all nine prompts (62 tokens); then 9
-    # rows decode together (two GEMV chunks without the dense cache); request 0 decodes alone last
+    # rows decode together (the INT4 GEMM without the dense cache); request 0 decodes alone last
     prompts = [[7] * n for n in (30, 3, 1, 2, 9, 5, 6, 4, 2)]
     reqs = [Request(p, SamplingParams(max_tokens=8 if i == 0 else 3), str(i), ignore_eos=True)
             for i, p in enumerate(prompts)]
@@ -314,16 +280,21 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
     assert d1.count("paged_attention_decode") == layers
     assert d1.count("fused_add_rms_norm_bf16") == 2 * layers  # + final norm - first layer's plain norm
     assert len(d1) == 3 + 8 * layers  # embedding, final add+norm, sampling (+ cuBLAS lm_head)
-    # a decode step of 9 rows: cuBLAS on the bf16 weight cache, or two 8-row GEMV chunks
+    # a decode step of 9 rows: cuBLAS on the bf16 weight cache, or one INT4 GEMM per linear (the down
+    # projection with SiLU*mul fused: an `_silu` GEMM of the 16-row class)
     d9 = next(s for s, r in zip(per_step, rows, strict=True) if "paged_attention_decode" in s and r == 9)
-    n_gemv = sum(k.startswith("gemv_int4") for k in d9)
-    assert n_gemv == (0 if dense else 2 * 4 * layers)
-    # with the cache no step dequantises; without it the 62-row prefill step does (dequant + cuBLAS)
-    assert any(k.startswith("dequant") for s in per_step for k in s) != dense
+    assert not any(k.startswith("gemv_int4") for k in d9)
+    assert sum(k.startswith("gemm_int4") for k in d9) == (0 if dense else 4 * layers)
+    assert sum(k.startswith("gemm_int4") and k.endswith("_silu_n2") for k in d9) == (0 if dense else layers)
+    # the 62-row prefill step also runs the INT4 GEMM (below ops_kernels.INT4_GEMM_MAX_ROWS): nothing
+    # dequantises
+    assert not any(k.startswith("dequant") for s in per_step for k in s)
     # the backend's path counter (what the GPU tests assert on) counts exactly the launches made
     everything = [k for s in per_step for k in s]
     assert engine.ops.paths["gemv_int4"] == sum(k.startswith("gemv_int4") for k in everything)
-    assert engine.ops.paths["dequant_cublas"] == sum(k.startswith("dequant") for k in everything)
+    assert engine.ops.paths["int4_gemm"] == sum(k.startswith("gemm_int4") for k in everything)
+    assert (engine.ops.paths["int4_gemm"] > 0) != dense
+    assert engine.ops.paths["dequant_gemm"] == 0
     assert (engine.ops.paths["cublas_bf16_cache"] > 0) == dense
 
 

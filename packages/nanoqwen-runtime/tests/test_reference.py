@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_testkit import hf_greedy
 from nanoqwen_model import ConfigError, Qwen2Config
 from nanoqwen_runtime.backend import (
     BackendError,
@@ -81,18 +82,6 @@ def test_batched_chunked_greedy_decode_matches_hf(tiny_int4, block_size, chunk):
             got[ev.request].append(ev.token_id)
     for i, p in enumerate(ps):
         assert got[i] == hf_greedy(hf, p, steps)
-
-
-def hf_greedy(hf, ids: list[int], steps: int) -> list[int]:
-    """Greedy continuation by full (uncached) HF forwards: the plainest possible oracle."""
-    ids = list(ids)
-    out = []
-    for _ in range(steps):
-        with torch.no_grad():
-            nxt = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
-        out.append(nxt)
-        ids.append(nxt)
-    return out
 
 
 def test_decode_logits_match_hf_step_by_step(tiny_bf16):

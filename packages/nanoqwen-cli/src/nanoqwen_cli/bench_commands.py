@@ -4,10 +4,16 @@ GPU memory, bytes per token against the read bandwidth measured in the same run,
     nanoqwen-cli bench                         synthetic Qwen2.5-Coder-7B geometry built on the GPU
     nanoqwen-cli bench --model m.nanoqwen      a given container
     nanoqwen-cli bench --out bench/engine      where bench.json, bench.md and the plots go
+    nanoqwen-cli bench --model m.nanoqwen --workload code-edit --workload free-form [--speculate ngram:K]
+        [--prompts 16] [--max-tokens 256]
+                                               prompt-lookup speculation off vs on on real prompts
+                                               (engine/bench_workload.py): workload-<name>.json/.md
 
 Needs a Hopper GPU; on a machine without one it exits 1 with that reason (no CPU fallback). The
 options and the --model file are checked first (a GGUF or an HF folder gets the command that packs
-it); nothing is written before the GPU is found.
+it); nothing is written before the GPU is found. With --workload only the workload benchmark runs
+(it needs --model: a workload on random weights means nothing); --speculate picks its speculative
+side (default `ngram`), and is an error without --workload (the engine sections run without it).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import typer
 from .errors import CliError, UsageError
 from .inputs import check_model_path
 
+WORKLOAD_NAMES = ("code-edit", "free-form")  # nanoqwen_runtime.workloads.WORKLOADS (no import at startup)
+
 
 def bench(
     model: Annotated[Path | None, typer.Option(help="a .nanoqwen container (default: synthetic 7B weights "
@@ -31,6 +39,18 @@ def bench(
     load_test: Annotated[Path | None, typer.Option(
         help="folder where a synthetic container is written to time loading (removed afterwards)")] = None,
     profile_steps: Annotated[int, typer.Option(help="eager decode steps timed op by op")] = 5,
+    features_off: Annotated[bool, typer.Option(
+        "--features-off", help="engine sections with prefix caching and speculation off (the baseline "
+                               "they must not regress; on by default)")] = False,
+    workload: Annotated[list[str] | None, typer.Option(
+        help="run a workload instead of the engine sections, speculation off vs on (repeatable): "
+             "code-edit | free-form; needs --model")] = None,
+    speculate: Annotated[str | None, typer.Option(
+        help="--workload: the speculative side, ngram or ngram:K (K drafted tokens per step, 1..7; "
+             "default ngram = ngram:4)")] = None,
+    prompts: Annotated[int | None, typer.Option(help="--workload: prompts per workload (default 16)")] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", help="--workload: generated-token limit per prompt (default 256)")] = None,
 ) -> None:
     """Benchmark the CUDA engine end to end on one GPU.
 
@@ -45,9 +65,15 @@ def bench(
 
     Writes bench.json, bench.md and two plots into --out and prints the
     markdown. Exits 1 if any section failed (the rest is still written).
+
+    --workload code-edit|free-form (with --model) runs the workload benchmark
+    instead: each prompt alone, greedy, speculation off then on, tok/s, the
+    ratio, acceptance rate, mean accepted length and how many outputs agree;
+    writes workload-<name>.json and .md into --out.
     """
     if profile_steps < 1:
         raise UsageError(f"--profile-steps must be >= 1, got {profile_steps}")
+    spec = _check_workload_options(model, workload, speculate, prompts, max_tokens)
     if model is not None:
         check_model_path(model)
     from nanoqwen_runtime.engine.config import parse_bytes
@@ -60,11 +86,15 @@ def bench(
 
     if not torch.cuda.is_available():
         raise CliError("nanoqwen-cli bench needs a CUDA GPU (sm_90); none is available here")
+    if workload:
+        _run_workloads(model, out, kv_bytes, list(dict.fromkeys(workload)), spec, prompts or 16,
+                       max_tokens or 256)
+        return
     from nanoqwen_runtime.engine.bench import run_bench
 
     rep = run_bench(model=str(model) if model else None, out_dir=out, kv_memory=kv_bytes,
                     quick=quick, log=lambda s: typer.echo(s, err=True), load_test_dir=load_test,
-                    profile_steps=profile_steps)
+                    profile_steps=profile_steps, features=not features_off)
     typer.echo((out / "bench.md").read_text())
     bw = ", ".join(f"{name} {rep[key]:.0f} GB/s" for name, key in
                    (("read", "read_bandwidth_GBps"), ("copy", "copy_bandwidth_GBps")) if rep.get(key))
@@ -73,3 +103,49 @@ def bench(
                + (f"; {len(errors)} section(s) failed: {', '.join(errors)}" if errors else ""))
     if errors:
         raise typer.Exit(1)
+
+
+def _check_workload_options(model, workload, speculate, prompts, max_tokens):
+    """Refuse bad --workload/--speculate/--prompts/--max-tokens values and combinations (exit 2);
+    the speculative side's SpeculationConfig when --workload is given."""
+    if not workload:
+        for flag, value in (("--speculate", speculate), ("--prompts", prompts), ("--max-tokens", max_tokens)):
+            if value is not None:
+                raise UsageError(f"{flag} is a --workload option (the engine sections run without "
+                                 "speculation)")
+        return None
+    bad = [w for w in workload if w not in WORKLOAD_NAMES]
+    if bad:
+        raise UsageError(f"--workload must be one of {', '.join(WORKLOAD_NAMES)}, got {bad[0]!r}")
+    if model is None:
+        raise UsageError("--workload needs --model (a real .nanoqwen container): a workload on random "
+                         "weights means nothing")
+    if prompts is not None and prompts < 1:
+        raise UsageError(f"--prompts must be >= 1, got {prompts}")
+    if max_tokens is not None and max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
+    from nanoqwen_runtime.speculative import SpeculationConfig
+
+    try:
+        spec = SpeculationConfig.parse("ngram" if speculate is None else speculate)
+    except ValueError as e:
+        raise UsageError(f"--speculate: {e}") from None
+    if spec is None:
+        raise UsageError("--speculate off leaves --workload nothing to compare (it runs speculation off "
+                         "and on); give ngram or ngram:K")
+    return spec
+
+
+def _run_workloads(model: Path, out: Path, kv_bytes: int, workloads: list[str], spec, n_prompts: int,
+                   max_tokens: int) -> None:
+    from nanoqwen_runtime.engine.bench_workload import run_workload_bench
+    from nanoqwen_runtime.engine.config import EngineConfig
+
+    reports = run_workload_bench(model, out, workloads, config=EngineConfig(kv_memory_bytes=kv_bytes),
+                                 n_prompts=n_prompts, max_tokens=max_tokens, speculation=spec,
+                                 log=lambda s: typer.echo(s, err=True))
+    for name in reports:
+        typer.echo((out / f"workload-{name}.md").read_text())
+    typer.echo(f"wrote {', '.join(f'{out}/workload-{n}.json' for n in reports)} and the .md beside each; "
+               + "; ".join(f"{n} {r['speedup']:.2f}x (goal {r['goal']}x "
+                           f"{'met' if r['goal_met'] else 'NOT met'})" for n, r in reports.items()))

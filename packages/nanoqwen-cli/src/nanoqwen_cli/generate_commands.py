@@ -3,13 +3,15 @@
 generate MODEL (--prompt TEXT | --prompt - | --prompt-file PATH) [--chat] [--system TEXT]
          [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop STR ...]
          [--device cpu|cuda] [--backend reference|engine] [--kv-memory SIZE] [--eager]
-         [--max-model-len N] [--no-verify] [--dtype float32|bfloat16] [--threads N] [--json]
+         [--max-model-len N] [--no-verify] [--dtype float32|bfloat16] [--threads N] [--speculate ngram[:K]]
+         [--json]
     Streams the generated text to stdout as tokens arrive. The backend line (what runs, where) and the
     statistics line (prompt tokens, generated tokens, TTFT, decode tok/s) go to stderr, so stdout is
     only the text. With --json nothing streams: one JSON object is printed at the end
     {"text", "prompt_tokens", "generated_tokens", "ttft_s", "decode_tok_s", "finish_reason",
-    "backend", "sampling"}. `--prompt -` (or `--prompt-file -`) reads the prompt from stdin; a prompt
-    from a file or stdin is used byte for byte. Ctrl-C ends the line of partial text and exits 130.
+    "backend", "speculation", "sampling"}. `--prompt -` (or `--prompt-file -`) reads the prompt from
+    stdin; a prompt from a file or stdin is used byte for byte. Ctrl-C ends the line of partial text
+    and exits 130.
 chat MODEL [--system TEXT] [...same sampling/device options]
     A multi-turn REPL: each line is a user turn; `/reset` clears the history, `/exit`, end of input
     (Ctrl-D) or Ctrl-C at the prompt quits (exit 0). Ctrl-C during a reply stops it and returns to the
@@ -27,6 +29,15 @@ replaying CUDA graphs; for debugging). Every tensor's checksum is checked while 
 `--no-verify` is given. Errors are one line on stderr (errors.py: exit 2 for the command line and
 the prompt, 1 for files, the model and the machine). A request the model fails at run time (NaN/Inf
 logits: no token is sampled from them) ends with its one-line error and exit 1, in chat too.
+
+`--speculate ngram` (or `ngram:K`, K = 1..7 drafted tokens per step, default 4) turns on prompt-lookup
+speculative decoding (nanoqwen_runtime.speculative): tokens that followed an earlier occurrence of the
+text's last few tokens are drafted and checked in one step, on either backend. The greedy output is
+the same as without it (exactly on the reference backend; on the engine until a near-tie).
+Speculation is off for temperature > 0: the greedy path is exact; sampled requests are not
+speculated (the sampling line on stderr says so). `--no-prefix-cache` turns off prefix caching on
+either backend (full KV blocks of a prompt prefix that several requests share are computed once);
+the output is the same either way.
 """
 
 from __future__ import annotations
@@ -66,6 +77,8 @@ Eager = Annotated[bool, typer.Option("--eager", help="engine: launch kernels eag
                                      "replaying CUDA graphs (debugging)")]
 MaxModelLen = Annotated[int | None, typer.Option("--max-model-len", help="tokens per sequence, prompt plus "
                                                  "generated (default: the model's context window)")]
+NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="free KV blocks when a request "
+                                             "ends instead of caching them for prompts that share a prefix")]
 NoVerify = Annotated[bool, typer.Option("--no-verify", help="skip the checksum of every tensor at load "
                                         "(default: checked, a corrupt file is refused)")]
 Dtype = Annotated[str | None, typer.Option(help="reference matmul dtype: float32 | bfloat16 "
@@ -74,6 +87,9 @@ SystemGenerate = Annotated[str | None, typer.Option(help="system message (needs 
 SystemChat = Annotated[str | None, typer.Option(help="system message opening the conversation "
                                                      "(kept by /reset)")]
 Threads = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's, one per core)")]
+Speculate = Annotated[str | None, typer.Option(help="prompt-lookup speculative decoding: ngram or ngram:K "
+                                               "(K drafted tokens per step, 1..7; ngram = ngram:4); off by "
+                                               "default; greedy requests only")]
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,8 @@ class LoadOptions:
     eager: bool = False              # engine
     max_model_len: int | None = None
     verify: bool = True
+    speculate: str | None = None     # --speculate text; None or "off": no speculation
+    prefix_cache: bool = True        # prefix caching of either backend (--no-prefix-cache)
 
     def resolved_backend(self) -> str:
         return self.backend or ("engine" if self.device.startswith("cuda") else "reference")
@@ -110,6 +128,16 @@ class LoadOptions:
             raise UsageError("--kv-memory and --eager are engine options (--device cuda or --backend engine)")
         if backend == "engine" and not dev.startswith("cuda"):
             raise UsageError("--backend engine runs on a CUDA GPU only; use --device cuda")
+        self.speculation()
+
+    def speculation(self):
+        """The --speculate value as a `SpeculationConfig` (None: off); a bad value is a UsageError."""
+        from nanoqwen_runtime.speculative import SpeculationConfig
+
+        try:
+            return SpeculationConfig.parse(self.speculate)
+        except ValueError as e:
+            raise UsageError(f"--speculate: {e}") from None
 
 
 def _context_window(model: Path) -> int:
@@ -144,11 +172,13 @@ def _load(model: Path, opts: LoadOptions):
         except ValueError as e:
             raise UsageError(f"--kv-memory: {e}") from None
         cfg = EngineConfig(device=opts.device, mode="eager" if opts.eager else "graph", kv_memory_bytes=kv,
-                           max_model_len=opts.max_model_len, verify=opts.verify)
+                           max_model_len=opts.max_model_len, verify=opts.verify,
+                           speculation=opts.speculation(), prefix_caching=opts.prefix_cache)
         return Pipeline.from_container(model, EngineBackend.from_file(model, cfg))
     name = opts.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     ref = ReferenceBackend.from_file(model, device=opts.device, dtype=getattr(torch, name),
-                                     verify=opts.verify, max_context=opts.max_model_len)
+                                     verify=opts.verify, max_context=opts.max_model_len,
+                                     speculation=opts.speculation(), prefix_caching=opts.prefix_cache)
     return Pipeline.from_container(model, ref)
 
 
@@ -174,12 +204,16 @@ def _stats_line(result) -> str:
             f"finish: {result.finish_reason}]")
 
 
-def _describe_params(p) -> str:
+def _describe_params(p, spec=None) -> str:
     if p.greedy:
         mode = "greedy (temperature 0)"
     else:
         mode = f"temperature {p.temperature}, top_p {p.top_p}, top_k {p.top_k}, seed {p.seed}"
-    return f"sampling: {mode}, max_tokens {p.max_tokens}" + (f", stop {list(p.stop)}" if p.stop else "")
+    out = f"sampling: {mode}, max_tokens {p.max_tokens}" + (f", stop {list(p.stop)}" if p.stop else "")
+    if spec is not None:
+        out += (f", speculation {spec.spec()}" if p.greedy else
+                ", speculation off (temperature > 0: sampled requests are not speculated)")
+    return out
 
 
 class ModelRunError(CliError):
@@ -244,15 +278,18 @@ def generate(
     eager: Eager = False,
     max_model_len: MaxModelLen = None,
     no_verify: NoVerify = False,
+    no_prefix_cache: NoPrefixCache = False,
     dtype: Dtype = None,
     threads: Threads = None,
+    speculate: Speculate = None,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON object at the end")] = False,
 ) -> None:
     """Generate text from a prompt (argument, file or stdin), streaming it, then print statistics."""
     if system is not None and not chat:
         raise UsageError("--system needs --chat (it is a chat-template message)")
     opts = LoadOptions(device=device, backend=backend, dtype=dtype, threads=threads, kv_memory=kv_memory,
-                       eager=eager, max_model_len=max_model_len, verify=not no_verify)
+                       eager=eager, max_model_len=max_model_len, verify=not no_verify, speculate=speculate,
+                       prefix_cache=not no_prefix_cache)
     opts.check()
     kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
     text = read_prompt(prompt, prompt_file)
@@ -267,7 +304,7 @@ def generate(
     ids = _prompt_ids(pipe, text)
     if not json_out:
         typer.echo(f"backend: {pipe.backend.name}", err=True)
-        typer.echo(_describe_params(params), err=True)
+        typer.echo(_describe_params(params, opts.speculation()), err=True)
     try:
         result = _reply(pipe, ids, params, stream=not json_out)
     except Stopped as stopped:
@@ -276,7 +313,9 @@ def generate(
             sys.stdout.flush()
         raise
     if json_out:
+        spec = opts.speculation()
         out = {"text": result.text, **result.stats(), "backend": pipe.backend.name,
+               "speculation": spec.spec() if spec is not None and params.greedy else None,
                "sampling": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                             "seed": params.seed, "max_tokens": params.max_tokens, "stop": list(params.stop)}}
         typer.echo(json.dumps(_finite(out), ensure_ascii=False, allow_nan=False))
@@ -319,8 +358,10 @@ def chat(
     eager: Eager = False,
     max_model_len: MaxModelLen = None,
     no_verify: NoVerify = False,
+    no_prefix_cache: NoPrefixCache = False,
     dtype: Dtype = None,
     threads: Threads = None,
+    speculate: Speculate = None,
 ) -> None:
     """Multi-turn chat in the terminal: one line per turn, /reset clears the history, /exit quits.
 
@@ -328,15 +369,16 @@ def chat(
     Ctrl-C at the prompt, or Ctrl-D, quits. A line that is not UTF-8 is refused and the session goes on.
     """
     opts = LoadOptions(device=device, backend=backend, dtype=dtype, threads=threads, kv_memory=kv_memory,
-                       eager=eager, max_model_len=max_model_len, verify=not no_verify)
+                       eager=eager, max_model_len=max_model_len, verify=not no_verify, speculate=speculate,
+                       prefix_cache=not no_prefix_cache)
     opts.check()
     kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
     system = text_arg(system, "--system") if system is not None else None
     pipe = _load(check_model_path(model), opts)
     params = pipe.sampling_params(**kw)
     typer.echo(f"backend: {pipe.backend.name}", err=True)
-    typer.echo(_describe_params(params) + "  (/reset clears the history, /exit or Ctrl-D quits, "
-               "Ctrl-C stops a reply)", err=True)
+    typer.echo(_describe_params(params, opts.speculation()) + "  (/reset clears the history, /exit or "
+               "Ctrl-D quits, Ctrl-C stops a reply)", err=True)
     base = [{"role": "system", "content": system}] if system is not None else []
     history = list(base)
     stdin_tolerant()

@@ -13,32 +13,37 @@ it for free and identically.
 A request whose logits hold NaN/Inf ends with an `events.ErrorEvent` instead of a token (no token is
 sampled from such logits); the other requests of the run go on.
 
-`ReferenceBackend` schedules every step the same way: each unfinished request contributes either
-its next prefill chunk (up to `prefill_chunk` tokens) or its one decode token, all in one
-`ReferenceModel.forward` over the shared page pool, so several sequences prefill and decode at once.
+Both backends are one adapter (`engine_run.EngineRun`) over an engine. `ReferenceBackend.start()`
+runs a `ReferenceEngine` whose KV pool holds every request's prompt + max_tokens (capped at the
+context) at once, fp32 pages by default, every request in one batch (no preemption), with the
+backend's prefix caching and prompt-lookup speculation settings; the previous start()'s engine is
+kept when it is big enough, so its prefix cache serves the next start() (a chat's next turn).
+The protocol's types (`Backend`, `TokenRequest`, the errors, `resolve_device`) are in backend_types.py
+and re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from os import PathLike
-from typing import Protocol, runtime_checkable
 
 import torch
-from nanoqwen_model import Qwen2Config
 
-from .events import (
-    FINISH_CONTEXT,
-    FINISH_EOS,
-    FINISH_LENGTH,
-    ErrorEvent,
-    TokenEvent,
-    nonfinite_logits_message,
+from .backend_types import (
+    Backend,
+    BackendError,
+    BackendRun,
+    ContextLengthError,
+    TokenRequest,
+    resolve_device,
 )
-from .kv_cache import KVCacheSpec, PagedKVCache, SequencePages, build_step_metadata
+from .engine_run import EngineRun, check_prompts
+from .events import ErrorEvent, TokenEvent
+from .kv_cache import KVCacheSpec
 from .reference import ReferenceModel
-from .sampling import Sampler, SamplingParams
+from .reference_engine import ReferenceEngine, ReferenceEngineConfig
+from .speculative import SpeculationConfig
+from .stats import EngineStats
 
 __all__ = [
     "Backend",
@@ -52,75 +57,40 @@ __all__ = [
     "resolve_device",
 ]
 
-class BackendError(RuntimeError):
-    """A backend cannot run as asked (for example `--device cuda` without a GPU)."""
-
-
-class ContextLengthError(ValueError):
-    """A prompt does not fit in the model's context window."""
-
-
-@dataclass(frozen=True)
-class TokenRequest:
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    eos_ids: frozenset[int] = frozenset()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
-        object.__setattr__(self, "eos_ids", frozenset(int(t) for t in self.eos_ids))
-        if not self.prompt_ids:
-            raise ValueError("a request needs at least one prompt token")
-
-
-@runtime_checkable
-class BackendRun(Protocol):
-    def __iter__(self) -> Iterator[list[TokenEvent | ErrorEvent]]: ...
-    def finish(self, index: int) -> None: ...
-
-
-@runtime_checkable
-class Backend(Protocol):
-    name: str           # printed by the CLI, e.g. "reference (plain torch) on cpu, float32"
-    config: Qwen2Config
-    max_context: int    # prompt + generated tokens per sequence
-
-    def start(self, requests: Sequence[TokenRequest]) -> BackendRun: ...
-
-
-def resolve_device(device: str) -> torch.device:
-    """'cpu' or 'cuda[:n]'; a CUDA device without a GPU is an error, never a silent CPU fallback."""
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise BackendError(f"unknown device {device!r} (use 'cpu' or 'cuda')")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise BackendError(f"device {device!r} asked for, but no CUDA GPU is available "
-                           "(torch.cuda.is_available() is False); use --device cpu")
-    return torch.device(device)
-
 
 class ReferenceBackend:
-    """The plain-torch reference model behind the `Backend` protocol.
+    """The plain-torch reference model behind the `Backend` protocol, through a `ReferenceEngine`.
 
     kv_dtype: dtype of the page pool. float32 by default on the reference (exact match with HF in
     fp32: Qwen2's large key biases make bf16-rounded keys move logits by ~2 units); the CUDA engine
     keeps bf16 pages.
+    prefix_caching: requests that share a prompt prefix share its full KV blocks (engine/blocks.py),
+      within one start() and across start()s while the engine is kept (`engine_for`); False computes
+      every prompt whole.
+    speculation: prompt-lookup speculation for greedy requests (speculative.py); None = off.
     """
 
     def __init__(self, model: ReferenceModel, block_size: int = 16, prefill_chunk: int = 512,
-                 kv_dtype: torch.dtype = torch.float32, max_context: int | None = None):
+                 kv_dtype: torch.dtype = torch.float32, max_context: int | None = None, *,
+                 prefix_caching: bool = True, speculation: SpeculationConfig | None = None):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if speculation is not None and not isinstance(speculation, SpeculationConfig):
+            raise ValueError(f"speculation must be a SpeculationConfig or None, got {speculation!r}")
         self.model = model
         self.config = model.config
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
         self.kv_dtype = kv_dtype
+        self.prefix_caching = prefix_caching
+        self.speculation = speculation
         limit = model.config.max_position_embeddings
         if max_context is not None and not 1 < max_context <= limit:
             raise ValueError(f"max_context must be in 2..{limit}, got {max_context}")
         self.max_context = max_context or limit
         dt = str(model.dtype).removeprefix("torch.")
         self.name = f"reference (plain torch) on {model.device}, {dt} matmuls, {str(kv_dtype)[6:]} KV pages"
+        self._engine: ReferenceEngine | None = None  # the latest start()'s engine (engine_for)
 
     @classmethod
     def from_file(cls, path: str | PathLike, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -129,94 +99,41 @@ class ReferenceBackend:
         dev = resolve_device(device)
         return cls(ReferenceModel.from_file(path, device=dev, dtype=dtype, verify=verify), **kwargs)
 
-    def check_prompt(self, n_prompt: int) -> None:
-        if n_prompt >= self.max_context:
-            raise ContextLengthError(
-                f"the prompt has {n_prompt} tokens but the context window is {self.max_context} tokens "
-                f"(prompt plus at least one generated token must fit); shorten the prompt")
+    def engine_for(self, requests: Sequence[TokenRequest]) -> ReferenceEngine:
+        """The engine for one start(): the previous one when it is idle, its pool holds every request's
+        prompt + max_tokens (capped at the context) at once and its batch takes all of them (so its
+        prefix cache carries over, e.g. from one chat turn to the next); else a fresh one sized so
+        (at least twice the previous pool, up to every request at full context)."""
+        need = sum(-(-min(len(r.prompt_ids) + r.params.max_tokens, self.max_context) // self.block_size)
+                   for r in requests)
+        old = self._engine
+        if (old is not None and not old.has_work and old.blocks.usable_blocks >= need
+                and old.config.max_batch >= len(requests)):
+            return old
+        if old is not None:  # grow geometrically, so that a chat's growing turns soon fit one pool
+            cap = len(requests) * -(-self.max_context // self.block_size)
+            need = max(need, min(2 * old.blocks.usable_blocks, cap))
+        cfg = self.config
+        per_block = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_blocks=1,
+                                block_size=self.block_size, dtype=self.kv_dtype).bytes_per_block
+        # + 1: the block manager's padding block; admit_watermark 0: the pool is sized for all requests,
+        # none waits for headroom (cached prefix blocks are evicted on demand)
+        ecfg = ReferenceEngineConfig(kv_memory_bytes=(need + 1) * per_block, block_size=self.block_size,
+                                     max_batch=len(requests), prefill_chunk=self.prefill_chunk,
+                                     max_model_len=self.max_context, kv_dtype=self.kv_dtype,
+                                     admit_watermark=0.0, prefix_caching=self.prefix_caching,
+                                     speculation=self.speculation)
+        self._engine = old = None  # drop the old pool before allocating the new one
+        self._engine = ReferenceEngine(self.model, ecfg)
+        return self._engine
 
-    def start(self, requests: Sequence[TokenRequest]) -> _ReferenceRun:
+    def start(self, requests: Sequence[TokenRequest]) -> EngineRun:
+        requests = list(requests)
         if not requests:
             raise ValueError("no requests")
-        for r in requests:
-            self.check_prompt(len(r.prompt_ids))
-            bad = [t for t in r.prompt_ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids out of range 0..{self.config.vocab_size - 1}: {bad[:5]}")
-        return _ReferenceRun(self, list(requests))
+        check_prompts(requests, self.max_context, self.config.vocab_size)  # before allocating a pool
+        return EngineRun(self.engine_for(requests), requests)
 
-
-class _SeqState:
-    def __init__(self, request: TokenRequest, pages: SequencePages, max_context: int):
-        self.request = request
-        self.pages = pages
-        self.sampler = Sampler(request.params)
-        self.prefilled = 0
-        self.generated: list[int] = []
-        self.pending: int | None = None  # sampled token not yet fed to the model
-        self.budget = min(request.params.max_tokens, max_context - len(request.prompt_ids))
-        self.done = False
-
-
-class _ReferenceRun:
-    def __init__(self, backend: ReferenceBackend, requests: list[TokenRequest]):
-        self.backend = backend
-        spec_tokens = sum(-(-min(len(r.prompt_ids) + r.params.max_tokens, backend.max_context)
-                            // backend.block_size) for r in requests)
-        cfg = backend.config
-        self.cache = PagedKVCache(KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                              num_blocks=spec_tokens, block_size=backend.block_size,
-                                              dtype=backend.kv_dtype), device=backend.model.device)
-        self.seqs = [_SeqState(r, self.cache.new_sequence(), backend.max_context) for r in requests]
-
-    def finish(self, index: int) -> None:
-        s = self.seqs[index]
-        if not s.done:
-            s.done = True
-            s.pages.release()
-
-    def __iter__(self) -> Iterator[list[TokenEvent | ErrorEvent]]:
-        chunk = self.backend.prefill_chunk
-        while True:
-            active = [i for i, s in enumerate(self.seqs) if not s.done]
-            if not active:
-                return
-            tokens: list[int] = []
-            qlens: list[int] = []
-            for i in active:
-                s = self.seqs[i]
-                prompt = s.request.prompt_ids
-                if s.prefilled < len(prompt):
-                    part = prompt[s.prefilled: s.prefilled + chunk]
-                    s.prefilled += len(part)
-                    tokens.extend(part)
-                    qlens.append(len(part))
-                else:
-                    tokens.append(s.pending)
-                    qlens.append(1)
-            meta = build_step_metadata([self.seqs[i].pages for i in active], qlens, self.cache.device)
-            logits = self.backend.model.forward(torch.tensor(tokens, dtype=torch.int64), meta, self.cache)
-            events: list[TokenEvent | ErrorEvent] = []
-            finite = torch.isfinite(logits).all(dim=-1).tolist()
-            for row, i in enumerate(active):
-                s = self.seqs[i]
-                if s.prefilled < len(s.request.prompt_ids):
-                    continue  # mid-prefill: no token yet
-                if not finite[row]:
-                    events.append(ErrorEvent(i, len(s.generated), nonfinite_logits_message(len(s.generated))))
-                    self.finish(i)
-                    continue
-                tok = s.sampler(logits[row])
-                s.generated.append(tok)
-                s.pending = tok
-                reason = None
-                if tok in s.request.eos_ids:
-                    reason = FINISH_EOS
-                elif len(s.generated) >= s.budget:
-                    hit_limit = len(s.generated) >= s.request.params.max_tokens
-                    reason = FINISH_LENGTH if hit_limit else FINISH_CONTEXT
-                events.append(TokenEvent(i, tok, len(s.generated) - 1, finish_reason=reason))
-                if reason is not None:
-                    self.finish(i)
-            if events:
-                yield events
+    def stats(self) -> EngineStats | None:
+        """The counters of the engine that ran the latest start() (None before any)."""
+        return self._engine.stats() if self._engine is not None else None

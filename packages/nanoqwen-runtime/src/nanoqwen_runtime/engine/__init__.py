@@ -7,7 +7,8 @@
 The model's shape is `nanoqwen_model.Qwen2Config` (read from the container); its synthetic stand-ins
 are `nanoqwen_model.QWEN25_CODER_7B` / `QWEN25_CODER_05B`.
 
-Modules: config (EngineConfig), scheduler (continuous batching, block accounting, preemption),
+Modules: config (EngineConfig), sequence (Request, Sequence, FinishReason), scheduler (continuous
+batching, preemption, verify steps), blocks (block accounting, prefix cache),
 metadata (step inputs + static device buffers), loader (.nanoqwen -> device), weights (typed views),
 model (the step, graph capture), ops_torch / ops_kernels (op backends), engine (the API),
 synthetic (random weights with real geometry).

@@ -110,7 +110,11 @@ def teacher_forced(engine: Engine, prompts: Sequence[Sequence[int]], forced: Seq
     try:
         for start in range(0, len(prompts), batch):
             group = range(start, min(len(prompts), start + batch))
-            reqs = [Request(list(prompts[p]), SamplingParams(max_tokens=steps), str(p), ignore_eos=True)
+            # speculation=False, whatever the engine's default: forced_step reads one row per request
+            # (`step.tokens[row]` with row = plan index) and forces one token per step; a verify step
+            # has 1 + len(draft) rows per request, and accepting drafts would skip forced positions
+            reqs = [Request(list(prompts[p]), SamplingParams(max_tokens=steps), str(p), ignore_eos=True,
+                            speculation=False)
                     for p in group]
             for p in group:
                 chosen[str(p)], rows[str(p)] = [], []

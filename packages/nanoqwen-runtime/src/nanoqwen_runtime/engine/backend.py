@@ -4,27 +4,21 @@
     pipeline = load_pipeline(path, EngineConfig())          # tokenizer, template, defaults, engine
     for ev in pipeline.stream(["def fib(n):"], pipeline.sampling_params(max_tokens=64)): ...
 
-Mapping: the engine's `TokenEvent`s are passed on with `request` set to the request's index in
-`start()`. Requests are submitted with `detokenize=False` and without stop strings: text and stop
-strings are the pipeline's job (`run.finish(i)` aborts the engine request), so every token is decoded
-once. A request the engine ends with `FinishReason.ERROR` (non-finite logits) becomes an
-`events.ErrorEvent` carrying the engine's detail. A prompt that does not fit is refused at `start()`
-with `ContextLengthError`, any other refusal with `BackendError`.
+The run is `engine_run.EngineRun`, the same adapter `ReferenceBackend` runs its engine with (how
+events, errors and refusals map: its module header). One engine serves one `start()` at a time.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from os import PathLike
 
 from nanoqwen_model import Qwen2Config
 
-from ..backend import BackendError, ContextLengthError, TokenRequest
-from ..events import ErrorEvent, TokenEvent
+from ..backend_types import BackendError, TokenRequest
+from ..engine_run import EngineRun
 from .config import EngineConfig
-from .engine import Engine, FinishEvent
-from .scheduler import FinishReason, Request
+from .engine import Engine
 
 
 class EngineBackend:
@@ -43,43 +37,12 @@ class EngineBackend:
                   progress=None) -> EngineBackend:
         return cls(Engine.from_file(path, config, progress=progress))
 
-    def start(self, requests: Sequence[TokenRequest]) -> _EngineRun:
+    def start(self, requests: Sequence[TokenRequest]) -> EngineRun:
         if not requests:
             raise ValueError("no requests")
         if self.engine.has_work:
             raise BackendError("the engine is still running an earlier start(); finish iterating it first")
-        return _EngineRun(self.engine, list(requests))
-
-
-class _EngineRun:
-    def __init__(self, engine: Engine, requests: list[TokenRequest]):
-        self.engine = engine
-        self.ids = [f"run-{id(self)}-{i}" for i in range(len(requests))]
-        self.index = {rid: i for i, rid in enumerate(self.ids)}
-        for rid, r in zip(self.ids, requests, strict=True):
-            req = Request(list(r.prompt_ids), r.params.with_(stop=()), rid, eos_ids=frozenset(r.eos_ids),
-                          detokenize=False)
-            ev = engine.submit(req)
-            if ev is not None:
-                for other in self.ids:  # leave nothing queued behind the refusal
-                    engine.abort(other)
-                if "context limit" in ev.detail:
-                    raise ContextLengthError(ev.detail)
-                raise BackendError(f"request {self.index[rid]} refused: {ev.detail}")
-
-    def finish(self, index: int) -> None:
-        self.engine.abort(self.ids[index])
-
-    def __iter__(self) -> Iterator[list[TokenEvent | ErrorEvent]]:
-        while self.engine.has_work:
-            out: list[TokenEvent | ErrorEvent] = []
-            for ev in self.engine.step():
-                if isinstance(ev, TokenEvent):
-                    out.append(dataclasses.replace(ev, request=self.index[ev.request]))
-                elif isinstance(ev, FinishEvent) and ev.reason is FinishReason.ERROR:
-                    out.append(ErrorEvent(self.index[ev.request_id], ev.num_generated, ev.detail))
-            if out:
-                yield out
+        return EngineRun(self.engine, list(requests))
 
 
 def load_pipeline(path: str | PathLike, config: EngineConfig | None = None, progress=None):

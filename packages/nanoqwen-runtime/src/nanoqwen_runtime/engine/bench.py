@@ -15,9 +15,17 @@ GPU, or a given .nanoqwen file):
 - aggregate decode tok/s at batch 1 / 8 / 32 / 64 (context 128 + generated);
 - prefill tok/s for 512- and 4096-token prompts; time to first token for a 2K prompt;
 - graph versus eager at batch 1 and 8;
+- prefix cache (`prefix_cache_ttft`): the time to first token of a request sharing a 4K-token prefix
+  with an earlier one against the cold time (goal: at most 15% of it), and the cache's hit tokens;
 - the time of each op and kernel of an eager batch-1 decode step from CUDA events
   (`bench_profile.py`; no torch.profiler), their bytes and bandwidth against the read roofline, the
   launches per step, and their sum against the graph's replay time.
+
+Prefix caching and prompt-lookup speculation (k = 4) are ON in every section by default, as a user
+gets them: on the random prompts here nothing is reused (each section's prompts are drawn with their
+own seed), so the figures show what the features cost when they do not help; the engine's counters
+(`EngineStats`) after the decode sections are reported (`engine_stats`) to show how much was drafted
+and hit. `features=False` (`nanoqwen-cli bench --features-off`) runs the same sections with both off.
 
 Results: bench.json and bench.md (`bench_report.py` builds both from the raw numbers collected here;
 they are rewritten after every section, so a run cut short keeps what it measured) and two plots.
@@ -38,6 +46,7 @@ import torch
 from nanoqwen_model import QWEN25_CODER_7B, Qwen2Config
 
 from ..sampling import SamplingParams
+from ..speculative import SpeculationConfig
 from .bench_report import build_report, write_report
 from .config import EngineConfig
 from .engine import Engine, FinishEvent, TokenEvent
@@ -137,6 +146,34 @@ def prefill_rate(engine: Engine, n: int, seed: int = 7) -> dict:
     return {"prompt": n, "prefill_s": t, "prefill_tok_s": n / t, "ttft_s": fins[f"p{n}"].ttft_s}
 
 
+def prefix_cache_ttft(engine: Engine, prefix: int = 4096, tail: int = 64, reps: int = 3,
+                      seed: int = 300) -> dict:
+    """Time to first token of a request whose first `prefix` tokens an earlier request had (warm)
+    against one whose prompt is new (cold), `reps` times with fresh prompts; medians, the warm/cold
+    ratio (the issue's goal: <= 0.15) and the prefix-cache hit tokens of the warm requests."""
+    if not engine.config.prefix_caching:
+        raise RuntimeError("prefix caching is off in this engine (features off): nothing to measure")
+    vocab = engine.geom.vocab_size
+    # a model with a shorter context gets the longest whole-block prefix that fits (recorded)
+    bs = engine.config.block_size
+    prefix = min(prefix, (engine.max_model_len - tail - 1) // bs * bs)
+    cold, warm, hits = [], [], []
+    for r in range(reps):
+        shared = _prompt(prefix, vocab, seed + 3 * r)
+        a = shared + _prompt(tail, vocab, seed + 3 * r + 1)
+        b = shared + _prompt(tail, vocab, seed + 3 * r + 2)
+        fins, _ = _run(engine, [Request(a, SamplingParams(max_tokens=1), f"cold{r}", ignore_eos=True)])
+        cold.append(fins[f"cold{r}"].ttft_s)
+        before = engine.stats().prefix_hit_tokens
+        fins, _ = _run(engine, [Request(b, SamplingParams(max_tokens=1), f"warm{r}", ignore_eos=True)])
+        warm.append(fins[f"warm{r}"].ttft_s)
+        hits.append(engine.stats().prefix_hit_tokens - before)
+    c, w = statistics.median(cold), statistics.median(warm)
+    return {"prefix_tokens": prefix, "tail_tokens": tail, "reps": reps, "cold_ttft_s": c, "warm_ttft_s": w,
+            "warm_over_cold": w / c, "goal_warm_over_cold": 0.15, "warm_hit_tokens": hits,
+            "cold_ttft_all_s": cold, "warm_ttft_all_s": warm}
+
+
 def bytes_per_token(engine: Engine, ctx: int) -> dict[str, int]:
     """The bytes one batch-1 decode step at context `ctx` must move, by part (no total: the report sums)."""
     w = engine.weights.decode_bytes()
@@ -146,11 +183,19 @@ def bytes_per_token(engine: Engine, ctx: int) -> dict[str, int]:
 
 
 def memory(engine: Engine) -> dict:
-    """`Engine.memory_report()` as a dict, with the weights-on-GPU total and the device's size."""
+    """`Engine.memory_report()` as a dict, with the weights-on-GPU total and the device's size; and the
+    KV pool in tokens, with the tokens a bf16 dense weight cache would take from it (2 bytes per
+    quantized weight, x `kv_memory_fraction` as `_size_pool` budgets): what running INT4 frees."""
+    from .ops_kernels import KernelOps
+
     m = engine.memory_report()
     free, total = torch.cuda.mem_get_info(engine.device)
+    per_token = engine.geom.kv_bytes_per_token()
+    dense_bytes = KernelOps.dense_cache_bytes(engine.weights)
+    dense_tokens = int(dense_bytes * engine.config.kv_memory_fraction) // per_token
     return asdict(m) | {"weights_gpu_bytes": m.weights_gpu_bytes, "device_total_bytes": total,
-                        "device_free_bytes": free}
+                        "device_free_bytes": free, "kv_pool_tokens": m.kv_pool_bytes // per_token,
+                        "kv_tokens_of_dense_cache": dense_tokens}
 
 
 def load_time(geometry: Qwen2Config, folder: Path) -> dict:
@@ -221,8 +266,9 @@ class _Run:
 
 def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool = False,
               kv_memory: int = 24 << 30, geometry: Qwen2Config = QWEN25_CODER_7B,
-              load_test_dir: Path | None = None, profile_steps: int = 5) -> dict:
-    """Run everything; write bench.json, bench.md and plots into `out_dir`; return the report."""
+              load_test_dir: Path | None = None, profile_steps: int = 5, features: bool = True) -> dict:
+    """Run everything; write bench.json, bench.md and plots into `out_dir`; return the report.
+    `features=False` turns prefix caching and speculation off (the no-regression baseline)."""
     from nanoqwen_kernels.bench import read_bandwidth
 
     from .bench_profile import profile_decode_ops
@@ -232,7 +278,8 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     raw: dict = {"meta": {"command": "nanoqwen-cli bench" + (f" --model {model}" if model else ""),
                           "device": torch.cuda.get_device_name(device), "date": now,
-                          "torch": torch.__version__, "python": platform.python_version()},
+                          "torch": torch.__version__, "python": platform.python_version(),
+                          "prefix_caching": features, "speculation": "ngram:4" if features else "off"},
                  "decode_batch1": [], "decode_batched": [], "prefill": [], "eager": []}
     run = _Run(out_dir, log, raw)
     rb = run.section("read_bandwidth", read_bandwidth, device)
@@ -244,7 +291,8 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
         log(f"copy bandwidth {cb / 1e9:.0f} GB/s (read + write)")
     read_bps = rb["bytes_per_s"] if rb else None
 
-    cfg = EngineConfig(kv_memory_bytes=kv_memory, max_model_len=None if not quick else 8192)
+    cfg = EngineConfig(kv_memory_bytes=kv_memory, max_model_len=None if not quick else 8192,
+                       prefix_caching=features, speculation=SpeculationConfig(k=4) if features else None)
     torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     if model:
@@ -264,7 +312,7 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
     contexts = [128, 4096, 32768 - 128] if not quick else [128, 4096]
     for ctx in contexts:
         r = run.section(f"decode_ctx{ctx}", decode_at_context, engine, ctx, 64 if ctx > 4096 else 128,
-                        into="decode_batch1")
+                        seed=ctx, into="decode_batch1")
         if r is None:
             continue
         r["bytes_per_token_parts"] = bytes_per_token(engine, ctx)
@@ -274,17 +322,24 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
             f"{total / 1e9:.3f} GB/token, {frac}")
     run.save(plots=False)
     for batch in (1, 8, 32, 64):
-        r = run.section(f"batch{batch}", decode_at_context, engine, 128, 128, batch=batch, seed=100,
+        r = run.section(f"batch{batch}", decode_at_context, engine, 128, 128, batch=batch, seed=100 * batch,
                         into="decode_batched")
         if r is not None:
             log(f"batch {batch}: engine {r['engine_tok_s']:.0f} tok/s aggregate, "
                 f"graph {r['graph_tok_s']:.0f}")
     for n in (512, 4096):
-        r = run.section(f"prefill{n}", prefill_rate, engine, n, into="prefill")
+        r = run.section(f"prefill{n}", prefill_rate, engine, n, seed=7 + n, into="prefill")
         if r is not None:
             log(f"prefill {r['prompt']}: {r['prefill_tok_s']:.0f} tok/s")
     if run.section("ttft_2k", prefill_rate, engine, 2048, seed=11):
         log(f"TTFT 2K prompt: {1e3 * raw['ttft_2k']['ttft_s']:.1f} ms")
+    raw["engine_stats"] = asdict(engine.stats())
+    if features:
+        pc = run.section("prefix_cache", prefix_cache_ttft, engine)
+        if pc:
+            log(f"prefix cache: TTFT with a cached {pc['prefix_tokens']}-token prefix "
+                f"{1e3 * pc['warm_ttft_s']:.1f} ms vs cold {1e3 * pc['cold_ttft_s']:.1f} ms "
+                f"({100 * pc['warm_over_cold']:.1f}%, goal <= 15%)")
     raw["kv_blocks_used_after"] = engine.kv_blocks_used()
     m = run.section("memory", memory, engine)
     if m:
@@ -293,6 +348,8 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
             f"{gb['weights_gpu_bytes']:.2f} GB (dense cache {gb['dense_cache_bytes']:.2f}), KV pool "
             f"{gb['kv_pool_bytes']:.2f} GB, graphs "
             f"{gb['graph_device_bytes']:.2f} GB, peak allocated {gb['peak_allocated_bytes']:.2f} GB")
+        log(f"KV pool: {m['kv_pool_tokens']} tokens; a bf16 dense weight cache would take "
+            f"{m['kv_tokens_of_dense_cache']} of them")
     weights_ref, geom = engine.weights, engine.geom
     del engine
     torch.cuda.empty_cache()

@@ -25,54 +25,32 @@ after weights, workspace and the graph memory pool's reserve (`GRAPH_RESERVE_BYT
 from __future__ import annotations
 
 import gc
-import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 from nanoqwen_model import Qwen2Config
 
+from ..engine_base import EngineBase
 from ..events import TokenEvent, nonfinite_logits_message
 from ..kv_cache import BlockAllocator
-from ..sampling import StopMatcher
+from ..request_stream import Event, FinishEvent
 from .config import EngineConfig
 from .loader import LoadStats, load
-from .metadata import build_step_inputs
+from .metadata import build_step_inputs, plan_rows
 from .model import ModelRunner, Workspace
-from .scheduler import BlockManager, FinishReason, Request, Scheduler, SeqStatus, Sequence, StepPlan
+from .scheduler import VERIFY_MAX_ROWS, BlockManager, Scheduler, StepPlan
 from .weights import ModelWeights
+
+__all__ = ["Engine", "Event", "FinishEvent", "TokenEvent", "MemoryReport", "GRAPH_RESERVE_BYTES", "make_ops"]
 
 GRAPH_RESERVE_BYTES = 1 << 30  # graph memory pool + CUDA context growth headroom
 
 
-@dataclass
-class FinishEvent:
-    request_id: str
-    reason: FinishReason
-    detail: str = ""                 # refusal or error reason (one line)
-    text: str = ""                   # held-back text flushed at the end
-    num_prompt_tokens: int = 0
-    num_generated: int = 0
-    num_preemptions: int = 0
-    ttft_s: float = 0.0              # submit -> first token
-    decode_tok_s: float = 0.0        # generated tokens after the first / time after the first
-    tokens: list[int] = field(default_factory=list)
+class Engine(EngineBase):
+    """The CUDA engine (module header); requests, stop rules and statistics: `EngineBase`."""
 
-
-Event = TokenEvent | FinishEvent
-
-
-@dataclass
-class _Stream:
-    seq: Sequence
-    decoder: object | None
-    stop: StopMatcher
-    t_submit: float
-    t_first: float = 0.0
-
-
-class Engine:
     def __init__(self, geom: Qwen2Config, weights: ModelWeights, config: EngineConfig, *,
                  tokenizer=None, load_stats: LoadStats | None = None, keepalive=None):
         self.geom, self.weights, self.config = geom, weights, config
@@ -86,12 +64,17 @@ class Engine:
         bs = config.block_size
         self.max_pages = -(-self.max_model_len // bs)
         self.num_blocks = self._size_pool()
-        self.blocks = BlockManager(BlockAllocator(self.num_blocks), self.num_blocks, bs)
+        self.blocks = BlockManager(BlockAllocator(self.num_blocks), self.num_blocks, bs,
+                                   prefix_caching=config.prefix_caching)
+        # a verify step's rows are a decode batch: in graph mode they must fit a captured bucket
+        verify_rows = VERIFY_MAX_ROWS
+        if config.mode == "graph":
+            verify_rows = min(VERIFY_MAX_ROWS, max(config.graph_buckets))
         self.scheduler = Scheduler(self.blocks, max_batch=config.max_batch, max_model_len=self.max_model_len,
-                                   prefill_chunk=config.prefill_chunk, admit_watermark=config.admit_watermark)
+                                   prefill_chunk=config.prefill_chunk, admit_watermark=config.admit_watermark,
+                                   speculation=config.speculation, verify_max_rows=verify_rows)
         self.runner = ModelRunner(geom, weights, config, self.ops, self.num_blocks, self.max_pages)
-        self._streams: dict[int, _Stream] = {}
-        self._ids = 0
+        EngineBase.__init__(self)
         self.num_steps = {"prefill": 0, "decode": 0}
         # Tests and debugging: when True, step() keeps each sampled row's f32 logits (a device copy)
         # in `last_logits[request_id]`. Off by default: it costs a copy per token.
@@ -141,130 +124,46 @@ class Engine:
         # never more than max_batch full-length sequences can use (+ the padding block)
         return int(min(n, cfg.max_batch * self.max_pages + 1))
 
-    # ---- requests --------------------------------------------------------------------------------
-    def submit(self, request: Request) -> FinishEvent | None:
-        """Queue a request; returns a refusal event (and queues nothing) if it can never run."""
-        if request.request_id is None:
-            request.request_id = f"req-{self._ids}"
-        self._ids += 1
-        why = self.scheduler.refusal_reason(request)
-        if why is None and not all(0 <= t < self.geom.vocab_size for t in request.prompt_tokens):
-            why = f"prompt has token ids outside 0..{self.geom.vocab_size - 1}"
-        if why is None and request.params.stop and self.tokenizer is None:
-            why = "stop strings need a tokenizer; this model has none"
-        if why is not None:
-            return FinishEvent(request.request_id, FinishReason.REFUSED, detail=why,
-                               num_prompt_tokens=len(request.prompt_tokens))
-        seq = self.scheduler.add(request)
-        dec = None
-        if request.detokenize and self.tokenizer is not None:
-            dec = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        self._streams[seq.seq_id] = _Stream(seq, dec, StopMatcher(request.params.stop), time.perf_counter())
-        return None
-
-    def abort(self, request_id: str) -> FinishEvent | None:
-        for st in list(self._streams.values()):
-            if st.seq.request.request_id == request_id:
-                return self._finish(st, FinishReason.ABORTED)
-        return None
-
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
     # ---- stepping --------------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Run one engine step (a prefill chunk or one decode token for the batch); its events."""
+        """Run one engine step (a prefill chunk, or a decode step: one token per sequence, or for a
+        sequence carrying drafts its verify rows); its events."""
         plan = self.scheduler.schedule()
         if plan is None:
             return []
         out = self._run(plan)
-        if self.record_logits:
-            lg = self.runner.logits(len(plan.seqs))
-            for row, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
-                if smp:
-                    self.last_logits[s.request.request_id] = lg[row].clone()
-        sampled: dict[int, int] = {}
+        rows: dict[int, list[int]] = {}  # plan index -> its rows of the step output
+        for r, (i, _, _) in enumerate(plan_rows(plan)):
+            rows.setdefault(i, []).append(r)
+        lg = self.runner.logits(len(out.tokens)) if self.record_logits else None
+        sampled: dict[int, int | list[int]] = {}
         events: list[Event] = []
-        for s, t, ok, smp in zip(plan.seqs, out.tokens, out.finite, plan.sample, strict=True):
+        for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
             if not smp:
                 continue  # mid-prefill chunk: no token, and its logits are not looked at
-            if ok:
-                sampled[s.seq_id] = int(t)
+            rs = rows[i]
+            if all(out.finite[r] for r in rs):
+                toks = [int(out.tokens[r]) for r in rs]
+                sampled[s.seq_id] = toks if plan.drafts and plan.drafts[i] else toks[0]
             else:  # finished before commit: the scheduler appends no token to it
-                events.append(self._finish(self._streams[s.seq_id], FinishReason.ERROR,
-                                           nonfinite_logits_message(s.num_generated)))
+                events.append(self._error(s, nonfinite_logits_message(s.num_generated)))
         for seq in self.scheduler.commit(plan, sampled):
-            events.extend(self._on_token(self._streams[seq.seq_id]))
+            if lg is not None:  # the row whose logits chose the last token appended
+                i = plan.seqs.index(seq)
+                self.last_logits[seq.request.request_id] = lg[rows[i][seq.num_new_tokens - 1]].clone()
+            events.extend(self._emit(seq))
         return events
 
     def _run(self, plan: StepPlan):
         pad_to = None
         if plan.kind == "decode" and self.config.mode == "graph":
-            pad_to = self.config.bucket_for(len(plan.seqs))
+            pad_to = self.config.bucket_for(plan.num_tokens)
         inputs = build_step_inputs(plan, block_size=self.config.block_size, max_pages=self.max_pages,
                                    padding_block=self.blocks.padding_block, pad_to=pad_to)
         self.num_steps[plan.kind] += 1
         return self.runner.run(inputs)
 
-    def _on_token(self, st: _Stream) -> list[Event]:
-        seq = st.seq
-        tok = seq.tokens[-1]
-        idx = seq.num_generated - 1
-        if idx == 0:
-            st.t_first = time.perf_counter()
-        rid = seq.request.request_id
-        eos = seq.request.eos_ids if seq.request.eos_ids is not None else self.geom.eos_token_id
-        if tok in eos and not seq.request.ignore_eos:
-            return [TokenEvent(rid, tok, idx, "", FinishReason.EOS.value), self._finish(st, FinishReason.EOS)]
-        text = st.decoder.push(tok) if st.decoder is not None else ""
-        shown, stopped = st.stop.push(text)
-        reason = None
-        if stopped:
-            reason = FinishReason.STOP
-        elif seq.num_generated >= seq.request.params.max_tokens:
-            reason = FinishReason.LENGTH
-        elif len(seq.tokens) >= self.max_model_len:
-            reason = FinishReason.CONTEXT
-        if reason is None:
-            return [TokenEvent(rid, tok, idx, shown)]
-        return [TokenEvent(rid, tok, idx, shown, reason.value), self._finish(st, reason)]
-
-    def _finish(self, st: _Stream, reason: FinishReason, detail: str = "") -> FinishEvent:
-        seq = st.seq
-        if seq.status is not SeqStatus.FINISHED:
-            self.scheduler.finish(seq, reason)
-        del self._streams[seq.seq_id]
-        tail = ""
-        if reason is not FinishReason.STOP:
-            if st.decoder is not None:
-                tail, _ = st.stop.push(st.decoder.flush())
-            tail += st.stop.flush()
-        now = time.perf_counter()
-        n = seq.num_generated
-        dec = (n - 1) / (now - st.t_first) if n > 1 and now > st.t_first else 0.0
-        return FinishEvent(seq.request.request_id, reason, detail, text=tail,
-                           num_prompt_tokens=seq.num_prompt,
-                           num_generated=n, num_preemptions=seq.num_preemptions,
-                           ttft_s=(st.t_first - st.t_submit) if st.t_first else 0.0, decode_tok_s=dec,
-                           tokens=seq.tokens[seq.num_prompt:])
-
-    def generate(self, requests: Iterable[Request]) -> Iterator[Event]:
-        """Submit `requests` and run until every request (also ones submitted meanwhile) is done."""
-        for r in requests:
-            ev = self.submit(r)
-            if ev is not None:
-                yield ev
-        while self.scheduler.has_work:
-            yield from self.step()
-
     # ---- introspection ---------------------------------------------------------------------------
-    def kv_blocks_used(self) -> int:
-        return self.blocks.num_used
-
-    def check_accounting(self) -> None:
-        self.blocks.check(self.scheduler.live())
-
     def memory_report(self) -> MemoryReport:
         """Where this engine's device memory goes (`MemoryReport`); the torch counters are read now."""
         w = self.weights
@@ -282,7 +181,8 @@ class Engine:
         return MemoryReport(
             container_bytes=_tensor_bytes(tensors), weight_buffer_bytes=_storage_bytes(tensors),
             dense_cache_bytes=dense, kv_pool_bytes=self.runner.kv.numel() * self.runner.kv.element_size(),
-            workspace_bytes=_storage_bytes(ws) + self.runner.buffers.nbytes,
+            workspace_bytes=(_storage_bytes(ws) + self.runner.buffers.nbytes
+                             + getattr(self.ops, "scratch_bytes", 0)),
             graph_pool_bytes=self._graph_memory[0], graph_device_bytes=self._graph_memory[1],
             allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else 0,
             peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else 0,
@@ -311,8 +211,9 @@ class MemoryReport:
     weight_buffer_bytes: the device memory those tensors occupy (the loader's one buffer, alignment
       padding included; or the separate tensors of weights built in memory).
     dense_cache_bytes: the bf16 copy of every quantized linear (`EngineConfig.dense_weight_cache`).
-    kv_pool_bytes: the paged KV pool. workspace_bytes: the step's activation buffers and the static
-      step-input buffers (not the op backend's own plans and split-K scratch).
+    kv_pool_bytes: the paged KV pool. workspace_bytes: the step's activation buffers, the static
+      step-input buffers and the dequantize scratch of the prefill path (ops_kernels; not the op
+      backend's plans and split-K scratch).
     graph_pool_bytes / graph_device_bytes: growth of torch's reserved memory / drop of the device's
       free memory across graph capture (the second adds what the driver keeps for the graphs).
     allocated / peak_allocated / reserved: torch's counters for the device when the report was made

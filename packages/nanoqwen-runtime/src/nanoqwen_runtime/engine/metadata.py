@@ -50,7 +50,7 @@ class StepInputs:
     top_k: np.ndarray         # int32 [B]
     seed: np.ndarray          # int64 [B]
     offset: np.ndarray        # int64 [B]
-    num_real: int             # rows 0..num_real-1 are real sequences; the rest are padding
+    num_real: int             # rows 0..num_real-1 are real (a sequence's, `plan_rows`); the rest padding
     max_query_len: int
     max_context_len: int
 
@@ -63,10 +63,28 @@ class StepInputs:
         return len(self.input_ids)
 
 
+def plan_rows(plan: StepPlan) -> list[tuple[int, int, int]]:
+    """The rows of a step as (sequence index, first position, query length). One row per sequence,
+    except in a verify step (a decode step carrying drafts): sequence i with a draft of k tokens is
+    k+1 decode rows, row j computing position start+j with context start+j+1 over the same pages."""
+    if not plan.has_drafts:
+        return [(i, st, q) for i, (st, q) in enumerate(zip(plan.start_pos, plan.query_lens, strict=True))]
+    if plan.kind != "decode":
+        raise AssertionError("only decode steps carry drafts")
+    return [(i, st + j, 1) for i, (st, q) in enumerate(zip(plan.start_pos, plan.query_lens, strict=True))
+            for j in range(q)]
+
+
 def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, padding_block: int,
                       pad_to: int | None = None) -> StepInputs:
-    """Flatten a plan into the arrays above. `pad_to` pads a decode batch to a graph bucket."""
-    B = len(plan.seqs)
+    """Flatten a plan into the arrays above. `pad_to` pads a decode batch to a graph bucket.
+
+    A verify step (drafts) becomes one decode row per verified token (`plan_rows`): row j of a
+    sequence holds its j-th step token at position start+j and attends to start+j+1 tokens of the
+    sequence's pages, the K/V of rows 0..j-1 written earlier in the same layer. So each row computes
+    exactly what a plain decode step at that position would, and the step samples every row."""
+    rows_spec = plan_rows(plan)
+    B = len(rows_spec)
     rows = pad_to if pad_to is not None else B
     if rows < B:
         raise ValueError(f"pad_to={pad_to} is smaller than the batch ({B})")
@@ -87,16 +105,20 @@ def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, paddin
     t = 0
     max_q = 1
     max_ctx = 1
-    for b, (seq, q, start) in enumerate(zip(plan.seqs, plan.query_lens, plan.start_pos, strict=True)):
+    feeds = [plan.step_tokens(i) for i in range(len(plan.seqs))]
+    for b, (i, start, q) in enumerate(rows_spec):
+        seq = plan.seqs[i]
         ctx = start + q
-        if ctx > len(seq.tokens):
-            raise AssertionError(f"seq {seq.seq_id}: computing past its tokens ({ctx} > {len(seq.tokens)})")
+        first = plan.start_pos[i]
+        if ctx > first + len(feeds[i]):
+            raise AssertionError(f"seq {seq.seq_id}: computing past its tokens ({ctx} > "
+                                 f"{first + len(feeds[i])})")
         npages = -(-ctx // block_size)
         if npages > max_pages:
             raise AssertionError(f"seq {seq.seq_id}: {ctx} tokens need {npages} pages > {max_pages}")
         if len(seq.blocks) < npages:
             raise AssertionError(f"seq {seq.seq_id}: {ctx} tokens but only {len(seq.blocks)} pages")
-        input_ids[t:t + q] = seq.tokens[start:ctx]
+        input_ids[t:t + q] = feeds[i][start - first:ctx - first]
         positions[t:t + q] = np.arange(start, ctx, dtype=np.int32)
         page_table[b, :npages] = seq.blocks[:npages]
         pos = positions[t:t + q].astype(np.int64)
@@ -110,7 +132,8 @@ def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, paddin
         top_p[b] = sp.top_p
         top_k[b] = sp.top_k
         seed[b] = seq.seed
-        offset[b] = seq.num_generated
+        # the RNG offset of a row is the index of the token it samples (verify rows are greedy)
+        offset[b] = seq.num_generated + (start - first)
         max_q = max(max_q, q)
         max_ctx = max(max_ctx, ctx)
     for b in range(B, rows):  # padding rows: one token at position 0 in the padding block

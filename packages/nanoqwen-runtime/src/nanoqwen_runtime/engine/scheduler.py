@@ -29,156 +29,35 @@ Policy:
 
 from __future__ import annotations
 
-import enum
 import itertools
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ..sampling import SamplingParams
+from ..speculative import NgramDrafter, SpeculationConfig, accept_greedy
+from .blocks import BlockAllocatorProtocol, BlockManager
+from .sequence import FinishReason, Request, SeqStatus, Sequence
 
+__all__ = ["FinishReason", "SeqStatus", "Request", "Sequence", "StepPlan", "Scheduler", "BlockManager",
+           "BlockAllocatorProtocol", "VERIFY_MAX_ROWS"]
 
-class FinishReason(enum.StrEnum):
-    EOS = "eos"            # an end-of-sequence token was sampled
-    STOP = "stop"          # a stop string appeared in the output
-    LENGTH = "length"      # max_new_tokens reached
-    CONTEXT = "context"    # the engine's context limit reached
-    REFUSED = "refused"    # never admitted (reason in the event)
-    ABORTED = "aborted"    # cancelled by the caller
-    ERROR = "error"        # the model failed at run time (non-finite logits); no token emitted (detail)
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass
-class Request:
-    """One generation request: prompt token ids and sampling settings (validated by `SamplingParams`).
-
-    `params.seed=None` gets a fresh random seed when the engine accepts the request. `ignore_eos`
-    keeps generating past EOS tokens (benchmarks use it to fix the output length); `eos_ids`
-    replaces the model's EOS ids for this request. A request whose prompt + max_tokens exceeds the
-    context limit runs until the context is full (finish reason "context"). `detokenize=False` leaves
-    the events' text empty (the `Backend` adapter: its `Pipeline` decodes the tokens itself, once).
-    """
-
-    prompt_tokens: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str | None = None
-    ignore_eos: bool = False
-    eos_ids: frozenset[int] | None = None
-    detokenize: bool = True
-
-
-@dataclass(eq=False)
-class Sequence:
-    """Scheduler state of one request. `tokens` = prompt + generated so far."""
-
-    seq_id: int
-    request: Request
-    tokens: list[int]
-    num_prompt: int
-    status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
-    admitted_order: int = -1  # larger = admitted later (preempted first)
-    seed: int = 0  # the request's seed, or a fresh random one when it gave None
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt
-
-    @property
-    def uncomputed(self) -> int:
-        return len(self.tokens) - self.num_computed
-
-    @property
-    def in_decode(self) -> bool:
-        return self.status is SeqStatus.RUNNING and self.uncomputed == 1
-
-
-class BlockAllocatorProtocol(Protocol):
-    """What the block manager needs from the shared allocator (nanoqwen_runtime.kv_cache)."""
-
-    def allocate(self, n: int) -> list[int]: ...
-    def free(self, blocks: list[int]) -> None: ...
-    @property
-    def num_free(self) -> int: ...
-
-
-class BlockManager:
-    """Exact page accounting: every block is either free or owned by exactly one live sequence.
-
-    Block `padding_block` (allocated once at construction) is where padded rows of a graph-bucketed
-    decode batch write their K/V; it never belongs to a sequence and is not counted as used.
-    """
-
-    def __init__(self, allocator: BlockAllocatorProtocol, num_blocks: int, block_size: int):
-        self.allocator = allocator
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.padding_block = allocator.allocate(1)[0]
-        self.usable_blocks = num_blocks - 1
-        self._owned: dict[int, int] = {}  # block -> seq_id
-
-    @property
-    def num_free(self) -> int:
-        return self.allocator.num_free
-
-    @property
-    def num_used(self) -> int:
-        return len(self._owned)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def extra_blocks(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks `seq` must gain to hold `num_tokens` tokens in total."""
-        return max(0, self.blocks_for(num_tokens) - len(seq.blocks))
-
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        n = self.extra_blocks(seq, num_tokens)
-        if n:
-            new = self.allocator.allocate(n)
-            for b in new:
-                if b in self._owned or b == self.padding_block:
-                    raise AssertionError(f"allocator handed out block {b}, which is in use")
-                self._owned[b] = seq.seq_id
-            seq.blocks.extend(new)
-
-    def release(self, seq: Sequence) -> None:
-        for b in seq.blocks:
-            if self._owned.pop(b, None) != seq.seq_id:
-                raise AssertionError(f"seq {seq.seq_id} released block {b} it does not own")
-        self.allocator.free(seq.blocks)
-        seq.blocks = []
-
-    def check(self, live: list[Sequence]) -> None:
-        """Raise if the accounting is off: used + free + padding == total, no shared blocks."""
-        seen: dict[int, int] = {}
-        for s in live:
-            if len(s.blocks) < self.blocks_for(s.num_computed):
-                raise AssertionError(f"seq {s.seq_id}: {s.num_computed} tokens in {len(s.blocks)} blocks")
-            for b in s.blocks:
-                if b in seen:
-                    raise AssertionError(f"block {b} owned by seqs {seen[b]} and {s.seq_id}")
-                seen[b] = s.seq_id
-        if seen != self._owned:
-            raise AssertionError("block ownership table disagrees with the sequences")
-        if self.num_used + self.num_free + 1 != self.num_blocks:
-            raise AssertionError(f"used {self.num_used} + free {self.num_free} + 1 != {self.num_blocks}")
+# A decode step that carries drafts runs each sequence's pending token plus its drafts as rows; drafts
+# are added only while the step has at most this many rows: up to 8 rows the INT4 GEMV reads every
+# weight once (its M <= 8 path), so the extra rows cost almost nothing. Past it they cost real compute.
+VERIFY_MAX_ROWS = 8
 
 
 @dataclass
 class StepPlan:
     """What one engine step computes: for each sequence, `query_lens[i]` tokens starting at
-    `start_pos[i]` (= its num_computed); `sample[i]` says whether it samples a token afterwards."""
+    `start_pos[i]` (= its num_computed); `sample[i]` says whether it samples a token afterwards.
+
+    A decode step may carry drafts (`drafts[i]`, prompt-lookup speculation): then sequence i computes
+    its pending token plus the drafted tokens, `query_lens[i] = 1 + len(drafts[i])` rows, and the step
+    samples a greedy token after every one of them (the verify step; `Scheduler.commit` keeps the
+    agreeing prefix). The drafted tokens are not in `seq.tokens`: `step_tokens(i)` gives the row ids.
+    """
 
     kind: str  # "prefill" | "decode"
     seqs: list[Sequence]
@@ -186,16 +65,41 @@ class StepPlan:
     start_pos: list[int]
     sample: list[bool]
     preempted: list[Sequence] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per sequence ([] each when none)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.drafts)
+
+    def step_tokens(self, i: int) -> list[int]:
+        """Token ids sequence i feeds to this step (its pending token plus drafts in a verify step)."""
+        seq, start, q = self.seqs[i], self.start_pos[i], self.query_lens[i]
+        if self.drafts and self.drafts[i]:
+            return [*seq.tokens[start:start + 1], *self.drafts[i]]
+        return seq.tokens[start:start + q]
+
 
 class Scheduler:
+    """Plans steps (see the module header). `speculation` is the default for requests that leave
+    `Request.speculation` None; `verify_max_rows` caps the rows of a decode step that carries drafts."""
+
     def __init__(self, blocks: BlockManager, *, max_batch: int, max_model_len: int, prefill_chunk: int,
-                 admit_watermark: float = 0.01):
+                 admit_watermark: float = 0.01, speculation: SpeculationConfig | None = None,
+                 verify_max_rows: int = VERIFY_MAX_ROWS):
         self.blocks = blocks
+        self.speculation = speculation
+        self.verify_max_rows = verify_max_rows
+        # counters (EngineStats): prompt tokens looked up in / taken from the prefix cache at admission,
+        # decode steps' drafted and accepted tokens
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.spec_steps = 0
+        self.spec_drafted_tokens = 0
+        self.spec_accepted_tokens = 0
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.prefill_chunk = prefill_chunk
@@ -215,6 +119,9 @@ class Scheduler:
             return "empty prompt"
         if not isinstance(request.params, SamplingParams):
             return f"params must be a SamplingParams, got {type(request.params).__name__}"
+        sp = request.speculation
+        if sp is not None and sp is not False and not isinstance(sp, SpeculationConfig):
+            return f"speculation must be None, False or a SpeculationConfig, got {sp!r}"
         # the sequence stops at the context limit (finish reason "context") if max_tokens is larger
         need = min(n + request.params.max_tokens, self.max_model_len)
         if n >= self.max_model_len:
@@ -232,6 +139,9 @@ class Scheduler:
             seed = int.from_bytes(os.urandom(8), "little") >> 1
         seq = Sequence(seq_id=next(self._ids), request=request, tokens=list(request.prompt_tokens),
                        num_prompt=len(request.prompt_tokens), seed=seed)
+        spec = self.speculation if request.speculation is None else request.speculation
+        if spec and request.params.greedy:  # speculation is off for temperature > 0 (class docstring)
+            seq.drafter = NgramDrafter(spec, request.prompt_tokens)
         self.waiting.append(seq)
         return seq
 
@@ -303,8 +213,30 @@ class Scheduler:
         seqs = sorted([s for s in self.running if s.in_decode], key=lambda s: s.admitted_order)
         if not seqs:
             return None
-        return StepPlan("decode", seqs, [1] * len(seqs), [s.num_computed for s in seqs], [True] * len(seqs),
-                        preempted)
+        drafts = self._draft(seqs)
+        return StepPlan("decode", seqs, [1 + len(d) for d in drafts], [s.num_computed for s in seqs],
+                        [True] * len(seqs), preempted, drafts)
+
+    def _draft(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Prompt-lookup drafts for a decode step, oldest sequence first, while the step stays within
+        `verify_max_rows` rows. A draft never reaches past max_tokens or the context limit (the
+        verify step's bonus token included), and never takes a page another sequence would need: it
+        only uses pages that are free now (or it is shortened)."""
+        rows_left = self.verify_max_rows - len(seqs)
+        out: list[list[int]] = []
+        for seq in seqs:
+            d: list[int] = []
+            if seq.drafter is not None and rows_left > 0:
+                limit = min(rows_left, seq.request.params.max_tokens - seq.num_generated - 1,
+                            self.max_model_len - len(seq.tokens))
+                d = seq.drafter.propose(seq.tokens[seq.num_prompt:], max(0, limit))
+                room = (len(seq.blocks) + self.blocks.num_free) * self.blocks.block_size - len(seq.tokens)
+                d = d[:max(0, room)]
+                if d:
+                    self.blocks.grow(seq, len(seq.tokens) + len(d))
+                rows_left -= len(d)
+            out.append(d)
+        return out
 
     def _schedule_prefill(self) -> StepPlan | None:
         budget = self.prefill_chunk
@@ -319,11 +251,16 @@ class Scheduler:
                 chosen.append((seq, q))
                 budget -= q
         chosen = [(s, q) for s, q in chosen if s.status is SeqStatus.RUNNING]
-        # 2. admit waiting sequences FIFO while pages (above the watermark) and batch slots allow
+        # 2. admit waiting sequences FIFO while pages (above the watermark) and batch slots allow; a
+        # sequence starts after the longest cached prefix of its tokens (at least one token is left to
+        # compute: the step must produce logits)
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            q = min(seq.uncomputed, budget)
-            need = self.blocks.extra_blocks(seq, q)
+            hit_blocks, hit_keys = self.blocks.lookup(seq.tokens, len(seq.tokens) - 1)
+            hit = len(hit_blocks) * self.blocks.block_size
+            q = min(len(seq.tokens) - hit, budget)
+            need = (self.blocks.blocks_for(hit + q) - len(hit_blocks)
+                    + self.blocks.evictable_among(hit_blocks))
             reserve = self.watermark_blocks if self.running else 0
             if need + reserve > self.blocks.num_free:
                 break
@@ -331,7 +268,12 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             seq.admitted_order = next(self._admit_counter)
             self.running.append(seq)
-            self.blocks.grow(seq, q)
+            if self.blocks.prefix_caching:
+                self.prefix_queried_tokens += len(seq.tokens)
+                self.prefix_hit_tokens += hit
+            self.blocks.acquire(seq, hit_blocks, hit_keys)
+            seq.num_computed = hit
+            self.blocks.grow(seq, hit + q)
             chosen.append((seq, q))
             budget -= q
         if not chosen:
@@ -342,17 +284,45 @@ class Scheduler:
                         [s.num_computed + q == len(s.tokens) for s, q in chosen], preempted)
 
     # ---- after the step -----------------------------------------------------------------------
-    def commit(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
-        """Record a finished step: advance `num_computed`, append sampled tokens (seq_id -> token).
-        Returns the sequences that received a token (the caller checks stop conditions)."""
+    def commit(self, plan: StepPlan, sampled: dict[int, int | list[int]]) -> list[Sequence]:
+        """Record a finished step: advance `num_computed`, append sampled tokens (seq_id -> token, or
+        for a sequence that carried drafts the greedy token after each of its 1 + len(draft) rows).
+        A verify step keeps the drafts the model agrees with plus its own next token
+        (`speculative.accept_greedy`) and releases pages grown for rejected drafts; the K/V rows it
+        wrote for them lie past the sequence's end and are overwritten later. Full computed blocks
+        enter the prefix cache. Returns the sequences that received tokens, each with
+        `num_new_tokens` set (the caller checks stop conditions token by token)."""
         out = []
-        for seq, q, smp in zip(plan.seqs, plan.query_lens, plan.sample, strict=True):
+        for i, (seq, q, smp) in enumerate(zip(plan.seqs, plan.query_lens, plan.sample, strict=True)):
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.num_computed += q
-            if smp:
-                seq.tokens.append(sampled[seq.seq_id])
-                out.append(seq)
+            draft = plan.drafts[i] if plan.drafts else []
+            if draft:
+                if seq.seq_id not in sampled:
+                    # a verify row not emitted (non-finite logits): its sequence was finished by the caller
+                    raise AssertionError(f"seq {seq.seq_id}: verify step without sampled tokens")
+                new = accept_greedy(draft, sampled[seq.seq_id])
+                accepted = len(new) - 1
+                seq.drafter.record(len(draft), accepted)
+                self.spec_steps += 1
+                self.spec_drafted_tokens += len(draft)
+                self.spec_accepted_tokens += accepted
+                seq.num_computed += 1 + accepted
+                seq.tokens.extend(new)
+                self.blocks.shrink(seq, len(seq.tokens))
+            else:
+                seq.num_computed += q
+                if not smp:
+                    self.blocks.register(seq)
+                    continue
+                tok = sampled[seq.seq_id]
+                new = tok if isinstance(tok, list) else [tok]
+                if len(new) != 1:
+                    raise AssertionError(f"seq {seq.seq_id}: {len(new)} tokens for a step without drafts")
+                seq.tokens.extend(new)
+            seq.num_new_tokens = len(new)
+            self.blocks.register(seq)
+            out.append(seq)
         return out
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:

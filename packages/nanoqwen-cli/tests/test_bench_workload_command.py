@@ -1,0 +1,56 @@
+"""`nanoqwen-cli bench --workload ...` from the command line to the written reports, without a GPU:
+`torch.cuda.is_available` says yes and the engine is the tiny model (test tokenizer and chat template)
+on the torch op backend, eager, on the CPU. What is tested is the command's wiring: the options reach
+the runner, workload-<name>.json/.md are written into --out, the markdown is printed, and the summary
+line names each workload's ratio against its goal. The option checks (exit 2) are in
+test_hostile_inputs.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from nanoqwen_cli.main import app
+from nanoqwen_runtime.engine import EngineConfig, bench_workload
+from nanoqwen_runtime.engine.engine import Engine as RealEngine
+from nanoqwen_runtime.testing import write_tiny_container
+from typer.testing import CliRunner
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_container(tmp_path_factory.mktemp("wl") / "tiny.nanoqwen", method="rtn", seed=3)
+
+
+def test_bench_workload_writes_reports(tiny, tmp_path, monkeypatch):
+    seen = {}
+
+    class CpuEngine(RealEngine):
+        @classmethod
+        def from_file(cls, path, config=None, **kw):
+            seen["kv_memory_bytes"], seen["speculation"] = config.kv_memory_bytes, config.speculation
+            return RealEngine.from_file(path, EngineConfig(device="cpu", backend="torch", mode="eager",
+                                                           num_blocks=64, max_model_len=None, max_batch=8,
+                                                           prefill_chunk=256), **kw)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_workload, "Engine", CpuEngine)
+    out = tmp_path / "wl"
+    # free-form only: its prompts (~150 byte tokens) fit the tiny model's 256 positions
+    r = CliRunner().invoke(app, ["bench", "--model", str(tiny), "--out", str(out), "--workload", "free-form",
+                                 "--workload", "free-form", "--speculate", "ngram:3", "--prompts", "2",
+                                 "--max-tokens", "5", "--kv-memory", "1GiB"])
+    assert r.exit_code == 0, r.output
+    # the engine's own default stays off: each request says off or on
+    assert seen == {"kv_memory_bytes": 1 << 30, "speculation": None}
+    rep = json.loads((out / "workload-free-form.json").read_text())
+    assert rep["n_prompts"] == 2 and rep["max_tokens"] == 5 and rep["speculation"]["k"] == 3
+    assert sorted(p.name for p in out.iterdir()) == ["workload-free-form.json", "workload-free-form.md"]
+    md = (out / "workload-free-form.md").read_text()
+    assert md.strip() in r.stdout  # printed once (the repeated --workload runs once)
+    assert r.stdout.count("# Workload `free-form`") == 1
+    last = r.stdout.strip().splitlines()[-1]
+    goal = "met" if rep["goal_met"] else "NOT met"
+    assert last == (f"wrote {out}/workload-free-form.json and the .md beside each; free-form "
+                    f"{rep['speedup']:.2f}x (goal 0.95x {goal})"), last

@@ -1,0 +1,119 @@
+"""The request side both engines share: submission checks, aborts, token events, finishing, statistics.
+
+The CUDA `engine.Engine` and the plain-torch `reference_engine.ReferenceEngine` differ only in how a
+step runs the model (`step()`); everything around it is this one class, so both refuse the same
+requests with the same reasons, end requests by the same rules (`request_stream.RequestStream`) and
+report the same counters (`stats.EngineStats`):
+
+    submit(Request) -> FinishEvent | None     refusal (nothing queued) or None (queued)
+    step() -> [TokenEvent..., FinishEvent]    subclass: schedule, run the model, `scheduler.commit`,
+                                              then `_emit(seq)` for every sequence that got tokens
+    abort(request_id), has_work, generate(requests), kv_blocks_used(), check_accounting(), stats()
+
+A subclass sets, before any request: `geom` (Qwen2Config), `tokenizer` (or None), `max_model_len`,
+`blocks` (engine.blocks.BlockManager) and `scheduler` (engine.scheduler.Scheduler), then calls
+`EngineBase.__init__`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+
+from .engine.sequence import FinishReason, Request, SeqStatus, Sequence
+from .request_stream import Event, FinishEvent, RequestStream
+from .stats import EngineStats
+
+__all__ = ["EngineBase"]
+
+
+class EngineBase(ABC):
+    """Requests, streams and counters of an engine (see the module header). Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, RequestStream] = {}
+        self._ids = 0
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def submit(self, request: Request) -> FinishEvent | None:
+        """Queue a request; returns a refusal event (and queues nothing) if it can never run."""
+        if request.request_id is None:
+            request.request_id = f"req-{self._ids}"
+        self._ids += 1
+        why = self.scheduler.refusal_reason(request)
+        if why is None and not all(0 <= t < self.geom.vocab_size for t in request.prompt_tokens):
+            why = f"prompt has token ids outside 0..{self.geom.vocab_size - 1}"
+        if why is None and request.params.stop and self.tokenizer is None:
+            why = "stop strings need a tokenizer; this model has none"
+        if why is not None:
+            return FinishEvent(request.request_id, FinishReason.REFUSED, detail=why,
+                               num_prompt_tokens=len(request.prompt_tokens))
+        seq = self.scheduler.add(request)
+        self._streams[seq.seq_id] = RequestStream.open(seq, self.tokenizer)
+        return None
+
+    def abort(self, request_id: str) -> FinishEvent | None:
+        """End a queued or running request now (its pages are freed); None if it is not live."""
+        for st in list(self._streams.values()):
+            if st.seq.request.request_id == request_id:
+                return self._finish(st, FinishReason.ABORTED)
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Event]:
+        """Submit `requests` and run until every request (also ones submitted meanwhile) is done."""
+        for r in requests:
+            ev = self.submit(r)
+            if ev is not None:
+                yield ev
+        while self.scheduler.has_work:
+            yield from self.step()
+
+    # ---- stepping ---------------------------------------------------------------------------------
+    @abstractmethod
+    def step(self) -> list[Event]:
+        """Run one engine step; its events."""
+
+    def _emit(self, seq: Sequence) -> list[Event]:
+        """Events of the tokens the last `scheduler.commit` appended to `seq` (RequestStream rules), and
+        the request's `FinishEvent` when one of them ends it."""
+        st = self._streams[seq.seq_id]
+        events: list[Event] = []
+        tokens, reason = st.emit_committed(self.geom.eos_token_id, self.max_model_len)
+        events.extend(tokens)
+        if reason is not None:
+            events.append(self._finish(st, reason))
+        return events
+
+    def _error(self, seq: Sequence, detail: str) -> FinishEvent:
+        """End `seq` with FinishReason.ERROR before its step is committed (no token is emitted)."""
+        return self._finish(self._streams[seq.seq_id], FinishReason.ERROR, detail)
+
+    def _finish(self, st: RequestStream, reason: FinishReason, detail: str = "") -> FinishEvent:
+        seq = st.seq
+        if seq.status is not SeqStatus.FINISHED:
+            self.scheduler.finish(seq, reason)
+        del self._streams[seq.seq_id]
+        return st.finish_event(reason, detail)
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def kv_blocks_used(self) -> int:
+        return self.blocks.num_used
+
+    def check_accounting(self) -> None:
+        self.blocks.check(self.scheduler.live())
+
+    def stats(self) -> EngineStats:
+        """Counters and gauges now (nanoqwen_runtime.stats). `kv_blocks_total` excludes the padding
+        block; `kv_blocks_cached` are unreferenced prefix blocks (evictable, so counted as free)."""
+        sch, bm = self.scheduler, self.blocks
+        return EngineStats(running=len(sch.running), waiting=len(sch.waiting),
+                           kv_blocks_total=bm.usable_blocks, kv_blocks_used=bm.num_used,
+                           kv_blocks_cached=bm.num_cached, preemptions=sch.num_preemptions,
+                           prefix_queried_tokens=sch.prefix_queried_tokens,
+                           prefix_hit_tokens=sch.prefix_hit_tokens, spec_steps=sch.spec_steps,
+                           spec_drafted_tokens=sch.spec_drafted_tokens,
+                           spec_accepted_tokens=sch.spec_accepted_tokens)

@@ -1,0 +1,197 @@
+"""The reference engine: continuous batching over the plain-torch `ReferenceModel`, with the CUDA
+`Engine`'s request API, so that whatever drives an engine (the HTTP server, tests) runs on a CPU too.
+
+    engine = ReferenceEngine.from_file("model.nanoqwen", ReferenceEngineConfig(kv_memory_bytes=256 << 20))
+    engine.submit(Request(prompt_ids, SamplingParams(max_tokens=16)))   # any time, also between steps
+    while engine.has_work:
+        for ev in engine.step(): ...          # events.TokenEvent per token, then one FinishEvent
+
+Same surface as `engine.Engine`, from the same base class (`engine_base.EngineBase`): `submit(Request)
+-> FinishEvent | None` (a refusal), `step()`, `abort(request_id)`, `has_work`, `generate()`,
+`kv_blocks_used()`, `check_accounting()`, `stats()`.
+Same scheduling, because it is the same code: the engine's `Scheduler` (FIFO admission, prefill steps
+alternating with decode steps, preemption of the youngest sequence when pages run out) and
+`BlockManager` (exact page accounting) over a KV pool of `kv_memory_bytes` (so "KV blocks back to
+zero" is observable). Same stop rules and text, also the same code: `request_stream.RequestStream`
+(EOS ids, stop strings through `StopMatcher`, `max_tokens`, context limit, `StreamDecoder` text).
+
+What differs from the CUDA engine: each step is one `ReferenceModel.forward` (fp32 matmuls and fp32 KV
+pages by default: the exactness oracle), and each request samples with its own CPU `Sampler` seeded
+from its seed (the scheduler draws one when the request gave None), so a seeded request repeats
+exactly. A request whose logits hold NaN/Inf ends with `FinishEvent(reason=ERROR)` and no token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from os import PathLike
+
+import torch
+
+from .engine.metadata import plan_rows
+from .engine.scheduler import BlockManager, FinishReason, Scheduler, SeqStatus, StepPlan
+from .engine_base import EngineBase
+from .events import nonfinite_logits_message
+from .kv_cache import KVCacheSpec, PagedKVCache, StepMetadata
+from .reference import ReferenceModel
+from .request_stream import Event, FinishEvent, RequestStream
+from .sampling import Sampler
+from .speculative import SpeculationConfig
+
+__all__ = ["ReferenceEngine", "ReferenceEngineConfig"]
+
+
+@dataclass(frozen=True)
+class ReferenceEngineConfig:
+    """Knobs of the reference engine (the CLI maps `serve --device cpu` flags onto these).
+
+    kv_memory_bytes: the page pool's size. 256 MiB holds ~10.9k tokens of the 0.5B in fp32 pages
+      (24 layers x 2 x 2 KV heads x 64 x 4 B = 24 KiB a token), ample for tests on a CPU.
+    kv_dtype: fp32 by default, as `ReferenceBackend` (exact match with HF in fp32).
+    max_batch: running sequences at most (a CPU step costs about linearly in it).
+    max_model_len: context limit per sequence; None = the model's max_position_embeddings.
+    admit_watermark: fraction of the pool kept free when admitting while others run (as the engine).
+    prefix_caching: keep full KV blocks after a request ends and start a new request after the
+      longest cached prefix of its prompt (engine/blocks.py), as the CUDA engine.
+    speculation: prompt-lookup speculation for greedy requests that leave `Request.speculation` None
+      (speculation is off for temperature > 0); None = off unless a request asks.
+    """
+
+    kv_memory_bytes: int = 256 << 20
+    block_size: int = 16
+    max_batch: int = 32
+    prefill_chunk: int = 512
+    max_model_len: int | None = None
+    kv_dtype: torch.dtype = torch.float32
+    admit_watermark: float = 0.01
+    prefix_caching: bool = True
+    speculation: SpeculationConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("kv_memory_bytes", "block_size", "max_batch", "prefill_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ReferenceEngineConfig.{name} must be a positive int, got {v!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
+            raise ValueError(f"ReferenceEngineConfig.speculation must be a SpeculationConfig or None, "
+                             f"got {self.speculation!r}")
+
+
+class ReferenceEngine(EngineBase):
+    """Continuous batching on `ReferenceModel` (see the module header); requests, stop rules and
+    statistics: `EngineBase`. Not thread-safe: one owner."""
+
+    def __init__(self, model: ReferenceModel, config: ReferenceEngineConfig | None = None, *, tokenizer=None):
+        self.config = config = config or ReferenceEngineConfig()
+        self.model = model
+        self.geom = model.config
+        self.tokenizer = tokenizer
+        self.device = model.device
+        limit = self.geom.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        spec = KVCacheSpec(self.geom.num_hidden_layers, self.geom.num_key_value_heads, self.geom.head_dim,
+                           num_blocks=1, block_size=config.block_size, dtype=config.kv_dtype)
+        n = config.kv_memory_bytes // spec.bytes_per_block
+        if n < 2:
+            raise ValueError(f"a KV budget of {config.kv_memory_bytes} bytes holds {n} blocks of "
+                             f"{spec.bytes_per_block} bytes; need >= 2")
+        self.num_blocks = int(n)
+        self.cache = PagedKVCache(KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                              num_blocks=self.num_blocks, block_size=config.block_size,
+                                              dtype=config.kv_dtype), device=self.device)
+        self.blocks = BlockManager(self.cache.allocator, self.num_blocks, config.block_size,
+                                   prefix_caching=config.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_batch=config.max_batch, max_model_len=self.max_model_len,
+                                   prefill_chunk=config.prefill_chunk, admit_watermark=config.admit_watermark,
+                                   speculation=config.speculation)
+        EngineBase.__init__(self)
+        self._samplers: dict[int, Sampler] = {}  # seq_id -> its CPU sampler (made at its first token)
+        self.num_steps = {"prefill": 0, "decode": 0}
+        dt = str(model.dtype).removeprefix("torch.")
+        self.name = (f"reference engine (plain torch) on {self.device}, {dt} matmuls, "
+                     f"{self.num_blocks} KV blocks of {config.block_size} tokens")
+
+    @classmethod
+    def from_file(cls, path: str | PathLike, config: ReferenceEngineConfig | None = None, *,
+                  device: str = "cpu", dtype: torch.dtype = torch.float32, verify: bool = True
+                  ) -> ReferenceEngine:
+        """Load a container's weights (checked unless `verify=False`) and tokenizer."""
+        import nanoqwen_format as nqf
+
+        from .backend_types import resolve_device
+        from .tokenizer import Tokenizer
+
+        model = ReferenceModel.from_file(path, device=resolve_device(device), dtype=dtype, verify=verify)
+        with nqf.open(path) as f:
+            tok_json = f.tokenizer_json
+        return cls(model, config, tokenizer=Tokenizer.from_json(tok_json) if tok_json else None)
+
+    # ---- stepping ---------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Run one step (prefill chunks, or a decode step: one token per decoding sequence, or for a
+        sequence carrying drafts one greedy token after each of its verify rows); its events."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        self.num_steps[plan.kind] += 1
+        tokens, meta, rows = self._step_inputs(plan)
+        logits = self.model.forward(tokens, meta, self.cache)  # f32 [rows, vocab]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        sampled: dict[int, int | list[int]] = {}
+        events: list[Event] = []
+        for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
+            if not smp or s.status is not SeqStatus.RUNNING:
+                continue  # mid-prefill chunk: no token
+            if all(finite[r] for r in rows[i]):
+                # verify rows: the request is greedy (drafters exist only for temperature 0), so its
+                # sampler is an argmax and draws nothing
+                sampler = self._samplers.get(s.seq_id)
+                if sampler is None:
+                    sampler = self._samplers[s.seq_id] = Sampler(s.request.params.with_(seed=s.seed))
+                toks = [sampler(logits[r]) for r in rows[i]]
+                sampled[s.seq_id] = toks if plan.drafts and plan.drafts[i] else toks[0]
+            else:  # finished before commit: the scheduler appends no token to it
+                events.append(self._error(s, nonfinite_logits_message(s.num_generated)))
+        for seq in self.scheduler.commit(plan, sampled):
+            events.extend(self._emit(seq))
+        return events
+
+    def _step_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, StepMetadata, dict[int, list[int]]]:
+        """Token ids int64 [T], the step metadata (kv_cache.py diagram) from the scheduler's pages, and
+        each sequence's rows of the logits. A verify step (drafts) is one row per verified token, as
+        in the CUDA engine (`engine.metadata.plan_rows`)."""
+        bs = self.config.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        ctx: list[int] = []
+        qlens: list[int] = []
+        rows: dict[int, list[int]] = {}
+        feeds = [plan.step_tokens(i) for i in range(len(plan.seqs))]
+        for r, (i, start, q) in enumerate(plan_rows(plan)):
+            s, first = plan.seqs[i], plan.start_pos[i]
+            tokens.extend(feeds[i][start - first:start - first + q])
+            positions.extend(range(start, start + q))
+            slots.extend(s.blocks[p // bs] * bs + p % bs for p in range(start, start + q))
+            ctx.append(start + q)
+            qlens.append(q)
+            rows.setdefault(i, []).append(r)
+        max_pages = max(len(s.blocks) for s in plan.seqs)
+        table = torch.zeros((len(qlens), max_pages), dtype=torch.int32)
+        for i, rs in rows.items():
+            for r in rs:
+                table[r, : len(plan.seqs[i].blocks)] = torch.tensor(plan.seqs[i].blocks, dtype=torch.int32)
+        dev = self.device
+        meta = StepMetadata(page_table=table.to(dev),
+                            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+                            query_lens=torch.tensor(qlens, dtype=torch.int32, device=dev),
+                            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+                            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                            context_lens_host=ctx, query_lens_host=qlens)
+        return torch.tensor(tokens, dtype=torch.int64), meta, rows
+
+    def _finish(self, st: RequestStream, reason: FinishReason, detail: str = "") -> FinishEvent:
+        self._samplers.pop(st.seq.seq_id, None)
+        return super()._finish(st, reason, detail)

@@ -1,0 +1,68 @@
+"""Helpers shared by the engine tests (test_engine_cpu, test_prefix_cache, test_speculative_engine,
+test_reference, test_reference_engine): the tiny synthetic geometry, the engine's bound against the
+fp32 reference, a CPU engine config, and runners. conftest.py puts this folder on sys.path (pytest
+imports test files with --import-mode=importlib, so they cannot import each other)."""
+
+from __future__ import annotations
+
+import torch
+from nanoqwen_model import Qwen2Config
+from nanoqwen_runtime.engine import EngineConfig, TokenEvent
+
+# The tiny synthetic model and the engine's bound against the fp32 reference (derivation in
+# test_engine_cpu.py: 24 bf16 roundings of ~2^-9 each over logits of std ~2 give ~0.04 at the largest
+# of 512 logits plus half an ulp; 0.15 is ~3x that). Two paths each within LOGIT_ATOL of the truth can
+# only pick different tokens where the top-2 gap is below NEAR_TIE.
+TINY = Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=64, intermediate_size=384, vocab_size=512, rope_theta=1e6, rms_norm_eps=1e-6,
+                   max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=(3,))
+LOGIT_ATOL = 0.15
+NEAR_TIE = 2 * LOGIT_ATOL
+
+
+def cpu_config(**kw) -> EngineConfig:
+    """The engine on the torch op backend, eager, a 64-block pool (keyword arguments override)."""
+    base = dict(device="cpu", backend="torch", mode="eager", num_blocks=64, block_size=16,
+                max_model_len=256, prefill_chunk=48, max_batch=8)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def run_engine(engine, requests, gaps=None):
+    """Run to completion; ({request_id: tokens}, {request_id: FinishEvent}). `gaps` (a dict) receives
+    each token's top-2 logit gap."""
+    out, fins = {}, {}
+    engine.record_logits = gaps is not None
+    for ev in engine.generate(requests):
+        if isinstance(ev, TokenEvent):
+            out.setdefault(ev.request, []).append(ev.token_id)
+            if gaps is not None:
+                top2 = torch.topk(engine.last_logits[ev.request], 2).values
+                gaps.setdefault(ev.request, []).append(float(top2[0] - top2[1]))
+        else:
+            fins[ev.request_id] = ev
+    return out, fins
+
+
+def assert_same_until_near_tie(got, want, want_gaps):
+    """Per request: tokens equal up to the first token whose top-2 gap is < NEAR_TIE (from there on
+    either choice is right, and the sequences may diverge)."""
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert len(got[rid]) == len(want[rid]), rid
+        for i, (a, b) in enumerate(zip(got[rid], want[rid], strict=True)):
+            if want_gaps[rid][i] < NEAR_TIE:
+                break
+            assert a == b, f"request {rid} token {i}: {a} != {b}"
+
+
+def hf_greedy(hf, ids: list[int], steps: int) -> list[int]:
+    """Greedy continuation by full (uncached) HF forwards: the plainest possible oracle."""
+    ids = list(ids)
+    out = []
+    for _ in range(steps):
+        with torch.no_grad():
+            nxt = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(nxt)
+        ids.append(nxt)
+    return out
