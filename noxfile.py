@@ -28,9 +28,10 @@ PACKAGES = [
 # unpinned requirement can pull a multi-GB CUDA build.
 TORCH_CPU = "torch==2.13.0"
 # accelerate: transformers needs it to load a GGUF checkpoint (the HF oracle of the model tests).
+# openai, httpx: the clients of the `nanoqwen-cli serve` tests.
 TEST_DEPS = [
     "pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "gguf>=0.10", "tokenizers>=0.19",
-    "accelerate>=1.0",
+    "accelerate>=1.0", "openai>=1.40", "httpx>=0.27",
 ]
 DEMO_MODEL_DIR = ROOT / ".cache"
 

@@ -20,6 +20,7 @@ from .bench_commands import bench
 from .container_commands import inspect, verify
 from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, cli_command, set_debug
 from .generate_commands import chat, generate
+from .serve_command import serve
 
 # The other packages whose versions --version prints (torch last), in dependency order.
 PACKAGES = ("nanoqwen-format", "nanoqwen-model", "nanoqwen-quant", "nanoqwen-kernels", "nanoqwen-runtime",
@@ -85,6 +86,7 @@ app.command("chat")(cli_command(chat))
 app.command("bench")(cli_command(bench))
 app.command("inspect")(cli_command(inspect))
 app.command("verify")(cli_command(verify))
+app.command("serve")(cli_command(serve))
 
 
 def _parser_error(exc: Exception) -> int | None:

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# How the session-4 H200 figures were made (device tool: one warm machine, calls back to back).
+#   session4.sh setup            install the carried wheels (.whl: nox, gguf; .whl-serve: the server) to /tmp/site
+#   session4.sh piece FILE       keep one carried 60 MiB piece of a GGUF in /tmp/carry
+#   session4.sh assemble         cat the pieces, check the pinned sha256, stamp them into the model cache
+#   session4.sh STEP             run one step below; everything it writes goes under $OUT
+set -euo pipefail
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+SRC=$(ls -d "$PWD"/packages/*/src | paste -sd:)
+CACHE=${NANOQWEN_CACHE:-$HOME/.cache/nanoqwen}
+case "$1" in
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl-serve/*.whl
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader ;;
+  piece)
+    mkdir -p /tmp/carry && cp "$2" /tmp/carry/ && ls /tmp/carry | wc -l ;;
+  assemble)
+    mkdir -p "$CACHE"
+    cat /tmp/carry/q05.gguf.* > "$CACHE/qwen2.5-coder-0.5b-instruct.gguf"
+    if ls /tmp/carry/q15.gguf.* >/dev/null 2>&1; then
+      cat /tmp/carry/q15.gguf.* > "$CACHE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"; fi
+    rm -rf /tmp/carry
+    python3 - "$CACHE" <<'PY'
+import hashlib, sys
+from pathlib import Path
+sys.path.insert(0, "tools")
+import testmodel
+for m in testmodel.MODELS.values():
+    p = Path(sys.argv[1]) / m.filename
+    if not p.exists():
+        continue
+    h = hashlib.sha256(p.read_bytes()).hexdigest()
+    assert h == m.sha256, f"{p}: sha256 {h} != pinned {m.sha256}"
+    (p.parent / (p.name + ".sha256")).write_text(f"{h} {p.stat().st_mtime_ns}\n")
+    print("verified", p.name, h)
+PY
+    ;;
+  tests)     # the README's command, whole suite
+    timeout 585 python3 -m nox -s gpu_tests -- -p no:cacheprovider -rs --durations=20 2>&1 \
+      | tee $OUT/gpu-tests.log | tail -45 ;;
+  bench)     # the README's command (features on: prefix caching, speculation ngram:4), then features off
+    timeout 420 python3 -m nox -s bench 2>&1 | tee $OUT/bench.log | tail -60
+    PYTHONPATH=$SRC:/tmp/site timeout 150 python3 -m nanoqwen_cli.main bench --quick --features-off \
+      --out /tmp/bench-off 2>&1 | tail -3 || true
+    tar czf $OUT/bench.tgz bench/engine bench/kernels/bench_kernels.json bench/kernels/bench_kernels.md \
+      -C /tmp bench-off 2>/dev/null || true ;;
+  serve-workload)  # server load test + overhead, then the code-edit / free-form workloads at batch 1
+    PACK=$(PYTHONPATH=$SRC python3 -c "import conftest; print(conftest.packed_path('rtn'))")
+    PYTHONPATH=$SRC:/tmp/site timeout 300 python3 bench/server/loadtest.py "$PACK" --out $OUT/server \
+      --require-overhead 0.95 2>&1 | tail -25 || true
+    PYTHONPATH=$SRC:/tmp/site timeout 260 python3 -m nanoqwen_cli.main bench --model "$PACK" \
+      --workload code-edit --workload free-form --out $OUT/workload 2>&1 | tail -25 ;;
+  quality)   # the 1.5B against its alternatives (E's run_quality.py), rows to $OUT/quality
+    PYTHONPATH=$SRC:/tmp/site timeout 560 python3 bench/quality/run_quality.py \
+      --gguf 1.5b=$CACHE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --out $OUT/quality --device cuda \
+      --eval-tokens 8192 --recipes "${2:-none,rtn,rtn-asym,gptq-asym}" 2>&1 | tail -30 ;;
+esac

@@ -1,0 +1,325 @@
+"""Load test of `nanoqwen-cli serve`: N concurrent streaming clients, and the server's overhead against
+`Engine.generate` on the same requests. Loopback only; bounded in request count and time.
+
+    python bench/server/loadtest.py MODEL.nanoqwen --out bench/server/results/h200 \
+        [--clients 256] [--max-tokens 128] [--time-limit 300] [--overhead-clients 32] [--kv-memory 16GiB]
+
+Phases (one server subprocess, `--device cuda`, started by this script on a free loopback port):
+1. load: `--clients` streaming /v1/completions requests at once (distinct prompts, greedy,
+   `ignore_eos` so each wants exactly `--max-tokens` tokens). Every request must end with its
+   `[DONE]` and finish_reason "length", or get a 429 with Retry-After; anything else is a failure.
+   Reported: aggregate throughput (generated tokens / wall time), TTFT p50/p99 (send -> first content
+   chunk), ITL p50/p99 (gaps between successive content chunks of one stream: a chunk carries every
+   token that arrived since the last write, so under load one gap may span several tokens), the
+   count of 429s, and the KV blocks used once all requests are done (from /metrics; must be 0).
+2. overhead: `--overhead-clients` streaming clients with the same kind of requests through HTTP,
+   then the same requests (same token ids and max_tokens, ignore_eos, greedy) through
+   `Engine.generate` in this process after the server has exited (same EngineConfig). Ratio =
+   HTTP tokens/s / engine tokens/s (goal >= 0.95).
+
+Writes `loadtest.json` and `loadtest.md` to `--out`. Exit code 1 when a load request was lost or
+the KV blocks did not return to zero (and, with --require-overhead R, when the ratio is below R).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+PROMPT = '# Python utilities, file {i}\nimport math\n\ndef function_{i}(values):\n    """'
+
+
+@dataclass
+class StreamResult:
+    status: int
+    t_send: float
+    t_first: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    done: bool = False
+    retry_after: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and self.finish_reason is not None
+
+
+async def one_stream(
+    client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int
+) -> StreamResult:
+    body = {
+        "model": model,
+        "prompt": PROMPT.format(i=i),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    res = StreamResult(0, time.perf_counter())
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            res.status = r.status_code
+            if r.status_code != 200:
+                res.retry_after = r.headers.get("retry-after")
+                res.error = (await r.aread()).decode()[:300]
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    res.done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = obj["error"]["message"]
+                    continue
+                if obj.get("usage"):
+                    res.completion_tokens = obj["usage"]["completion_tokens"]
+                for ch in obj.get("choices", []):
+                    if ch.get("text"):
+                        now = time.perf_counter()
+                        if res.t_first is None:
+                            res.t_first = now
+                        res.chunk_times.append(now)
+                    if ch.get("finish_reason"):
+                        res.finish_reason = ch["finish_reason"]
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_clients(
+    url: str, model: str, n: int, max_tokens: int, time_limit: float, offset: int = 0
+) -> tuple[list[StreamResult], float]:
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(time_limit), limits=limits) as client:
+        t0 = time.perf_counter()
+        tasks = [
+            asyncio.create_task(one_stream(client, url, model, offset + i, max_tokens)) for i in range(n)
+        ]
+        done, pending = await asyncio.wait(tasks, timeout=time_limit)
+        for t in pending:
+            t.cancel()
+        wall = time.perf_counter() - t0
+    results = [t.result() for t in tasks if t in done]
+    results += [
+        StreamResult(0, t0, error=f"not finished within {time_limit} s") for t in tasks if t in pending
+    ]
+    return results, wall
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def summarize(results: list[StreamResult], wall: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = [r.t_first - r.t_send for r in ok if r.t_first is not None]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    tokens = sum(r.completion_tokens for r in ok)
+    lost = [r for r in results if not r.ok and r.status != 429]
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "rejected_429": sum(r.status == 429 for r in results),
+        "lost": len(lost),
+        "lost_examples": [asdict(r) | {"chunk_times": len(r.chunk_times)} for r in lost[:3]],
+        "retry_after_present": all(r.retry_after for r in results if r.status == 429),
+        "generated_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "throughput_tok_s": round(tokens / wall, 1),
+        "ttft_p50_ms": _ms(pct(ttft, 50)),
+        "ttft_p99_ms": _ms(pct(ttft, 99)),
+        "itl_p50_ms": _ms(pct(itl, 50)),
+        "itl_p99_ms": _ms(pct(itl, 99)),
+        "mean_stream_tok_s": round(
+            statistics.mean(
+                [
+                    (r.completion_tokens - 1) / (r.chunk_times[-1] - r.t_first)
+                    for r in ok
+                    if r.completion_tokens > 1 and r.chunk_times and r.chunk_times[-1] > r.t_first
+                ]
+                or [0.0]
+            ),
+            1,
+        ),
+    }
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 2)
+
+
+def engine_baseline(model: Path, n: int, max_tokens: int, kv_memory: str, warm: bool = True) -> dict:
+    """The same requests (token ids of the same prompts) through Engine.generate, in this process."""
+    from nanoqwen_runtime.engine import Engine, EngineConfig, Request, parse_bytes
+    from nanoqwen_runtime.generate import Pipeline
+    from nanoqwen_runtime.sampling import SamplingParams
+
+    pipe = Pipeline.from_container(model, backend=None)
+    engine = Engine.from_file(model, EngineConfig(kv_memory_bytes=parse_bytes(kv_memory)))
+    ids = [pipe.tokenizer.encode(PROMPT.format(i=10_000 + i)) for i in range(n)]
+
+    def requests(tag: str):
+        return [
+            Request(
+                list(x),
+                SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                request_id=f"{tag}{i}",
+                eos_ids=pipe.eos_ids,
+                ignore_eos=True,
+            )
+            for i, x in enumerate(ids)
+        ]
+
+    if warm:
+        for _ in engine.generate(requests("warm")[:4]):
+            pass
+    t0 = time.perf_counter()
+    tokens = 0
+    for ev in engine.generate(requests("b")):
+        if hasattr(ev, "num_generated"):
+            tokens += ev.num_generated
+    wall = time.perf_counter() - t0
+    del engine
+    return {
+        "requests": n,
+        "generated_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "throughput_tok_s": round(tokens / wall, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--clients", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--time-limit", type=float, default=300.0, help="seconds for each phase at most")
+    ap.add_argument("--overhead-clients", type=int, default=32, help="0 skips the overhead phase")
+    ap.add_argument("--overhead-max-tokens", type=int, default=256)
+    ap.add_argument("--kv-memory", default="16GiB")
+    ap.add_argument("--max-waiting", type=int, default=256)
+    ap.add_argument("--require-overhead", type=float, default=None)
+    args = ap.parse_args(argv)
+    if not 1 <= args.clients <= 1024:
+        ap.error("--clients must be in 1..1024")
+
+    from nanoqwen_cli.server.testing import ServerProcess
+
+    name = "bench"
+    report: dict = {
+        "model": str(args.model.name),
+        "device": args.device,
+        "clients": args.clients,
+        "max_tokens": args.max_tokens,
+        "kv_memory": args.kv_memory,
+    }
+    srv = ServerProcess(
+        args.model,
+        "--device",
+        args.device,
+        "--model-name",
+        name,
+        "--kv-memory",
+        args.kv_memory,
+        "--max-waiting",
+        str(args.max_waiting),
+    )
+    srv.start()
+    try:
+        asyncio.run(run_clients(srv.url, name, 4, 8, args.time_limit, offset=90_000))  # warm the HTTP path
+        results, wall = asyncio.run(
+            run_clients(srv.url, name, args.clients, args.max_tokens, args.time_limit)
+        )
+        load = summarize(results, wall)
+        load["kv_blocks_used_after"] = srv.wait_metric("nanoqwen_kv_blocks_used", 0.0, timeout_s=30)
+        m = srv.metrics()
+        load["server_preemptions"] = m.get("nanoqwen_preemptions_total")
+        report["load"] = load
+        if args.overhead_clients:
+            res, wall = asyncio.run(
+                run_clients(
+                    srv.url,
+                    name,
+                    args.overhead_clients,
+                    args.overhead_max_tokens,
+                    args.time_limit,
+                    offset=10_000,
+                )
+            )
+            report["overhead_http"] = summarize(res, wall)
+    finally:
+        report["server_exit_code"] = srv.terminate()
+    if args.overhead_clients:
+        report["overhead_engine"] = engine_baseline(
+            args.model, args.overhead_clients, args.overhead_max_tokens, args.kv_memory
+        )
+        report["overhead_ratio"] = round(
+            report["overhead_http"]["throughput_tok_s"] / report["overhead_engine"]["throughput_tok_s"], 4
+        )
+    load = report["load"]
+    failures = []
+    if load["lost"]:
+        failures.append(f"{load['lost']} requests neither completed nor got a 429")
+    if not load["retry_after_present"]:
+        failures.append("a 429 without Retry-After")
+    if load["kv_blocks_used_after"] != 0:
+        failures.append(f"KV blocks used after the load: {load['kv_blocks_used_after']}")
+    if report["server_exit_code"] != 0:
+        failures.append(f"server exit code {report['server_exit_code']} after SIGTERM")
+    if args.require_overhead is not None and report.get("overhead_ratio", 0) < args.require_overhead:
+        failures.append(f"overhead ratio {report.get('overhead_ratio')} < {args.require_overhead}")
+    report["failures"] = failures
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "loadtest.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "loadtest.md").write_text(markdown(report))
+    print(markdown(report))
+    return 1 if failures else 0
+
+
+def markdown(r: dict) -> str:
+    ld = r["load"]
+    lines = [
+        f"# nanoqwen-cli serve load test ({r['model']}, {r['device']})",
+        "",
+        f"{ld['requests']} concurrent streaming clients, {r['max_tokens']} tokens each (ignore_eos, greedy)",
+        "",
+        "| completed | 429 | lost | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | KV blocks after |",
+        "|---|---|---|---|---|---|---|",
+        f"| {ld['completed']} | {ld['rejected_429']} | {ld['lost']} | {ld['throughput_tok_s']} | "
+        f"{ld['ttft_p50_ms']} / {ld['ttft_p99_ms']} | {ld['itl_p50_ms']} / {ld['itl_p99_ms']} | "
+        f"{ld['kv_blocks_used_after']} |",
+        "",
+    ]
+    if "overhead_ratio" in r:
+        h, e = r["overhead_http"], r["overhead_engine"]
+        lines += [
+            f"Overhead: {h['requests']} streaming clients through HTTP {h['throughput_tok_s']} tok/s vs "
+            f"Engine.generate {e['throughput_tok_s']} tok/s on the same requests: ratio "
+            f"**{r['overhead_ratio']}** (goal >= 0.95)",
+            "",
+        ]
+    lines += [f"Failures: {', '.join(r['failures']) or 'none'}", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

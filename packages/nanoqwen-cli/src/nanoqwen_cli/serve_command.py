@@ -1,0 +1,143 @@
+"""`nanoqwen-cli serve MODEL`: an OpenAI-compatible HTTP server (server/ has the app and engine loop).
+
+serve MODEL [--host 127.0.0.1] [--port 8000] [--device cpu|cuda|cuda:N] [--api-key KEY]
+      [--model-name NAME] [--kv-memory SIZE] [--max-model-len N] [--max-batch N] [--max-waiting N]
+      [--max-body SIZE] [--drain-timeout S] [--eager] [--no-verify] [--threads N]
+      [--speculate ngram[:K]] [--no-prefix-cache]
+
+`--device cuda` runs the CUDA `Engine` (CUDA graphs unless --eager); `--device cpu` runs the
+plain-torch `ReferenceEngine` (fp32), so the server can be tested for real without a GPU. The
+server listens at once; GET /health answers 503 "loading" until the model is loaded (and the graphs
+captured), then 200. A model that fails to load ends the command with its one-line error (exit 1).
+Binds 127.0.0.1 unless --host says otherwise. `--api-key` (or NANOQWEN_API_KEY) makes /v1/* require
+`Authorization: Bearer KEY`. SIGTERM (or Ctrl-C) drains: no new requests (503), running ones get up
+to --drain-timeout seconds to finish, the rest are aborted; then the command exits 0 (130 for Ctrl-C).
+
+Both engines cache the KV blocks of prompt prefixes (a later request that starts with the same
+system prompt or conversation skips their prefill; `--no-prefix-cache` turns it off) and, with
+`--speculate ngram[:K]`, speculate greedy (temperature 0) requests by prompt lookup
+(nanoqwen_runtime.speculative). GET /metrics shows both: prefix-cache hit tokens and hit rate, cached
+blocks, drafted and accepted tokens and verify steps (server/metrics.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .errors import UsageError
+from .generate_commands import (
+    Device,
+    KvMemory,
+    MaxModelLen,
+    ModelArg,
+    NoPrefixCache,
+    NoVerify,
+    Speculate,
+    Threads,
+)
+from .inputs import check_model_path
+
+API_KEY_ENV = "NANOQWEN_API_KEY"
+
+
+def _size(text: str, option: str) -> int:
+    from nanoqwen_runtime.engine.config import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise UsageError(f"{option}: {e}") from None
+
+
+def serve(
+    model: ModelArg,
+    host: Annotated[str, typer.Option(help="address to bind (127.0.0.1: this machine only; 0.0.0.0: "
+                                           "every interface, put --api-key on it)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0 picks a free one)")] = 8000,
+    device: Device = "cpu",
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar=API_KEY_ENV, show_envvar=True,
+                                                help="require 'Authorization: Bearer KEY' on /v1/*")] = None,
+    model_name: Annotated[str | None, typer.Option("--model-name", help="the model id clients send "
+                                                   "(default: the container's file name without .nanoqwen)")]
+    = None,
+    kv_memory: KvMemory = None,
+    max_model_len: MaxModelLen = None,
+    max_batch: Annotated[int | None, typer.Option("--max-batch", help="running sequences at most "
+                                                  "(default: 64 on cuda, 16 on cpu)")] = None,
+    max_waiting: Annotated[int, typer.Option("--max-waiting", help="requests waiting for a batch slot at "
+                                             "most; past it, 429 with Retry-After")] = 256,
+    max_body: Annotated[str, typer.Option("--max-body", help="largest request body; past it, 413")] = "4MiB",
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="seconds running requests get to "
+                                                 "finish after SIGTERM before they are aborted")] = 30.0,
+    eager: Annotated[bool, typer.Option("--eager", help="cuda: no CUDA graphs (debugging)")] = False,
+    no_verify: NoVerify = False,
+    threads: Threads = None,
+    speculate: Speculate = None,
+    no_prefix_cache: NoPrefixCache = False,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (chat/completions, completions, models)."""
+    from .generate_commands import LoadOptions
+
+    opts = LoadOptions(device=device, backend="engine" if device.startswith("cuda") else "reference",
+                       threads=threads, kv_memory=kv_memory, eager=eager, max_model_len=max_model_len,
+                       verify=not no_verify, speculate=speculate, prefix_cache=not no_prefix_cache)
+    opts.check()  # also parses --speculate (a bad value: exit 2)
+    spec = opts.speculation()
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {port}")
+    if max_batch is not None and max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
+    if max_waiting < 1:
+        raise UsageError(f"--max-waiting must be >= 1, got {max_waiting}")
+    if drain_timeout < 0:
+        raise UsageError(f"--drain-timeout must be >= 0, got {drain_timeout}")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key is empty")
+    body_limit = _size(max_body, "--max-body")
+    kv_bytes = _size(kv_memory, "--kv-memory") if kv_memory else None
+    path = check_model_path(model)
+    name = model_name or path.name.removesuffix(".nanoqwen")
+
+    import torch
+    from nanoqwen_runtime.backend import resolve_device
+    from nanoqwen_runtime.generate import Pipeline
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    resolve_device(device)  # no GPU for --device cuda: one line, exit 1, before anything starts
+    if max_model_len is not None:
+        from .generate_commands import _context_window
+
+        limit = _context_window(path)
+        if max_model_len > limit:
+            raise UsageError(f"--max-model-len must be <= {limit} (this model's context window), "
+                             f"got {max_model_len}")
+    pipeline = Pipeline.from_container(path, backend=None)  # text side only: tokenizer, template, defaults
+
+    def factory():
+        if device.startswith("cuda"):
+            from nanoqwen_runtime.engine import Engine, EngineConfig
+
+            cfg = EngineConfig(device=device, mode="eager" if eager else "graph", kv_memory_bytes=kv_bytes,
+                               max_model_len=max_model_len, verify=not no_verify, speculation=spec,
+                               prefix_caching=not no_prefix_cache,
+                               **({"max_batch": max_batch} if max_batch else {}))
+            return Engine.from_file(path, cfg)
+        from nanoqwen_runtime.reference_engine import ReferenceEngine, ReferenceEngineConfig
+
+        kw = {"kv_memory_bytes": kv_bytes} if kv_bytes else {}
+        return ReferenceEngine.from_file(
+            path, ReferenceEngineConfig(max_batch=max_batch or 16, max_model_len=max_model_len,
+                                        speculation=spec, prefix_caching=not no_prefix_cache, **kw),
+            device=device, verify=not no_verify)
+
+    from .server.runner import run_server
+
+    error = run_server(factory, pipeline, name, host=host, port=port, api_key=api_key,
+                       max_body_bytes=body_limit, max_waiting=max_waiting, drain_timeout_s=drain_timeout,
+                       log_level=log_level)
+    if error is not None:
+        raise error

@@ -1,0 +1,118 @@
+"""`nanoqwen-cli serve --device cuda` on the real 0.5B (RTN) on the H200: the CPU smoke against the CUDA
+engine, and the load test (bench/server/loadtest.py) with 256 concurrent streaming clients: every
+request completes or gets a 429 with Retry-After, the KV blocks end at zero, the server exits 0."""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures as cf
+import importlib.util
+import re
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from nanoqwen_cli.server.testing import ServerProcess
+
+pytestmark = [pytest.mark.gpu, pytest.mark.model]
+
+ROOT = Path(__file__).resolve().parents[3]
+NAME = "qwen-coder"
+
+
+@pytest.fixture(scope="module")
+def server(qwen05b_packed):
+    srv = ServerProcess(qwen05b_packed("rtn"), "--device", "cuda", "--model-name", NAME,
+                        "--kv-memory", "8GiB")
+    srv.start()
+    yield srv
+    assert srv.terminate() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_health_reports_the_cuda_engine(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert "CUDA engine (kernels ops, graph mode)" in server.log(), server.log()
+
+
+def test_code_answer_parses_streamed_and_not(client):
+    kw = {"model": NAME, "temperature": 0, "max_tokens": 120,
+          "messages": [{"role": "user", "content": "Write a Python function is_prime(n). Reply with only the "
+                                                    "code in a ```python block."}]}
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = client.chat.completions.create(**kw, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    for text in (whole, streamed):
+        m = re.search(r"```(?:python)?\n(.*?)```", text, re.S)
+        assert m, text
+        assert any(isinstance(n, ast.FunctionDef) for n in ast.walk(ast.parse(m.group(1)))), text
+
+
+def test_sixteen_concurrent_clients_and_disconnect(client, server):
+    def one(i):
+        return client.completions.create(model=NAME, prompt=f"def f{i}(x):", max_tokens=16, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    with cf.ThreadPoolExecutor(16) as pool:
+        rs = list(pool.map(one, range(16)))
+    assert all(r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length" for r in rs)
+    aborted = server.metrics().get('nanoqwen_requests_total{status="aborted"}', 0.0)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": NAME, "prompt": "def g():", "max_tokens": 4000, "stream": True,
+                            "ignore_eos": True}) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert server.wait_metric("nanoqwen_kv_blocks_used", 0.0) == 0.0
+    assert server.metrics()['nanoqwen_requests_total{status="aborted"}'] == aborted + 1
+
+
+def test_loadtest_256_clients_no_loss(qwen05b_packed, tmp_path):
+    spec = importlib.util.spec_from_file_location("loadtest", ROOT / "bench" / "server" / "loadtest.py")
+    loadtest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loadtest)
+    code = loadtest.main([str(qwen05b_packed("rtn")), "--out", str(tmp_path), "--clients", "256",
+                          "--max-tokens", "64", "--time-limit", "240", "--overhead-clients", "0",
+                          "--kv-memory", "8GiB"])
+    report = (tmp_path / "loadtest.md").read_text()
+    print(report)
+    assert code == 0, report
+
+
+COPY_PROMPT = '''def clamp(x, lo, hi):
+    return max(lo, min(x, hi))
+
+
+# The same function again, unchanged:
+def clamp(x, lo, hi):
+'''
+
+
+def test_speculation_and_prefix_cache_metrics_on_cuda(qwen05b_packed):
+    """`serve --speculate ngram:4` on the CUDA engine: a greedy answer that copies the prompt accepts
+    drafts (the body is in the prompt, so prompt lookup proposes it), the answer equals the one of a
+    server without speculation up to where it stops copying (the engine's greedy is exact until a
+    near-tie), and a second request sharing the prompt hits the prefix cache (>= 16 * (n - 1) // 16
+    tokens of its n-token prompt: every full 16-token block but a last token)."""
+    body = {"model": NAME, "prompt": COPY_PROMPT, "max_tokens": 12, "temperature": 0}
+    texts = {}
+    for flags in ((), ("--speculate", "ngram:4")):
+        with ServerProcess(qwen05b_packed("rtn"), "--device", "cuda", "--model-name", NAME,
+                           "--kv-memory", "2GiB", *flags) as srv:
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            texts[flags] = r.json()["choices"][0]["text"]
+            n_prompt = r.json()["usage"]["prompt_tokens"]
+            m = srv.metrics()
+            if flags:
+                assert m["nanoqwen_spec_accepted_tokens_total"] > 0, m
+                hit0 = m["nanoqwen_prefix_cache_hit_tokens_total"]
+                r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                want = hit0 + 16 * ((n_prompt - 1) // 16)
+                assert srv.wait_metric("nanoqwen_prefix_cache_hit_tokens_total", want) == want
+            assert srv.terminate() == 0, srv.log()
+    assert texts[()].startswith("    return max(lo, min(x, hi))"), texts
+    assert texts[("--speculate", "ngram:4")] == texts[()]

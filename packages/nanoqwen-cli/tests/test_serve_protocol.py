@@ -1,0 +1,92 @@
+"""The request validation of `nanoqwen-cli serve` (server/protocol.py), without a server: every bad
+body gets its status code, the OpenAI error shape and the parameter it names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from nanoqwen_cli.server.protocol import APIError, parse_chat, parse_completion
+
+MODEL = "m"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw) -> bytes:
+    return json.dumps({"model": MODEL, "messages": MSG, **kw}).encode()
+
+
+def completion(**kw) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "def f(", **kw}).encode()
+
+
+# (body, status, param, code)
+BAD = [
+    (b"{not json", 400, None, "invalid_json"),
+    (b"\xff\xfe", 400, None, "invalid_json"),
+    (b"[1, 2]", 400, None, "invalid_json"),
+    (json.dumps({"messages": MSG}).encode(), 400, "model", "invalid_value"),
+    (json.dumps({"model": MODEL}).encode(), 400, "messages", "invalid_value"),
+    (chat(messages=[]), 400, "messages", "invalid_value"),
+    (chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role", "invalid_value"),
+    (chat(max_tokens="10"), 400, "max_tokens", "invalid_value"),
+    (chat(max_tokens=0), 400, "max_tokens", "invalid_value"),
+    (chat(temperature=-0.5), 400, "temperature", "invalid_value"),
+    (chat(temperature=3), 400, "temperature", "invalid_value"),
+    (chat(top_p=0), 400, "top_p", "invalid_value"),
+    (chat(top_k=-1), 400, "top_k", "invalid_value"),
+    (chat(seed=-1), 400, "seed", "invalid_value"),
+    (chat(stream="yes"), 400, "stream", "invalid_value"),
+    (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "invalid_value"),
+    (chat(stop=[""]), 400, "stop", "invalid_value"),
+    (chat(max_tokens=5, max_completion_tokens=6), 400, "max_tokens", "invalid_value"),
+    (chat(n=2), 400, "n", "unsupported_parameter"),
+    (chat(logprobs=True), 400, "logprobs", "unsupported_parameter"),
+    (chat(top_logprobs=3), 400, "top_logprobs", "unsupported_parameter"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
+    (chat(tool_choice="auto"), 400, "tool_choice", "unsupported_parameter"),
+    (chat(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
+    (chat(logit_bias={"1": 5}), 400, "logit_bias", "unsupported_parameter"),
+    (chat(response_format={"type": "json_object"}), 400, "response_format", "unsupported_parameter"),
+    (chat(frobnicate=1), 400, "frobnicate", "unsupported_parameter"),
+    (chat(model="gpt-4"), 404, "model", "model_not_found"),
+]
+
+BAD_COMPLETION = [
+    (completion(prompt=["a", "b"]), 400, "prompt", "unsupported_parameter"),
+    (completion(prompt=""), 400, "prompt", "invalid_value"),
+    (completion(prompt=[]), 400, "prompt", "invalid_value"),
+    (completion(prompt=[1, "a"]), 400, "prompt", "invalid_value"),
+    (completion(echo=True), 400, "echo", "unsupported_parameter"),
+    (completion(best_of=3), 400, "best_of", "unsupported_parameter"),
+    (completion(suffix="x"), 400, "suffix", "unsupported_parameter"),
+    (completion(logprobs=2), 400, "logprobs", "unsupported_parameter"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,code", BAD + BAD_COMPLETION)
+def test_bad_bodies_are_refused_with_the_openai_error_shape(body, status, param, code):
+    parse = parse_completion if b'"prompt"' in body else parse_chat
+    with pytest.raises(APIError) as info:
+        parse(body, MODEL)
+    e = info.value
+    assert (e.status, e.code) == (status, code), e.message
+    assert e.param == param or (param is None and e.param is None), e.message
+    shape = e.body()
+    assert set(shape) == {"error"} and set(shape["error"]) == {"message", "type", "param", "code"}
+    assert shape["error"]["message"] and shape["error"]["type"]
+
+
+def test_good_bodies():
+    s = parse_chat(chat(max_completion_tokens=7, temperature=0, top_k=5, seed=3, stop="x", stream=True,
+                        stream_options={"include_usage": True}, n=1, logprobs=False, presence_penalty=0,
+                        user="u", tool_choice="none", response_format={"type": "text"},
+                        messages=[{"role": "developer", "content": "be brief"},
+                                  {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                               {"type": "text", "text": "b"}]}]), MODEL)
+    assert s.messages == (("system", "be brief"), ("user", "ab"))
+    assert (s.max_tokens, s.temperature, s.top_k, s.seed, s.stop) == (7, 0, 5, 3, ("x",))
+    assert s.stream and s.include_usage
+    c = parse_completion(completion(prompt=[1, 2, 3], max_tokens=4), MODEL)
+    assert c.prompt == (1, 2, 3) and c.max_tokens == 4 and not c.stream and c.temperature is None
+    assert parse_completion(completion(prompt=["one"]), MODEL).prompt == "one"
