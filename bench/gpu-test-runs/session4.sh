@@ -49,7 +49,7 @@ PY
     PYTHONPATH=$SRC:/tmp/site timeout 300 python3 bench/server/loadtest.py "$PACK" --out $OUT/server \
       --require-overhead 0.95 2>&1 | tail -25 || true
     PYTHONPATH=$SRC:/tmp/site timeout 260 python3 -m nanoqwen_cli.main bench --model "$PACK" \
-      --workload code-edit --workload free-form --out $OUT/workload 2>&1 | tail -25 ;;
+      --workload code-edit --workload free-form --prompts 8 --max-tokens 192 --out $OUT/workload 2>&1 | tail -25 ;;
   quality)   # the 1.5B against its alternatives (E's run_quality.py), rows to $OUT/quality
     PYTHONPATH=$SRC:/tmp/site timeout 560 python3 bench/quality/run_quality.py \
       --gguf 1.5b=$CACHE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --out $OUT/quality --device cuda \

@@ -7,11 +7,12 @@ from __future__ import annotations
 import ast
 import concurrent.futures as cf
 import importlib.util
+import json
 import re
+import sys
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from nanoqwen_cli.server.testing import ServerProcess
 
@@ -32,7 +33,25 @@ def server(qwen05b_packed):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    """Plain httpx against the OpenAI routes. The official `openai` client drives the same routes in
+    the CPU tests (test_serve_qwen.py, in CI); on the H200 image its `httpcore2` module read back with
+    NUL bytes after installation from the carried wheel (as the image's own numpy.testing does), so
+    this GPU test speaks the wire format itself."""
+    with httpx.Client(base_url=server.url + "/v1", timeout=120) as c:
+        yield c
+
+
+def sse_deltas(client, route: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed answer (SSE `data:` lines up to `[DONE]`)."""
+    chunks = []
+    with client.stream("POST", route, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                if line == "data: [DONE]":
+                    return chunks
+                chunks.append(json.loads(line[len("data: "):]))
+    raise AssertionError("stream ended without data: [DONE]")
 
 
 def test_health_reports_the_cuda_engine(server):
@@ -44,9 +63,11 @@ def test_code_answer_parses_streamed_and_not(client):
     kw = {"model": NAME, "temperature": 0, "max_tokens": 120,
           "messages": [{"role": "user", "content": "Write a Python function is_prime(n). Reply with only the "
                                                     "code in a ```python block."}]}
-    whole = client.chat.completions.create(**kw).choices[0].message.content
-    chunks = client.chat.completions.create(**kw, stream=True)
-    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    r = client.post("/chat/completions", json=kw)
+    assert r.status_code == 200, r.text
+    whole = r.json()["choices"][0]["message"]["content"]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or ""
+                       for c in sse_deltas(client, "/chat/completions", kw) if c["choices"])
     for text in (whole, streamed):
         m = re.search(r"```(?:python)?\n(.*?)```", text, re.S)
         assert m, text
@@ -55,11 +76,14 @@ def test_code_answer_parses_streamed_and_not(client):
 
 def test_sixteen_concurrent_clients_and_disconnect(client, server):
     def one(i):
-        return client.completions.create(model=NAME, prompt=f"def f{i}(x):", max_tokens=16, temperature=0,
-                                         extra_body={"ignore_eos": True})
+        r = client.post("/completions", json={"model": NAME, "prompt": f"def f{i}(x):", "max_tokens": 16,
+                                              "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
     with cf.ThreadPoolExecutor(16) as pool:
         rs = list(pool.map(one, range(16)))
-    assert all(r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length" for r in rs)
+    assert all(r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
+               for r in rs)
     aborted = server.metrics().get('nanoqwen_requests_total{status="aborted"}', 0.0)
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"model": NAME, "prompt": "def g():", "max_tokens": 4000, "stream": True,
@@ -72,6 +96,7 @@ def test_sixteen_concurrent_clients_and_disconnect(client, server):
 def test_loadtest_256_clients_no_loss(qwen05b_packed, tmp_path):
     spec = importlib.util.spec_from_file_location("loadtest", ROOT / "bench" / "server" / "loadtest.py")
     loadtest = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = loadtest  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(loadtest)
     code = loadtest.main([str(qwen05b_packed("rtn")), "--out", str(tmp_path), "--clients", "256",
                           "--max-tokens", "64", "--time-limit", "240", "--overhead-clients", "0",

@@ -49,12 +49,13 @@ def test_memory_report_and_report_of_a_graph_engine(weights):
     d = decode_at_context(eng, 100, 16)
     m = memory(eng)
     assert m["kv_pool_bytes"] == eng.num_blocks * GEOM.kv_bytes_per_token() * 16
-    per_layer = sum(2 * n * k for n, k in GEOM.linear_shapes().values())  # bf16 copies of the INT4 linears
-    assert m["dense_cache_bytes"] == per_layer * GEOM.num_hidden_layers
-    assert m["weights_gpu_bytes"] == m["weight_buffer_bytes"] + m["dense_cache_bytes"]
-    assert m["container_bytes"] <= m["weight_buffer_bytes"]
+    # no bf16 copy by default (issue 12): the weights on the GPU are the container's tensors, padding
+    # of the loader's buffer aside (256-byte alignment per tensor: far under 5%)
+    assert m["dense_cache_bytes"] == 0
+    assert m["weights_gpu_bytes"] == m["weight_buffer_bytes"]
+    assert m["container_bytes"] <= m["weight_buffer_bytes"] <= 1.05 * m["container_bytes"]
     assert m["graph_pool_bytes"] >= 0 and m["graph_device_bytes"] >= 0  # capture took, never gave back
-    assert m["peak_allocated_bytes"] >= m["kv_pool_bytes"] + m["dense_cache_bytes"]
+    assert m["peak_allocated_bytes"] >= m["kv_pool_bytes"] + m["weight_buffer_bytes"]
     raw = {"meta": {"device": torch.cuda.get_device_name()}, "memory": m, "decode_batched": [],
            "prefill": [], "eager": [],
            "decode_batch1": [dict(d, bytes_per_token_parts=bytes_per_token(eng, 100))]}

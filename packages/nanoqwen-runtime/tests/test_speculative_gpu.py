@@ -119,20 +119,26 @@ def test_speculative_greedy_matches_reference_until_near_tie(container, prompts,
 
 
 def test_prefix_cache_hit_decodes_the_same(container, prompts):
-    """Prompt 0 decoded after a request that shares its first 1024 tokens (a long shared system
-    prompt): the prefill starts after them and the tokens equal the reference's until a near-tie."""
+    """Prompts decoded after a request that shares their first 1024 tokens (a long shared system
+    prompt): the prefill starts after them and the tokens equal the reference's until a near-tie.
+    Several suffixes: after 1024 tokens of a repeated prompt the first position can itself be a
+    near-tie (nothing decided; seen on the H200 with one suffix), so the decided positions are summed."""
     engine = Engine.from_file(container, engine_config())
     pre = (prompts[1] * (1 + 1024 // len(prompts[1])))[:1024]
     list(engine.generate([Request(pre + prompts[2], SamplingParams(max_tokens=2), "warm", ignore_eos=True)]))
-    p0 = pre + prompts[0]
-    ref = reference_decode(ReferenceModel.from_file(container, device="cuda", dtype=torch.float32), [p0], 32)
-    toks = free_run(engine, [p0], False)[0][:32]
-    st = engine.stats()
-    # 64 full blocks of the shared prefix, plus the chat template's system prompt that both chats
-    # start with, in whole blocks
-    assert st.prefix_hit_tokens >= 1024 and st.prefix_hit_tokens % 16 == 0, st
+    reference = ReferenceModel.from_file(container, device="cuda", dtype=torch.float32)
     twin_engine = Engine.from_file(container, engine_config(backend="torch", mode="eager"))
-    twin = teacher_forced(twin_engine, [p0], ref.tokens, batch=1)
-    del twin_engine
-    c, e = greedy_agreement(toks, ref, 0, 2 * noise_bound(ref.logits[0], twin.logits[0]))
-    assert c == e and c >= 4, (c, e)
+    decided = 0
+    for i in (0, 3, 4, 5):
+        hits_before = engine.stats().prefix_hit_tokens
+        p = pre + prompts[i]
+        ref = reference_decode(reference, [p], 32)
+        toks = free_run(engine, [p], False)[0][:32]
+        hits = engine.stats().prefix_hit_tokens - hits_before
+        # 64 full blocks of the shared prefix, plus whole blocks of the chat template's system prompt
+        assert hits >= 1024 and hits % 16 == 0, (i, hits)
+        twin = teacher_forced(twin_engine, [p], ref.tokens, batch=1)
+        c, e = greedy_agreement(toks, ref, 0, 2 * noise_bound(ref.logits[0], twin.logits[0]))
+        assert c == e, (i, c, e)
+        decided += e
+    assert decided >= 4, decided
