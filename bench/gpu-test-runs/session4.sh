@@ -38,12 +38,14 @@ PY
   tests)     # the README's command, whole suite
     timeout 585 python3 -m nox -s gpu_tests -- -p no:cacheprovider -rs --durations=20 2>&1 \
       | tee $OUT/gpu-tests.log | tail -45 ;;
-  bench)     # the README's command (features on: prefix caching, speculation ngram:4), then features off
-    timeout 420 python3 -m nox -s bench 2>&1 | tee $OUT/bench.log | tail -60
-    PYTHONPATH=$SRC:/tmp/site timeout 150 python3 -m nanoqwen_cli.main bench --quick --features-off \
-      --out /tmp/bench-off 2>&1 | tail -3 || true
-    tar czf $OUT/bench.tgz bench/engine bench/kernels/bench_kernels.json bench/kernels/bench_kernels.md \
-      -C /tmp bench-off 2>/dev/null || true ;;
+  bench)     # the README's command (features on: prefix caching, speculation ngram:4); "$2" e.g. --quick
+    timeout 480 python3 -m nox -s bench -- ${2:-} 2>&1 | tee $OUT/bench.log | tail -60 || true
+    tar czf $OUT/bench.tgz bench/engine bench/kernels/bench_kernels.json bench/kernels/bench_kernels.md ;;
+  rerun)     # the tests that failed in the first full run, after their fixes
+    timeout 300 python3 -m nox -s gpu_tests -- -p no:cacheprovider -rs -q \
+      packages/nanoqwen-cli/tests/test_serve_gpu.py packages/nanoqwen-runtime/tests/test_bench_gpu.py \
+      packages/nanoqwen-runtime/tests/test_speculative_gpu.py -k "serve_gpu or memory_report or prefix_cache_hit" \
+      2>&1 | tee $OUT/gpu-tests-rerun.log | tail -15 || true ;;
   serve-workload)  # server load test + overhead, then the code-edit / free-form workloads at batch 1
     PACK=$(PYTHONPATH=$SRC python3 -c "import conftest; print(conftest.packed_path('rtn'))")
     PYTHONPATH=$SRC:/tmp/site timeout 300 python3 bench/server/loadtest.py "$PACK" --out $OUT/server \
