@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 # heldout_text(6 * eval_tokens)), so this test re-measures a row of the table on the same tokens.
 EVAL_TOKENS = 2048
 SEQ_LEN = 1024
-# Issue 16's goal for the 0.5B: held-out perplexity within +4% of none (measured: +2.42%).
+# Issue 16's goal for the 0.5B: held-out perplexity within +4% of none (measured: +2.42% on these 2,048
+# tokens). On 8,192 tokens (the H200 table, bench/quality/README.md) the same recipe measured +4.59%:
+# this test guards the default against regressions on a CI-sized text; it does not prove the goal.
 PPL_GOAL = 0.04
 # Agreement measured in the table (bench/quality/README.md, 0.5B on CPU): 91.59% for the default,
 # 90.13% for the old default (RTN g128 sym). The measurement is deterministic up to fp32 summation order

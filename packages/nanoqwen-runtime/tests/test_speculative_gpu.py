@@ -119,26 +119,29 @@ def test_speculative_greedy_matches_reference_until_near_tie(container, prompts,
 
 
 def test_prefix_cache_hit_decodes_the_same(container, prompts):
-    """Prompts decoded after a request that shares their first 1024 tokens (a long shared system
-    prompt): the prefill starts after them and the tokens equal the reference's until a near-tie.
-    Several suffixes: after 1024 tokens of a repeated prompt the first position can itself be a
-    near-tie (nothing decided; seen on the H200 with one suffix), so the decided positions are summed."""
+    """Prompts that share their first 1024 tokens with an earlier request (a long shared system prompt):
+    the prefill starts after the cached blocks, and the logits at every teacher-forced position are
+    within the engine's bound of the fp32 reference (`noise_bound`: twice the torch backend's distance
+    plus one ulp), as without the cache. Logits, not greedy tokens: after 1024 tokens of a repeated
+    prompt the first positions are often near-ties (the first H200 run decided 3 greedy positions in
+    4 prompts), while the logit bound holds at every position."""
     engine = Engine.from_file(container, engine_config())
     pre = (prompts[1] * (1 + 1024 // len(prompts[1])))[:1024]
     list(engine.generate([Request(pre + prompts[2], SamplingParams(max_tokens=2), "warm", ignore_eos=True)]))
     reference = ReferenceModel.from_file(container, device="cuda", dtype=torch.float32)
-    twin_engine = Engine.from_file(container, engine_config(backend="torch", mode="eager"))
-    decided = 0
-    for i in (0, 3, 4, 5):
-        hits_before = engine.stats().prefix_hit_tokens
+    twin_engine = Engine.from_file(container,
+                                   engine_config(backend="torch", mode="eager", prefix_caching=False))
+    for i in (0, 3):
         p = pre + prompts[i]
-        ref = reference_decode(reference, [p], 32)
-        toks = free_run(engine, [p], False)[0][:32]
+        ref = reference_decode(reference, [p], 16)
+        hits_before = engine.stats().prefix_hit_tokens
+        run = teacher_forced(engine, [p], ref.tokens, batch=1)
         hits = engine.stats().prefix_hit_tokens - hits_before
         # 64 full blocks of the shared prefix, plus whole blocks of the chat template's system prompt
         assert hits >= 1024 and hits % 16 == 0, (i, hits)
         twin = teacher_forced(twin_engine, [p], ref.tokens, batch=1)
-        c, e = greedy_agreement(toks, ref, 0, 2 * noise_bound(ref.logits[0], twin.logits[0]))
-        assert c == e, (i, c, e)
-        decided += e
-    assert decided >= 4, decided
+        bound = noise_bound(ref.logits[0], twin.logits[0])
+        diff = (run.logits[0] - ref.logits[0]).abs().amax(dim=-1)
+        assert bool((diff <= bound).all()), (i, (diff / bound).max().item())
+        print(f"\n[prefix hit {hits} tokens, prompt {i}] worst position at {(diff / bound).max().item():.2f} "
+              "of its bound")
