@@ -165,6 +165,16 @@ def test_serve_rejects_bad_speculation(model, flag, value):
     assert r.exit_code == 2 and "--speculate" in r.output, r.output
 
 
+def test_serve_dense_weight_cache_is_cuda_only(model):
+    """The bf16 weight copy belongs to the CUDA engine: asked for on the CPU it is a usage error (exit 2),
+    not an option silently ignored."""
+    from nanoqwen_cli.main import app
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, ["serve", str(model), "--device", "cpu", "--dense-weight-cache"])
+    assert r.exit_code == 2 and "--dense-weight-cache" in r.output, r.output
+
+
 def test_bounded_waiting_queue_gives_429(model):
     """One running slot and room for one waiting request: a burst of 12 gets some 429s (Retry-After), the
     rest complete; nothing else. Each accepted request needs ~200 decode steps, far longer than the burst
