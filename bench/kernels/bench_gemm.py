@@ -30,45 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 from nanoqwen_kernels import gemm, gemv
-from nanoqwen_kernels.bench import read_bandwidth
+from nanoqwen_kernels.bench import read_bandwidth, time_graph
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
 MS = (16, 32, 64, 128, 512, 2048)
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
-
-
-def time_graph(fn, reps: int, replays: int = 15) -> float:
-    """Median seconds per call of fn(i) for i in range(reps), captured in one graph (bench_kernels.py)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(reps):  # warm: module loads, attribute settings, cuBLAS handles
-            fn(i)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(reps):
-                fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(2):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return statistics.median(times)
 
 
 def random_weight(n, k, gen):

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 from nanoqwen_kernels import build, gemv, layer_ops, sampling
-from nanoqwen_kernels.bench import read_bandwidth
+from nanoqwen_kernels.bench import read_bandwidth, time_graph
 from nanoqwen_kernels.specs import SPECS
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944),
@@ -47,33 +47,6 @@ BUILD_VARIANTS = {
     "gemv_u2": ("-DNQ_GEMV_UNROLL=2", "-DNQ_GEMV_MIN_BLOCKS_G128=3", "-DNQ_GEMV_MIN_BLOCKS=2"),
     "gemv_u4": ("-DNQ_GEMV_UNROLL=4", "-DNQ_GEMV_MIN_BLOCKS_G128=2", "-DNQ_GEMV_MIN_BLOCKS=2"),
 }
-
-
-def time_graph(fn, reps: int, replays: int = 15) -> float:
-    """Median seconds per call of fn(i) for i in range(reps), captured in one graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(reps):  # warm: module loads, attribute settings, cuBLAS handles
-            fn(i)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(reps):
-                fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return statistics.median(times)
 
 
 def copy_bandwidth() -> dict[str, float]:

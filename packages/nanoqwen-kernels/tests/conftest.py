@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))  # int4_testkit.py: helpers shared by the INT4 tests
+
 
 @pytest.fixture
 def device():

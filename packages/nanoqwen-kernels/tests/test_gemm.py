@@ -19,6 +19,7 @@ import dataclasses
 
 import pytest
 import torch
+from int4_testkit import random_int4, reference_out
 from nanoqwen_kernels import reference as R
 
 pytestmark = pytest.mark.gpu
@@ -33,30 +34,6 @@ CASES_7B = [
     for m in M_ALL
     if not (name in ("gate_up", "down") and m > 1000)
 ]
-
-
-def random_int4(n, k, group_size, symmetric, gen, device, scale_dtype=torch.bfloat16):
-    """A random Int4Weight whose outputs are O(1) for N(0, 1) inputs (as in test_gemv.py: every bit
-    pattern of the packed words is a valid weight, so the words are random bytes). float16 scales: the
-    -f16s layout, zero points 0..16."""
-    from nanoqwen_kernels.gemv import Int4Weight
-
-    words = torch.randint(0, 256, (n * k // 2,), generator=gen, device=device, dtype=torch.uint8)
-    qweight = words.view(torch.int32).reshape(n // 8, k // 128, 32, 4)
-    base = 1.0 / (4.6 * k**0.5)
-    scales = (base * (0.5 + torch.rand(n, k // group_size, generator=gen, device=device))).to(scale_dtype)
-    zeros = None
-    if not symmetric:
-        zmax = 16 if scale_dtype == torch.float16 else 15
-        zeros = torch.randint(0, zmax + 1, (n, k // group_size), generator=gen, device=device,
-                              dtype=torch.uint8)
-    return Int4Weight(qweight, scales, zeros, n, k, group_size)
-
-
-def reference_out(x, w, bias, silu=False):
-    dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
-    xin = R.silu_mul(x).to(torch.bfloat16) if silu else x
-    return R.linear(xin, dense, bias)
 
 
 def run_gemm(x, w, bias, plan=None, silu=False):

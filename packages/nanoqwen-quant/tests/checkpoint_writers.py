@@ -114,6 +114,14 @@ def _float_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]
     return out
 
 
+def _linear_weights(state_dict: dict[str, torch.Tensor]):
+    """(HF weight name, its module name, the weight as f64 [N, K]) of every linear the formats quantize."""
+    for name, t in state_dict.items():
+        base = name.removesuffix(".weight")
+        if name.endswith(".weight") and any(base.endswith(lin) for lin in LINEAR_NAMES):
+            yield name, base, t.double().numpy()
+
+
 def write_gptq(folder: Path, state_dict: dict[str, torch.Tensor], config: dict, tokenizer_from: Path, *,
                group_size: int, sym: bool, checkpoint_format: str = "gptq", desc_act: bool = False,
                seed: int = 0) -> dict[str, np.ndarray]:
@@ -123,12 +131,8 @@ def write_gptq(folder: Path, state_dict: dict[str, torch.Tensor], config: dict, 
     rng = np.random.default_rng(seed)
     v1 = checkpoint_format == "gptq"
     tensors, deq = _float_tensors(state_dict), {}
-    for name, t in state_dict.items():
-        base = name.removesuffix(".weight")
-        if not any(base.endswith(lin) for lin in LINEAR_NAMES) or not name.endswith(".weight"):
-            continue
-        w = t.double().numpy()
-        n, k = w.shape
+    for name, base, w in _linear_weights(state_dict):
+        k = w.shape[1]
         q, z, s = _rtn(w, group_size, sym, 1 if v1 else 0, 16 if v1 else 15, rng)
         g_idx = np.arange(k, dtype=np.int32) // group_size
         deq[name] = _dequant(q, z, s, g_idx)
@@ -149,12 +153,8 @@ def write_awq(folder: Path, state_dict: dict[str, torch.Tensor], config: dict, t
     dequantization of every quantized linear: HF weight name -> f32 [N, K]."""
     rng = np.random.default_rng(seed)
     tensors, deq = _float_tensors(state_dict), {}
-    for name, t in state_dict.items():
-        base = name.removesuffix(".weight")
-        if not any(base.endswith(lin) for lin in LINEAR_NAMES) or not name.endswith(".weight"):
-            continue
-        w = t.double().numpy()
-        n, k = w.shape
+    for name, base, w in _linear_weights(state_dict):
+        k = w.shape[1]
         q, z, s = _rtn(w, group_size, False, 0, 15, rng)
         deq[name] = _dequant(q, z, s, np.arange(k) // group_size)
         tensors[base + ".qweight"] = _pack_cols(q, AWQ_ORDER)

@@ -66,3 +66,67 @@ def hf_greedy(hf, ids: list[int], steps: int) -> list[int]:
         out.append(nxt)
         ids.append(nxt)
     return out
+
+
+def kernel_engine_on_cpu(monkeypatch, model, cfg: EngineConfig, plan_factory=None):
+    """The CUDA engine's kernel op backend run on the CPU with every launch recorded, not run: the
+    device checks and `launch` of each launcher module are replaced, and the attention plans (which
+    allocate CUDA work buffers) by `plan_factory(mode, geometry, launched, **plan_kwargs)` (default: a
+    stand-in that records "paged_attention_{mode}"). `model` is a `loader.load` result; `cfg` is a
+    validated CPU config whose backend is switched to "kernels". Returns (engine, launched): the list
+    the kernel names go to. Checks the engine <-> nanoqwen_kernels contract, not the numbers."""
+    import nanoqwen_kernels.attention as kattn
+    import nanoqwen_kernels.gemm as kgemm
+    import nanoqwen_kernels.gemv as kgemv
+    import nanoqwen_kernels.layer_ops as kops
+    import nanoqwen_kernels.sampling as ksamp
+    from nanoqwen_runtime.engine import ops_kernels
+    from nanoqwen_runtime.engine.engine import Engine
+
+    launched: list[str] = []
+    for mod in (kops, ksamp, kgemv, kgemm):
+        monkeypatch.setattr(mod, "require_sm90", lambda device: 0)
+        monkeypatch.setattr(mod, "launch", lambda fam, name, *a, **k: launched.append(name))
+    monkeypatch.setattr(kgemv, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(ops_kernels.klaunch, "require_sm90", lambda device: 0)
+
+    class RecordingPlan:
+        def __init__(self, mode, geometry, launched, **kw):
+            self.mode = mode
+
+        def run(self, *a, **kw):
+            launched.append(f"paged_attention_{self.mode}")
+
+    make_plan = plan_factory or RecordingPlan
+    monkeypatch.setattr(kattn, "plan_decode", lambda g, **kw: make_plan("decode", g, launched, **kw))
+    monkeypatch.setattr(kattn, "plan_prefill", lambda g, **kw: make_plan("prefill", g, launched, **kw))
+    cfg.backend = "kernels"  # after validation: the launches are mocked, so CPU tensors are fine
+    monkeypatch.setattr("nanoqwen_runtime.engine.engine.make_ops",
+                        lambda config, geom: ops_kernels.KernelOps(geom, config, torch.device("cpu")))
+    return Engine(model.geometry, model.weights, cfg), launched
+
+
+def gpu_reference(container, prompts, steps: int):
+    """The fp32 reference model's greedy decode of `prompts` on the GPU (`agreement.reference_decode`,
+    the oracle of the real-model GPU tests); the model is freed before returning."""
+    from nanoqwen_runtime.engine.agreement import reference_decode
+    from nanoqwen_runtime.reference import ReferenceModel
+
+    model = ReferenceModel.from_file(container, device="cuda", dtype=torch.float32)
+    ref = reference_decode(model, prompts, steps)
+    del model
+    torch.cuda.empty_cache()
+    return ref
+
+
+def noise_bounds(container, twin_config: EngineConfig, prompts, reference, batch: int) -> list:
+    """Per prompt, the bound at each position (`agreement.noise_bound`): the engine built with
+    `twin_config` (its torch op backend) teacher-forced on the reference's tokens, `batch` at a time."""
+    from nanoqwen_runtime.engine import Engine
+    from nanoqwen_runtime.engine.agreement import noise_bound, teacher_forced
+
+    engine = Engine.from_file(container, twin_config)
+    twin = teacher_forced(engine, prompts, reference.tokens, batch=batch)
+    del engine
+    torch.cuda.empty_cache()
+    return [noise_bound(reference.logits[p], twin.logits[p]) for p in range(len(prompts))]

@@ -19,7 +19,15 @@ import nanoqwen_format as nqf
 import numpy as np
 import pytest
 import torch
-from engine_testkit import LOGIT_ATOL, NEAR_TIE, TINY, assert_same_until_near_tie, cpu_config, run_engine
+from engine_testkit import (
+    LOGIT_ATOL,
+    NEAR_TIE,
+    TINY,
+    assert_same_until_near_tie,
+    cpu_config,
+    kernel_engine_on_cpu,
+    run_engine,
+)
 from nanoqwen_model import Qwen2Config, codec
 from nanoqwen_runtime.engine import Engine, EngineConfig, FinishEvent, Request, TokenEvent
 from nanoqwen_runtime.engine.agreement import reference_decode, teacher_forced
@@ -207,24 +215,9 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
     No GPU here: the device check and the launch itself are replaced (launches are recorded, not run),
     and the attention plans (which allocate CUDA work buffers) by a stand-in that checks the shapes
     the engine passes. This checks the engine <-> nanoqwen_kernels contract, not the numbers."""
-    import nanoqwen_kernels.attention as kattn
-    import nanoqwen_kernels.gemm as kgemm
-    import nanoqwen_kernels.gemv as kgemv
-    import nanoqwen_kernels.layer_ops as kops
-    import nanoqwen_kernels.sampling as ksamp
-    from nanoqwen_runtime.engine import ops_kernels
-    from nanoqwen_runtime.engine.engine import Engine as EngineCls
-
-    launched: list[str] = []
-    for mod in (kops, ksamp, kgemv, kgemm):
-        monkeypatch.setattr(mod, "require_sm90", lambda device: 0)
-        monkeypatch.setattr(mod, "launch", lambda fam, name, *a, **k: launched.append(name))
-    monkeypatch.setattr(kgemv, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(ops_kernels.klaunch, "require_sm90", lambda device: 0)
-
     class FakePlan:
-        def __init__(self, mode, geometry, max_batch, max_context_len, **kw):
-            self.mode, self.g = mode, geometry
+        def __init__(self, mode, geometry, launched, max_batch, max_context_len, **kw):
+            self.mode, self.g, self.launched = mode, geometry, launched
             self.max_batch, self.max_context_len = max_batch, max_context_len
 
         def run(self, q, k_cache, v_cache, page_table, context_lens, query_start_loc=None, out=None, *,
@@ -239,16 +232,10 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
                 assert q.shape[0] == b and query_start_loc is None
             else:
                 assert query_start_loc.shape == (b + 1,) and query_start_loc.dtype == torch.int32
-            launched.append(f"paged_attention_{self.mode}")
+            self.launched.append(f"paged_attention_{self.mode}")
 
-    monkeypatch.setattr(kattn, "plan_decode", lambda g, **kw: FakePlan("decode", g, **kw))
-    monkeypatch.setattr(kattn, "plan_prefill", lambda g, **kw: FakePlan("prefill", g, **kw))
-    m = load(tiny_path, "cpu")
     cfg = cpu_config(mode="eager", prefill_chunk=64, dense_weight_cache=dense, max_batch=16)
-    cfg.backend = "kernels"  # after validation: the launches are mocked, so CPU tensors are fine
-    monkeypatch.setattr("nanoqwen_runtime.engine.engine.make_ops",
-                        lambda config, geom: ops_kernels.KernelOps(geom, config, torch.device("cpu")))
-    engine = EngineCls(m.geometry, m.weights, cfg)
+    engine, launched = kernel_engine_on_cpu(monkeypatch, load(tiny_path, "cpu"), cfg, FakePlan)
     assert engine.ops.name == "kernels"
     # prefill chunk 64: one prefill step holds all nine prompts (62 tokens); then 9
     # rows decode together (the INT4 GEMM without the dense cache); request 0 decodes alone last

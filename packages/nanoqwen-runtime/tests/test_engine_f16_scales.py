@@ -15,6 +15,7 @@ import nanoqwen_format as nqf
 import numpy as np
 import pytest
 import torch
+from engine_testkit import kernel_engine_on_cpu
 from nanoqwen_model import Qwen2Config
 from nanoqwen_runtime.engine import Engine, EngineConfig
 from nanoqwen_runtime.engine.agreement import reference_decode, teacher_forced
@@ -40,12 +41,8 @@ def to_f16_scales(qt: nqf.QuantizedTensor, rng: np.random.Generator) -> nqf.Quan
     return nqf.int4.pack(nqf.int4.unpack(qt), s16, zeros, qt.group_size, scale_dtype="f16")
 
 
-@pytest.fixture(scope="module")
-def f16s_path(tmp_path_factory):
-    d = tmp_path_factory.mktemp("f16s")
-    src = write_container(d / "bf16s.nanoqwen", TINY, seed=1, lm_head="int4")
-    out = d / "f16s.nanoqwen"
-    rng = np.random.default_rng(0)
+def convert_to_f16_scales(src, out, rng: np.random.Generator):
+    """Copy container `src` to `out` with every INT4 tensor converted by `to_f16_scales`; returns out."""
     with nqf.open(src) as f, nqf.Writer(out) as w:
         for name, rec in f.records.items():
             if rec.encoding == "int4":
@@ -54,6 +51,14 @@ def f16s_path(tmp_path_factory):
                 w.add_array(name, np.array(f.array(name)), rec.encoding)
         w.set_metadata(f.metadata)
     return out
+
+
+@pytest.fixture(scope="module")
+def f16s_path(tmp_path_factory):
+    d = tmp_path_factory.mktemp("f16s")
+    src = write_container(d / "bf16s.nanoqwen", TINY, seed=1, lm_head="int4")
+    out = d / "f16s.nanoqwen"
+    return convert_to_f16_scales(src, out, np.random.default_rng(0))
 
 
 def test_loader_views_fp16_scales(f16s_path):
@@ -102,37 +107,9 @@ def test_kernel_backend_launches_f16s_kernels(f16s_path, monkeypatch):
     """The kernel backend hands fp16 scales to nanoqwen_kernels, whose launcher picks the `_f16s`
     entry points for every INT4 linear (GEMV, fused SiLU GEMV, GEMM / dequantize above 8 rows);
     launches are recorded, not run (no GPU), as in test_engine_cpu.py's plumbing test."""
-    import nanoqwen_kernels.attention as kattn
-    import nanoqwen_kernels.gemm as kgemm
-    import nanoqwen_kernels.gemv as kgemv
-    import nanoqwen_kernels.layer_ops as kops
-    import nanoqwen_kernels.sampling as ksamp
-    from nanoqwen_runtime.engine import ops_kernels
-    from nanoqwen_runtime.engine.engine import Engine as EngineCls
-
-    launched: list[str] = []
-    for mod in (kops, ksamp, kgemv, kgemm):
-        monkeypatch.setattr(mod, "require_sm90", lambda device: 0)
-        monkeypatch.setattr(mod, "launch", lambda fam, name, *a, **k: launched.append(name))
-    monkeypatch.setattr(kgemv, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(ops_kernels.klaunch, "require_sm90", lambda device: 0)
-
-    class FakePlan:
-        def __init__(self, *a, **kw):
-            pass
-
-        def run(self, *a, **kw):
-            launched.append("paged_attention")
-
-    monkeypatch.setattr(kattn, "plan_decode", lambda g, **kw: FakePlan())
-    monkeypatch.setattr(kattn, "plan_prefill", lambda g, **kw: FakePlan())
-    m = load(f16s_path, "cpu")
     cfg = EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=64, block_size=16,
                        max_model_len=128, prefill_chunk=64, max_batch=16)
-    cfg.backend = "kernels"  # after validation: the launches are mocked, so CPU tensors are fine
-    monkeypatch.setattr("nanoqwen_runtime.engine.engine.make_ops",
-                        lambda config, geom: ops_kernels.KernelOps(geom, config, torch.device("cpu")))
-    engine = EngineCls(m.geometry, m.weights, cfg)
+    engine, launched = kernel_engine_on_cpu(monkeypatch, load(f16s_path, "cpu"), cfg)
     from nanoqwen_runtime.engine import Request
     from nanoqwen_runtime.sampling import SamplingParams
 
@@ -160,14 +137,7 @@ def test_gpu_engine_with_fp16_scales_matches_reference(tmp_path):
     geom = QWEN25_CODER_7B.with_(num_hidden_layers=2)
     src = write_container(tmp_path / "bf16s.nanoqwen", geom, seed=6, device="cuda")
     path = tmp_path / "f16s.nanoqwen"
-    rng = np.random.default_rng(1)
-    with nqf.open(src) as f, nqf.Writer(path) as w:
-        for name, rec in f.records.items():
-            if rec.encoding == "int4":
-                w.add_quantized(name, to_f16_scales(f.quantized(name), rng))
-            else:
-                w.add_array(name, np.array(f.array(name)), rec.encoding)
-        w.set_metadata(f.metadata)
+    convert_to_f16_scales(src, path, np.random.default_rng(1))
     g = torch.Generator().manual_seed(2)
     lengths = [1 + 37 * i % 300 for i in range(16)]
     prompts = [torch.randint(0, 150000, (n,), generator=g).tolist() for n in lengths]

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_testkit import gpu_reference, noise_bounds
 from nanoqwen_runtime.engine import Engine, EngineConfig
-from nanoqwen_runtime.engine.agreement import greedy_agreement, noise_bound, reference_decode, teacher_forced
+from nanoqwen_runtime.engine.agreement import greedy_agreement, teacher_forced
 from nanoqwen_runtime.generate import Pipeline
-from nanoqwen_runtime.reference import ReferenceModel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 
@@ -73,11 +73,7 @@ def prompts(container):
 
 @pytest.fixture(scope="module")
 def reference(container, prompts):
-    model = ReferenceModel.from_file(container, device="cuda", dtype=torch.float32)
-    ref = reference_decode(model, prompts, STEPS)
-    del model
-    torch.cuda.empty_cache()
-    return ref
+    return gpu_reference(container, prompts, STEPS)
 
 
 def engine_config(**kw) -> EngineConfig:
@@ -92,11 +88,7 @@ def engine_config(**kw) -> EngineConfig:
 @pytest.fixture(scope="module")
 def bound(container, prompts, reference):
     """Per prompt: the noise bound at each position (torch backend on the GPU, all prompts batched)."""
-    engine = Engine.from_file(container, engine_config(backend="torch", mode="eager"))
-    twin = teacher_forced(engine, prompts, reference.tokens, batch=32)
-    del engine
-    torch.cuda.empty_cache()
-    return [noise_bound(reference.logits[p], twin.logits[p]) for p in range(len(prompts))]
+    return noise_bounds(container, engine_config(backend="torch", mode="eager"), prompts, reference, 32)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@
     bw = read_bandwidth(torch.device("cuda"))          # bytes read per second, median of the reps
     read_xor(buf, sink)                                # one pass over buf; sink ^= XOR of its words
     spin(50_000_000)                                   # the current stream waits 50 ms on the GPU
+    t = time_graph(lambda i: op(bufs[i % 2]), reps=20)  # s per call, from one CUDA graph of 20 calls
+    t = median_replay_seconds(graph, replays=50)       # s per replay of an existing graph
 
 A decode step reads weights and KV and writes almost nothing, so its ceiling is the rate at which the
 GPU can only read, not a device-to-device copy (half reads, half writes). `read_bandwidth` measures
@@ -87,3 +89,38 @@ def read_bandwidth(device: torch.device, nbytes: int = DEFAULT_READ_BYTES, reps:
 def _xor_reduce(words: torch.Tensor) -> int:
     """XOR of int32 words as a signed int32 value (numpy on the host; the check is small)."""
     return int(np.bitwise_xor.reduce(words.cpu().numpy().view(np.uint32)).view(np.int32))
+
+
+def median_replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Median GPU time (s) of one `graph.replay()` over `replays` replays, each timed with CUDA events
+    on the current stream."""
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def time_graph(fn, reps: int, replays: int = 15) -> float:
+    """Median seconds per call of fn(i) for i in range(reps), captured in one CUDA graph (launch gaps
+    as in the engine's replayed decode step): warmed eagerly on a side stream (module loads, cuBLAS
+    handles), captured, replayed 3 times, then `median_replay_seconds` / reps."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(reps):
+            fn(i)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(reps):
+                fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    return median_replay_seconds(graph, replays) / reps

@@ -209,6 +209,20 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
             except TimeoutError:
                 continue
 
+    async def next_event_or_abort(handle: RequestHandle, request: Request):
+        """`next_event` for the non-streamed paths: when it fails (the client left: ClientGone; the
+        handler was cancelled or broke) the request is aborted in the engine, counted as aborted, and
+        the exception goes on."""
+        try:
+            return await next_event(handle, request)
+        except ClientGone:  # next_event has aborted it
+            metrics.finished("aborted")
+            raise
+        except BaseException:
+            handle.abort()
+            metrics.finished("aborted")
+            raise
+
     async def run(request: Request, spec: GenerationSpec):
         engine = ready_engine()
         ereq = engine_request(spec, engine)
@@ -220,14 +234,9 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
         except (Draining, NotReady) as e:
             raise APIError(503, str(e), type="server_error", code="unavailable") from None
         try:
-            first = await next_event(handle, request)
+            first = await next_event_or_abort(handle, request)
         except ClientGone:
-            metrics.finished("aborted")
             return Response(status_code=CLIENT_GONE)
-        except BaseException:
-            handle.abort()
-            metrics.finished("aborted")
-            raise
         if _is_finish(first) and first.reason in ("refused", "aborted"):
             status = "aborted" if first.reason == "aborted" else "400"
             metrics.finished(status)
@@ -245,14 +254,9 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
         try:
             while not _is_finish(ev):
                 parts.append(ev.text)
-                ev = await next_event(handle, request)
+                ev = await next_event_or_abort(handle, request)
         except ClientGone:
-            metrics.finished("aborted")
             return Response(status_code=CLIENT_GONE)
-        except BaseException:
-            handle.abort()
-            metrics.finished("aborted")
-            raise
         parts.append(ev.text)
         _count(ev)
         if ev.reason == "error":

@@ -109,16 +109,9 @@ def _decode_rate(log, skip: int = 3) -> float:
 def replay_time(engine: Engine, bucket: int, context: int, reps: int = 50) -> float:
     """Median GPU time (s) of one replay of the decode graph of `bucket` at `context` tokens, with the
     step buffers as the last step left them."""
-    g = engine.runner.graphs[(bucket, engine.runner.context_class(context))]
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(times)
+    from nanoqwen_kernels.bench import median_replay_seconds
+
+    return median_replay_seconds(engine.runner.graphs[(bucket, engine.runner.context_class(context))], reps)
 
 
 def decode_at_context(engine: Engine, ctx: int, new: int, batch: int = 1, seed: int = 0) -> dict:

@@ -1,0 +1,35 @@
+"""Helpers shared by the INT4 kernel tests (test_gemv.py, test_gemm.py): a random INT4 weight and the
+fp32 reference output. conftest.py puts this folder on sys.path (pytest imports the test files with
+--import-mode=importlib, so they cannot import each other)."""
+
+from __future__ import annotations
+
+import torch
+from nanoqwen_kernels import reference as R
+
+
+def random_int4(n, k, group_size, symmetric, gen, device, scale_dtype=torch.bfloat16):
+    """A random Int4Weight whose outputs are O(1) for N(0, 1) inputs: every bit pattern of the packed
+    words is a valid weight, so the words are random bytes. scale_dtype float16: the -f16s layout, whose
+    zero points span 0..16 (GPTQ v1's stored-minus-one gives 16); the scales are then fp16 values with
+    10 mantissa bits, which bf16 could not hold (a kernel reading them as bf16 would fail)."""
+    from nanoqwen_kernels.gemv import Int4Weight
+
+    words = torch.randint(0, 256, (n * k // 2,), generator=gen, device=device, dtype=torch.uint8)
+    qweight = words.view(torch.int32).reshape(n // 8, k // 128, 32, 4)
+    base = 1.0 / (4.6 * k**0.5)
+    scales = (base * (0.5 + torch.rand(n, k // group_size, generator=gen, device=device))).to(scale_dtype)
+    zeros = None
+    if not symmetric:
+        zmax = 16 if scale_dtype == torch.float16 else 15
+        zeros = torch.randint(0, zmax + 1, (n, k // group_size), generator=gen, device=device,
+                              dtype=torch.uint8)
+    w = Int4Weight(qweight, scales, zeros, n, k, group_size)
+    assert w.kernel_suffix().endswith("_f16s") == (scale_dtype == torch.float16)  # which kernel runs
+    return w
+
+
+def reference_out(x, w, bias, silu=False):
+    dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
+    xin = R.silu_mul(x).to(torch.bfloat16) if silu else x
+    return R.linear(xin, dense, bias)
