@@ -181,6 +181,32 @@ class HostEvent:
         return (other.t - self.t) * 1e3
 
 
+def test_layout_speed_compares_asym_with_sym_on_cpu(monkeypatch):
+    """The synthetic run's asym-vs-sym section on the torch backend: the default layout's weights carry
+    a zero point per group (uint8 in {7, 8, 9}), the other side none; both sides measured `reps` times
+    alternately; the bytes per token differ by exactly the zero points (one byte per group)."""
+    from nanoqwen_runtime.engine.synthetic import random_weights
+
+    def ab_engine(geom, weights, **cfg):
+        return Engine(geom, weights, EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=64,
+                                                  block_size=16, max_model_len=256, prefill_chunk=48,
+                                                  max_batch=8, **cfg))
+
+    monkeypatch.setattr(bench, "_ab_engine", ab_engine)
+    asym = random_weights(TINY, "cpu", seed=0, symmetric=False)
+    z = asym.layers[0].qkv.zeros
+    assert z.dtype == torch.uint8 and set(z.unique().tolist()) <= {7, 8, 9} and len(z.unique()) > 1
+    real_decode = bench.decode_at_context
+    monkeypatch.setattr(bench, "decode_at_context",
+                        lambda e, ctx, new, batch=1, seed=0: real_decode(e, 16, 6, batch=batch, seed=seed))
+    out = bench.layout_speed(TINY, asym, batches=(1, 2), reps=2)
+    assert [r["batch"] for r in out["rows"]] == [1, 2]
+    assert all(len(r["a_all"]) == len(r["b_all"]) == 2 for r in out["rows"])
+    groups = sum(lin.zeros.numel() for layer in asym.layers
+                 for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    assert out["weight_bytes_a"] - out["weight_bytes_b"] == groups
+
+
 def test_sections_on_cpu_feed_the_report(tiny_path, tmp_path):
     engine = cpu_engine(tiny_path)
     d = bench.decode_at_context(engine, 40, 12, batch=2)
@@ -324,7 +350,8 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
 
     def cpu_cfg(cfg):
         return EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=2048, block_size=16,
-                            max_model_len=None, prefill_chunk=256, max_batch=64, dense_weight_cache=False)
+                            max_model_len=None, prefill_chunk=256, max_batch=64, dense_weight_cache=False,
+                            prefix_caching=cfg.prefix_caching, speculation=cfg.speculation)
 
     class CpuEngine(RealEngine):
         def __init__(self, geom, weights, config, **kw):
@@ -386,6 +413,17 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     assert [r["batch"] for r in rep["eager"]] == [1, 8]
     assert rep["memory"]["kv_pool_bytes"] == 2048 * TINY.kv_bytes_per_token() * 16
     assert rep["launches_per_decode_step"] > 0 and rep["model_load"]["path"] == str(tiny_path)
+    # features on vs off in the same run: both sides measured at every batch size, alternately
+    fc = rep["features_cost"]
+    assert [r["batch"] for r in fc["rows"]] == list(bench.FEATURES_BATCHES)
+    for r in fc["rows"]:
+        assert len(r["a_all"]) == len(r["b_all"]) == bench.AB_REPS
+        assert r["a_over_b"] == pytest.approx(r["a_tok_s"] / r["b_tok_s"])
+        assert r["a_slower"] == (max(r["a_all"]) < min(r["b_all"]))
+    assert fc["regression"] == any(r["a_slower"] for r in fc["rows"])
+    assert "layout_speed" not in rep  # a --model run has its own layout: no synthetic asym/sym comparison
+    assert fc["on_engine_stats"]["prefix_queried_tokens"] > 0  # the "on" engine had its prefix cache on
     md = (tmp_path / "bench.md").read_text()
     assert "## Loading the model" in md and "## Errors" in md and "| linear qkv |" in md
+    assert "## Prefix caching + speculation on vs off" in md
     assert json.loads((tmp_path / "bench.json").read_text())["device"] == "fake GPU"

@@ -26,6 +26,10 @@ gets them: on the random prompts here nothing is reused (each section's prompts 
 own seed), so the figures show what the features cost when they do not help; the engine's counters
 (`EngineStats`) after the decode sections are reported (`engine_stats`) to show how much was drafted
 and hit. `features=False` (`nanoqwen-cli bench --features-off`) runs the same sections with both off.
+With the features on, `features_cost` then measures the no-regression goal in the same run: two engines
+on the same weights, one with both features and one without, decode tok/s at batch 1/8/32/64 measured
+alternately; a regression is every "on" repeat slower than every "off" repeat (`ab_decode`). With
+the synthetic model, `layout_speed` compares the default layout (g128 asym) with g128 sym the same way.
 
 Results: bench.json and bench.md (`bench_report.py` builds both from the raw numbers collected here;
 they are rewritten after every section, so a run cut short keeps what it measured) and two plots.
@@ -167,6 +171,76 @@ def prefix_cache_ttft(engine: Engine, prefix: int = 4096, tail: int = 64, reps: 
             "cold_ttft_all_s": cold, "warm_ttft_all_s": warm}
 
 
+FEATURES_BATCHES = (1, 8, 32, 64)
+# A/B verdicts are judged against the run's own noise, not a fitted margin: with `reps` alternating
+# repeats per side, A is called slower than B only when every one of its repeats is slower than every
+# repeat of B (a one-sided rank test with U = 0: under "no difference" that ordering has probability
+# 1 / C(2 reps, reps) = 1/70 for 4 repeats). The medians' ratio and each side's spread go beside it.
+AB_REPS = 4
+
+
+def ab_decode(a: Engine, b: Engine, *, batches: tuple[int, ...], reps: int = AB_REPS, new: int = 128,
+              ctx: int = 128, seed: int = 100_000) -> list[dict]:
+    """Engine decode tok/s of engine `a` against engine `b` in one process, measured alternately (a, b,
+    then b, a, ...) `reps` times per batch size so that drift hits both sides alike; fresh random
+    prompts per repeat, never shared between repeats (nothing for a prefix cache to reuse).
+    Per batch: medians, spreads ((max - min) / median), a/b and the rank-test verdict `a_slower`."""
+    rows = []
+    for batch in batches:
+        rates: dict[str, list[float]] = {"a": [], "b": []}
+        for rep in range(reps):
+            for side in (("a", "b") if rep % 2 == 0 else ("b", "a")):
+                r = decode_at_context(a if side == "a" else b, ctx, new, batch=batch,
+                                      seed=seed + 10_000 * rep + 100 * batch)
+                rates[side].append(r["engine_tok_s"])
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        rows.append({"batch": batch, "a_tok_s": med["a"], "b_tok_s": med["b"],
+                     "a_over_b": med["a"] / med["b"],
+                     "spread_a": (max(rates["a"]) - min(rates["a"])) / med["a"],
+                     "spread_b": (max(rates["b"]) - min(rates["b"])) / med["b"],
+                     "a_all": rates["a"], "b_all": rates["b"], "a_slower": max(rates["a"]) < min(rates["b"])})
+    return rows
+
+
+def _ab_engine(geom: Qwen2Config, weights, **cfg) -> Engine:
+    return Engine(geom, weights, EngineConfig(kv_memory_bytes=4 << 30, max_model_len=4096, **cfg))
+
+
+def features_cost(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = FEATURES_BATCHES,
+                  reps: int = AB_REPS) -> dict:
+    """Issue 15's "no regression": decode with prefix caching + speculation (ngram:4) on (a) against both
+    off (b), same weights, two graph-mode engines (4 GiB KV each), `ab_decode`. `regression` when any
+    batch size's "on" is slower by the rank test."""
+    on = _ab_engine(geom, weights, prefix_caching=True, speculation=SpeculationConfig(k=4))
+    off = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
+    rows = ab_decode(on, off, batches=batches, reps=reps)
+    stats = asdict(on.stats())
+    del on, off
+    torch.cuda.empty_cache()
+    return {"rows": rows, "reps": reps, "context": 128, "new_tokens": 128, "on_engine_stats": stats,
+            "regression": any(r["a_slower"] for r in rows)}
+
+
+def layout_speed(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 8),
+                 reps: int = AB_REPS) -> dict:
+    """Issue 16's "decode speed of the chosen default against g128 sym": the run's weights (`weights`,
+    asymmetric g128: the default recipe's layout, a uint8 zero point per group) (a) against symmetric
+    g128 weights of the same geometry (b), features off on both, `ab_decode`; plus each side's weight
+    bytes read per token."""
+    from .synthetic import random_weights
+
+    sym = random_weights(geom, weights.embed_tokens.device, seed=0, symmetric=True)
+    ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
+    eb = _ab_engine(geom, sym, prefix_caching=False, speculation=None)
+    rows = ab_decode(ea, eb, batches=batches, reps=reps)
+    out = {"rows": rows, "reps": reps, "a": "g128 asym (default)", "b": "g128 sym",
+           "weight_bytes_a": sum(weights.decode_bytes().values()),
+           "weight_bytes_b": sum(sym.decode_bytes().values())}
+    del ea, eb, sym
+    torch.cuda.empty_cache()
+    return out
+
+
 def bytes_per_token(engine: Engine, ctx: int) -> dict[str, int]:
     """The bytes one batch-1 decode step at context `ctx` must move, by part (no total: the report sums)."""
     w = engine.weights.decode_bytes()
@@ -293,9 +367,10 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
         raw["model_load"] = asdict(engine.load_stats) | {"upload_GBps": engine.load_stats.gbps}
         raw["meta"]["model"] = model
     else:
-        weights = random_weights(geometry, device, seed=0)
+        weights = random_weights(geometry, device, seed=0, symmetric=False)
         torch.cuda.synchronize()
-        raw["meta"]["model"] = "synthetic Qwen2.5-Coder-7B geometry (random INT4 g128 weights, bf16 lm_head)"
+        raw["meta"]["model"] = ("synthetic Qwen2.5-Coder-7B geometry (random INT4 g128 asym weights: the "
+                                "default recipe's layout; bf16 lm_head)")
         engine = Engine(geometry, weights, cfg)
     raw["engine_start_s"] = time.perf_counter() - t0
     raw["num_kv_blocks"] = engine.num_blocks
@@ -359,8 +434,20 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
         log(f"decode step, eager, CUDA events: {p['launches_per_step']} launches, "
             f"{p['kernel_us_per_step']:.0f} us of GPU time ({p['starved_chunks']} of {p['chunks']} chunks "
             "where the host fell behind)")
-    del eager, weights_ref
+    del eager
     torch.cuda.empty_cache()
+    if features:
+        fc = run.section("features_cost", features_cost, geom, weights_ref)
+        for r in (fc or {}).get("rows", []):
+            log(f"features on/off batch {r['batch']}: {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s = "
+                f"{r['a_over_b']:.3f} (spread {100 * max(r['spread_a'], r['spread_b']):.1f}%)"
+                + ("  REGRESSION" if r["a_slower"] else ""))
+    if not model:
+        ls = run.section("layout_speed", layout_speed, geom, weights_ref)
+        for r in (ls or {}).get("rows", []):
+            log(f"g128 asym/sym batch {r['batch']}: {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s = "
+                f"{r['a_over_b']:.3f}")
+    del weights_ref
     if load_test_dir is not None and run.section("load_test", load_time, geometry, load_test_dir):
         ld = raw["load_test"]
         plain, ver = ld["plain"], ld["verify"]

@@ -26,6 +26,8 @@ raw = {
   "profile": bench_profile.profile_decode_ops(...) result,
   "model_load": LoadStats as a dict (--model FILE), "load_test": bench.load_time(...) result,
   "prefix_cache": bench.prefix_cache_ttft(...) result, "engine_stats": EngineStats as a dict,
+  "features_cost": bench.features_cost(...) result (features on vs off, same run),
+  "layout_speed": bench.layout_speed(...) result (g128 asym vs sym, synthetic model only),
   "errors": {section: message},
 }
 """
@@ -115,7 +117,7 @@ def build_report(raw: dict) -> dict:
     rep["prefix_caching"] = meta.get("prefix_caching")
     rep["speculation"] = meta.get("speculation")
     for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
-              "prefix_cache", "engine_stats"):
+              "prefix_cache", "engine_stats", "features_cost", "layout_speed"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -203,6 +205,8 @@ def markdown(rep: dict) -> str:
         lines += ["", f"Engine counters after the decode sections: prefix hit {es['prefix_hit_tokens']} of "
                   f"{es['prefix_queried_tokens']} prompt tokens; drafted {es['spec_drafted_tokens']}, "
                   f"accepted {es['spec_accepted_tokens']} in {es['spec_steps']} verify steps"]
+    lines += _features_md(rep.get("features_cost"))
+    lines += _layout_md(rep.get("layout_speed"))
     lines += ["", "## Graph vs eager (context 128, engine wall time)", "",
               "| batch | graph-mode tok/s | eager tok/s |",
               "| --- | --- | --- |"]
@@ -215,6 +219,43 @@ def markdown(rep: dict) -> str:
     if rep.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {k}: {v}" for k, v in rep["errors"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _ab_md(title: str, note: str, a: str, b: str, rows: list[dict], verdict: str) -> list[str]:
+    lines = ["", title, "", note, "",
+             f"| batch | {a} tok/s | {b} tok/s | {a}/{b} | spread {a} / {b} | verdict |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['a_tok_s']:.0f} | {r['b_tok_s']:.0f} | {r['a_over_b']:.3f} | "
+                     f"{100 * r['spread_a']:.1f}% / {100 * r['spread_b']:.1f}% | "
+                     f"{verdict if r['a_slower'] else 'ok'} |")
+    return lines
+
+
+def _features_md(fc: dict | None) -> list[str]:
+    if not fc:
+        return []
+    lines = _ab_md(f"## Prefix caching + speculation on vs off (same run, context {fc['context']} + "
+                   f"{fc['new_tokens']} generated, nothing to reuse)",
+                   f"Medians of {fc['reps']} alternating repeats per side; a regression is every 'on' repeat "
+                   "slower than every 'off' repeat (rank test, U = 0).", "on", "off", fc["rows"],
+                   "REGRESSION")
+    es = fc.get("on_engine_stats") or {}
+    if es:
+        lines += ["", f"Features-on engine: prefix hit {es.get('prefix_hit_tokens')} of "
+                  f"{es.get('prefix_queried_tokens')} prompt tokens; drafted "
+                  f"{es.get('spec_drafted_tokens')}, accepted {es.get('spec_accepted_tokens')} in "
+                  f"{es.get('spec_steps')} verify steps"]
+    return lines
+
+
+def _layout_md(ls: dict | None) -> list[str]:
+    if not ls:
+        return []
+    return _ab_md("## INT4 layout: g128 asym (the default recipe) vs g128 sym (same run, context 128 + 128)",
+                  f"Weight bytes read per token: asym {ls['weight_bytes_a'] / 1e9:.3f} GB, sym "
+                  f"{ls['weight_bytes_b'] / 1e9:.3f} GB. Medians of {ls['reps']} alternating repeats.",
+                  "asym", "sym", ls["rows"], "slower")
 
 
 def _profile_md(p: dict | None) -> list[str]:

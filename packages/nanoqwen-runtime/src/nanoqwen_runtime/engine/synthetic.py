@@ -39,8 +39,12 @@ def _gen(device: torch.device, seed: int) -> torch.Generator:
 
 
 def random_int4(n: int, k: int, device: torch.device, gen: torch.Generator, group_size: int = 128,
-                std: float | None = None) -> Int4Linear:
-    """Random symmetric INT4 linear [N, K] in the tile layout; dequantized std ~ `std` (1/sqrt(K))."""
+                std: float | None = None, symmetric: bool = True) -> Int4Linear:
+    """Random INT4 linear [N, K] in the tile layout; dequantized std ~ `std` (1/sqrt(K)).
+
+    symmetric=False adds a uint8 zero point [N, K/G] per group, drawn from {7, 8, 9} (zero-mean
+    offsets around the codes' mean 8, so the layers' common mode stays small): the asymmetric layout
+    of the default recipe, whose GEMVs also read the zero points."""
     if n % 8 or k % 128:
         raise ValueError(f"int4 tile layout needs N % 8 == 0 and K % 128 == 0, got [{n}, {k}]")
     std = std if std is not None else k ** -0.5
@@ -52,7 +56,10 @@ def random_int4(n: int, k: int, device: torch.device, gen: torch.Generator, grou
     qweight = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # uint32 bits as int32
     base = std / QUANT_STD
     scales = base * (0.75 + 0.5 * torch.rand(n, k // group_size, generator=gen, device=device))
-    return Int4Linear(qweight, scales.to(torch.bfloat16), None, n, k, group_size)
+    zeros = None
+    if not symmetric:
+        zeros = torch.randint(7, 10, (n, k // group_size), generator=gen, device=device).to(torch.uint8)
+    return Int4Linear(qweight, scales.to(torch.bfloat16), zeros, n, k, group_size)
 
 
 def random_int8(n: int, k: int, device: torch.device, gen: torch.Generator, group_size: int = 128,
@@ -70,8 +77,9 @@ def _normal(shape, scale: float, device, gen, shift: float = 0.0) -> torch.Tenso
 
 
 def random_weights(geom: Qwen2Config, device: str | torch.device = "cuda", *, seed: int = 0,
-                   lm_head: str = "bf16", group_size: int = 128) -> ModelWeights:
-    """A whole model on `device`. lm_head: "bf16" (dense), "int4" or "int8"; tied geometry shares embed."""
+                   lm_head: str = "bf16", group_size: int = 128, symmetric: bool = True) -> ModelWeights:
+    """A whole model on `device`. lm_head: "bf16" (dense), "int4" or "int8"; tied geometry shares embed.
+    symmetric=False: the decoder's INT4 linears get zero points (the default recipe's layout)."""
     device = torch.device(device)
     gen = _gen(device, seed)
     H, I = geom.hidden_size, geom.intermediate_size
@@ -79,12 +87,12 @@ def random_weights(geom: Qwen2Config, device: str | torch.device = "cuda", *, se
     for _ in range(geom.num_hidden_layers):
         layers.append(LayerWeights(
             input_norm=_normal((H,), 0.1, device, gen, 1.0),
-            qkv=random_int4(geom.qkv_dim, H, device, gen, group_size),
+            qkv=random_int4(geom.qkv_dim, H, device, gen, group_size, symmetric=symmetric),
             qkv_bias=_normal((geom.qkv_dim,), 0.1, device, gen),
-            o_proj=random_int4(H, geom.q_dim, device, gen, group_size),
+            o_proj=random_int4(H, geom.q_dim, device, gen, group_size, symmetric=symmetric),
             post_attn_norm=_normal((H,), 0.1, device, gen, 1.0),
-            gate_up=random_int4(2 * I, H, device, gen, group_size),
-            down=random_int4(H, I, device, gen, group_size),
+            gate_up=random_int4(2 * I, H, device, gen, group_size, symmetric=symmetric),
+            down=random_int4(H, I, device, gen, group_size, symmetric=symmetric),
         ))
     # Untied: embedding rows of unit std, so the token identity is strong in the residual stream.
     # Tied (the embedding is the lm_head): rows of std 4/sqrt(H), logits of std ~4; unit rows would

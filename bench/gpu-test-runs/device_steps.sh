@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# How the session-4 H200 figures were made (device tool: one warm machine, calls back to back).
-#   session4.sh setup            install the carried wheels (.whl: nox, gguf; .whl-serve: the server) to /tmp/site
-#   session4.sh piece FILE       keep one carried 60 MiB piece of a GGUF in /tmp/carry
-#   session4.sh assemble         cat the pieces, check the pinned sha256, stamp them into the model cache
-#   session4.sh STEP             run one step below; everything it writes goes under $OUT
+# The steps of an H200 session (device tool: one warm machine, calls back to back; /tmp lives while warm).
+#   device_steps.sh setup            install the carried wheels (.whl: nox, gguf; .whl-serve: the server) to /tmp/site
+#   device_steps.sh piece FILE       keep one carried 60 MiB piece of a GGUF in /tmp/carry
+#   device_steps.sh assemble         cat the pieces, check the pinned sha256, stamp them into the model cache
+#   device_steps.sh STEP             run one step below; everything it writes goes under $OUT
 set -euo pipefail
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 SRC=$(ls -d "$PWD"/packages/*/src | paste -sd:)
@@ -52,8 +52,10 @@ PY
       --require-overhead 0.95 2>&1 | tail -25 || true
     PYTHONPATH=$SRC:/tmp/site timeout 260 python3 -m nanoqwen_cli.main bench --model "$PACK" \
       --workload code-edit --workload free-form --prompts 8 --max-tokens 192 --out $OUT/workload 2>&1 | tail -25 ;;
-  quality)   # the 1.5B against its alternatives (E's run_quality.py), rows to $OUT/quality
+  quality)   # quality MODEL RECIPES: rows accumulate in /tmp/quality across calls (containers kept there)
+    case "$2" in 0.5b) G=$CACHE/qwen2.5-coder-0.5b-instruct.gguf ;; 1.5b) G=$CACHE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf ;; esac
     PYTHONPATH=$SRC:/tmp/site timeout 560 python3 bench/quality/run_quality.py \
-      --gguf 1.5b=$CACHE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --out $OUT/quality --device cuda \
-      --eval-tokens 8192 --recipes "${2:-none,rtn,rtn-asym,gptq-asym}" 2>&1 | tail -30 ;;
+      --gguf "$2=$G" --out /tmp/quality/$2 --keep --device cuda \
+      --eval-tokens 8192 --recipes "${3:-none,rtn,rtn-asym,gptq-asym}" 2>&1 | tail -30 || true
+    cp /tmp/quality/$2/quality.json /tmp/quality/$2/quality.md $OUT/ ;;
 esac
