@@ -59,7 +59,7 @@ def _dead_pid() -> int:
 # (id, extra arguments, setup(tmp_path) or None, exit code, text of the one stderr line). Arguments
 # name "{out}" (tmp/out/m.nanoqwen), "{dir}" (tmp/out) and "{tmp}"; SRC is the tiny HF folder.
 REFUSALS = [
-    ("out-is-dir", ["-o", "{dir}"], None, 2, "is a directory; give a file path"),
+    ("out-is-dir", ["-o", "{dir}", "--method", "rtn"], None, 2, "is a directory; give a file path"),
     ("out-is-dir-gptq", ["-o", "{dir}", "--method", "gptq"], None, 2, "is a directory"),
     ("out-is-fifo", ["-o", "{dir}/pipe"], lambda t: os.mkfifo(t / "out" / "pipe"), 2, "not a regular file"),
     ("out-folder-missing", ["-o", "{dir}/no/m.nanoqwen"], None, 1, "output folder does not exist"),
@@ -77,15 +77,19 @@ REFUSALS = [
     ("none-sym", ["--method", "none", "--sym"], None, 2, "symmetric=True (--sym) applies to int4"),
     ("none-sym-int8-head", ["--method", "none", "--sym", "--lm-head", "int8"], None, 2,
      "the int8 lm_head is symmetric only"),
-    ("rtn-damp", ["--damp", "0.1"], None, 2,
+    ("rtn-damp", ["--method", "rtn", "--damp", "0.1"], None, 2,
      "gptq.damp_percent (--damp) applies to method gptq only, not rtn"),
-    ("rtn-act-order", ["--no-act-order"], None, 2,
+    ("rtn-act-order", ["--method", "rtn", "--no-act-order"], None, 2,
      "(--act-order/--no-act-order) applies to method gptq only"),
-    ("rtn-calib", ["--calib", "{tmp}"], None, 2, "calib_paths (--calib) applies to method gptq or --awq"),
-    ("rtn-calib-tokens", ["--calib-tokens", "4096"], None, 2, "calib_tokens (--calib-tokens) applies"),
+    ("rtn-calib", ["--method", "rtn", "--calib", "{tmp}"], None, 2,
+     "calib_paths (--calib) applies to method gptq or --awq"),
+    ("rtn-calib-tokens", ["--method", "rtn", "--calib-tokens", "4096"], None, 2,
+     "calib_tokens (--calib-tokens) applies"),
     ("none-calib-batch", ["--method", "none", "--calib-batch", "2"], None, 2, "(--calib-batch) applies to"),
-    ("rtn-resume", ["--resume"], None, 2, "resume (--resume) applies to method gptq or --awq only"),
-    ("rtn-checkpoint-dir", ["--checkpoint-dir", "{tmp}/ck"], None, 2, "(--checkpoint-dir) applies"),
+    ("rtn-resume", ["--method", "rtn", "--resume"], None, 2,
+     "resume (--resume) applies to method gptq or --awq only"),
+    ("rtn-checkpoint-dir", ["--method", "rtn", "--checkpoint-dir", "{tmp}/ck"], None, 2,
+     "(--checkpoint-dir) applies"),
     ("gptq-seq-len", ["--method", "gptq", "--calib-seq-len", "8"], None, 2, "must be >= 16, got 8"),
     ("gptq-tokens", ["--method", "gptq", "--calib-tokens", "100", "--calib-seq-len", "512"], None, 2,
      "calib_tokens (--calib-tokens) must be at least one window"),
@@ -169,7 +173,8 @@ _KILLED_PACK = """
             print("writing", flush=True)
             time.sleep(600)
 
-    pack(open_source(sys.argv[1]), sys.argv[2], PackOptions(device="cpu"), progress=progress, log=print)
+    pack(open_source(sys.argv[1]), sys.argv[2], PackOptions(method="rtn", device="cpu"), progress=progress,
+         log=print)
 """
 
 
@@ -184,14 +189,14 @@ def test_sigkilled_pack_is_cleaned_up_by_the_next_one(tiny_hf, tmp_path):
         assert len(files) == 2 and re.fullmatch(rf"m\.nanoqwen\.partial-{writer.pid}-[0-9a-f]{{8}}", files[1])
         before = tree(tmp_path)
         # a second pack to the same path while the first writes: refused before the source is opened
-        assert_refused(run_cli("pack", tiny_hf, "-o", out), 1, f"another write to this file is running "
-                       f"(process {writer.pid}, temp file {files[1]}")
+        assert_refused(run_cli("pack", tiny_hf, "-o", out, "--method", "rtn"), 1,
+                       f"another write to this file is running (process {writer.pid}, temp file {files[1]}")
         assert tree(tmp_path) == before
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait(timeout=60)
     assert tree(tmp_path) == before and out.read_bytes() == b"an older model"
-    res = run_cli("pack", tiny_hf, "-o", out, umask=0o027)
+    res = run_cli("pack", tiny_hf, "-o", out, "--method", "rtn", umask=0o027)
     assert res.returncode == 0, res.stderr
     reports = [line for line in res.stderr.splitlines() if "temp file" in line]
     assert len(reports) == 1 and reports[0].startswith(f"{out}: removed the stale temp file {files[1]} (")
@@ -229,7 +234,7 @@ def test_library_pack_validates_before_reading_the_source(tiny_hf, tmp_path, mon
     with pytest.raises(UsageError, match="device"):
         pack(src, tmp_path / "m.nanoqwen", PackOptions(device="tpu"))
     with pytest.raises(UsageError, match="applies to method gptq or --awq only"):
-        pack(src, tmp_path / "m.nanoqwen", PackOptions(calib_paths=[str(tmp_path)]))
+        pack(src, tmp_path / "m.nanoqwen", PackOptions(method="rtn", calib_paths=[str(tmp_path)]))
     with pytest.raises(FileNotFoundError, match="output folder does not exist"):
         pack(src, tmp_path / "x" / "m.nanoqwen", PackOptions())
     if not torch.cuda.is_available():
@@ -303,3 +308,31 @@ def test_readme_documents_every_option():
                 if opt.startswith("--") and opt != "--help":
                     found = re.search(rf"`[^`]*{re.escape(opt)}\b", readme)
                     assert found, f"{name} {opt} missing from README"
+
+
+# --------------------------------------------------------------------------------- the default recipe
+def test_pack_without_method_is_gptq_asym_g128_and_warns_once_on_cpu(tiny_hf, calib_dir, tmp_path):
+    """No --method on a float source: GPTQ asym g128 (PackOptions' defaults). On the CPU one notice,
+    printed before the calibrated loop starts, names its cost and --method rtn; the pack still runs
+    GPTQ as asked (no fallback). --method rtn prints no such notice."""
+    out = tmp_path / "m.nanoqwen"
+    small = ["--calib", str(calib_dir), "--calib-tokens", "512", "--calib-seq-len", "64"]  # tiny model: cheap
+    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out), "--device", "cpu", *small])
+    assert res.exit_code == 0, res.output
+    lines = res.stderr.splitlines()
+    notices = [i for i, line in enumerate(lines) if line.startswith("note: GPTQ calibrates on the CPU")]
+    assert len(notices) == 1, res.stderr
+    notice = lines[notices[0]]
+    assert "about 2 minutes per layer of the 0.5B" in notice and "this model has 2 layers" in notice
+    assert "--method rtn is the calibration-free recipe" in notice
+    calib_line = next(i for i, line in enumerate(lines) if line.startswith("calibration: "))
+    assert notices[0] < calib_line  # before the calibrated loop (pack() logs the calibration first)
+    with nqf.open(out) as f:
+        q = f.metadata["quantization"]
+        assert (q["method"], q["symmetric"], q["group_size"]) == ("gptq", False, 128)
+        assert "gptq" in q and q["calibration"]["tokens"] == 512  # the calibrated path ran
+        assert f.records["layers.0.qkv"].layout == "int4-g128-tile8x128-v1"
+    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(tmp_path / "r.nanoqwen"),
+                                   "--device", "cpu", "--method", "rtn"])
+    assert res.exit_code == 0, res.output
+    assert "note:" not in res.stderr and "calibrat" not in res.stderr

@@ -174,8 +174,8 @@ def test_awq_search_never_worse_and_helps_outlier_channels():
     ({"method": "none", "clip": True}, "method none writes bf16"),
     ({"method": "none", "awq": True}, "method none writes bf16"),
     ({"clip_act": True}, "needs clip"),
-    ({"clip": True, "clip_act": True}, "needs calibration activations"),
-    ({"calib_tokens": 4096}, "applies to method gptq or --awq only"),
+    ({"method": "rtn", "clip": True, "clip_act": True}, "needs calibration activations"),
+    ({"method": "rtn", "calib_tokens": 4096}, "applies to method gptq or --awq only"),
 ])
 def test_recipe_options_validated(kw, msg):
     with pytest.raises(UsageError, match=msg):
@@ -186,8 +186,9 @@ def test_recipe_options_copied_to_gptq():
     o = PackOptions(method="gptq", clip=True, clip_act=True, group_size=64, symmetric=False)
     o.validate()
     assert (o.gptq.clip, o.gptq.clip_act, o.gptq.group_size, o.gptq.symmetric) == (True, True, 64, False)
-    assert o.calibrated and PackOptions(awq=True).calibrated and not PackOptions().calibrated
-    PackOptions(awq=True, calib_tokens=4096).validate()  # AWQ takes the calibration options
+    assert o.calibrated and PackOptions(method="rtn", awq=True).calibrated
+    assert not PackOptions(method="rtn").calibrated and not PackOptions(method="none").calibrated
+    PackOptions(method="rtn", awq=True, calib_tokens=4096).validate()  # AWQ takes the calibration options
 
 
 def test_agreement_metric():

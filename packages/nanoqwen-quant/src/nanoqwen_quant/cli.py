@@ -1,7 +1,7 @@
 """`nanoqwen-quant`: pack a Qwen2 checkpoint into a .nanoqwen (none / rtn / gptq), evaluate perplexity,
 and write the held-out evaluation text.
 
-    nanoqwen-quant pack SRC -o OUT.nanoqwen --method rtn|gptq|none|import --group-size 128 [--sym|--asym]
+    nanoqwen-quant pack SRC -o OUT.nanoqwen --method gptq|rtn|none|import --group-size 128 [--sym|--asym]
                         [--clip|--no-clip] [--clip-act] [--awq|--no-awq]
                         [--lm-head bf16|int8|int4] [--calib PATH ...] [--calib-tokens N]
                         [--calib-seq-len N] [--calib-batch N] [--damp F] [--act-order|--no-act-order]
@@ -12,6 +12,9 @@ and write the held-out evaluation text.
     nanoqwen-quant heldout -o FILE [--chars N]     held-out stdlib code, disjoint from calibration
 
 SRC is a GGUF file, a local HF folder (safetensors + config.json + tokenizer.json), or an HF hub id.
+Without --method: GPTQ asym g128 with 65,536 stdlib calibration tokens (`PackOptions`' defaults, chosen by
+bench/quality/README.md), or `import` for an already-quantized GPTQ/AWQ checkpoint. A calibrated pack on
+the CPU prints one notice first (its cost, and `--method rtn`, the calibration-free recipe).
 
 Errors: one line on stderr, `error: ...`, and exit code 2 for a bad command line (an option value or
 combination, `-o` naming a directory: `UsageError` and click's own parse errors) or 1 for everything
@@ -121,8 +124,9 @@ def pack(
     out: Path = typer.Option(..., "-o", "--out", help="output .nanoqwen path: written to "
                              "OUT.partial-PID-RANDOM beside it, then renamed; an existing file is replaced, "
                              "a directory refused"),
-    method: str = typer.Option(None, help="none (bf16 linears) | rtn | gptq | import (a GPTQ/AWQ "
-                               "checkpoint, exactly); default: import for a GPTQ/AWQ checkpoint, else rtn"),
+    method: str = typer.Option(None, help="gptq | rtn (no calibration) | none (bf16 linears) | import (a "
+                               "GPTQ/AWQ checkpoint, exactly); default: import for a GPTQ/AWQ checkpoint, "
+                               "else gptq"),
     group_size: int = typer.Option(_D.group_size, help="INT4 group size: 32, 64 or 128 (also the int8/int4 "
                                    "lm_head's)"),
     sym: bool = typer.Option(_D.symmetric, "--sym/--asym",
@@ -183,6 +187,9 @@ def pack(
             opts.validate()
         opts.check_model(source.config)
         c = source.config
+        notice = cpu_calibration_notice(opts, c.num_hidden_layers)
+        if notice:
+            err.print(notice, markup=False, highlight=False, soft_wrap=True)
         err.print(f"qwen2: {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
                   f"{c.num_attention_heads}/{c.num_key_value_heads}, intermediate {c.intermediate_size}, "
                   f"vocab {c.vocab_size}, tied {c.tie_word_embeddings}; method {opts.method} g{group_size} "
@@ -201,6 +208,18 @@ def pack(
 
             summary = do_pack(source, out, opts, progress=progress, log=say)
     _print_summary(summary)
+
+
+def cpu_calibration_notice(opts: PackOptions, layers: int) -> str | None:
+    """The one line `pack` prints before a calibrated layer loop (GPTQ, or --awq) that will run on the
+    CPU, or None (not calibrated, or on CUDA). It informs, and changes nothing: the pack runs as asked."""
+    if not opts.calibrated or opts.resolved_device().type != "cpu":
+        return None
+    what = "GPTQ" if opts.method == "gptq" else "AWQ (--awq)"
+    return (f"note: {what} calibrates on the CPU here, which takes long: about 2 minutes per layer of the "
+            f"0.5B on a 2-core machine (measured, bench/quality/README.md), more per layer for larger "
+            f"models; this model has {layers} layers. --method rtn is the calibration-free recipe "
+            "(seconds per layer, no calibration); on a CUDA GPU the 0.5B's GPTQ takes about a minute.")
 
 
 def _print_summary(s: PackSummary) -> None:
