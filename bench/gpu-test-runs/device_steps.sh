@@ -38,6 +38,12 @@ PY
   tests)     # the README's command, whole suite
     timeout 585 python3 -m nox -s gpu_tests -- -p no:cacheprovider -rs --durations=20 2>&1 \
       | tee $OUT/gpu-tests.log | tail -45 ;;
+  tests-only)  # tests-only NAME DIR...: gpu_tests' own pytest command (its env: sources on PYTHONPATH,
+    # NANOQWEN_REQUIRE_GPU=1) on some test folders only; pytest's --ignore does not drop folders given
+    # on the command line, so nox's full path list cannot be narrowed from posargs
+    name=$2; shift 2
+    PYTHONPATH=$SRC NANOQWEN_REQUIRE_GPU=1 timeout 585 python3 -m pytest -m gpu "$@" -p no:cacheprovider \
+      -rs --durations=15 2>&1 | tee $OUT/gpu-$name.log | tail -40 ;;
   bench)     # the README's command (features on: prefix caching, speculation ngram:4); "$2" e.g. --quick
     timeout 480 python3 -m nox -s bench -- ${2:-} 2>&1 | tee $OUT/bench.log | tail -60 || true
     tar czf $OUT/bench.tgz bench/engine bench/kernels/bench_kernels.json bench/kernels/bench_kernels.md ;;

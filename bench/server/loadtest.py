@@ -12,10 +12,11 @@ Phases (one server subprocess, `--device cuda`, started by this script on a free
    chunk), ITL p50/p99 (gaps between successive content chunks of one stream: a chunk carries every
    token that arrived since the last write, so under load one gap may span several tokens), the
    count of 429s, and the KV blocks used once all requests are done (from /metrics; must be 0).
-2. overhead: `--overhead-clients` streaming clients with the same kind of requests through HTTP,
-   then the same requests (same token ids and max_tokens, ignore_eos, greedy) through
-   `Engine.generate` in this process after the server has exited (same EngineConfig). Ratio =
-   HTTP tokens/s / engine tokens/s (goal >= 0.95).
+2. overhead: `--overhead-clients` streaming clients with the same kind of requests through HTTP
+   (each client's connection opened by an untimed 4-token stream first), then the same requests
+   (same token ids and max_tokens, ignore_eos, greedy) through `Engine.generate` in this process
+   after the server has exited (same EngineConfig). Ratio = HTTP tokens/s / engine tokens/s (goal
+   >= 0.95). The server runs its engine in a child process (server/engine_process.py).
 
 Writes `loadtest.json` and `loadtest.md` to `--out`. Exit code 1 when a load request was lost or
 the KV blocks did not return to zero (and, with --require-overhead R, when the ratio is below R).
@@ -101,10 +102,14 @@ async def one_stream(
 
 
 async def run_clients(
-    url: str, model: str, n: int, max_tokens: int, time_limit: float, offset: int = 0
+    url: str, model: str, n: int, max_tokens: int, time_limit: float, offset: int = 0, warm: bool = False
 ) -> tuple[list[StreamResult], float]:
+    """`n` concurrent streams; `warm`: first one 4-token stream per client on the same connection pool,
+    untimed, so that the timed streams do not pay for opening `n` TCP connections."""
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(time_limit), limits=limits) as client:
+        if warm:
+            await asyncio.gather(*(one_stream(client, url, model, 80_000 + i, 4) for i in range(n)))
         t0 = time.perf_counter()
         tasks = [
             asyncio.create_task(one_stream(client, url, model, offset + i, max_tokens)) for i in range(n)
@@ -263,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.overhead_max_tokens,
                     args.time_limit,
                     offset=10_000,
+                    warm=True,
                 )
             )
             report["overhead_http"] = summarize(res, wall)

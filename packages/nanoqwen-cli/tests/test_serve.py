@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 
 import httpx
 import openai
@@ -51,7 +52,7 @@ def assert_error(r, status, code):
 
 
 def test_health_models_and_auth(server):
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
     r = httpx.get(server.url + "/v1/models")  # no key
     assert_error(r, 401, "invalid_api_key")
     assert r.headers["www-authenticate"] == "Bearer"
@@ -195,5 +196,8 @@ def test_bounded_waiting_queue_gives_429(model):
                 assert int(r.headers["retry-after"]) >= 1
         assert srv.metric('nanoqwen_requests_total{status="429"}') == codes.count(429)
         assert srv.wait_metric("nanoqwen_kv_blocks_used", 0.0) == 0.0
+        engine_pid = httpx.get(srv.url + "/health").json()["engine_pid"]
         code = srv.terminate()
     assert code == 0
+    with pytest.raises(ProcessLookupError):  # the engine process was stopped and reaped: no orphan
+        os.kill(engine_pid, 0)

@@ -55,7 +55,8 @@ def sse_deltas(client, route: str, body: dict) -> list[dict]:
 
 
 def test_health_reports_the_cuda_engine(server):
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["engine_pid"] != server.proc.pid  # a process of its own
     assert "CUDA engine (kernels ops, graph mode)" in server.log(), server.log()
 
 

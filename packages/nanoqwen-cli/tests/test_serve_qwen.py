@@ -1,6 +1,7 @@
 """`nanoqwen-cli serve --device cpu` on the real Qwen2.5-Coder-0.5B (RTN INT4), driven by the official
 `openai` client: chat streaming and not, generated code that parses, 16 concurrent clients, a client
-that disconnects mid-stream (its KV blocks come back), and a SIGTERM drain. One server for the module
+that disconnects mid-stream (its KV blocks come back), and a SIGTERM drain (the engine process is
+stopped and reaped too). One server for the module
 (loading takes ~15 s on 2 cores; the fp32 reference decodes a few tokens a second), small max_tokens
 everywhere except the code answer."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures as cf
+import os
 import re
 import threading
 import time
@@ -116,6 +118,7 @@ def test_sigterm_drains_in_flight_request_and_exits_zero(server):
                                 "stream": True, "temperature": 0}) as r:
             result["lines"] = [line for line in r.iter_lines() if line]
 
+    engine_pid = httpx.get(server.url + "/health").json()["engine_pid"]
     t = threading.Thread(target=stream)
     t.start()
     deadline = time.monotonic() + 60
@@ -128,6 +131,8 @@ def test_sigterm_drains_in_flight_request_and_exits_zero(server):
     assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
+    with pytest.raises(ProcessLookupError):  # the engine process was stopped and reaped: no orphan
+        os.kill(engine_pid, 0)
 
 
 def _has(server, status: str) -> bool:

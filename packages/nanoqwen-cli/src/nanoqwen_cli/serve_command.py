@@ -1,4 +1,4 @@
-"""`nanoqwen-cli serve MODEL`: an OpenAI-compatible HTTP server (server/ has the app and engine loop).
+"""`nanoqwen-cli serve MODEL`: an OpenAI-compatible HTTP server (server/ has the app and the engine process).
 
 serve MODEL [--host 127.0.0.1] [--port 8000] [--device cpu|cuda|cuda:N] [--api-key KEY]
       [--model-name NAME] [--kv-memory SIZE] [--max-model-len N] [--max-batch N] [--max-waiting N]
@@ -9,6 +9,9 @@ serve MODEL [--host 127.0.0.1] [--port 8000] [--device cpu|cuda|cuda:N] [--api-k
 plain-torch `ReferenceEngine` (fp32), so the server can be tested for real without a GPU. The
 server listens at once; GET /health answers 503 "loading" until the model is loaded (and the graphs
 captured), then 200. A model that fails to load ends the command with its one-line error (exit 1).
+The engine runs in a process of its own (server/engine_process.py), built from an `EngineSpec`;
+--threads sets torch's threads there. If that process dies (crash, OOM kill), its requests end with an
+error, the server stops and the command exits 1 with one line saying how it died.
 Binds 127.0.0.1 unless --host says otherwise. `--api-key` (or NANOQWEN_API_KEY) makes /v1/* require
 `Authorization: Bearer KEY`. SIGTERM (or Ctrl-C) drains: no new requests (503), running ones get up
 to --drain-timeout seconds to finish, the rest are aborted; then the command exits 0 (130 for Ctrl-C).
@@ -84,6 +87,7 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat/completions, completions, models)."""
     from .generate_commands import LoadOptions
+    from .server.engine_spec import EngineSpec
 
     opts = LoadOptions(device=device, backend="engine" if device.startswith("cuda") else "reference",
                        threads=threads, kv_memory=kv_memory, eager=eager, max_model_len=max_model_len,
@@ -107,12 +111,9 @@ def serve(
     path = check_model_path(model)
     name = model_name or path.name.removesuffix(".nanoqwen")
 
-    import torch
     from nanoqwen_runtime.backend import resolve_device
     from nanoqwen_runtime.generate import Pipeline
 
-    if threads is not None:
-        torch.set_num_threads(threads)
     resolve_device(device)  # no GPU for --device cuda: one line, exit 1, before anything starts
     if max_model_len is not None:
         from .generate_commands import _context_window
@@ -122,27 +123,14 @@ def serve(
             raise UsageError(f"--max-model-len must be <= {limit} (this model's context window), "
                              f"got {max_model_len}")
     pipeline = Pipeline.from_container(path, backend=None)  # text side only: tokenizer, template, defaults
-
-    def factory():
-        if device.startswith("cuda"):
-            from nanoqwen_runtime.engine import Engine, EngineConfig
-
-            cfg = EngineConfig(device=device, mode="eager" if eager else "graph", kv_memory_bytes=kv_bytes,
-                               max_model_len=max_model_len, verify=not no_verify, speculation=spec,
-                               prefix_caching=not no_prefix_cache, dense_weight_cache=dense_weight_cache,
-                               **({"max_batch": max_batch} if max_batch else {}))
-            return Engine.from_file(path, cfg)
-        from nanoqwen_runtime.reference_engine import ReferenceEngine, ReferenceEngineConfig
-
-        kw = {"kv_memory_bytes": kv_bytes} if kv_bytes else {}
-        return ReferenceEngine.from_file(
-            path, ReferenceEngineConfig(max_batch=max_batch or 16, max_model_len=max_model_len,
-                                        speculation=spec, prefix_caching=not no_prefix_cache, **kw),
-            device=device, verify=not no_verify)
+    engine = EngineSpec(path=str(path), device=device, eager=eager, kv_memory_bytes=kv_bytes,
+                        max_model_len=max_model_len, max_batch=max_batch, verify=not no_verify,
+                        speculation=spec, prefix_caching=not no_prefix_cache,
+                        dense_weight_cache=dense_weight_cache, threads=threads)
 
     from .server.runner import run_server
 
-    error = run_server(factory, pipeline, name, host=host, port=port, api_key=api_key,
+    error = run_server(engine, pipeline, name, host=host, port=port, api_key=api_key,
                        max_body_bytes=body_limit, max_waiting=max_waiting, drain_timeout_s=drain_timeout,
                        log_level=log_level)
     if error is not None:

@@ -1,10 +1,12 @@
-"""The FastAPI app: OpenAI-compatible routes over one `EngineLoop`.
+"""The FastAPI app: OpenAI-compatible routes over one `EngineProcess`.
 
     POST /v1/chat/completions   messages -> the container's chat template -> tokens -> engine
     POST /v1/completions        prompt (text or token ids) -> engine
     GET  /v1/models             the one model served
-    GET  /health                200 {"status": "ok"} once the model is loaded (and CUDA graphs captured);
-                                503 {"status": "loading" | "draining" | "error"} otherwise
+    GET  /health                200 {"status": "ok", "engine_pid": PID} once the model is loaded (and
+                                CUDA graphs captured); 503 {"status": "loading" | "draining" | "error",
+                                "engine_pid": PID} otherwise ("error" with a "message": the model failed
+                                to load, or the engine process died)
     GET  /metrics               Prometheus text format (metrics.py)
 
 Both completions routes stream Server-Sent Events (`data: {chunk}` ... `data: [DONE]`) when
@@ -18,6 +20,10 @@ with both lengths), waiting queue (429 + Retry-After), then the engine. The resp
 streamed request are sent with its first token, so an engine refusal is still a 400. A client that
 goes away (mid-stream, or while waiting for a non-streamed answer) aborts its request in the engine
 at the next step, which frees its KV blocks.
+
+A request's queue holds the text of each generated token (`str`), then one `Finish` (engine_worker.py).
+A streamed chunk is framed from bytes prepared once per request around the JSON-encoded text (`_Framer`):
+the per-token work of the event loop is one `json.dumps` of a string.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine_loop import Draining, EngineLoop, NotReady, QueueFull, RequestHandle
+from .engine_process import Draining, EngineProcess, Finish, NotReady, QueueFull, RequestHandle
+from .engine_spec import EngineInfo
 from .protocol import APIError, GenerationSpec, error_body, parse_chat, parse_completion
 
 __all__ = ["AppConfig", "create_app"]
@@ -71,7 +78,7 @@ def _finish_reason(reason: str) -> str:
     return "stop" if reason in ("eos", "stop") else "length"
 
 
-def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
+def create_app(cfg: AppConfig, loop: EngineProcess) -> FastAPI:
     app = FastAPI(title="nanoqwen", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = loop.metrics
     metrics.waiting_fn = loop.waiting
@@ -113,24 +120,31 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def ready_engine():
+    def ready_engine() -> EngineInfo:
         if loop.load_error is not None:
             raise APIError(503, f"the model failed to load: {loop.load_error}", type="server_error",
                            code="model_load_failed")
-        if not loop.ready.is_set():
+        if loop.failure is not None:
+            raise APIError(503, f"the engine failed: {loop.failure}", type="server_error",
+                           code="engine_failed")
+        if loop.info is None:
             raise APIError(503, "the model is loading; retry when GET /health answers 200",
                            type="server_error", code="loading", headers={"Retry-After": "5"})
-        return loop.engine
+        return loop.info
 
     @app.get("/health")
     async def health():
+        pid = {"engine_pid": loop.engine_pid}
         if loop.load_error is not None:
-            return JSONResponse({"status": "error", "message": str(loop.load_error)}, status_code=503)
-        if not loop.ready.is_set():
-            return JSONResponse({"status": "loading"}, status_code=503)
+            return JSONResponse({"status": "error", "message": f"the model failed to load: {loop.load_error}",
+                                 **pid}, status_code=503)
+        if loop.failure is not None:
+            return JSONResponse({"status": "error", "message": loop.failure, **pid}, status_code=503)
+        if loop.info is None:
+            return JSONResponse({"status": "loading", **pid}, status_code=503)
         if loop.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ok"}
+            return JSONResponse({"status": "draining", **pid}, status_code=503)
+        return {"status": "ok", **pid}
 
     @app.get("/metrics")
     async def prometheus():
@@ -140,8 +154,8 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
     async def models(request: Request):
         authorize(request)
         entry = {"id": cfg.model_name, "object": "model", "created": created, "owned_by": "nanoqwen"}
-        if loop.ready.is_set() and loop.engine is not None:
-            entry["max_model_len"] = loop.engine.max_model_len
+        if loop.info is not None:
+            entry["max_model_len"] = loop.info.max_model_len
         return {"object": "list", "data": [entry]}
 
     @app.post("/v1/chat/completions")
@@ -157,7 +171,7 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
         return await run(request, spec)
 
     # ---- generation -------------------------------------------------------------------------------
-    def engine_request(spec: GenerationSpec, engine):
+    def engine_request(spec: GenerationSpec, info: EngineInfo):
         from nanoqwen_runtime.engine.scheduler import Request as EngineRequest
         from nanoqwen_runtime.sampling import SamplingError
 
@@ -172,13 +186,13 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
         elif isinstance(spec.prompt, str):
             ids = pipe.tokenizer.encode(spec.prompt)
         else:
-            vocab = engine.geom.vocab_size
+            vocab = info.vocab_size
             bad = [t for t in spec.prompt if not 0 <= t < vocab]
             if bad:
                 raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}, got {bad[:3]}",
                                param="prompt", code="invalid_value")
             ids = list(spec.prompt)
-        limit = engine.max_model_len
+        limit = info.max_model_len
         if len(ids) >= limit:
             raise APIError(400, f"the prompt has {len(ids)} tokens but the context window is {limit} tokens "
                            "(prompt plus at least one generated token must fit); shorten the prompt",
@@ -224,8 +238,7 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
             raise
 
     async def run(request: Request, spec: GenerationSpec):
-        engine = ready_engine()
-        ereq = engine_request(spec, engine)
+        ereq = engine_request(spec, ready_engine())
         try:
             handle = loop.submit(ereq)
         except QueueFull as e:
@@ -252,8 +265,8 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
     async def complete(request: Request, handle: RequestHandle, spec: GenerationSpec, ev):
         parts: list[str] = []
         try:
-            while not _is_finish(ev):
-                parts.append(ev.text)
+            while type(ev) is str:
+                parts.append(ev)
                 ev = await next_event_or_abort(handle, request)
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
@@ -290,23 +303,25 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
             return _sse({**base, "choices": [choice]})
 
+        text_chunk = _Framer({**base, "choices": [
+            {"index": 0, "delta": {"content": _Framer.SLOT}, "logprobs": None, "finish_reason": None} if chat
+            else {"index": 0, "text": _Framer.SLOT, "logprobs": None, "finish_reason": None}]})
         ev = first
         done = False
+        get_nowait, empty = handle.queue.get_nowait, handle.queue.empty
         try:
             if chat:
                 yield chunk(None, None, role=True)
             while True:
                 # everything that arrived since the last write goes out as one chunk
                 texts = []
-                while True:
-                    if _is_finish(ev):
-                        done = True
+                while type(ev) is str:
+                    texts.append(ev)
+                    if empty():
                         break
-                    texts.append(ev.text)
-                    if handle.queue.empty():
-                        break
-                    ev = handle.queue.get_nowait()
-                if done:
+                    ev = get_nowait()
+                if type(ev) is Finish:
+                    done = True
                     texts.append(ev.text)
                     _count(ev)
                     if ev.reason in ("error", "aborted"):
@@ -321,7 +336,7 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
                     return
                 text = "".join(texts)
                 if text:
-                    yield chunk(text, None)
+                    yield text_chunk(text)
                 ev = await handle.queue.get()
         finally:
             if not done:  # the client went away (the response task was cancelled) or a write failed
@@ -336,7 +351,25 @@ def create_app(cfg: AppConfig, loop: EngineLoop) -> FastAPI:
 
 
 def _is_finish(ev) -> bool:
-    return hasattr(ev, "reason")
+    return type(ev) is Finish
+
+
+class _Framer:
+    """`data: {chunk}` bytes of a chunk whose only varying field is one string, framed from a head and a
+    tail encoded once: `framer(text)` == `_sse(template with SLOT replaced by text)`, for ~1/5 of the cost
+    of encoding the whole chunk per token. The slot is the template's last string field (rpartition:
+    the model name or id could hold the same characters, never after it)."""
+
+    SLOT = "\x00nanoqwen-slot\x00"
+
+    def __init__(self, template: dict[str, Any]):
+        head, slot, tail = _sse(template).rpartition(json.dumps(self.SLOT).encode())
+        if not slot:
+            raise ValueError("the chunk template has no slot")
+        self.head, self.tail = head, tail
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
 
 
 def _usage(ev) -> dict[str, int]:

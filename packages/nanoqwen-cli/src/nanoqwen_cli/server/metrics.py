@@ -5,7 +5,7 @@
                                              code of a refused request (400, 401, 404, 413, 429, 503)
     nanoqwen_prompt_tokens_total             prompt tokens of requests the engine ran
     nanoqwen_generation_tokens_total         tokens generated
-    nanoqwen_time_to_first_token_seconds     histogram: request accepted -> first token (engine thread)
+    nanoqwen_time_to_first_token_seconds     histogram: request accepted -> first token received
     nanoqwen_inter_token_latency_seconds     histogram: between successive tokens of one request
     nanoqwen_requests_running                gauge: sequences holding KV blocks
     nanoqwen_requests_waiting                gauge: admitted by the server, not yet running
@@ -20,7 +20,7 @@
     nanoqwen_spec_drafted_tokens_total       tokens proposed by prompt lookup
     nanoqwen_spec_accepted_tokens_total      of those, accepted by the model
 
-The gauges come from the `EngineStats` snapshot the engine thread publishes after every step
+The gauges come from the `EngineStats` snapshot the engine process sends with every step
 (`publish`), read by a custom collector at scrape time: a scrape never touches the engine. Each server
 has its own `CollectorRegistry` (no process-global state).
 """
@@ -90,7 +90,7 @@ class Metrics:
         r.register(_EngineCollector(self))
 
     def publish(self, stats) -> None:
-        """Called by the engine thread after each step (an atomic reference swap)."""
+        """Called by the engine process's reader thread after each step (an atomic reference swap)."""
         self.stats = stats
 
     def finished(self, status: str, prompt_tokens: int = 0, generated: int = 0) -> None:

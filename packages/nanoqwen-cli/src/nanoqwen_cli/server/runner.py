@@ -1,14 +1,17 @@
-"""Run the app under uvicorn with the engine loop's lifecycle and a graceful SIGTERM.
+"""Run the app under uvicorn with the engine process's lifecycle and a graceful SIGTERM.
 
 Lifecycle:
-    startup    the engine thread starts loading (`EngineLoop.start`); the port is open at once and
-               /health answers 503 "loading" until the engine is ready. A failed load stops the
-               server and `run_server` returns the error (the CLI prints it, exit 1).
-    SIGTERM    uvicorn stops accepting connections and the loop marks itself draining (new requests
-               on open connections get 503); uvicorn waits up to `drain_timeout_s` for running
-               responses, then cancels the rest, whose requests are aborted; the engine thread stops.
-               uvicorn re-raises the SIGTERM it caught once done: a no-op handler installed before
-               makes that harmless, so the process exits 0.
+    startup    the engine process is spawned and starts loading (`EngineProcess.start`); the port is
+               open at once and /health answers 503 "loading" until the engine is ready. A failed load
+               stops the server and `run_server` returns the error (the CLI prints it, exit 1).
+    SIGTERM    uvicorn stops accepting connections and the engine process is marked draining (new
+               requests on open connections get 503); uvicorn waits up to `drain_timeout_s` for running
+               responses, then cancels the rest, whose requests are aborted; the engine process is
+               stopped and joined. uvicorn re-raises the SIGTERM it caught once done: a no-op handler
+               installed before makes that harmless, so the process exits 0.
+    engine died  (crash, OOM kill, fatal CUDA error) its requests end with an error, /health answers
+               503 with the reason, the server shuts down and `run_server` returns the error (exit 1).
+Whatever happens, the engine process is joined (or killed) before `run_server` returns.
 """
 
 from __future__ import annotations
@@ -17,87 +20,97 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
+from ..errors import CliError
 from .app import AppConfig, create_app
-from .engine_loop import EngineLoop
+from .engine_process import EngineProcess
 from .metrics import Metrics
 
 __all__ = ["run_server"]
 
+# The event loop and the reader thread share this process's GIL. The reader, back from `recv` with a
+# step's events, waits until the event loop drops the GIL, at the latest after the switch interval
+# (5 ms by default, longer than a decode step of the 0.5B); 0.5 ms bounds that wait.
 SWITCH_INTERVAL_S = 0.0005
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server that also tells the engine loop to drain when a signal asks it to exit."""
+    """uvicorn's server that also tells the engine process to drain when a signal asks it to exit."""
 
-    engine_loop: EngineLoop | None = None
+    engine: EngineProcess | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.engine_loop is not None:
-            self.engine_loop._draining = True
+        if self.engine is not None:
+            self.engine._draining = True
         super().handle_exit(sig, frame)
 
 
-def run_server(factory: Callable[[], Any], pipeline: Any, model_name: str, *, host: str, port: int,
-               api_key: str | None, max_body_bytes: int, max_waiting: int, drain_timeout_s: float,
-               log_level: str = "info") -> BaseException | None:
-    """Serve until SIGTERM/SIGINT. Returns the engine's load error, if loading failed."""
+def run_server(spec: Any, pipeline: Any, model_name: str, *, host: str, port: int, api_key: str | None,
+               max_body_bytes: int, max_waiting: int, drain_timeout_s: float,
+               log_level: str = "info") -> CliError | None:
+    """Serve until SIGTERM/SIGINT. `spec`: picklable, `build()` makes the engine in the engine process
+    (an `EngineSpec`). Returns the error that stopped the server (the engine failed to load or died)."""
     metrics = Metrics()
-    loop = EngineLoop(factory, metrics, max_waiting=max_waiting)
+    engine = EngineProcess(spec, metrics, max_waiting=max_waiting)
     holder: dict[str, _Server] = {}
+
+    def on_failure(reason: str) -> None:
+        holder["server"].should_exit = True
+
+    engine.on_failure = on_failure
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        loop.start(asyncio.get_running_loop())
-        watcher = asyncio.create_task(_watch_load(loop, holder, host, port))
+        engine.start(asyncio.get_running_loop())
+        watcher = asyncio.create_task(_watch_load(engine, holder, host, port))
         try:
             yield
         finally:
             watcher.cancel()
-            await loop.drain(0.0)  # uvicorn has already waited drain_timeout_s for open responses
+            await engine.drain(0.0)  # uvicorn has already waited drain_timeout_s for open responses
 
     app = create_app(AppConfig(model_name=model_name, pipeline=pipeline, api_key=api_key,
-                               max_body_bytes=max_body_bytes), loop)
+                               max_body_bytes=max_body_bytes), engine)
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=drain_timeout_s, access_log=False)
     server = _Server(config)
-    server.engine_loop = loop
+    server.engine = engine
     holder["server"] = server
     if sys.platform != "win32":
         signal.signal(signal.SIGTERM, lambda *_: None)  # see the module header (exit 0 after the drain)
-    # The engine thread and the event loop share the GIL. A thread that wants it back (the engine after
-    # a GPU sync) waits until the holder drops it, at the latest after the switch interval: 5 ms by
-    # default, longer than a whole decode step of the 0.5B. 0.5 ms bounds that stall per step.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    server.run()
-    return loop.load_error
+    try:
+        server.run()
+    finally:
+        engine.stop()  # no-ops after the lifespan's drain; here for a server that failed to start
+        engine.join(30.0)
+    if engine.load_error is not None:
+        return CliError(f"the model failed to load: {engine.load_error}")
+    if engine.failure is not None:
+        return CliError(f"{engine.failure}; the server stopped")
+    return None
 
 
-async def _watch_load(loop: EngineLoop, holder: dict, host: str, port: int) -> None:
-    await asyncio.to_thread(loop.ready.wait)
-    if loop.load_error is not None:
-        print(f"error: the model failed to load: {loop.load_error}", file=sys.stderr, flush=True)
-        holder["server"].should_exit = True
-        return
-    eng = loop.engine
-    bound = port
+async def _watch_load(engine: EngineProcess, holder: dict, host: str, port: int) -> None:
+    await asyncio.to_thread(engine.ready.wait)
     server = holder["server"]
+    if engine.load_error is not None:
+        server.should_exit = True
+        return
+    if engine.info is None:  # stopped while loading
+        return
+    while not server.started:  # the lifespan starts before uvicorn binds its sockets (port 0: which one)
+        if server.should_exit:
+            return
+        await asyncio.sleep(0.01)
+    bound = port
     for s in getattr(server, "servers", []):
         for sock in s.sockets:
             bound = sock.getsockname()[1]
-    print(f"nanoqwen serve: {describe_engine(eng)}; context "
-          f"{eng.max_model_len} tokens; ready on http://{host}:{bound}/v1", file=sys.stderr, flush=True)
-
-
-def describe_engine(eng) -> str:
-    """What runs, in words: the reference engine's `name`, or the CUDA engine's op backend and mode."""
-    if hasattr(eng, "name"):
-        return eng.name
-    c = eng.config
-    return (f"CUDA engine ({c.backend} ops, {c.mode} mode) on {eng.device}, {eng.num_blocks} KV blocks of "
-            f"{c.block_size} tokens")
+    print(f"nanoqwen serve: {engine.info.description}; context {engine.info.max_model_len} tokens; "
+          f"engine process {engine.engine_pid}; ready on http://{host}:{bound}/v1", file=sys.stderr,
+          flush=True)

@@ -1,0 +1,153 @@
+"""TEST AND BENCHMARK ONLY: an engine without a model whose step costs a fixed host time.
+
+`FakeEngineSpec(busy_s, sleep_s)` builds a `FakeEngine` with the engine surface the server drives
+(submit / abort / step / has_work / stats / generate, max_model_len, geom.vocab_size, name). Its
+`step()` spins in pure Python for `busy_s` (holding the GIL, as the CUDA engine's scheduling and
+launch code does) and then sleeps `sleep_s` (GIL released, as a GPU sync does), and emits one token
+per running request: token id = index % vocab_size, text " t" (two characters), `max_tokens` tokens
+then finish reason "length". Up to `max_batch` requests run; the rest wait in arrival order.
+
+The busy part is a fixed amount of work (a loop whose length is calibrated when the engine is built to
+take `busy_s` on an idle core), not a spin until a deadline: when another thread takes the GIL in the
+middle of it, the step gets longer, as the real engine's does.
+
+It exists so that bench/server/overhead_sim.py can measure the server's overhead on a machine without
+a GPU, with a step cost like the H200's on the 0.5B (~3 ms, about half of it host-bound). Nothing in
+the CLI can select it: only `run_server(FakeEngineSpec(...), ...)` does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from nanoqwen_runtime.engine.sequence import FinishReason
+from nanoqwen_runtime.events import TokenEvent
+from nanoqwen_runtime.request_stream import FinishEvent
+from nanoqwen_runtime.stats import EngineStats
+
+__all__ = ["FakeEngineSpec", "FakeEngine", "calibrate"]
+
+TOKEN_TEXT = " t"
+
+
+@dataclass(frozen=True)
+class FakeEngineSpec:
+    """busy_s: seconds of GIL-holding Python per step; sleep_s: seconds of GIL-free sleep per step.
+    spins: the busy loop's length; None calibrates it to busy_s where the engine is built (give the
+    value of `calibrate(busy_s)` to compare two engines in different processes on the same work)."""
+
+    busy_s: float = 0.0015
+    sleep_s: float = 0.0015
+    max_batch: int = 64
+    max_model_len: int = 4096
+    vocab_size: int = 1000
+    spins: int | None = None
+
+    def build(self) -> FakeEngine:
+        return FakeEngine(self)
+
+
+@dataclass
+class _Seq:
+    request: Any
+    generated: int = 0
+
+
+class FakeEngine:
+    def __init__(self, spec: FakeEngineSpec):
+        self.spec = spec
+        self.max_model_len = spec.max_model_len
+        self.geom = SimpleNamespace(vocab_size=spec.vocab_size)
+        self.name = (f"fake engine (test only): {spec.busy_s * 1e3:.2f} ms busy + "
+                     f"{spec.sleep_s * 1e3:.2f} ms sleep per step, max_batch {spec.max_batch}")
+        self._spins = spec.spins if spec.spins is not None else calibrate(spec.busy_s)
+        self._waiting: deque[_Seq] = deque()
+        self._running: dict[str, _Seq] = {}
+        self.steps = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def submit(self, request: Any) -> FinishEvent | None:
+        """Queue `request`; a refusal event for an empty prompt or one that does not fit the context."""
+        n = len(request.prompt_tokens)
+        if n == 0 or n >= self.max_model_len:
+            return FinishEvent(request.request_id, FinishReason.REFUSED,
+                               detail=f"the prompt has {n} tokens (1..{self.max_model_len - 1} fit)")
+        self._waiting.append(_Seq(request))
+        return None
+
+    def abort(self, request_id: str) -> FinishEvent | None:
+        seq = self._running.pop(request_id, None)
+        if seq is None:
+            for s in self._waiting:
+                if s.request.request_id == request_id:
+                    seq = s
+                    self._waiting.remove(s)
+                    break
+        if seq is None:
+            return None
+        return FinishEvent(request_id, FinishReason.ABORTED, num_prompt_tokens=len(seq.request.prompt_tokens),
+                           num_generated=seq.generated)
+
+    def step(self) -> list:
+        _spin(self._spins)             # host work that holds the GIL
+        time.sleep(self.spec.sleep_s)  # a device sync: the GIL is free
+        self.steps += 1
+        while self._waiting and len(self._running) < self.spec.max_batch:
+            s = self._waiting.popleft()
+            self._running[s.request.request_id] = s
+        events: list = []
+        for rid, s in list(self._running.items()):
+            idx = s.generated
+            s.generated += 1
+            done = s.generated >= s.request.params.max_tokens
+            events.append(TokenEvent(rid, idx % self.spec.vocab_size, idx, TOKEN_TEXT,
+                                     FinishReason.LENGTH.value if done else None))
+            if done:
+                del self._running[rid]
+                events.append(FinishEvent(rid, FinishReason.LENGTH,
+                                          num_prompt_tokens=len(s.request.prompt_tokens),
+                                          num_generated=s.generated))
+        return events
+
+    def generate(self, requests: Iterable[Any]) -> Iterator:
+        """Submit `requests` and step until every one is done (the engines' `generate`)."""
+        for r in requests:
+            ev = self.submit(r)
+            if ev is not None:
+                yield ev
+        while self.has_work:
+            yield from self.step()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self._running), waiting=len(self._waiting), kv_blocks_total=1024,
+                           kv_blocks_used=len(self._running))
+
+
+def _spin(n: int) -> int:
+    x = 0
+    for i in range(n):
+        x += i
+    return x
+
+
+def calibrate(busy_s: float) -> int:
+    """Loop iterations of `_spin` that take `busy_s` on an idle core (the fastest of 5 timings)."""
+    if busy_s <= 0:
+        return 0
+    n = 100_000
+    best = min(_timed(n) for _ in range(5))
+    return max(1, round(n * busy_s / best))
+
+
+def _timed(n: int) -> float:
+    t = time.perf_counter()
+    _spin(n)
+    return time.perf_counter() - t

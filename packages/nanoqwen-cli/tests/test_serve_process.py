@@ -1,0 +1,190 @@
+"""The engine in its own process (server/engine_process.py, engine_worker.py): what happens when it dies,
+fails to load, or is stopped, and that no engine process outlives the server.
+
+In-process tests drive `EngineProcess` with the model-free `FakeEngineSpec` (a spawned child that loads
+in ~1 s); the CLI tests run `nanoqwen-cli serve` on the tiny random container."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+from nanoqwen_cli.server.app import AppConfig, _Framer, _sse, create_app
+from nanoqwen_cli.server.engine_process import EngineProcess, Finish, NotReady
+from nanoqwen_cli.server.fake_engine import TOKEN_TEXT, FakeEngineSpec
+from nanoqwen_cli.server.metrics import Metrics
+from nanoqwen_cli.server.testing import ServerProcess
+from nanoqwen_runtime.engine.sequence import Request
+from nanoqwen_runtime.sampling import SamplingParams
+from nanoqwen_runtime.testing import write_tiny_container
+
+NAME = "tiny"
+
+
+def gone(pid: int) -> bool:
+    """True when no process `pid` exists (not even a zombie: the server reaped it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def request(rid: str, max_tokens: int) -> Request:
+    return Request([1, 2, 3], SamplingParams(max_tokens=max_tokens), request_id=rid)
+
+
+async def started(spec: FakeEngineSpec, max_waiting: int = 8) -> EngineProcess:
+    loop = EngineProcess(spec, Metrics(), max_waiting=max_waiting)
+    loop.start(asyncio.get_running_loop())
+    await asyncio.to_thread(loop.ready.wait, 120)
+    assert loop.info is not None and loop.load_error is None, loop.load_error
+    assert loop.info.description.startswith("fake engine (test only)")  # the spec's engine runs
+    return loop
+
+
+async def drain_queue(handle) -> list:
+    evs = [await asyncio.wait_for(handle.queue.get(), 30)]
+    while type(evs[-1]) is not Finish:
+        evs.append(await asyncio.wait_for(handle.queue.get(), 30))
+    return evs
+
+
+def test_requests_stream_and_drain_stops_the_child():
+    """Two requests run to their max_tokens (one str per token, then Finish "length"); a third, still
+    running when the drain's grace (0 s) ends, is aborted; the child exits 0 and is reaped."""
+
+    async def main():
+        loop = await started(FakeEngineSpec(busy_s=0.0, sleep_s=0.001))
+        a, b = loop.submit(request("a", 5)), loop.submit(request("b", 7))
+        ea, eb = await drain_queue(a), await drain_queue(b)
+        assert ea[:-1] == [TOKEN_TEXT] * 5 and ea[-1].reason == "length" and ea[-1].num_generated == 5
+        assert eb[:-1] == [TOKEN_TEXT] * 7 and eb[-1].num_generated == 7 and eb[-1].num_prompt_tokens == 3
+        long = loop.submit(request("c", 10**6))
+        assert type(await asyncio.wait_for(long.queue.get(), 30)) is str  # it runs
+        pid = loop.engine_pid
+        await loop.drain(0.0)
+        rest = await drain_queue(long)
+        assert rest[-1].reason == "aborted" and loop.failure is None
+        assert loop._proc.exitcode == 0 and gone(pid)
+
+    asyncio.run(main())
+
+
+def test_child_death_ends_live_requests_with_an_error_and_health_says_why():
+    """SIGKILL to the engine process: the running request's last event is an error Finish naming the
+    signal, `on_failure` runs once, /health answers 503 with the reason, new requests get NotReady."""
+
+    async def main():
+        loop = await started(FakeEngineSpec(busy_s=0.0, sleep_s=0.001))
+        failures = []
+        loop.on_failure = failures.append
+        app = create_app(AppConfig(model_name=NAME, pipeline=None), loop)
+        h = loop.submit(request("x", 10**6))
+        assert type(await asyncio.wait_for(h.queue.get(), 30)) is str
+        pid = loop.engine_pid
+        os.kill(pid, signal.SIGKILL)
+        last = (await drain_queue(h))[-1]
+        assert last.reason == "error" and "killed by SIGKILL" in last.detail, last
+        await asyncio.sleep(0)  # on_failure runs in the same callback, after the events are queued
+        assert failures == [loop.failure] and "the engine process died (killed by SIGKILL)" == loop.failure
+        with pytest.raises(NotReady, match="killed by SIGKILL"):
+            loop.submit(request("y", 1))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+            r = await c.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "error", "message": loop.failure,
+                                                     "engine_pid": pid}
+        await loop.drain(0.0)
+        assert gone(pid)
+
+    asyncio.run(main())
+
+
+def test_waiting_count_includes_submits_in_the_pipe():
+    """max_waiting 2: two submits fill the waiting count at once, before the engine has applied them
+    (they are counted while in the pipe), so the third is refused (QueueFull)."""
+    from nanoqwen_cli.server.engine_process import QueueFull
+
+    async def main():
+        loop = await started(FakeEngineSpec(busy_s=0.0, sleep_s=0.001, max_batch=1), max_waiting=2)
+        hs = [loop.submit(request(f"r{i}", 10**6)) for i in range(2)]
+        with pytest.raises(QueueFull):
+            loop.submit(request("r2", 1))
+        assert loop.waiting() == 2
+        await loop.drain(0.0)
+        for h in hs:
+            assert (await drain_queue(h))[-1].reason == "aborted"
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("text", ["", "plain", 'quo"te\\', "ünïcödé 字", "line\nbreak\ttab", "\x00\x1f",
+                                  "\x00nanoqwen-slot\x00"])
+def test_framer_bytes_equal_the_whole_chunk_encoded(text):
+    """The streamed chunk framed around the JSON-encoded text is byte for byte the chunk encoded whole,
+    also when the model name holds the slot's characters."""
+    model = "m\x00nanoqwen-slot\x00"
+    for choice in ({"index": 0, "delta": {"content": _Framer.SLOT}, "logprobs": None, "finish_reason": None},
+                   {"index": 0, "text": _Framer.SLOT, "logprobs": None, "finish_reason": None}):
+        template = {"id": "x", "object": "o", "created": 1, "model": model, "choices": [choice]}
+        whole = json.loads(json.dumps(template).replace(json.dumps(_Framer.SLOT), json.dumps(text)))
+        whole["model"] = model
+        assert _Framer(template)(text) == _sse(whole)
+
+
+# ---- through the CLI ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_container(tmp_path_factory.mktemp("serve-proc") / f"{NAME}.nanoqwen", method="rtn",
+                                seed=5)
+
+
+def test_engine_death_mid_stream_error_chunk_and_exit_1(model):
+    """Kill the engine process while a stream runs: the client gets an error chunk in the OpenAI shape
+    and [DONE], the server exits 1 by itself with one line saying how the engine died, and the engine
+    process is gone (reaped). The request wants 250 tokens, ~0.4 s of decode on this model; the kill
+    comes right after its first chunk."""
+    srv = ServerProcess(model, "--threads", "1").start()
+    try:
+        health = httpx.get(srv.url + "/health").json()
+        assert health["status"] == "ok"
+        pid = health["engine_pid"]
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"model": NAME, "prompt": [5], "max_tokens": 250, "ignore_eos": True,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id"')
+            os.kill(pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(rest[-2][6:])["error"]
+        assert err["code"] == "model_error" and "killed by SIGKILL" in err["message"], rest[-2]
+        code = srv.proc.wait(60)
+    finally:
+        srv.terminate()
+    assert code == 1, srv.log()
+    errors = [line for line in srv.log().splitlines() if line.startswith("error:")]
+    assert errors == ["error: the engine process died (killed by SIGKILL); the server stopped"], srv.log()
+    assert gone(pid)
+
+
+def test_load_error_is_one_line_and_exit_1(model, tmp_path):
+    """A container whose tensor data is corrupt opens (the HTTP process reads only its metadata and
+    tokenizer) but fails the checksum in the engine process: one line, exit 1, no engine left."""
+    bad = tmp_path / "bad.nanoqwen"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor data (the metadata and tokenizer come first)
+    bad.write_bytes(bytes(data))
+    r = subprocess.run([sys.executable, "-m", "nanoqwen_cli.main", "serve", str(bad), "--port", "0",
+                        "--log-level", "warning"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    assert errors[0].startswith("error: the model failed to load: ChecksumError"), r.stderr
+    assert "Traceback" not in r.stderr
