@@ -8,7 +8,7 @@
 
 The default mode measures, in one process, each against the read bandwidth of the same run
 (nanoqwen_kernels.bench.read_bandwidth, 4 GiB, median of 30):
-1. `launch`: the cost of an empty (and a dependent) kernel in a replayed graph (ceilings/micro.py);
+1. `launch`: the cost of an empty (and a dependent) kernel in a replayed graph (ceilings/ceilings_micro.py);
 2. `decode`: the engine's batch-1 decode graph on the synthetic 7B geometry: replay time (CUDA events)
    against the sum of its kernels' own durations: from a torch.profiler (CUPTI) trace of replays when
    the profiler works on the machine (the kernels' start/end in the replay: the gaps themselves), and
@@ -216,6 +216,7 @@ def gemv_target(device, shape: str, m: int, symmetric: bool, launches: int = 3) 
     """`launches` launches of the decode GEMV `shape` as the engine runs it (g128, the default plan;
     `down` takes the gate_up output and fuses SiLU*mul, like ops_kernels.mlp_down), each on its own
     copy of the weights (cold in L2 even with ncu --cache-control none)."""
+    import ceilings_micro as micro
     import torch
     from nanoqwen_kernels import gemv as kgemv
     from nanoqwen_kernels.launch import warm_up
@@ -223,22 +224,7 @@ def gemv_target(device, shape: str, m: int, symmetric: bool, launches: int = 3) 
     n, k = GEMV_SHAPES[shape]
     gen = torch.Generator(device=device)
     gen.manual_seed(1)
-    ws = []
-    for _ in range(launches):
-        words = torch.randint(0, 256, (n * k // 2,), generator=gen, device=device, dtype=torch.uint8)
-        scales = ((0.5 + torch.rand(n, k // 128, generator=gen, device=device)) / (4.6 * k**0.5)).to(
-            torch.bfloat16
-        )
-        zeros = (
-            None
-            if symmetric
-            else torch.randint(0, 16, (n, k // 128), generator=gen, device=device, dtype=torch.uint8)
-        )
-        ws.append(
-            kgemv.Int4Weight(
-                words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, zeros, n, k, 128
-            )
-        )
+    ws = [micro.random_int4_weight(n, k, symmetric, gen, device) for _ in range(launches)]
     silu = shape == "down"
     x = torch.randn(m, 2 * k if silu else k, generator=gen, device=device).to(torch.bfloat16)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=device)

@@ -25,7 +25,7 @@ import torch
 from nanoqwen_kernels import build
 from nanoqwen_kernels import gemv as kgemv
 from nanoqwen_kernels import launch as klaunch
-from nanoqwen_kernels.bench import READ_BLOCKS_PER_SM, median_replay_seconds, read_xor
+from nanoqwen_kernels.bench import READ_BLOCKS_PER_SM, capture_graph, median_replay_seconds, read_xor
 
 CU_FILE = Path(__file__).parent / "ceilings.cu"
 NVRTC_OPTIONS = ("-arch=sm_90a", "--std=c++17")
@@ -119,25 +119,6 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def capture(fn, n: int) -> torch.cuda.CUDAGraph:
-    """A graph of fn(0) .. fn(n - 1), warmed once eagerly on the capture's side stream."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(n):
-            fn(i)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(n):
-                fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
 def event_seconds(fn, reps: int, warm: int = 3) -> list[float]:
     """GPU seconds of each of `reps` eager calls of fn(), CUDA events around each."""
     for _ in range(warm):
@@ -183,7 +164,7 @@ def launch_cost(k: CeilingKernels, device: torch.device, replays: int = 200) -> 
     for label, (name, grid, block, args) in kinds.items():
         per_n = {}
         for n in (1, 32, 256):
-            g = capture(
+            g = capture_graph(
                 lambda i, name=name, grid=grid, block=block, args=args: k.launch(name, grid, block, args), n
             )
             per_n[n] = median_replay_seconds(g, replays)
@@ -213,7 +194,7 @@ def stamp_timeline(k: CeilingKernels, device: torch.device, sms: int, n: int = 6
     for label, grid, block in (("1x32", 1, 32), (f"{4 * sms}x256", 4 * sms, 256)):
         stamps = torch.zeros(2 * n, dtype=torch.int64, device=device)
         p = np.uint64(stamps.data_ptr())
-        g = capture(
+        g = capture_graph(
             lambda i, grid=grid, block=block, p=p: k.launch(
                 "stamp_kernel", (grid, 1, 1), (block, 1, 1), (p, np.int32(i))
             ),
@@ -396,7 +377,9 @@ def streaming(k: CeilingKernels, device: torch.device, read_bps: float, replays:
             if r * size < L2_ROTATE_BYTES:
                 raise RuntimeError(f"{label}: {r} windows of {size} bytes do not rotate past the L2")
             words = size // 4
-            g = capture(lambda i, run=run, pool=pool, words=words: run(pool[i * words : (i + 1) * words]), r)
+            g = capture_graph(
+                lambda i, run=run, pool=pool, words=words: run(pool[i * words : (i + 1) * words]), r
+            )
             sec = median_replay_seconds(g, replays) / r
             del g
             sizes[label] = {
@@ -436,8 +419,13 @@ def compute_smem(m: int, kc: int = COMPUTE_KC) -> int:
     return kc * (8192 + 256 + 128) + m * (kc * 128 + kgemv.XPAD) * 2
 
 
-def _random_tile(kc: int, symmetric: bool, gen, device) -> kgemv.Int4Weight:
-    n, k = 128, kc * 128
+def random_int4_weight(n: int, k: int, symmetric: bool, gen: torch.Generator, device) -> kgemv.Int4Weight:
+    """A random g128 int4 weight of [n, k] (n a multiple of 8, k of 128) in gemv_int4's packed layout:
+    qweight int32 [n / 8, k / 128, 32, 4] of uniform random bytes, scales bf16 [n, k / 128] in
+    [0.5, 1.5) / (4.6 sqrt(k)) (outputs of order 1 for x ~ N(0, 1)), zeros uint8 [n, k / 128] in
+    [0, 16) unless `symmetric` (then None). Drawn from `gen` on `device` in that order."""
+    if n <= 0 or k <= 0 or n % 8 or k % 128:
+        raise ValueError(f"n must be a positive multiple of 8 and k of 128, got n={n}, k={k}")
     words = torch.randint(0, 256, (n * k // 2,), generator=gen, device=device, dtype=torch.uint8)
     scales = ((0.5 + torch.rand(n, k // 128, generator=gen, device=device)) / (4.6 * k**0.5)).to(
         torch.bfloat16
@@ -464,7 +452,7 @@ def compute_ceiling(k: CeilingKernels, device: torch.device, read_bps: float) ->
     gen.manual_seed(5)
     rows = []
     for symmetric in (True, False):
-        w = _random_tile(COMPUTE_KC, symmetric, gen, device)
+        w = random_int4_weight(128, COMPUTE_KC * 128, symmetric, gen, device)
         name = f"gemv_compute_g128_{'sym' if symmetric else 'asym'}"
         zp = np.uint64(0 if w.zeros is None else w.zeros.data_ptr())
         # bytes the real GEMV reads per warp-tile-column: 2 tiles x 512 B + 16 bf16 scales (+ 16 zeros)

@@ -4,6 +4,7 @@
     read_xor(buf, sink)                                # one pass over buf; sink ^= XOR of its words
     spin(50_000_000)                                   # the current stream waits 50 ms on the GPU
     t = time_graph(lambda i: op(bufs[i % 2]), reps=20)  # s per call, from one CUDA graph of 20 calls
+    g = capture_graph(lambda i: op(bufs[i % 2]), 20)   # that graph itself, warmed and replayed 3 times
     t = median_replay_seconds(graph, replays=50)       # s per replay of an existing graph
 
 A decode step reads weights and KV and writes almost nothing, so its ceiling is the rate at which the
@@ -105,22 +106,28 @@ def median_replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return statistics.median(times)
 
 
-def time_graph(fn, reps: int, replays: int = 15) -> float:
-    """Median seconds per call of fn(i) for i in range(reps), captured in one CUDA graph (launch gaps
-    as in the engine's replayed decode step): warmed eagerly on a side stream (module loads, cuBLAS
-    handles), captured, replayed 3 times, then `median_replay_seconds` / reps."""
+def capture_graph(fn, n: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of fn(0) .. fn(n - 1): warmed once eagerly on a side stream (module loads, cuBLAS
+    handles), captured on that stream, then replayed 3 times and synchronized, so that the first timed
+    replay finds everything loaded. `fn(i)` enqueues its work on the current torch stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for i in range(reps):
+        for i in range(n):
             fn(i)
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            for i in range(reps):
+            for i in range(n):
                 fn(i)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    return median_replay_seconds(graph, replays) / reps
+    return graph
+
+
+def time_graph(fn, reps: int, replays: int = 15) -> float:
+    """Median seconds per call of fn(i) for i in range(reps), captured in one CUDA graph (launch gaps
+    as in the engine's replayed decode step) by `capture_graph`, then `median_replay_seconds` / reps."""
+    return median_replay_seconds(capture_graph(fn, reps), replays) / reps
