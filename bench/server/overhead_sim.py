@@ -39,6 +39,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also when loaded by path
+from lean_client import LeanClient  # noqa: E402
+
 READY = re.compile(r"ready on (http://[\d.]+:\d+)/v1")
 MODEL = "sim"
 
@@ -135,53 +138,16 @@ async def one_stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: in
     return usage["completion_tokens"]
 
 
-class RawClient:
-    """The lean load generator (`--client raw`): one keep-alive HTTP/1.1 connection per stream on
-    asyncio streams; it reads the chunked body without parsing it until the terminal chunk. It needs
-    a fifth of httpx's CPU per token, which matters when the clients share a few cores with the server."""
-
-    def __init__(self, url: str):
-        host, port = url.removeprefix("http://").split(":")
-        self.host, self.port = host, int(port)
-        self.conns: list = []
-
-    async def stream(self, i: int, max_tokens: int) -> int:
-        if not self.conns:
-            self.conns.append(await asyncio.open_connection(self.host, self.port))
-        reader, writer = conn = self.conns.pop()
-        body = json.dumps({"model": MODEL, "prompt": prompt(i), "max_tokens": max_tokens, "temperature": 0,
-                           "stream": True, "ignore_eos": True,
-                           "stream_options": {"include_usage": True}}).encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), len(body), body))
-        head = await reader.readuntil(b"\r\n\r\n")
-        if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
-            raise RuntimeError(f"unexpected response: {head[:300]!r}")
-        parts = []
-        while True:
-            data = await reader.read(1 << 16)
-            if not data:
-                raise RuntimeError("connection closed mid-stream")
-            parts.append(data)
-            if data.endswith(b"0\r\n\r\n") and b"".join(parts[-2:]).endswith(b"[DONE]\n\n\r\n0\r\n\r\n"):
-                break
-        self.conns.append(conn)
-        text = b"".join(parts)
-        usage = text[text.rindex(b'"usage":'):]
-        return json.loads(usage[len(b'"usage":'):usage.index(b"}") + 1])["completion_tokens"]
-
-    async def close(self) -> None:
-        for _, writer in self.conns:
-            writer.close()
-
-
 async def http_run(url: str, n: int, max_tokens: int, client_kind: str) -> dict:
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        raw = RawClient(url)
+        lean = LeanClient(url, MODEL)
         if client_kind == "raw":
-            def one(i: int, m: int):
-                return raw.stream(i, m)
+            async def one(i: int, m: int) -> int:
+                res = await lean.stream(prompt(i), m)
+                if not res.ok:
+                    raise RuntimeError(f"stream {i}: {res.error}")
+                return res.completion_tokens
         else:
             def one(i: int, m: int):
                 return one_stream(client, url, i, m)
@@ -190,7 +156,7 @@ async def http_run(url: str, n: int, max_tokens: int, client_kind: str) -> dict:
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(one(i, max_tokens) for i in range(n)))
         wall = time.perf_counter() - t0
-        await raw.close()
+        await lean.close()
     if counts != [max_tokens] * n:
         raise RuntimeError(f"streams generated {counts}, not {max_tokens} each")
     return {"tokens": sum(counts), "wall_s": wall, "tok_s": sum(counts) / wall}
@@ -207,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--design", choices=("process", "thread"), default="process")
     ap.add_argument("--pythonpath", default=None, help="prepended to the server's PYTHONPATH")
     ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
-                    help="the load generator: httpx.AsyncClient streams, or RawClient (lean)")
+                    help="the load generator: httpx.AsyncClient streams, or lean_client.LeanClient")
     ap.add_argument("--profile", default=None)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--spins", type=int, default=None, help=argparse.SUPPRESS)

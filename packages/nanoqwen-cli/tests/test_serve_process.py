@@ -188,3 +188,118 @@ def test_load_error_is_one_line_and_exit_1(model, tmp_path):
     assert len(errors) == 1, r.stderr
     assert errors[0].startswith("error: the model failed to load: ChecksumError"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ---- the engine process's loop: step trace, admission window, sender thread -----------------------------
+def test_step_trace_rows_account_for_every_submit_and_token(tmp_path, monkeypatch):
+    """With NANOQWEN_ENGINE_TRACE set, the child writes one row per loop iteration when it stops: the
+    submits and tokens in the rows add up to what was sent and generated, and each row's times are in
+    order (woke <= step start <= step end <= message handed over)."""
+    from nanoqwen_cli.server.engine_worker import TRACE_ENV
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(TRACE_ENV, str(path))  # the spawned child inherits the environment
+
+    async def main():
+        loop = await started(FakeEngineSpec(busy_s=0.0, sleep_s=0.001))
+        handles = [loop.submit(request(f"r{i}", 3 + i)) for i in range(4)]
+        for h in handles:
+            await drain_queue(h)
+        await loop.drain(1.0)
+
+    asyncio.run(main())
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sum(r["n_submits"] for r in rows) == 4
+    assert sum(r["n_tokens"] for r in rows) == 3 + 4 + 5 + 6
+    for r in rows:
+        assert r["t_wake"] <= r["t_done"] <= r["t_sent"]
+        if r["t_step"] is not None:
+            assert r["t_wake"] <= r["t_step"] <= r["t_done"]
+    assert all(a["t_sent"] <= b["t_wake"] for a, b in zip(rows, rows[1:], strict=False))
+
+
+def _pipe_worker():
+    import multiprocessing
+
+    from nanoqwen_cli.server import engine_worker
+
+    here, there = multiprocessing.Pipe(duplex=True)
+    return engine_worker, engine_worker._Worker(engine=None, conn=here), there
+
+
+def _submit_bytes(i: int) -> bytes:
+    import pickle
+
+    return pickle.dumps(("submit", i), pickle.HIGHEST_PROTOCOL)
+
+
+def test_admission_window_takes_a_burst_and_stops_when_quiet(monkeypatch):
+    """Commands already in the pipe are all taken; then the window closes after ADMIT_QUIET_S without
+    a command, long before ADMIT_MAX_S."""
+    import time
+
+    ew, worker, there = _pipe_worker()
+    monkeypatch.setattr(ew, "ADMIT_QUIET_S", 0.05)
+    monkeypatch.setattr(ew, "ADMIT_MAX_S", 30.0)
+    for i in range(1, 6):
+        there.send_bytes(_submit_bytes(i))
+    cmds = [("submit", 0)]
+    t0 = time.perf_counter()
+    worker._admit_burst(cmds)
+    elapsed = time.perf_counter() - t0
+    assert cmds == [("submit", i) for i in range(6)]
+    assert 0.05 <= elapsed < 10.0
+
+
+def test_admission_window_closes_at_its_maximum_while_commands_keep_coming(monkeypatch):
+    """A feeder sends a command every 10 ms for 2 s; with a quiet gap of 0.5 s and a maximum of 0.3 s
+    the window closes at the maximum, with the commands that came until then, in order."""
+    import threading
+    import time
+
+    ew, worker, there = _pipe_worker()
+    monkeypatch.setattr(ew, "ADMIT_QUIET_S", 0.5)
+    monkeypatch.setattr(ew, "ADMIT_MAX_S", 0.3)
+    stop = threading.Event()
+
+    def feed():
+        i = 1
+        while not stop.is_set() and i < 200:
+            there.send_bytes(_submit_bytes(i))
+            i += 1
+            time.sleep(0.01)
+
+    feeder = threading.Thread(target=feed)
+    cmds = [("submit", 0)]
+    feeder.start()
+    t0 = time.perf_counter()
+    try:
+        worker._admit_burst(cmds)
+        elapsed = time.perf_counter() - t0
+    finally:
+        stop.set()
+        feeder.join()
+    assert 0.3 <= elapsed < 1.5, elapsed
+    assert 2 <= len(cmds) < 199
+    assert cmds == [("submit", i) for i in range(len(cmds))]
+
+
+def test_sender_keeps_order_and_reports_a_closed_pipe():
+    """The sender thread delivers messages in the order put; once the other end is closed a send fails
+    and `broken` turns True (the worker's loop then returns)."""
+    import multiprocessing
+    import pickle
+
+    from nanoqwen_cli.server.engine_worker import _Sender
+
+    here, there = multiprocessing.Pipe(duplex=True)
+    sender = _Sender(here)
+    msgs = [("step", i, [(f"r{i}", "x" * i)], [], None) for i in range(200)]
+    for m in msgs:
+        sender.put(m)
+    assert [pickle.loads(there.recv_bytes()) for _ in msgs] == msgs
+    there.close()
+    for m in msgs[:3]:
+        sender.put(m)
+    sender.close()
+    assert sender.broken

@@ -22,15 +22,34 @@ abort, a refusal at submit, or a failed step). All of a request's tokens in a me
 pipe. Plain tuples and a NamedTuple keep a step of 32 tokens at ~1.5 KB and a few microseconds of
 pickling (the engine's dataclass events cost ten times more).
 
-The loop: while the engine has work, take every pending command without blocking (`conn.poll(0)`),
-then step; when idle, block in `recv`. The process ignores SIGINT and SIGTERM (the HTTP process owns
-shutdown and drains first) and exits when told to stop or when its pipe closes (the HTTP process died).
+The loop: while the engine has work, take every pending command without blocking, then step; when
+idle, block in `recv`. A submit that wakes an idle engine opens a short admission window: commands are
+taken as long as the next arrives within ADMIT_QUIET_S, for at most ADMIT_MAX_S, so that a burst of
+requests (32 clients at once reach the engine over ~10 ms, one HTTP request after another) starts in
+one prefill instead of a small prefill followed by a large one; a lone request waits ADMIT_QUIET_S.
+Step messages are pickled and sent by a sender thread (`_Sender`), in order, so the next step starts
+while the last one's message is on its way (the thread runs while the engine waits for the GPU, with
+the GIL released). The process ignores SIGINT and SIGTERM (the HTTP process owns shutdown and drains
+first) and exits when told to stop or when its pipe closes (the HTTP process died).
+
+With `NANOQWEN_ENGINE_TRACE=PATH` in its environment the process records one row per loop iteration
+(`StepTrace`: when it woke, the commands and submits it applied, when the step started and ended, the
+step's kind and tokens, when its message was handed to the sender thread; `time.perf_counter`, which
+is CLOCK_MONOTONIC and so comparable with other processes' on the host) and writes them to PATH as
+JSON lines when it exits. The load test reads them to split the server's overhead between the
+engine's steps and what lies around them (bench/server/loadtest.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import queue
+import select
 import signal
+import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
@@ -38,7 +57,11 @@ from nanoqwen_runtime.events import TokenEvent
 
 from .engine_spec import EngineInfo
 
-__all__ = ["Finish", "worker_main"]
+__all__ = ["Finish", "StepTrace", "TRACE_ENV", "worker_main"]
+
+TRACE_ENV = "NANOQWEN_ENGINE_TRACE"
+ADMIT_QUIET_S = 0.0005  # an idle engine woken by a submit takes commands while they come this close...
+ADMIT_MAX_S = 0.010     # ...for at most this long, then steps (see the module header)
 
 
 class Finish(NamedTuple):
@@ -52,6 +75,31 @@ class Finish(NamedTuple):
     text: str = ""
     num_prompt_tokens: int = 0
     num_generated: int = 0
+
+
+class StepTrace:
+    """One row per loop iteration of the engine process, written as JSON lines to `path` by `close`.
+
+    Row keys: t_wake (the commands were received), n_cmds, n_submits, t_step (the step started; None
+    when the iteration did not step), t_done (it ended), kind ("prefill"/"decode", from the engine's
+    `num_steps` counters; None when the engine has none), n_tokens, t_sent (its message was handed to
+    the sender thread)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.rows: list[dict] = []
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        path = os.environ.get(TRACE_ENV)
+        return cls(path) if path else None
+
+    def close(self) -> None:
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            for row in self.rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, self.path)
 
 
 def worker_main(spec: Any, conn: Connection) -> None:
@@ -68,7 +116,12 @@ def worker_main(spec: Any, conn: Connection) -> None:
         _send(conn, ("load_error", _one_line(e)))
         return
     if _send(conn, ("ready", info, stats)):
-        _Worker(engine, conn).run()
+        trace = StepTrace.from_env()
+        try:
+            _Worker(engine, conn, trace).run()
+        finally:
+            if trace is not None:
+                trace.close()
 
 
 def _send(conn: Connection, msg: tuple) -> bool:
@@ -98,33 +151,95 @@ def _finish(ev: Any) -> Finish:
     return Finish(ev.request_id, str(ev.reason), ev.detail, ev.text, ev.num_prompt_tokens, ev.num_generated)
 
 
+class _Sender:
+    """Pickles and sends messages on a thread of its own, in the order given. `broken` turns True
+    when a send fails (the HTTP process is gone); `close` sends what is queued and joins."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.broken = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="nanoqwen-engine-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: tuple) -> None:
+        self._queue.put(msg)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            if not self.broken and not _send(self.conn, msg):
+                self.broken = True
+
+
 class _Worker:
-    def __init__(self, engine: Any, conn: Connection):
+    def __init__(self, engine: Any, conn: Connection, trace: StepTrace | None = None):
         self.engine = engine
         self.conn = conn
+        self.trace = trace
         self.live: dict[str, list[int]] = {}  # request_id -> [prompt tokens, generated tokens]
 
     def run(self) -> None:
-        eng, conn = self.engine, self.conn
+        sender = _Sender(self.conn)
+        try:
+            self._loop(sender)
+        finally:
+            sender.close()
+
+    def _loop(self, sender: _Sender) -> None:
+        eng, conn, trace = self.engine, self.conn, self.trace
+        readable = select.poll()  # a registered poll object: ~10x cheaper per check than conn.poll(0)
+        readable.register(conn.fileno(), select.POLLIN)
         while True:
+            if sender.broken:
+                return  # the HTTP process is gone
             try:
-                cmds = [] if eng.has_work else [_recv(conn)]  # idle: wait for a command
-                while conn.poll(0):
+                if eng.has_work:
+                    cmds = []
+                else:  # idle: wait for a command
+                    cmds = [_recv(conn)]
+                    if cmds[0][0] == "submit":
+                        self._admit_burst(cmds)
+                while readable.poll(0):
                     cmds.append(_recv(conn))
             except (EOFError, OSError):
                 return  # the HTTP process is gone
+            t_wake = time.perf_counter() if trace is not None else 0.0
             tokens: list[tuple[str, str]] = []
             finishes: list[Finish] = []
             n_submits, stop = self._apply(cmds, finishes)
             if stop:
                 self._abort_all(finishes)
-                _send(conn, ("step", n_submits, tokens, finishes, eng.stats()))
+                sender.put(("step", n_submits, tokens, finishes, eng.stats()))
                 return
             stepped = eng.has_work
+            t_step = kind = None
             if stepped:
+                if trace is not None:
+                    t_step, before = time.perf_counter(), dict(getattr(eng, "num_steps", {}))
                 self._step(tokens, finishes)
-            if (cmds or stepped) and not _send(conn, ("step", n_submits, tokens, finishes, eng.stats())):
+                if trace is not None:
+                    kind = next((k for k, v in getattr(eng, "num_steps", {}).items() if v != before.get(k)),
+                                None)
+            t_done = time.perf_counter() if trace is not None else 0.0
+            if cmds or stepped:
+                sender.put(("step", n_submits, tokens, finishes, eng.stats()))
+            if trace is not None:
+                trace.rows.append({"t_wake": t_wake, "n_cmds": len(cmds), "n_submits": n_submits,
+                                   "t_step": t_step, "t_done": t_done, "kind": kind,
+                                   "n_tokens": len(tokens), "t_sent": time.perf_counter()})
+
+    def _admit_burst(self, cmds: list[tuple]) -> None:
+        """Take the commands that follow within ADMIT_QUIET_S of each other, for ADMIT_MAX_S at most."""
+        fd = self.conn.fileno()
+        deadline = time.perf_counter() + ADMIT_MAX_S
+        while (left := deadline - time.perf_counter()) > 0:
+            if not select.select([fd], [], [], min(ADMIT_QUIET_S, left))[0]:
                 return
+            cmds.append(_recv(self.conn))
 
     def _apply(self, cmds: list[tuple], finishes: list[Finish]) -> tuple[int, bool]:
         n_submits, stop = 0, False
