@@ -2,7 +2,10 @@
 lead's, on the H200). Program extraction on hand-written answers, scoring of a hand-written problem
 set (a correct answer passes; a wrong one, and one that loops forever, fail), the exact McNemar
 p-value against values worked out by hand, the report of `score`, and `generate --device cpu` on the
-runtime's tiny random container (its text is noise: only the rows' form is checked).
+runtime's tiny random container (its text is noise: only the rows' form is checked). The sampling
+mode: per-request seeds (distinct, reproducible), the pass@1 estimator, its bootstrap CI and the
+sign-flip p-value on hand-made per-sample results, the projection of samples needed, `generate
+--samples 2` (rows, seeds, a rerun repeats them) and the sampled report of `score`.
 
 Here, not under one package's tests: the harness drives nanoqwen-runtime's Pipeline on containers
 that nanoqwen-quant packs."""
@@ -14,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,3 +151,149 @@ def test_bad_model_spec_is_refused(tmp_path, capsys):
     assert HE.main(["generate", "--model", "no/slash=x.nanoqwen", "--out", str(tmp_path / "o"),
                     "--device", "cpu", "--problems", str(problems)]) == 2
     assert "NAME=PATH" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- sampling
+def _scored(matrix: list[list[bool]]) -> list[dict]:
+    """Hand-made scored rows: matrix[i][j] = did sample j of task T/i pass."""
+    return [{"task_id": f"T/{i}", "sample": j, "passed": ok, "status": "passed" if ok else "failed",
+             "reason": "", "finish_reason": "eos"}
+            for i, row in enumerate(matrix) for j, ok in enumerate(row)]
+
+
+def test_sample_seeds_are_distinct_and_reproducible():
+    seeds = [HE.sample_seed(0, i, j) for i in range(164) for j in range(50)]
+    assert len(set(seeds)) == len(seeds)
+    assert all(0 <= x < 2**63 for x in seeds)
+    assert seeds == [HE.sample_seed(0, i, j) for i in range(164) for j in range(50)]
+    assert HE.sample_seed(1, 0, 0) != HE.sample_seed(0, 0, 0)
+    assert HE.sample_seed(0, 1, 0) != HE.sample_seed(0, 0, 1)  # the arguments are not summed
+
+
+def test_sampled_model_equal_to_the_baseline():
+    base = [[True, False, True, True], [False, False, False, True], [True, True, True, True],
+            [False, True, False, False], [False, False, False, False]]
+    s = HE.summarize({"none": _scored(base), "same": _scored(base)}, "none")
+    assert s["samples"] == 4 and s["problems"] == 5
+    m = s["models"]["same"]
+    assert m["pass_at_1"] == pytest.approx(100 * 9 / 20)  # mean of 3/4, 1/4, 1, 1/4, 0
+    assert m["passed_samples"] == 9 and m["solved_any"] == 4
+    lo, hi = m["ci95_points"]
+    assert lo < m["pass_at_1"] < hi
+    v = m["vs_baseline"]
+    assert v["delta_points"] == 0 and v["ci95_points"] == [0, 0] and v["sign_flip_p"] == 1.0
+    assert v["problems_differing"] == 0
+
+
+def test_sampled_model_failing_a_fixed_half():
+    n, big_n = 4, 4
+    base = [[True] * big_n for _ in range(n)]
+    half = [[j >= big_n // 2 for j in range(big_n)] for _ in range(n)]  # fails samples 0 and 1 everywhere
+    s = HE.summarize({"none": _scored(base), "half": _scored(half)}, "none")
+    assert s["models"]["none"]["pass_at_1"] == 100
+    m = s["models"]["half"]
+    assert m["pass_at_1"] == pytest.approx(50) and m["ci95_points"] == pytest.approx([50, 50])
+    v = m["vs_baseline"]
+    assert v["delta_points"] == pytest.approx(-50) and v["ci95_points"] == pytest.approx([-50, -50])
+    # every d_i = -1/2: of the 2^4 sign patterns only all-minus and all-plus reach |sum| = 2
+    assert v["sign_flip_p"] == pytest.approx(2 / 16)
+
+
+def test_bootstrap_ci_is_reproducible_and_brackets_the_mean():
+    rng = np.random.default_rng(5)
+    base = (rng.random((40, 6)) < 0.6).tolist()
+    other = (rng.random((40, 6)) < 0.5).tolist()
+    first = HE.summarize({"none": _scored(base), "other": _scored(other)}, "none")
+    again = HE.summarize({"none": _scored(base), "other": _scored(other)}, "none")
+    assert first == again
+    v = first["models"]["other"]["vs_baseline"]
+    lo, hi = v["ci95_points"]
+    assert lo < v["delta_points"] < hi and v["se_points"] > 0
+    # the CI's half-width is about 1.96 standard errors
+    assert (hi - lo) / 2 == pytest.approx(1.96 * v["se_points"], rel=0.15)
+
+
+def test_sign_flip_random_patterns_agree_with_the_exact_count():
+    d = np.array([0.5, -0.25, 0.75, 0.5, 0.25, 1.0, -0.5, 0.25, 0.5, 0.0, 0.75, -0.25, 0.5])
+    exact = HE.sign_flip_p(d)                       # 12 nonzero: all 4,096 patterns
+    sampled = HE.sign_flip_p(d, exact_max=0)         # 20,000 random patterns
+    assert 0 < exact < 0.2
+    assert sampled == pytest.approx(exact, abs=0.01)
+    assert HE.sign_flip_p(np.zeros(7)) == 1.0
+
+
+def test_samples_needed_projection():
+    # within-problem noise only: x_i = (+1, -1) for 100 problems; W = var([1, -1]) / 2 = 1, B = 0;
+    # var(N') = 2 / (100 N') <= (0.01 / 1.96)^2  ->  N' >= 2 * 1.96^2 / 0.01 = 768.32
+    x = np.tile([1.0, -1.0], (100, 1))
+    assert HE.samples_needed(x) == 769
+    # the problems' own spread only: d_i = +-1, W = 0, B ~ 1 > 100 (0.01 / 1.96)^2: unreachable
+    y = np.repeat(np.array([[1.0], [-1.0]]), 50, axis=0).repeat(2, axis=1)
+    assert HE.samples_needed(y) is None
+
+
+def test_decoding_options_are_checked():
+    assert HE.Decoding.from_args(1, None, 0.95, 0) == HE.Decoding()  # greedy
+    d = HE.Decoding.from_args(3, None, 0.95, 7)
+    assert (d.samples, d.temperature, d.top_p, d.seed) == (3, 0.8, 0.95, 7)
+    for args, msg in [((2, 0.0, 0.95, 0), "needs --temperature > 0"), ((1, 0.5, 0.95, 0), "needs --samples"),
+                      ((2, None, 0.0, 0), "--top-p"), ((0, None, 0.95, 0), "--samples must"),
+                      ((2, None, 0.95, -1), "--seed")]:
+        with pytest.raises(HE.HarnessError, match=msg):
+            HE.Decoding.from_args(*args)
+
+
+def test_generate_cpu_samples_and_sampled_report(tmp_path, capsys):
+    from nanoqwen_runtime.testing import write_tiny_container
+
+    model = write_tiny_container(tmp_path / "tiny.nanoqwen", method="none", seed=3,
+                                 config_overrides={"max_position_embeddings": 1024})
+    problems = _write_jsonl(tmp_path / "problems.jsonl", [ADD, NEG, {**ADD, "task_id": "T/2"}])
+    common = ["--device", "cpu", "--limit", "2", "--max-tokens", "6", "--problems", str(problems),
+              "--samples", "2", "--seed", "11"]
+    out = tmp_path / "out"
+    assert HE.main(["generate", "--model", f"none={model}", "--model", f"same={model}", "--out", str(out),
+                    *common]) == 0
+    rows = [json.loads(x) for x in (out / "none.completions.jsonl").read_text().splitlines()]
+    assert [(r["task_id"], r["sample"]) for r in rows] == [("T/0", 0), ("T/0", 1), ("T/1", 0), ("T/1", 1)]
+    assert [r["seed"] for r in rows] == [HE.sample_seed(11, i, j) for i in range(2) for j in range(2)]
+    for r in rows:
+        assert isinstance(r["completion"], str) and r["finish_reason"] in ("eos", "length")
+        assert 1 <= r["generated_tokens"] <= 6 and r["prompt_tokens"] > 0
+    meta = json.loads((out / "none.generate.json").read_text())
+    assert (meta["problems"], meta["requests"], meta["samples"], meta["temperature"], meta["top_p"],
+            meta["top_k"], meta["seed"]) == (2, 4, 2, 0.8, 0.95, 0, 11)
+    # a rerun repeats every draw
+    again = tmp_path / "again"
+    assert HE.main(["generate", "--model", f"none={model}", "--out", str(again), *common]) == 0
+    assert (again / "none.completions.jsonl").read_text() == (out / "none.completions.jsonl").read_text()
+    # completions generated with other settings are not reused silently
+    assert HE.main(["generate", "--model", f"none={model}", "--out", str(out),
+                    *common[:-4], "--samples", "3"]) == 2
+    assert "samples 2 (asked 3)" in capsys.readouterr().err
+    # score: every sample is scored; the same container with the same seeds differs by nothing
+    assert HE.main(["score", "--out", str(out), "--problems", str(problems), "--timeout", "5",
+                    "--jobs", "2"]) == 0
+    res = [json.loads(x) for x in (out / "same.results.jsonl").read_text().splitlines()]
+    assert [(r["task_id"], r["sample"]) for r in res] == [("T/0", 0), ("T/0", 1), ("T/1", 0), ("T/1", 1)]
+    s = json.loads((out / "humaneval.json").read_text())
+    assert s["samples"] == 2 and s["decoding"]["seed"] == 11 and s["canonical"] == {"passed": 2, "total": 2}
+    v = s["models"]["same"]["vs_baseline"]
+    assert v["delta_points"] == 0 and v["sign_flip_p"] == 1.0
+    md = (out / "humaneval.md").read_text()
+    assert "sampled (2 problems × 2 samples)" in md and "temperature 0.8, top-p 0.95" in md
+    assert "| same |" in md and "| +0.00 | +0.00 – +0.00 |" in md
+
+
+def test_score_refuses_uneven_samples(tmp_path, capsys):
+    problems = _write_jsonl(tmp_path / "problems.jsonl", [ADD, NEG])
+    out = tmp_path / "out"
+    out.mkdir()
+    two = [{"task_id": t, "sample": j, "completion": ""} for t in ("T/0", "T/1") for j in range(2)]
+    _write_jsonl(out / "a.completions.jsonl", two[:3])  # T/1 lacks sample 1
+    assert HE.main(["score", "--out", str(out), "--problems", str(problems), "--timeout", "2"]) == 2
+    assert "every task needs samples 0..N-1" in capsys.readouterr().err
+    _write_jsonl(out / "a.completions.jsonl", two)
+    _write_jsonl(out / "b.completions.jsonl", [{"task_id": t, "completion": ""} for t in ("T/0", "T/1")])
+    assert HE.main(["score", "--out", str(out), "--problems", str(problems), "--timeout", "2"]) == 2
+    assert "different samples per problem" in capsys.readouterr().err
