@@ -16,7 +16,10 @@ The default mode measures, in one process, each against the read bandwidth of th
    come from `--ncu-target` + `--ncu-summary`;
 4. `streaming`: the read ceiling of bulk copies into an mbarrier ring vs plain 16-byte loads at 32-192 KB
    in flight per SM, at 4 GiB and at the GEMVs' sizes;
-5. `compute`: the GEMV's dequant + mma loop over shared-memory-resident weights, in weight bytes/s.
+5. `compute`: the GEMV's dequant + mma loop over shared-memory-resident weights, in weight bytes/s:
+   gemv_int4's loop (v1) and the v2 loops of ceilings/gemv_loop_v2.cuh (fewer instructions; their
+   output must equal v1's bit for bit);
+`sass`: instructions per tile-column of those loops (and of gemv_int4) from the cubins' SASS.
 (3., the GEMVs' ncu stall reasons, is `--gemv-target` under ncu, then `--ncu-summary`.)
 A failing section is recorded under "errors" in the JSON and the others still run. Writes
 DIR/ceilings.json and DIR/ceilings.md after every section.
@@ -457,7 +460,7 @@ def build_markdown(raw: dict) -> str:
         md.append("\n## 5. GEMV compute ceiling (dequant + mma on resident weights)\n\n")
         md.append(
             CR.md_table(
-                ["kernel", "M", "blocks/SM", "regs", "weight GB/s", "x read BW", "wall?"],
+                ["kernel", "M", "blocks/SM", "regs", "weight GB/s", "x read BW", "x v1", "wall?"],
                 [
                     [
                         r["kernel"],
@@ -466,12 +469,29 @@ def build_markdown(raw: dict) -> str:
                         r["registers"],
                         r["weight_bytes_per_s"] / 1e9,
                         r["over_read_bw"],
+                        r.get("over_v1"),
                         "dequant is the wall" if r["dequant_is_the_wall"] else "no",
+                    ]
+                    if "error" not in r
+                    else [
+                        r["kernel"],
+                        r["m"],
+                        r["occupancy_blocks_per_sm"],
+                        r["registers"],
+                        None,
+                        None,
+                        None,
+                        f"CHECK FAILED: {r['error']}",
                     ]
                     for r in c["rows"]
                 ],
             )
         )
+        if any(r["kernel"].endswith(("_v2", "_v2u1")) and "error" not in r for r in c["rows"]):
+            md.append(
+                "\nThe v2 rows passed the bitwise check: their fp32 outputs equal v1's at every M = 1..8 "
+                "(ceilings/gemv_loop_v2.cuh says why they must).\n"
+            )
     if "sass" in raw:
         md.append(
             "\n## SASS of the GEMV loop (instructions per warp per tile-column = 1024 B of weights)\n\n"
@@ -479,7 +499,10 @@ def build_markdown(raw: dict) -> str:
         md.append(
             CR.md_table(
                 ["kernel", "instr / tile-column", "top opcodes"],
-                [[k, v["per_tile_column"], v["top"]] for k, v in raw["sass"].items()],
+                [
+                    [k, v["per_tile_column"], v["top"]] if "error" not in v else [k, None, v["error"]]
+                    for k, v in raw["sass"].items()
+                ],
             )
         )
     if "ncu" in raw:
@@ -516,7 +539,10 @@ class Run:
 
 
 def sass_section(cubins: dict[str, Path]) -> dict:
-    """Instruction counts of the GEMV loops from the cubins (nvdisasm or cuobjdump on PATH)."""
+    """Instruction counts of the GEMV loops from the cubins (nvdisasm on PATH or in /usr/local/cuda/bin).
+    Each cubin is disassembled once; a kernel whose cubin nvdisasm refuses (session 6: the device's
+    nvdisasm on the package's cubin) gets {"error": ...} with nvdisasm's message, the others still count.
+    Raises only when no kernel could be counted."""
     import shutil
     import subprocess
 
@@ -526,11 +552,24 @@ def sass_section(cubins: dict[str, Path]) -> dict:
     )
     if tool is None:
         raise RuntimeError("nvdisasm not found (PATH, /usr/local/cuda/bin): no SASS counts")
-    cmd = [tool, "-c"]
+    texts: dict[Path, str | Exception] = {}
     out = {}
     for kernel, cubin in cubins.items():
-        text = subprocess.run([*cmd, str(cubin)], capture_output=True, text=True, check=True).stdout
-        counts, hmma = CR.hot_loop_counts(CR.parse_sass(text)[kernel])
+        if cubin not in texts:
+            r = subprocess.run([tool, "-c", str(cubin)], capture_output=True, text=True)
+            texts[cubin] = (
+                r.stdout
+                if r.returncode == 0
+                else RuntimeError(f"nvdisasm -c {cubin.name}: exit {r.returncode}: {r.stderr.strip()[:300]}")
+            )
+        text = texts[cubin]
+        try:
+            if isinstance(text, Exception):
+                raise text
+            counts, hmma = CR.hot_loop_counts(CR.parse_sass(text)[kernel])
+        except (RuntimeError, ValueError, KeyError) as e:
+            out[kernel] = {"error": f"{type(e).__name__}: {e}"}
+            continue
         cols = hmma / 8  # 8 HMMA per warp per tile-column (4 words x 2 mma.m16n8k16)
         out[kernel] = {
             "per_tile_column": sum(counts.values()) / cols,
@@ -538,6 +577,8 @@ def sass_section(cubins: dict[str, Path]) -> dict:
             "counts": dict(counts.most_common()),
             "top": ", ".join(f"{op} {n / cols:g}" for op, n in counts.most_common(6)),
         }
+    if all("error" in v for v in out.values()):
+        raise RuntimeError("; ".join(f"{k}: {v['error']}" for k, v in out.items()))
     return out
 
 
@@ -622,9 +663,13 @@ def main(argv=None) -> int:
                 )
     if "compute" in only and run.section("compute", micro.compute_ceiling, k, device, read_bps):
         for r in raw["compute"]["rows"]:
+            if "error" in r:
+                log(f"compute {r['kernel']} M={r['m']}: CHECK FAILED, no rate: {r['error']}")
+                continue
             log(
                 f"compute {r['kernel']} M={r['m']}: {r['weight_bytes_per_s'] / 1e9:.0f} GB/s of weights = "
                 f"{r['over_read_bw']:.2f}x the read bandwidth"
+                + (f", {r['over_v1']:.2f}x v1" if "over_v1" in r else "")
             )
     if "sass" in only:
 
@@ -635,6 +680,11 @@ def main(argv=None) -> int:
                     "gemv_int4_g128_sym": gemv_cubin,
                     "gemv_int4_g128_sym_silu": gemv_cubin,
                     "gemv_compute_g128_sym": k.cubin,
+                    "gemv_compute_g128_asym": k.cubin,
+                    "gemv_compute_g128_sym_v2": k.cubin,
+                    "gemv_compute_g128_asym_v2": k.cubin,
+                    "gemv_compute_g128_sym_v2u1": k.cubin,
+                    "gemv_compute_g128_asym_v2u1": k.cubin,
                 }
             )
 

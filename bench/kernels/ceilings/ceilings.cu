@@ -33,7 +33,11 @@
 //                        tile held in shared memory (KC tile-columns, walked `reps` times) instead of
 //                        LDG from HBM: the rate it reaches is the most the dequant + mma path can
 //                        consume, in weight bytes per second.
+//    gemv_compute_g128_{sym,asym}_v2[u1]  the same arithmetic with fewer instructions per tile-column
+//                        (gemv_loop_v2.cuh): x rows >= M not masked, 2 (v2) or 1 (v2u1) tile-columns per
+//                        loop trip at constant offsets; outputs bit for bit those of the kernels above
 #include "gemv_int4.cuh"
+#include "gemv_loop_v2.cuh"
 
 using namespace nq_gemv;
 
@@ -329,3 +333,92 @@ extern "C" __global__ void __launch_bounds__(256, 4)
                            int M, int KC, int reps) {
   gemv_compute<true>(qweight, scales, zeros, x, out, M, KC, reps);
 }
+
+// ---------------------------------------------------------------------------------------------------
+// 5b. the same loop with fewer instructions per tile-column (gemv_loop_v2.cuh says what changes and
+//     why the result is bit-for-bit that of gemv_compute_g128_*: the GPU check compares them)
+// ---------------------------------------------------------------------------------------------------
+//
+// Same arguments, grid, block and dynamic shared memory size as gemv_compute, but KC must be V2_KC
+// (the layout's offsets are compile-time; another KC poisons the output with NaN). Shared memory:
+//   wsm  uint4 [8 warps][KC][2 tiles][32 lanes]       as gemv_compute
+//   szm  one record of 3 KC bytes per weight row r = 16 warp + 8 tile + g: [KC bf16 scales][KC zeros]
+//        (each row's tile-columns in order, as the package's [N, K / 128] scales and zeros; the zeros
+//        at a constant offset from the scales, so one address serves both), KC x 384 bytes in all
+//   xs   bf16  [M][KC * 128 + XPAD]                   as gemv_compute
+// The loop walks total = reps x KC tile-columns, U per trip (tile-columns (i & (KC - 1)) .. + U - 1):
+// each trip derives its 3 shared addresses from i, every load at a constant offset. `_v2`: U = 2,
+// `_v2u1`: U = 1 (fewer live registers: 46 against the 64 of U = 2, which spills a little in asym).
+constexpr int V2_KC = 4;  // the KC the v2 kernels are built for (ceilings_micro.COMPUTE_KC)
+
+template <bool ASYM, int U>
+NQ_DEVICE void gemv_compute_v2(const uint4* __restrict__ qweight, const u16* __restrict__ scales,
+                               const u8* __restrict__ zeros, const bf16_t* __restrict__ x,
+                               float* __restrict__ out, int M, int KC, int reps) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int REC = 3 * V2_KC;  // bytes per row record: scales, then zeros
+  uint4* wsm = reinterpret_cast<uint4*>(smem_raw);
+  unsigned char* szm = smem_raw + (size_t)KC * 8192;
+  bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw + (size_t)KC * (8192 + 256 + 128));
+  const int K = KC * 128, xs_stride = K + XPAD;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+
+  for (int idx = threadIdx.x; idx < 16 * KC * 32; idx += blockDim.x) {  // 16 tiles x KC x 32 lanes
+    const int l = idx & 31, tc = (idx >> 5) % KC, tile = (idx >> 5) / KC;
+    wsm[((tile >> 1) * KC + tc) * 64 + (tile & 1) * 32 + l] = qweight[((i64)tile * KC + tc) * 32 + l];
+  }
+  if (KC == V2_KC) {
+    for (int idx = threadIdx.x; idx < 128 * V2_KC; idx += blockDim.x) {  // rows x groups
+      const int row = idx / V2_KC, tc = idx - row * V2_KC;
+      reinterpret_cast<u16*>(szm + row * REC)[tc] = scales[idx];
+      if (ASYM) szm[row * REC + 2 * V2_KC + tc] = zeros[idx];
+    }
+  }
+  stage_x<0>(xs, xs_stride, x, M, K, 0, K);
+  __syncthreads();
+
+  // 32-bit shared addresses of tile-column 0; tile-column tc adds tc x (1024, 2, 1, 256) bytes to the
+  // weights, scales, zeros, x
+  const u32 wa = smem_addr(wsm + warp * KC * 64 + lane);
+  const u32 sa = smem_addr(szm + (warp * 16 + g) * REC);
+  // rows g >= M read row M - 1: their mma columns n = g >= M are never written (gemv_loop_v2.cuh, 1.)
+  const u32 xa = smem_addr(xs + min(g, M - 1) * xs_stride + 8 * t);
+  // PRMT reads only byte 0 of c3 (0xC3). The rest is M + lane, so that c3 is a per-lane register: a
+  // literal would become the PRMTs' immediate (their byte selectors then go to registers), a
+  // warp-uniform value a uniform register (copied to a vector register before each PRMT).
+  const u32 c3 = 0xC3u | ((u32)(M + lane) << 8);
+  const int kmask = KC - 1;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  // i runs from -total to 0 (no register for the bound); total is a multiple of KC, so i & (KC - 1)
+  // is still the tile-column, in the same order
+  for (int i = -reps * KC; i < 0; i += U) {
+    const u32 tc = i & kmask;
+    nq_gemv_v2::tile_columns<U, ASYM, 8 * REC, 2 * V2_KC>(acc, wa + tc * 1024, sa + tc * 2, sa + tc,
+                                                          xa + tc * 256, c3);
+  }
+  // checked after the loop, so that the compiler cannot assume KC == V2_KC inside it
+  if (KC != V2_KC) acc[0] = acc[1] = acc[2] = acc[3] = __int_as_float(0x7fc00000);
+
+  float* o = out + (i64)blockIdx.x * M * 128;
+  const int row0 = 16 * warp + g, row1 = row0 + 8, m0 = 2 * t, m1 = 2 * t + 1;
+  if (m0 < M) {
+    o[m0 * 128 + row0] = acc[0];
+    o[m0 * 128 + row1] = acc[2];
+  }
+  if (m1 < M) {
+    o[m1 * 128 + row0] = acc[1];
+    o[m1 * 128 + row1] = acc[3];
+  }
+}
+
+#define NQ_COMPUTE_V2(NAME, ASYM, U)                                                                    \
+  extern "C" __global__ void __launch_bounds__(256, 4)                                                 \
+      NAME(const uint4* __restrict__ qweight, const u16* __restrict__ scales, const u8* __restrict__ zeros, \
+           const bf16_t* __restrict__ x, float* __restrict__ out, int M, int KC, int reps) {          \
+    gemv_compute_v2<ASYM, U>(qweight, scales, zeros, x, out, M, KC, reps);                            \
+  }
+NQ_COMPUTE_V2(gemv_compute_g128_sym_v2, false, 2)
+NQ_COMPUTE_V2(gemv_compute_g128_asym_v2, true, 2)
+NQ_COMPUTE_V2(gemv_compute_g128_sym_v2u1, false, 1)
+NQ_COMPUTE_V2(gemv_compute_g128_asym_v2u1, true, 1)

@@ -11,7 +11,9 @@ measures). Called by bench/kernels/decode_ceilings.py; every function returns pl
   192 KB in flight per SM, on 4 GiB and at the decode GEMVs' sizes (cold L2: rotating windows of a 1 GiB
   pool), every kernel's checksum compared with torch's sum first.
 - `compute_ceiling`: the GEMV fragment math on shared-memory-resident weights, in weight bytes per
-  second, checked against an fp64 reference and the real gemv_int4 first.
+  second, checked against an fp64 reference and the real gemv_int4 first; and the same for the v2
+  loops (ceilings/gemv_loop_v2.cuh: fewer instructions, same arithmetic), whose outputs must equal v1's
+  bit for bit before their rate is reported.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from nanoqwen_kernels import launch as klaunch
 from nanoqwen_kernels.bench import READ_BLOCKS_PER_SM, capture_graph, median_replay_seconds, read_xor
 
 CU_FILE = Path(__file__).parent / "ceilings.cu"
+CU_HEADERS = (Path(__file__).parent / "gemv_loop_v2.cuh",)  # included by ceilings.cu (its own -I)
 NVRTC_OPTIONS = ("-arch=sm_90a", "--std=c++17")
 L2_ROTATE_BYTES = 240 << 20  # >= 4x the H200's 60 MB L2: a window is not re-read before this many bytes
 POOL_BYTES = 1 << 30
@@ -50,9 +53,9 @@ class CeilingKernels:
 
         self.index = klaunch.require_sm90(device)
         src = CU_FILE.read_text()
-        opts = (*NVRTC_OPTIONS, f"-I{build.CSRC_DIR}")
+        opts = (*NVRTC_OPTIONS, f"-I{build.CSRC_DIR}", f"-I{CU_FILE.parent}")
         h = hashlib.sha256(src.encode() + "\0".join(opts).encode())
-        for p in sorted(build.CSRC_DIR.glob("*.cuh")):
+        for p in (*sorted(build.CSRC_DIR.glob("*.cuh")), *CU_HEADERS):
             h.update(p.read_bytes())
         path = (cache or build.cache_dir()) / f"ceilings-{h.hexdigest()[:20]}.cubin"
         if not path.is_file():
@@ -440,11 +443,22 @@ def random_int4_weight(n: int, k: int, symmetric: bool, gen: torch.Generator, de
     )
 
 
+# The loop variants measured side by side: kernel-name suffix -> what it is. v1 is gemv_int4's own loop;
+# the v2 loops (ceilings/gemv_loop_v2.cuh) must give v1's output bit for bit (checked on the device).
+COMPUTE_VARIANTS = {"": "v1 (gemv_int4's loop)", "_v2": "v2, 2 tile-columns per trip",
+                    "_v2u1": "v2, 1 tile-column per trip"}  # fmt: skip
+V2_CHECK_REPS = (1, 3)  # reps of the bitwise v2 == v1 check, at every M = 1..8
+
+
 def compute_ceiling(k: CeilingKernels, device: torch.device, read_bps: float) -> dict:
     """Weight bytes per second of the GEMV's dequant + mma loop over resident weights, M = 1 and 8, sym
-    and asym: (bytes of reps2 - bytes of reps1) / (time difference) (the smem fill cancels out), each
-    time the median of 10 launches. Checked first with reps = 1: every block's fp32 output equal to
-    block 0's, and block 0 within the fp32 accumulation bound of an fp64 reference."""
+    and asym, for each loop variant (`COMPUTE_VARIANTS`): (bytes of reps2 - bytes of reps1) / (time
+    difference) (the smem fill cancels out), each time the median of 10 launches. Checked first, with
+    reps = 1: v1 (every block's fp32 output equal to block 0's, block 0 within the fp32 accumulation
+    bound of an fp64 reference, and close to gemv_int4); each v2 variant: its fp32 output [blocks, M,
+    128] equal to v1's bit for bit (torch.equal) at every M = 1..8 and reps in `V2_CHECK_REPS`. A
+    variant that fails gets an "error" in its rows and no rate. v2 rows also carry `over_v1`, their
+    rate over v1's at the same sym/asym and M."""
     from nanoqwen_kernels import reference as R
 
     sms = sm_count(device)
@@ -453,59 +467,93 @@ def compute_ceiling(k: CeilingKernels, device: torch.device, read_bps: float) ->
     rows = []
     for symmetric in (True, False):
         w = random_int4_weight(128, COMPUTE_KC * 128, symmetric, gen, device)
-        name = f"gemv_compute_g128_{'sym' if symmetric else 'asym'}"
+        base = f"gemv_compute_g128_{'sym' if symmetric else 'asym'}"
         zp = np.uint64(0 if w.zeros is None else w.zeros.data_ptr())
         # bytes the real GEMV reads per warp-tile-column: 2 tiles x 512 B + 16 bf16 scales (+ 16 zeros)
         per_tc = 1024 + 32 + (0 if symmetric else 16)
-        for m in (1, 8):
-            smem = compute_smem(m)
-            occ = k.occupancy(name, 256, smem)
-            blocks = sms * min(occ, COMPUTE_BLOCKS_PER_SM)
-            x = torch.randn(m, w.k, generator=gen, device=device).to(torch.bfloat16)
+        xs = {m: torch.randn(m, w.k, generator=gen, device=device).to(torch.bfloat16) for m in range(1, 9)}
+
+        def run(name, m, reps, out, w=w, zp=zp, xs=xs):
+            k.launch(
+                name,
+                (out.shape[0], 1, 1),
+                (256, 1, 1),
+                (
+                    np.uint64(w.qweight.data_ptr()),
+                    np.uint64(w.scales.data_ptr()),
+                    zp,
+                    np.uint64(xs[m].data_ptr()),
+                    np.uint64(out.data_ptr()),
+                    np.int32(m),
+                    np.int32(COMPUTE_KC),
+                    np.int32(reps),
+                ),
+                compute_smem(m),
+            )
+
+        def output(name, m, reps, blocks):
             out = torch.full((blocks, m, 128), float("nan"), dtype=torch.float32, device=device)
-
-            def run(reps, w=w, x=x, out=out, m=m, smem=smem, blocks=blocks, name=name, zp=zp):
-                k.launch(
-                    name,
-                    (blocks, 1, 1),
-                    (256, 1, 1),
-                    (
-                        np.uint64(w.qweight.data_ptr()),
-                        np.uint64(w.scales.data_ptr()),
-                        zp,
-                        np.uint64(x.data_ptr()),
-                        np.uint64(out.data_ptr()),
-                        np.int32(m),
-                        np.int32(COMPUTE_KC),
-                        np.int32(reps),
-                    ),
-                    smem,
-                )
-
-            run(1)
+            run(name, m, reps, out)
             torch.cuda.synchronize()
-            check = _check_compute(out, w, x, R)
-            t = {r: statistics.median(event_seconds(lambda r=r: run(r), reps=10)) for r in COMPUTE_REPS}
-            r1, r2 = COMPUTE_REPS
-            nbytes = blocks * 8 * COMPUTE_KC * per_tc * (r2 - r1)
-            bps = nbytes / (t[r2] - t[r1])
-            rows.append(
-                {
+            return out
+
+        v1_bps = {}
+        for suffix, label in COMPUTE_VARIANTS.items():
+            name = base + suffix
+            error = None
+            if suffix:  # v2: bit for bit v1's output, every M, a few reps (2 blocks: cheap)
+                for m in range(1, 9):
+                    for reps in V2_CHECK_REPS:
+                        a, b = output(base, m, reps, 2), output(name, m, reps, 2)
+                        if error is None and not torch.equal(a, b):
+                            bad = int((a != b).sum())
+                            error = (
+                                f"output differs from {base}'s at M={m}, reps={reps} ({bad} of {a.numel()})"
+                            )
+            for m in (1, 8):
+                smem = compute_smem(m)
+                occ = k.occupancy(name, 256, smem)
+                blocks = sms * min(occ, COMPUTE_BLOCKS_PER_SM)
+                row = {
                     "kernel": name,
+                    "variant": label,
                     "m": m,
                     "blocks": blocks,
                     "occupancy_blocks_per_sm": occ,
                     "registers": k.registers(name),
                     "smem_bytes": smem,
-                    "reps": list(COMPUTE_REPS),
-                    "seconds": [t[r1], t[r2]],
-                    "weight_bytes_per_s": bps,
-                    "over_read_bw": bps / read_bps,
-                    "dequant_is_the_wall": bps / read_bps < 1.3,
-                    "check": check,
                 }
-            )
-    return {"rows": rows, "kc": COMPUTE_KC, "read_bps": read_bps}
+                if error is not None:
+                    rows.append({**row, "error": error})
+                    continue
+                out = output(name, m, 1, blocks)
+                check = _check_compute(out, w, xs[m], R) if not suffix else {"bitwise_equal_v1": True}
+                out = torch.full((blocks, m, 128), float("nan"), dtype=torch.float32, device=device)
+                t = {
+                    r: statistics.median(
+                        event_seconds(lambda r=r, name=name, m=m, out=out: run(name, m, r, out), reps=10)
+                    )
+                    for r in COMPUTE_REPS
+                }
+                r1, r2 = COMPUTE_REPS
+                nbytes = blocks * 8 * COMPUTE_KC * per_tc * (r2 - r1)
+                bps = nbytes / (t[r2] - t[r1])
+                if not suffix:
+                    v1_bps[m] = bps
+                row.update(
+                    {
+                        "reps": list(COMPUTE_REPS),
+                        "seconds": [t[r1], t[r2]],
+                        "weight_bytes_per_s": bps,
+                        "over_read_bw": bps / read_bps,
+                        "dequant_is_the_wall": bps / read_bps < 1.3,
+                        "check": check,
+                    }
+                )
+                if suffix and m in v1_bps:
+                    row["over_v1"] = bps / v1_bps[m]
+                rows.append(row)
+    return {"rows": rows, "kc": COMPUTE_KC, "read_bps": read_bps, "variants": COMPUTE_VARIANTS}
 
 
 def _check_compute(out: torch.Tensor, w: kgemv.Int4Weight, x: torch.Tensor, R) -> dict:

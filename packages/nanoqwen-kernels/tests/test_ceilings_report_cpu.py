@@ -134,6 +134,41 @@ def test_md_table_and_report_from_sections():
     assert "4300 GB/s" in md and "dequant is the wall" in md and "section decode FAILED" in md
 
 
+def test_compute_rows_of_v2_variants_in_report():
+    raw = {"meta": {"device": "H200", "date": "d", "torch": "t", "command": "c"},
+           "read_bandwidth": {"bytes_per_s": 4.3e12},
+           "compute": {"rows": [
+               {"kernel": "gemv_compute_g128_sym_v2", "m": 1, "occupancy_blocks_per_sm": 4, "registers": 64,
+                "weight_bytes_per_s": 6.45e12, "over_read_bw": 1.5, "over_v1": 1.47,
+                "dequant_is_the_wall": False},
+               {"kernel": "gemv_compute_g128_asym_v2", "m": 1, "occupancy_blocks_per_sm": 4, "registers": 64,
+                "error": "output differs from gemv_compute_g128_asym's at M=3, reps=1 (12 of 768)"}]}}
+    lines = DC.build_markdown(raw).splitlines()
+    v2 = next(ln for ln in lines if ln.startswith("| gemv_compute_g128_sym_v2 "))
+    assert "| 1.47 |" in v2 and v2.endswith("| no |")
+    bad = next(ln for ln in lines if ln.startswith("| gemv_compute_g128_asym_v2 "))
+    # a variant that failed the bitwise check shows no rate, only the failure
+    assert "CHECK FAILED: output differs" in bad and "| - | - | - |" in bad
+    assert any("passed the bitwise check" in ln for ln in lines)
+
+
+def test_sass_section_counts_each_kernel_and_names_a_refused_cubin(tmp_path, monkeypatch):
+    # a stand-in nvdisasm on PATH: prints SASS for good.cubin, fails like the H200's did for the other
+    (tmp_path / "sass.txt").write_text(SASS)
+    tool = tmp_path / "nvdisasm"
+    tool.write_text(f'#!/bin/sh\ncase "$2" in *good.cubin) cat {tmp_path / "sass.txt"};; '
+                    '*) echo "nvdisasm fatal : bad cubin" >&2; exit 1;; esac\n')
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/bin:/usr/bin")
+    good, bad = tmp_path / "good.cubin", tmp_path / "bad.cubin"
+    out = DC.sass_section({"k": good, "gemv_int4_g128_sym": bad, "missing": good})
+    assert out["k"]["hmma"] == 2 and out["k"]["per_tile_column"] == 5 * 4  # 5 instructions, 1/4 column
+    assert "bad cubin" in out["gemv_int4_g128_sym"]["error"]
+    assert "KeyError" in out["missing"]["error"]  # no such function in the cubin
+    with pytest.raises(RuntimeError, match="bad cubin"):
+        DC.sass_section({"gemv_int4_g128_sym": bad})
+
+
 def test_ncu_summary_end_to_end(tmp_path):
     raw_dir = tmp_path / "raw"  # where run_ceilings.sh packs the CSVs
     raw_dir.mkdir()
