@@ -84,3 +84,15 @@ def test_lean_client_streams_from_a_real_server(tmp_path):
         assert r.t_send <= r.t_first <= r.read_times[0]
         assert r.read_times == sorted(r.read_times)
     assert [r.completion_tokens for r in results] == [12] * 4 and again.completion_tokens == 3
+
+
+def test_loadtest_pairs_each_round_with_its_own_engine_run():
+    """The overhead ratio is the median of per-round ratios (HTTP run and the engine run beside it), so
+    a host that drifts between rounds moves both sides of a ratio together."""
+    loadtest = _load("loadtest", ROOT / "bench" / "server" / "loadtest.py")
+    http = [{"throughput_tok_s": t} for t in (9000.0, 8000.0, 10000.0)]
+    engine = [{"throughput_tok_s": t} for t in (10000.0, 8000.0, 12500.0)]
+    ratios = loadtest.paired_ratios(http, engine)
+    assert ratios == [0.9, 1.0, 0.8]
+    # the medians of all runs would pair 9000 with 10000: 0.9 too, but from runs of different rounds
+    assert sorted(ratios)[1] == 0.9

@@ -16,14 +16,19 @@ Phases (one server subprocess, `--device cuda`, started by this script on a free
    `--overhead-repeats` times with each of two load generators: `lean_client.LeanClient` (raw
    keep-alive streams, connections opened before the timed phase; the goal's figure, as it measures
    the server and not the client) and httpx (each client's connection opened by an untimed 4-token
-   stream first; reported beside it). Then the same requests as the lean runs (same token ids and
-   max_tokens, ignore_eos, greedy) through `Engine.generate` in this process after the server has
-   exited (same EngineConfig), as many times. Ratio = the median HTTP tokens/s / the median engine
-   tokens/s (goal >= 0.95). The server runs its engine in a child process (server/engine_process.py).
+   stream first; reported beside it), and between them the same requests as the lean runs (same token
+   ids and max_tokens, ignore_eos, greedy) through the server's engine built in this process
+   (`EngineBaseline`: what `Engine.generate` does), so each round's three runs are seconds apart.
+   Ratio = the median over the rounds of (HTTP tokens/s / engine tokens/s of the same round) (goal
+   >= 0.95); the ratio of the medians of all runs, the figure before session 7, is kept beside it.
+   The server runs its engine in a child process (server/engine_process.py).
    Where the time goes: the engine process records its steps (`NANOQWEN_ENGINE_TRACE`, see
    engine_worker.py) and `step_trace.breakdown` splits each timed run's wall time into the engine's
    prefill and decode steps, the work around them (commands, the step message) and idle waits; the
-   baseline's steps are timed the same way.
+   baseline's steps are timed the same way. How the submits of every timed HTTP run reached the
+   engine is reported too: the pipe messages that carried them, the spread of their arrival (first to
+   last message), the engine iterations that applied them (1 when the burst started in one prefill)
+   and the prefill steps.
 
 Writes `loadtest.json` and `loadtest.md` to `--out`. Exit code 1 when a load request was lost or
 the KV blocks did not return to zero (and, with --require-overhead R, when the ratio is below R).
@@ -182,44 +187,51 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(1000 * x, 2)
 
 
-def engine_baseline(model: Path, n: int, max_tokens: int, kv_memory: str, offsets: list[int],
-                    device: str = "cuda") -> dict:
-    """The requests of the lean runs (token ids of the same prompts) through the engine in this process,
-    once per offset: submitted at once, then stepped until done (what `Engine.generate` does), each step
-    timed. The median run is reported, with its step breakdown.
+class EngineBaseline:
+    """The requests of the lean runs (token ids of the same prompts) through the engine in this process:
+    `run(offset)` submits them at once, then steps until done (what `Engine.generate` does), each step
+    timed, and returns the run with its step breakdown.
 
     The engine is the server's: `EngineSpec` with the options this script gives `serve` (and serve's
     defaults for the rest: graph mode, prefix caching, no speculation, no dense bf16 copy), so both
     sides run the same kernels. (Before 2026-12-01 session 6 the baseline was
     `Engine.from_file(EngineConfig(...))`, whose default then kept a bf16 copy of the linears and ran
     batch 32 on cuBLAS: 2.9 ms per decode step of the 0.5B against the server's 3.45 ms on the INT4
-    GEMM, which the old ratios counted as server overhead.)"""
-    from nanoqwen_cli.server.engine_spec import EngineSpec, describe_engine
-    from nanoqwen_runtime.engine import Request, parse_bytes
-    from nanoqwen_runtime.generate import Pipeline
-    from nanoqwen_runtime.sampling import SamplingParams
+    GEMM, which the old ratios counted as server overhead.) It is built while the server runs (both
+    engines fit the GPU; each waits while the other works), so that its runs can alternate with the
+    HTTP runs: session 7 saw the host drift by +-10% within one load test, which a baseline timed
+    after the server had exited counted as overhead or as a gain."""
 
-    pipe = Pipeline.from_container(model, backend=None)
-    engine = EngineSpec(path=str(model), device=device, kv_memory_bytes=parse_bytes(kv_memory)).build()
-    description = describe_engine(engine)
+    def __init__(self, model: Path, kv_memory: str, device: str = "cuda"):
+        from nanoqwen_cli.server.engine_spec import EngineSpec, describe_engine
+        from nanoqwen_runtime.engine import parse_bytes
+        from nanoqwen_runtime.generate import Pipeline
 
-    def requests(tag: str, offset: int, count: int, tokens: int):
+        self.pipe = Pipeline.from_container(model, backend=None)
+        spec = EngineSpec(path=str(model), device=device, kv_memory_bytes=parse_bytes(kv_memory))
+        self.engine = spec.build()
+        self.description = describe_engine(self.engine)
+        for _ in self.engine.generate(self.requests("warm", 90_000, 4, 8)):
+            pass
+
+    def requests(self, tag: str, offset: int, count: int, tokens: int):
+        from nanoqwen_runtime.engine import Request
+        from nanoqwen_runtime.sampling import SamplingParams
+
         return [
             Request(
-                pipe.tokenizer.encode(PROMPT.format(i=offset + i)),
+                self.pipe.tokenizer.encode(PROMPT.format(i=offset + i)),
                 SamplingParams(max_tokens=tokens, temperature=0.0),
                 request_id=f"{tag}{i}",
-                eos_ids=pipe.eos_ids,
+                eos_ids=self.pipe.eos_ids,
                 ignore_eos=True,
             )
             for i in range(count)
         ]
 
-    for _ in engine.generate(requests("warm", 90_000, 4, 8)):
-        pass
-    runs = []
-    for rep, offset in enumerate(offsets):
-        reqs = requests(f"b{rep}-", offset, n, max_tokens)
+    def run(self, n: int, max_tokens: int, offset: int) -> dict:
+        engine = self.engine
+        reqs = self.requests(f"b{offset}-", offset, n, max_tokens)
         rows: list[dict] = []
         tokens = 0
         t0 = time.perf_counter()
@@ -236,11 +248,23 @@ def engine_baseline(model: Path, n: int, max_tokens: int, kv_memory: str, offset
                          "kind": kind, "n_tokens": 0, "t_sent": t_done})
             tokens += sum(ev.num_generated for ev in events if hasattr(ev, "num_generated"))
         wall = time.perf_counter() - t0
-        runs.append({"requests": n, "generated_tokens": tokens, "wall_s": round(wall, 3),
-                     "throughput_tok_s": round(tokens / wall, 1),
-                     "breakdown": breakdown(rows, t0, t0 + wall)})
-    del engine
-    return {**median_run(runs), "engine": description}
+        return {"requests": n, "generated_tokens": tokens, "wall_s": round(wall, 3),
+                "throughput_tok_s": round(tokens / wall, 1), "breakdown": breakdown(rows, t0, t0 + wall)}
+
+
+def paired_ratios(http_runs: list[dict], engine_runs: list[dict]) -> list[float]:
+    """HTTP tok/s over engine tok/s of the runs made one after the other (repeat i of each)."""
+    return [round(h["throughput_tok_s"] / e["throughput_tok_s"], 4)
+            for h, e in zip(http_runs, engine_runs, strict=True)]
+
+
+ARRIVAL_KEYS = ("submit_msgs", "submit_spread_ms", "submit_rows", "prefill_steps", "first_submit_ms",
+                "last_submit_ms")
+
+
+def arrival(b: dict) -> dict:
+    """How a run's submits reached the engine, from its `step_trace.breakdown`."""
+    return {k: b.get(k) for k in ARRIVAL_KEYS}
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -270,19 +294,27 @@ async def lean_run(url: str, model: str, n: int, max_tokens: int, time_limit: fl
     return results, wall, t0
 
 
-def overhead_phase(srv, name: str, args: argparse.Namespace) -> dict:
-    """The timed HTTP runs of the overhead phase: `--overhead-repeats` with each client, alternating."""
-    runs: dict[str, list[dict]] = {"lean": [], "httpx": []}
+def overhead_phase(srv, name: str, args: argparse.Namespace, baseline: EngineBaseline) -> dict:
+    """The timed runs of the overhead phase, `--overhead-repeats` rounds of: the lean HTTP run, the
+    engine baseline on the same requests, the httpx HTTP run. Each round's HTTP/engine ratio is taken
+    from runs seconds apart, so host drift between rounds cancels; the headline ratio is their median."""
+    runs: dict[str, list[dict]] = {"lean": [], "httpx": [], "engine": []}
     for rep in range(args.overhead_repeats):
+        offset = LEAN_OFFSET + 1000 * rep
         res, wall, t0 = asyncio.run(lean_run(srv.url, name, args.overhead_clients, args.overhead_max_tokens,
-                                             args.time_limit, LEAN_OFFSET + 1000 * rep))
+                                             args.time_limit, offset))
         runs["lean"].append({**summarize(res, wall), "window": [t0, t0 + wall]})
+        runs["engine"].append(baseline.run(args.overhead_clients, args.overhead_max_tokens, offset))
         res, wall, t0 = asyncio.run(
             run_clients(srv.url, name, args.overhead_clients, args.overhead_max_tokens, args.time_limit,
                         offset=HTTPX_OFFSET + 1000 * rep, warm=True)
         )
         runs["httpx"].append({**summarize(res, wall), "window": [t0, t0 + wall]})
-    return {kind: median_run(rs) for kind, rs in runs.items()}
+    out = {kind: {**median_run(runs[kind]), "windows": [r["window"] for r in runs[kind]]}
+           for kind in ("lean", "httpx")}  # fmt: skip
+    out["paired_ratios"] = {kind: paired_ratios(runs[kind], runs["engine"]) for kind in ("lean", "httpx")}
+    out["engine"] = {**median_run(runs["engine"]), "engine": baseline.description}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,31 +374,34 @@ def main(argv: list[str] | None = None) -> int:
         load["server_preemptions"] = m.get("nanoqwen_preemptions_total")
         report["load"] = load
         if args.overhead_clients:
-            report["overhead_http"] = overhead_phase(srv, name, args)
+            baseline = EngineBaseline(args.model, args.kv_memory, args.device)
+            report["overhead_http"] = overhead_phase(srv, name, args, baseline)
+            del baseline
     finally:
         report["server_exit_code"] = srv.terminate()
         server_log = srv.log()
     failures_early: list[str] = []
     if args.overhead_clients:
         trace = read_trace(trace_path)
+        report["overhead_engine"] = report["overhead_http"].pop("engine")
+        paired = report["overhead_http"].pop("paired_ratios")
         for run in report["overhead_http"].values():
             run["breakdown"] = breakdown(trace, *run.pop("window"))
-        offsets = [LEAN_OFFSET + 1000 * rep for rep in range(args.overhead_repeats)]
-        report["overhead_engine"] = engine_baseline(
-            args.model, args.overhead_clients, args.overhead_max_tokens, args.kv_memory, offsets, args.device
-        )
+            run["arrival"] = [arrival(breakdown(trace, *w)) for w in run.pop("windows")]
         report["server_engine"] = next(
             (ln.split("nanoqwen serve: ", 1)[1].split(";")[0] for ln in server_log.splitlines()
              if "nanoqwen serve: " in ln), None)
         if report["server_engine"] != report["overhead_engine"]["engine"]:
             failures_early.append(f"the baseline's engine ({report['overhead_engine']['engine']}) is not the "
                                   f"server's ({report['server_engine']})")
+        # the goal's figure: the median of the rounds' paired ratios (overhead_phase); the ratio of the
+        # medians of all runs is kept beside it (the figure before session 7)
+        report["overhead_paired_ratios"] = paired
+        report["overhead_ratio"] = statistics.median(paired["lean"])
+        report["overhead_ratio_httpx"] = statistics.median(paired["httpx"])
         engine_tok_s = report["overhead_engine"]["throughput_tok_s"]
-        lean_tok_s = report["overhead_http"]["lean"]["throughput_tok_s"]
-        report["overhead_ratio"] = round(lean_tok_s / engine_tok_s, 4)
-        report["overhead_ratio_httpx"] = round(
-            report["overhead_http"]["httpx"]["throughput_tok_s"] / engine_tok_s, 4
-        )
+        report["overhead_ratio_of_medians"] = round(
+            report["overhead_http"]["lean"]["throughput_tok_s"] / engine_tok_s, 4)
     load = report["load"]
     failures = failures_early
     if load["lost"]:
@@ -404,10 +439,12 @@ def markdown(r: dict) -> str:
         e = r["overhead_engine"]
         lines += [
             f"Overhead: {r['overhead_clients']} streaming clients x {r['overhead_max_tokens']} tokens, "
-            f"median of {len(e['runs_tok_s'])} runs each. Ratio = HTTP tok/s / engine tok/s on the same "
-            "requests: "
+            f"{len(e['runs_tok_s'])} rounds of (lean HTTP run, engine run, httpx HTTP run). Ratio = the "
+            "median over the rounds of HTTP tok/s / engine tok/s of the same round, same requests: "
             f"**{r['overhead_ratio']}** with the lean client (goal >= 0.95), {r['overhead_ratio_httpx']} "
-            "with httpx clients.",
+            "with httpx clients. Rounds (lean): "
+            f"{', '.join(str(x) for x in r.get('overhead_paired_ratios', {}).get('lean', []))}; "
+            f"ratio of the medians of all runs: {r.get('overhead_ratio_of_medians')}.",
             "",
             "| run | tok/s (runs) | wall s | TTFT p50 / p99 ms | read gap p50 / p99 ms | decode steps | "
             "decode step ms | prefill steps | prefill ms | around steps ms | idle ms |",
@@ -425,8 +462,29 @@ def markdown(r: dict) -> str:
             )
         lines += ["", "decode step ms: the mean; prefill ms, around steps ms and idle ms: totals within "
                   "the run's wall time (see step_trace.py).", ""]
+        lines += submit_arrival(r)
     lines += [f"Failures: {', '.join(r['failures']) or 'none'}", ""]
     return "\n".join(lines)
+
+
+def submit_arrival(r: dict) -> list[str]:
+    """The table of how each timed HTTP run's submits reached the engine (step_trace.breakdown's keys;
+    a report from before 2026-12-01 session 7 has only its median runs' breakdowns)."""
+    lines = [
+        f"Submit arrival: how the {r['overhead_clients']} submits of each timed run reached the engine "
+        "(pipe messages with a submit; first to last message; engine iterations that applied submits, "
+        "each then stepped: 1 = the burst started in one prefill).",
+        "",
+        "| run | submit messages | first to last message ms | engine iterations with submits | "
+        "prefill steps | first / last submit ms from start |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind, v in r["overhead_http"].items():
+        for i, a in enumerate(v.get("arrival") or [arrival(v["breakdown"])]):
+            label = f"HTTP, {kind} client, run {i + 1}" if "arrival" in v else f"HTTP, {kind} client (median)"
+            lines.append(f"| {label} | {a['submit_msgs']} | {a['submit_spread_ms']} | {a['submit_rows']} | "
+                         f"{a['prefill_steps']} | {a['first_submit_ms']} / {a['last_submit_ms']} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":

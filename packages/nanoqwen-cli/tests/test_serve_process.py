@@ -303,3 +303,25 @@ def test_sender_keeps_order_and_reports_a_closed_pipe():
         sender.put(m)
     sender.close()
     assert sender.broken
+
+
+def test_fake_engine_prefill_is_a_step_of_its_own():
+    """With prefill_s > 0 the fake engine schedules like the CUDA engine: a prefill step (after a decode,
+    or with nothing running) emits only the admitted requests' first tokens; decode steps emit one
+    token per running request. With prefill_s = 0 new requests get their first token in a decode."""
+
+    def step(eng):
+        return [(ev.request, ev.index) for ev in eng.step() if hasattr(ev, "index")]
+
+    eng = FakeEngineSpec(busy_s=0.0, sleep_s=0.0, prefill_s=1e-4).build()
+    eng.submit(request("a", 3))
+    eng.submit(request("b", 3))
+    assert step(eng) == [("a", 0), ("b", 0)]
+    eng.submit(request("c", 3))
+    assert step(eng) == [("a", 1), ("b", 1)]            # a decode comes first after a prefill
+    assert step(eng) == [("c", 0)]                      # then c's prefill: the others wait
+    assert step(eng) == [("a", 2), ("b", 2), ("c", 1)]  # a and b end
+    assert eng.num_steps == {"prefill": 2, "decode": 2}
+    legacy = FakeEngineSpec(busy_s=0.0, sleep_s=0.0).build()
+    legacy.submit(request("a", 3))
+    assert step(legacy) == [("a", 0)] and legacy.num_steps == {"prefill": 0, "decode": 1}

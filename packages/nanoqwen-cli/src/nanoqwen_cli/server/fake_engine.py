@@ -1,15 +1,24 @@
 """TEST AND BENCHMARK ONLY: an engine without a model whose step costs a fixed host time.
 
 `FakeEngineSpec(busy_s, sleep_s)` builds a `FakeEngine` with the engine surface the server drives
-(submit / abort / step / has_work / stats / generate, max_model_len, geom.vocab_size, name). Its
-`step()` spins in pure Python for `busy_s` (holding the GIL, as the CUDA engine's scheduling and
+(submit / abort / step / has_work / stats / generate / num_steps, max_model_len, geom.vocab_size, name).
+Its decode step spins in pure Python for `busy_s` (holding the GIL, as the CUDA engine's scheduling and
 launch code does) and then sleeps `sleep_s` (GIL released, as a GPU sync does), and emits one token
 per running request: token id = index % vocab_size, text " t" (two characters), `max_tokens` tokens
 then finish reason "length". Up to `max_batch` requests run; the rest wait in arrival order.
 
-The busy part is a fixed amount of work (a loop whose length is calibrated when the engine is built to
-take `busy_s` on an idle core), not a spin until a deadline: when another thread takes the GIL in the
-middle of it, the step gets longer, as the real engine's does.
+Prefill: with `prefill_s` = 0 (the default) a waiting request joins the running ones at the start of a
+decode step and gets its first token from it. With `prefill_s` > 0 a prefill is a step of its own, as
+in the CUDA engine's scheduler: when requests wait and the last step was a decode (or none runs), the
+step admits them (up to `max_batch` running), spins for `prefill_s` and emits each admitted request's
+first token; the running ones get none. The cost is fixed, whatever the number of prompts: on the
+0.5B on the H200 a prefill is ~9-14 ms of mostly host work, nearly the same for 1 prompt as for 32,
+so a burst that reaches the engine in two parts pays it twice (bench/server/NOTES.md, session 7).
+`num_steps` counts the "prefill" and "decode" steps, like the CUDA engine's (the step trace reads it).
+
+The busy parts are a fixed amount of work (a loop whose length is calibrated when the engine is built
+to take `busy_s` or `prefill_s` on an idle core), not a spin until a deadline: when another thread
+takes the GIL in the middle of it, the step gets longer, as the real engine's does.
 
 It exists so that bench/server/overhead_sim.py can measure the server's overhead on a machine without
 a GPU, with a step cost like the H200's on the 0.5B (~3 ms, about half of it host-bound). Nothing in
@@ -37,9 +46,11 @@ TOKEN_TEXT = " t"
 
 @dataclass(frozen=True)
 class FakeEngineSpec:
-    """busy_s: seconds of GIL-holding Python per step; sleep_s: seconds of GIL-free sleep per step.
-    spins: the busy loop's length; None calibrates it to busy_s where the engine is built (give the
-    value of `calibrate(busy_s)` to compare two engines in different processes on the same work)."""
+    """busy_s: seconds of GIL-holding Python per decode step; sleep_s: seconds of GIL-free sleep per
+    decode step; prefill_s: seconds of GIL-holding Python per prefill step (0: no prefill steps, see
+    the module header). spins, prefill_spins: the busy loops' lengths; None calibrates them to busy_s
+    and prefill_s where the engine is built (give the values of `calibrate(...)` to compare two engines
+    in different processes on the same work)."""
 
     busy_s: float = 0.0015
     sleep_s: float = 0.0015
@@ -47,6 +58,8 @@ class FakeEngineSpec:
     max_model_len: int = 4096
     vocab_size: int = 1000
     spins: int | None = None
+    prefill_s: float = 0.0
+    prefill_spins: int | None = None
 
     def build(self) -> FakeEngine:
         return FakeEngine(self)
@@ -63,12 +76,17 @@ class FakeEngine:
         self.spec = spec
         self.max_model_len = spec.max_model_len
         self.geom = SimpleNamespace(vocab_size=spec.vocab_size)
+        prefill = f", {spec.prefill_s * 1e3:.2f} ms busy per prefill" if spec.prefill_s > 0 else ""
         self.name = (f"fake engine (test only): {spec.busy_s * 1e3:.2f} ms busy + "
-                     f"{spec.sleep_s * 1e3:.2f} ms sleep per step, max_batch {spec.max_batch}")
+                     f"{spec.sleep_s * 1e3:.2f} ms sleep per step{prefill}, max_batch {spec.max_batch}")
         self._spins = spec.spins if spec.spins is not None else calibrate(spec.busy_s)
+        self._prefill_spins = (spec.prefill_spins if spec.prefill_spins is not None
+                               else calibrate(spec.prefill_s))
         self._waiting: deque[_Seq] = deque()
         self._running: dict[str, _Seq] = {}
+        self._last_kind = "decode"
         self.steps = 0
+        self.num_steps = {"prefill": 0, "decode": 0}
 
     @property
     def has_work(self) -> bool:
@@ -97,15 +115,38 @@ class FakeEngine:
                            num_generated=seq.generated)
 
     def step(self) -> list:
-        _spin(self._spins)             # host work that holds the GIL
-        time.sleep(self.spec.sleep_s)  # a device sync: the GIL is free
+        """One prefill step (separate prefills, requests waiting, after a decode or with none running)
+        or one decode step; the events of its tokens and of the requests that ended."""
         self.steps += 1
+        spec = self.spec
+        can_admit = self._waiting and len(self._running) < spec.max_batch
+        if spec.prefill_s > 0 and can_admit and (self._last_kind == "decode" or not self._running):
+            self._last_kind = "prefill"
+            self.num_steps["prefill"] += 1
+            _spin(self._prefill_spins)  # a prefill's fixed host cost
+            return self._emit(self._admit())
+        self._last_kind = "decode"
+        self.num_steps["decode"] += 1
+        _spin(self._spins)             # host work that holds the GIL
+        time.sleep(spec.sleep_s)       # a device sync: the GIL is free
+        if spec.prefill_s <= 0:
+            self._admit()
+        return self._emit(list(self._running.values()))
+
+    def _admit(self) -> list[_Seq]:
+        """Move waiting requests to the running ones, up to max_batch; the ones moved."""
+        admitted = []
         while self._waiting and len(self._running) < self.spec.max_batch:
             s = self._waiting.popleft()
             self._running[s.request.request_id] = s
+            admitted.append(s)
+        return admitted
+
+    def _emit(self, seqs: list[_Seq]) -> list:
+        """One token for each of `seqs`, and the finish of those that reach their max_tokens."""
         events: list = []
-        for rid, s in list(self._running.items()):
-            idx = s.generated
+        for s in seqs:
+            rid, idx = s.request.request_id, s.generated
             s.generated += 1
             done = s.generated >= s.request.params.max_tokens
             events.append(TokenEvent(rid, idx % self.spec.vocab_size, idx, TOKEN_TEXT,
