@@ -218,6 +218,22 @@ NQ_STREAM_VEC(24, 1)
 // The loop walks total = reps x KC tile-columns (index i, tile-column i & (KC - 1): KC is a power of
 // two), so no load is loop-invariant. out: fp32 [gridDim.x][M][128], every block writes its result.
 // qweight/scales/zeros: the weight in the package layout (int4-g128-tile8x128-v1), N = 128, K = 128 KC.
+// The compute kernels' output: block b's fp32 [M, 128] at out + b * M * 128; lane (g, t) of warp w
+// holds y[2t, 2t + 1] of rows 16 w + g (acc[0..1]) and 16 w + g + 8 (acc[2..3]).
+NQ_DEVICE void store_compute_out(const float (&acc)[4], float* __restrict__ out, int M, int warp, int g,
+                                  int t) {
+  float* o = out + (i64)blockIdx.x * M * 128;
+  const int row0 = 16 * warp + g, row1 = row0 + 8, m0 = 2 * t, m1 = 2 * t + 1;
+  if (m0 < M) {
+    o[m0 * 128 + row0] = acc[0];
+    o[m0 * 128 + row1] = acc[2];
+  }
+  if (m1 < M) {
+    o[m1 * 128 + row0] = acc[1];
+    o[m1 * 128 + row1] = acc[3];
+  }
+}
+
 template <bool ASYM>
 NQ_DEVICE void gemv_compute(const uint4* __restrict__ qweight, const u16* __restrict__ scales,
                             const u8* __restrict__ zeros, const bf16_t* __restrict__ x, float* __restrict__ out,
@@ -308,16 +324,7 @@ NQ_DEVICE void gemv_compute(const uint4* __restrict__ qweight, const u16* __rest
     compute_col(B, base + 1);
   }
 
-  float* o = out + (i64)blockIdx.x * M * 128;
-  const int row0 = 16 * warp + g, row1 = row0 + 8, m0 = 2 * t, m1 = 2 * t + 1;
-  if (m0 < M) {
-    o[m0 * 128 + row0] = acc[0];
-    o[m0 * 128 + row1] = acc[2];
-  }
-  if (m1 < M) {
-    o[m1 * 128 + row0] = acc[1];
-    o[m1 * 128 + row1] = acc[3];
-  }
+  store_compute_out(acc, out, M, warp, g, t);
 }
 
 // 4 blocks of 8 warps per SM, like gemv_int4_g128_sym (64 registers).
@@ -400,16 +407,7 @@ NQ_DEVICE void gemv_compute_v2(const uint4* __restrict__ qweight, const u16* __r
   // checked after the loop, so that the compiler cannot assume KC == V2_KC inside it
   if (KC != V2_KC) acc[0] = acc[1] = acc[2] = acc[3] = __int_as_float(0x7fc00000);
 
-  float* o = out + (i64)blockIdx.x * M * 128;
-  const int row0 = 16 * warp + g, row1 = row0 + 8, m0 = 2 * t, m1 = 2 * t + 1;
-  if (m0 < M) {
-    o[m0 * 128 + row0] = acc[0];
-    o[m0 * 128 + row1] = acc[2];
-  }
-  if (m1 < M) {
-    o[m1 * 128 + row0] = acc[1];
-    o[m1 * 128 + row1] = acc[3];
-  }
+  store_compute_out(acc, out, M, warp, g, t);
 }
 
 #define NQ_COMPUTE_V2(NAME, ASYM, U)                                                                    \
