@@ -1,6 +1,7 @@
-"""Exact import of published 4-bit GPTQ and AWQ checkpoints (HF folders or hub ids) into the
-`int4-g{G}-tile8x128-f16s-v1` container layout: the formats and their conversion, in numpy (the
-Source that reads such a folder is sources.QuantizedHFSource; the pack path is pack_import.py). The
+"""Exact import of published 4-bit GPTQ and AWQ checkpoints (HF folders or hub ids), and of GGUF files
+whose decoder linears are all Q4_0, into the `int4-g{G}-tile8x128-f16s-v1` container layout: the
+formats and their conversion, in numpy (the Sources that read them are sources.QuantizedHFSource and
+sources.GGUFSource; the pack path is pack_import.py). The
 checkpoint's codes, fp16 scales and zero points are moved, never requantized, so every imported
 weight dequantizes to the checkpoint's own weight bit for bit in fp32 (tests/test_checkpoints.py
 checks it against a test-side writer of both formats).
@@ -43,7 +44,8 @@ import nanoqwen_format as nqf
 import numpy as np
 
 __all__ = ["AWQ_ORDER", "FUSED", "IMPORT_METHODS", "CheckpointImportError", "QuantScheme", "read_scheme",
-           "unpack_gptq_qweight", "unpack_columns", "import_layer", "layer_tensor_names"]
+           "unpack_gptq_qweight", "unpack_columns", "import_layer", "layer_tensor_names", "gguf_q4_0_scheme",
+           "unpack_q4_0"]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble b of a word holds column 8c + AWQ_ORDER[b]
 IMPORT_METHODS = ("gptq", "awq")
@@ -227,6 +229,39 @@ def import_layer(raw: RawGetter, has: HasTensor, i: int, shapes: dict, scheme: Q
         zeros = None if (z == 8).all() else z  # GPTQ sym: the container's implicit 8
         out[name] = nqf.int4.pack(q, s, zeros, scheme.group_size, scale_dtype="f16")
     return out
+
+
+# ------------------------------------------------------------------------------------------- GGUF Q4_0
+# llama.cpp's Q4_0 (ggml-common.h `block_q4_0`): blocks of 32 weights along a row, 18 bytes each: the
+# fp16 scale d, then 16 bytes qs where weight j (0..15) is qs[j] & 0xF and weight 16 + j is qs[j] >> 4;
+# w = (q - 8) * d. That is the container's symmetric g32 layout with fp16 scales (implicit zero point 8)
+# exactly: the same codes, the same fp16 scale per group of 32 along K.
+Q4_0_BLOCK = 32
+Q4_0_BLOCK_BYTES = 18
+GGUF_Q4_0_SCHEME_FMT = "Q4_0"
+
+
+def gguf_q4_0_scheme() -> QuantScheme:
+    """The scheme of a GGUF whose decoder linears are all Q4_0 (sources.QuantizedGGUFSource)."""
+    return QuantScheme("gguf", Q4_0_BLOCK, GGUF_Q4_0_SCHEME_FMT, True, False)
+
+
+def unpack_q4_0(blocks: np.ndarray, n: int, k: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_0 tensor's raw bytes (uint8, n rows of k / 32 blocks, as gguf's reader gives them) -> (q
+    uint8 [n, k] in 0..15, d float16 [n, k / 32]), unchanged."""
+    if k % Q4_0_BLOCK:
+        raise CheckpointImportError(f"{name}: Q4_0 row length {k} is not a multiple of {Q4_0_BLOCK}")
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8)
+    if raw.size != n * (k // Q4_0_BLOCK) * Q4_0_BLOCK_BYTES:
+        raise CheckpointImportError(f"{name}: {raw.size} bytes of Q4_0 data, a [{n}, {k}] tensor needs "
+                                    f"{n * (k // Q4_0_BLOCK) * Q4_0_BLOCK_BYTES}")
+    b = raw.reshape(n, k // Q4_0_BLOCK, Q4_0_BLOCK_BYTES)
+    d = np.ascontiguousarray(b[:, :, :2]).view(np.float16).reshape(n, k // Q4_0_BLOCK)
+    if not np.isfinite(d).all():
+        raise CheckpointImportError(f"{name}: a Q4_0 scale is NaN or Inf")
+    qs = b[:, :, 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, k)  # weights 0..15, then 16..31
+    return np.ascontiguousarray(q), np.ascontiguousarray(d)
 
 
 def layer_tensor_names(i: int) -> list[str]:

@@ -13,7 +13,8 @@ and write the held-out evaluation text.
 
 SRC is a GGUF file, a local HF folder (safetensors + config.json + tokenizer.json), or an HF hub id.
 Without --method: GPTQ asym g128 with 65,536 stdlib calibration tokens (`PackOptions`' defaults, chosen by
-bench/quality/README.md), or `import` for an already-quantized GPTQ/AWQ checkpoint. A calibrated pack on
+bench/quality/README.md), or `import` for an already-quantized GPTQ/AWQ checkpoint or a GGUF whose
+decoder linears are all Q4_0. A calibrated pack on
 the CPU prints one notice first (its cost, and `--method rtn`, the calibration-free recipe).
 
 Errors: one line on stderr, `error: ...`, and exit code 2 for a bad command line (an option value or
@@ -46,7 +47,7 @@ from .gptq import GPTQConfig
 from .options import PackOptions, UsageError
 from .pack import PackSummary, check_output_path
 from .pack import pack as do_pack
-from .sources import QuantizedHFSource, open_source
+from .sources import is_quantized_source, open_source
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Import Qwen2 checkpoints and quantize them to INT4 (RTN, GPTQ) into .nanoqwen files.")
@@ -125,8 +126,8 @@ def pack(
                              "OUT.partial-PID-RANDOM beside it, then renamed; an existing file is replaced, "
                              "a directory refused"),
     method: str = typer.Option(None, help="gptq | rtn (no calibration) | none (bf16 linears) | import (a "
-                               "GPTQ/AWQ checkpoint, exactly); default: import for a GPTQ/AWQ checkpoint, "
-                               "else gptq"),
+                               "GPTQ/AWQ checkpoint or an all-Q4_0 GGUF, exactly); default: import for "
+                               "those, else gptq"),
     group_size: int = typer.Option(_D.group_size, help="INT4 group size: 32, 64 or 128 (also the int8/int4 "
                                    "lm_head's)"),
     sym: bool = typer.Option(_D.symmetric, "--sym/--asym",
@@ -182,7 +183,7 @@ def pack(
         if err.is_terminal:  # feedback while a hub download or a GGUF's tokenizer conversion runs
             err.print(f"opening {src}", markup=False, highlight=False, soft_wrap=True)
         source = open_source(src)
-        if method is None and isinstance(source, QuantizedHFSource):  # no --method: import it exactly
+        if method is None and is_quantized_source(source):  # no --method: import it exactly
             opts.method = "import"
             opts.validate()
         opts.check_model(source.config)

@@ -1,5 +1,6 @@
-"""`pack --method import`: a GPTQ/AWQ checkpoint (sources.QuantizedHFSource) -> a `.nanoqwen` container,
-exactly (the formats and their conversion: checkpoints.py).
+"""`pack --method import`: a GPTQ/AWQ checkpoint (sources.QuantizedHFSource), or a GGUF whose decoder
+linears are all Q4_0 (sources.GGUFSource with a `scheme`) -> a `.nanoqwen` container, exactly (the
+formats and their conversion: checkpoints.py).
 
 The container writer (io.write_container) streams it like an RTN pack, one layer at a time: the
 non-quantized tensors come from `source.layer(i)` (bf16), the four fused linears from
@@ -9,7 +10,10 @@ import is exact); the metadata's `quantization` describes the checkpoint's schem
 
 Which method a source takes (`check_import_options`, called by pack.pack before anything is read):
 a GPTQ/AWQ checkpoint is imported (requantizing it is refused: its weights are already on a 4-bit
-grid, and a second rounding only adds error), and "import" needs such a checkpoint. The quantizer's
+grid, and a second rounding only adds error; it has no float weights to requantize either), and
+"import" needs such a checkpoint or an all-Q4_0 GGUF. An all-Q4_0 GGUF is imported when no method is
+given (cli.py); asked for explicitly, rtn, gptq and none still requantize or dequantize it (g128 is
+smaller and faster than Q4_0's g32 with fp16 scales, and `none` is the reference of `eval`). The quantizer's
 options (clip, AWQ scaling; group size and symmetry unless an int4/int8 lm_head uses them) are
 refused with "import": the checkpoint fixes them.
 """
@@ -24,7 +28,7 @@ import torch
 
 from .io import container_metadata, write_container
 from .options import PackOptions, Progress, UsageError
-from .sources import QuantizedHFSource, Source
+from .sources import QuantizedHFSource, Source, is_quantized_source
 
 __all__ = ["check_import_options", "pack_import"]
 
@@ -41,16 +45,17 @@ class _Imported:
 
 def check_import_options(source: Source, opts: PackOptions) -> None:
     """UsageError unless `opts.method` fits `source` (see the module header)."""
-    quantized = isinstance(source, QuantizedHFSource)
-    if quantized and opts.method != "import":
+    quantized = is_quantized_source(source)
+    if isinstance(source, QuantizedHFSource) and opts.method != "import":
         raise UsageError(f"{source.spec} is a {source.scheme.method} checkpoint: it is imported exactly "
                          f"with --method import (or no --method); requantizing it with {opts.method} is "
                          "refused (a second rounding of weights already on a 4-bit grid only adds error)")
     if opts.method != "import":
         return
     if not quantized:
-        raise UsageError(f"method import (--method) needs a GPTQ or AWQ checkpoint, and {source.spec} "
-                         "declares no quantization_config: use --method rtn, gptq or none")
+        raise UsageError(f"method import (--method) needs a GPTQ or AWQ checkpoint or a GGUF whose "
+                         f"decoder linears are all Q4_0, and {source.spec} is neither: use --method rtn, "
+                         "gptq or none")
     defaults = PackOptions()
     for field_, flag in (("clip", "--clip"), ("clip_act", "--clip-act"), ("awq", "--awq")):
         if getattr(opts, field_, None) != getattr(defaults, field_, None):
@@ -64,7 +69,22 @@ def check_import_options(source: Source, opts: PackOptions) -> None:
                          "which keeps the checkpoint's own zero points")
 
 
-def pack_import(source: QuantizedHFSource, out: Path, opts: PackOptions, source_sha: str,
+class _PlainLayers:
+    """`source` as write_container reads it, with `layer(i)` = `source.plain_layer(i)`: only the
+    non-quantized tensors of a layer, the linears coming from `quantized_layer` (a GGUF's `layer` would
+    dequantize them too)."""
+
+    def __init__(self, source: Source):
+        self._source = source
+
+    def __getattr__(self, name: str):
+        return getattr(self._source, name)
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return self._source.plain_layer(i)
+
+
+def pack_import(source: Source, out: Path, opts: PackOptions, source_sha: str,
                 progress: Progress, log: Callable[[str], None]) -> tuple[list[dict], list[str]]:
     """Write the container of an imported checkpoint. Returns (layer_errors: {} per layer, nothing is
     measured; notes: one line saying what was imported)."""
@@ -83,6 +103,6 @@ def pack_import(source: QuantizedHFSource, out: Path, opts: PackOptions, source_
                                  symmetric=all(symmetric), source_format=sc.to_metadata())
         return m
 
-    write_container(source, opts, out, quantized_layer, meta, progress, log)
+    write_container(_PlainLayers(source), opts, out, quantized_layer, meta, progress, log)
     return layer_errors, [f"imported {sc.method} ({sc.fmt}) g{sc.group_size} exactly, layout "
                           f"{nqf.layout_tag('int4', sc.group_size, 'f16')}"]

@@ -34,7 +34,16 @@ import torch
 from nanoqwen_model.config import GGUF_ARCHITECTURES, Qwen2Config, UnsupportedModelError
 from nanoqwen_model.forward import LAYER_TENSORS
 
-from .checkpoints import QuantScheme, import_layer, layer_tensor_names, read_scheme
+from .checkpoints import (
+    FUSED,
+    CheckpointImportError,
+    QuantScheme,
+    gguf_q4_0_scheme,
+    import_layer,
+    layer_tensor_names,
+    read_scheme,
+    unpack_q4_0,
+)
 
 
 class SourceError(ValueError):
@@ -162,7 +171,13 @@ def gguf_name(hf_name: str) -> str:
 
 
 class GGUFSource(Source):
-    """A llama.cpp GGUF file of a qwen2 model; quantized blocks are dequantized per tensor."""
+    """A llama.cpp GGUF file of a qwen2 model; quantized blocks are dequantized per tensor (`layer`).
+
+    When every decoder linear (q, k, v, o, gate, up, down of every layer) is Q4_0, `scheme` says so and
+    the linears can be imported exactly instead (`quantized_layer`: symmetric g32 with fp16 scales,
+    checkpoints.unpack_q4_0), with `plain_layer` holding the rest of a layer (norms, the q/k/v bias).
+    `layer` still dequantizes everything, for `--method none` of the same file (the reference that
+    `nanoqwen-quant eval` compares against). Embeddings and the lm_head are read as always (to bf16)."""
 
     def __init__(self, path: str | Path):
         import gguf
@@ -206,6 +221,8 @@ class GGUFSource(Source):
             raise SourceError(f"{path}: GGUF has no tokenizer.chat_template")
         self.tokenizer_json = gguf_tokenizer_json(self.path)
         self.generation = qwen_generation_defaults(eos_ids)
+        # every decoder linear Q4_0: they can be imported exactly (quantized_layer); no --method imports
+        self.scheme: QuantScheme | None = gguf_q4_0_scheme() if self._all_linears_q4_0() else None
 
     def _eos_ids(self, eos: int | None) -> list[int]:
         """The GGUF eos plus `<|endoftext|>`: Qwen's generation_config.json stops on both."""
@@ -236,8 +253,60 @@ class GGUFSource(Source):
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # ggml [ne0, ne1] -> torch [ne1, ne0]
         return _to_bf16(np.asarray(a, dtype=np.float32).reshape(shape))
 
+    def _all_linears_q4_0(self) -> bool:
+        """Whether every decoder linear is stored as Q4_0 (no tensor data read)."""
+        for i in range(self.config.num_hidden_layers):
+            for parts in FUSED.values():
+                for b in parts:
+                    t = self._tensors.get(gguf_name(f"model.layers.{i}.{b}.weight"))
+                    if t is None or t.tensor_type.name != "Q4_0":
+                        return False
+        return True
+
+    def _linear_q4_0(self, hf_name: str) -> tuple[np.ndarray, np.ndarray]:
+        name = gguf_name(hf_name)
+        t = self._tensors.get(name)
+        if t is None:
+            raise SourceError(f"{self.spec}: missing tensor {name} ({hf_name})")
+        if t.tensor_type.name != "Q4_0":
+            raise CheckpointImportError(f"{self.spec}: {name} is {t.tensor_type.name}, not Q4_0: only a "
+                                        "GGUF whose decoder linears are all Q4_0 is imported exactly")
+        k, n = (int(x) for x in t.shape.tolist())  # ggml order: [ne0 = in_features, ne1 = out_features]
+        return unpack_q4_0(t.data, n, k, f"{self.spec}: {name}")
+
+    def quantized_layer(self, i: int) -> dict:
+        """{container linear name: nanoqwen_format.QuantizedTensor} of decoder layer i, exact."""
+        import nanoqwen_format as nqf
+
+        if not 0 <= i < self.config.num_hidden_layers:
+            raise IndexError(f"layer {i} out of range 0..{self.config.num_hidden_layers - 1}")
+        shapes = self.config.tensor_shapes()
+        out = {}
+        for name, parts in FUSED.items():
+            got = [self._linear_q4_0(f"model.layers.{i}.{b}.weight") for b in parts]
+            q = np.concatenate([x[0] for x in got], 0)
+            d = np.concatenate([x[1] for x in got], 0)
+            if q.shape != tuple(shapes[f"layers.{i}.{name}"]):
+                raise SourceError(f"{self.spec}: layer {i} {name}: the Q4_0 tensors give shape "
+                                  f"{list(q.shape)}, the config implies {list(shapes[f'layers.{i}.{name}'])}")
+            out[name] = nqf.int4.pack(q, d, None, self.scheme.group_size, scale_dtype="f16")
+        return out
+
+    def plain_layer(self, i: int) -> dict[str, torch.Tensor]:
+        """The non-quantized tensors of layer i (bf16): norms and the fused q/k/v bias."""
+        p = f"model.layers.{i}."
+        return {"input_norm": self._get(p + "input_layernorm.weight"),
+                "qkv_bias": torch.cat([self._get(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0),
+                "post_attn_norm": self._get(p + "post_attention_layernorm.weight")}
+
     def source_sha256(self) -> str:
         return _sha256_files([self.path])
+
+
+def is_quantized_source(source: Source) -> bool:
+    """A source whose linears are imported exactly (`--method import`): a GPTQ/AWQ checkpoint or a GGUF
+    whose decoder linears are all Q4_0. Both have `scheme`, `quantized_layer(i)` and `plain_layer(i)`."""
+    return isinstance(source, QuantizedHFSource) or getattr(source, "scheme", None) is not None
 
 
 def gguf_tokenizer_json(path: Path) -> str:
@@ -368,6 +437,10 @@ class QuantizedHFSource(HFFolderSource):
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         """The non-quantized tensors of layer i (bf16): norms and the fused q/k/v bias."""
+        return self.plain_layer(i)
+
+    def plain_layer(self, i: int) -> dict[str, torch.Tensor]:
+        """The non-quantized tensors of layer i (bf16): norms and the fused q/k/v bias."""
         if not 0 <= i < self.config.num_hidden_layers:
             raise IndexError(f"layer {i} out of range 0..{self.config.num_hidden_layers - 1}")
         p = f"model.layers.{i}."
@@ -428,4 +501,5 @@ def open_source(spec: str) -> Source:
 
 
 __all__ = ["Source", "GGUFSource", "HFFolderSource", "SourceError", "UnsupportedModelError", "open_source",
-           "hub_source", "hf_folder_source", "QuantizedHFSource", "packable"]
+           "hub_source", "hf_folder_source", "QuantizedHFSource", "is_quantized_source",
+           "packable"]
