@@ -64,9 +64,10 @@ class CheckpointImportError(ValueError):
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """The quantization a checkpoint declares. method "gptq" | "awq"; fmt: GPTQ's checkpoint_format
-    ("gptq" = v1, zero points stored minus one; "gptq_v2") or AWQ's version ("gemm"); sym: GPTQ's
-    `sym` (AWQ: False, it always stores zero points); desc_act: GPTQ's act-order flag."""
+    """The quantization a checkpoint declares. method "gptq" | "awq" | "gguf" (an all-Q4_0 GGUF,
+    `gguf_q4_0_scheme`); fmt: GPTQ's checkpoint_format ("gptq" = v1, zero points stored minus one;
+    "gptq_v2"), AWQ's version ("gemm") or the GGUF block type ("Q4_0"); sym: GPTQ's `sym` (AWQ: False,
+    it always stores zero points; Q4_0: True); desc_act: GPTQ's act-order flag."""
 
     method: str
     group_size: int
