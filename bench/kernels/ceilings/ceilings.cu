@@ -218,6 +218,15 @@ NQ_STREAM_VEC(24, 1)
 // The loop walks total = reps x KC tile-columns (index i, tile-column i & (KC - 1): KC is a power of
 // two), so no load is loop-invariant. out: fp32 [gridDim.x][M][128], every block writes its result.
 // qweight/scales/zeros: the weight in the package layout (int4-g128-tile8x128-v1), N = 128, K = 128 KC.
+// The compute kernels' weights in shared memory: the 16 tiles (8 warps' tile pairs) x KC tile-columns of
+// the global [16, KC, 32 lanes] words, laid out [warp][tc][tile of the pair][lane] (uint4 each).
+NQ_DEVICE void fill_weight_tiles(uint4* wsm, const uint4* __restrict__ qweight, int KC) {
+  for (int idx = threadIdx.x; idx < 16 * KC * 32; idx += blockDim.x) {  // 16 tiles x KC x 32 lanes
+    const int l = idx & 31, tc = (idx >> 5) % KC, tile = (idx >> 5) / KC;
+    wsm[((tile >> 1) * KC + tc) * 64 + (tile & 1) * 32 + l] = qweight[((i64)tile * KC + tc) * 32 + l];
+  }
+}
+
 // The compute kernels' output: block b's fp32 [M, 128] at out + b * M * 128; lane (g, t) of warp w
 // holds y[2t, 2t + 1] of rows 16 w + g (acc[0..1]) and 16 w + g + 8 (acc[2..3]).
 NQ_DEVICE void store_compute_out(const float (&acc)[4], float* __restrict__ out, int M, int warp, int g,
@@ -248,10 +257,7 @@ NQ_DEVICE void gemv_compute(const uint4* __restrict__ qweight, const u16* __rest
   const int g = lane >> 2, t = lane & 3;
 
   // fill shared memory from the global weight (once; not part of the timed difference)
-  for (int idx = threadIdx.x; idx < 16 * KC * 32; idx += blockDim.x) {  // 16 tiles x KC x 32 lanes
-    const int l = idx & 31, tc = (idx >> 5) % KC, tile = (idx >> 5) / KC;
-    wsm[((tile >> 1) * KC + tc) * 64 + (tile & 1) * 32 + l] = qweight[((i64)tile * KC + tc) * 32 + l];
-  }
+  fill_weight_tiles(wsm, qweight, KC);
   for (int idx = threadIdx.x; idx < 128 * KC; idx += blockDim.x) {  // rows x groups
     const int row = idx / KC, tc = idx - row * KC, tile = row >> 3, gg = row & 7;
     const int dst = (((tile >> 1) * KC + tc) * 2 + (tile & 1)) * 8 + gg;
@@ -371,10 +377,7 @@ NQ_DEVICE void gemv_compute_v2(const uint4* __restrict__ qweight, const u16* __r
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
 
-  for (int idx = threadIdx.x; idx < 16 * KC * 32; idx += blockDim.x) {  // 16 tiles x KC x 32 lanes
-    const int l = idx & 31, tc = (idx >> 5) % KC, tile = (idx >> 5) / KC;
-    wsm[((tile >> 1) * KC + tc) * 64 + (tile & 1) * 32 + l] = qweight[((i64)tile * KC + tc) * 32 + l];
-  }
+  fill_weight_tiles(wsm, qweight, KC);
   if (KC == V2_KC) {
     for (int idx = threadIdx.x; idx < 128 * V2_KC; idx += blockDim.x) {  // rows x groups
       const int row = idx / V2_KC, tc = idx - row * V2_KC;
