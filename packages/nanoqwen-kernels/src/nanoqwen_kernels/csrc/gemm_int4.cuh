@@ -126,7 +126,7 @@ NQ_DEVICE void silu_mul_rows(bf16_t* xs, const bf16_t* raw) {
   }
 }
 
-// One tile-column of a warp's tile pair, in registers (the GEMV's Stage with U = 1).
+// One tile-column of a warp's tile pair, in registers (the GEMV's Stage).
 template <int G>
 struct Col {
   uint4 w0, w1;

@@ -23,8 +23,7 @@ using namespace nq_gemv;
            const u16* __restrict__ scales, const u8* __restrict__ zeros,                              \
            const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,         \
            int* __restrict__ counters, int M, int N, int K, int kc) {                                 \
-    gemv_int4<G, ASYM, XMODE, 1, ST>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K,   \
-                                     kc);                                                             \
+    gemv_int4<G, ASYM, XMODE, ST>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, kc);  \
   }
 
 // One tile-column per pipeline stage (two stages in flight; deeper stages measured slower on the H200,

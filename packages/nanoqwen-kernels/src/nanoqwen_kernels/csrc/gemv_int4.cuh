@@ -165,20 +165,20 @@ NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, 
   }
 }
 
-// U tile-columns of one warp's tile pair: the registers of one pipeline stage.
-template <int G, bool ASYM, int U>
+// One tile-column of one warp's tile pair: the registers of one pipeline stage.
+template <int G, bool ASYM>
 struct Stage {
   using ScaleT = typename ScaleBits<G>::type;
-  uint4 w0[U], w1[U];
-  ScaleT s0[U], s1[U];
-  u32 z0[U], z1[U];
+  uint4 w0, w1;
+  ScaleT s0, s1;
+  u32 z0, z1;
 };
 
 NQ_DEVICE void store_gemv_out(const float (&acc)[4], const bf16_t* __restrict__ bias, bf16_t* __restrict__ out,
                               float* __restrict__ ws, int* __restrict__ counters, int M, int N);
 
 // scales: the raw 16-bit scale words, bf16 or fp16 as ST says.
-template <int G, bool ASYM, int XMODE, int U, typename ST>
+template <int G, bool ASYM, int XMODE, typename ST>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                          const u16* __restrict__ scales, const u8* __restrict__ zeros,
                          const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
@@ -187,7 +187,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
   constexpr int GPT = 128 / G;
   const int KT = K / 128, NT = N / 8, KG = K / G;
-  const int S = gridDim.y, split = blockIdx.y;
+  const int split = blockIdx.y;
   const int tc_begin = split * kc;
   const int tc_end = min(KT, tc_begin + kc);
   const int ncols = (tc_end - tc_begin) * 128;
@@ -249,22 +249,22 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     }
   };
 
-  // Issue tile-column tc's loads into st (stage slot u). Addresses from the row bases and tc alone: no
-  // running pointers, which under the 64-register cap pushed ptxas into spills.
-  auto load = [&](Stage<G, ASYM, U>& st, int u, int tc) {
-    st.w0[u] = ld_stream_v4(w0p + (i64)tc * 32);
-    st.w1[u] = ld_stream_v4(w1p + (i64)tc * 32);  // = tile 0 again when there is no tile 1
-    st.s0[u] = GroupIO<G>::load_scales(s0p, tc);
-    st.s1[u] = GroupIO<G>::load_scales(s1p, tc);
+  // Issue tile-column tc's loads into st. Addresses from the row bases and tc alone: no running
+  // pointers, which under the 64-register cap pushed ptxas into spills.
+  auto load = [&](Stage<G, ASYM>& st, int tc) {
+    st.w0 = ld_stream_v4(w0p + (i64)tc * 32);
+    st.w1 = ld_stream_v4(w1p + (i64)tc * 32);  // = tile 0 again when there is no tile 1
+    st.s0 = GroupIO<G>::load_scales(s0p, tc);
+    st.s1 = GroupIO<G>::load_scales(s1p, tc);
     if constexpr (ASYM) {
-      st.z0[u] = GroupIO<G>::load_zeros(z0p, tc);
-      st.z1[u] = GroupIO<G>::load_zeros(z1p, tc);
+      st.z0 = GroupIO<G>::load_zeros(z0p, tc);
+      st.z1 = GroupIO<G>::load_zeros(z1p, tc);
     } else {
-      st.z0[u] = st.z1[u] = 0u;  // unused (zero point 8)
+      st.z0 = st.z1 = 0u;  // unused (zero point 8)
     }
   };
-  auto compute = [&](const Stage<G, ASYM, U>& st, int u, const bf16_t* xt) {
-    compute_col(st.w0[u], st.w1[u], st.s0[u], st.s1[u], st.z0[u], st.z1[u], xt);
+  auto compute = [&](const Stage<G, ASYM>& st, const bf16_t* xt) {
+    compute_col(st.w0, st.w1, st.s0, st.s1, st.z0, st.z1, xt);
   };
 
   // Register pipeline: two stages of one tile-column, ping-pong: the loads of the next column are in
@@ -273,10 +273,9 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // (Issuing the second stage here too measured 5-15% slower on the H200: NOTES.md, v3.)
   // Under PDL this prefetch runs while the previous kernel finishes: weights, scales and zeros are
   // never written by a kernel. Everything after pdl_wait() may touch what the previous kernel wrote.
-  static_assert(U == 1, "the pipeline below is written for one tile-column per stage");
   const bool work = has0 && tc_begin < tc_end;  // warp-uniform (a split past K has no columns)
-  Stage<G, ASYM, U> A, B;
-  if (work) load(A, 0, tc_begin);
+  Stage<G, ASYM> A, B;
+  if (work) load(A, tc_begin);
   pdl_wait();
   stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
   __syncthreads();
@@ -285,10 +284,10 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     // Per-column guards (warp-uniform): 150 (sym) / 160 (asym) SASS instructions per tile-column at
     // g128 (nvcc 13.0; 165.5 / 180.5 before the changes above), no spills.
     for (int tc = tc_begin; tc < tc_end; tc += 2) {
-      if (tc + 1 < tc_end) load(B, 0, tc + 1);
-      compute(A, 0, xsl + (tc - tc_begin) * 128);
-      if (tc + 2 < tc_end) load(A, 0, tc + 2);
-      if (tc + 1 < tc_end) compute(B, 0, xsl + (tc + 1 - tc_begin) * 128);
+      if (tc + 1 < tc_end) load(B, tc + 1);
+      compute(A, xsl + (tc - tc_begin) * 128);
+      if (tc + 2 < tc_end) load(A, tc + 2);
+      if (tc + 1 < tc_end) compute(B, xsl + (tc + 1 - tc_begin) * 128);
     }
 #else
     // Benchmark variant (bench/kernels/gemv_ab.py, "gemv_exact"): an exact trip count, pairs of
@@ -298,12 +297,12 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     // the loop's entry in most kernels, which the hot-kernel rule (test_build.py) does not allow.
     int tc = tc_begin;  // the next column to compute; stage A holds it
     for (; tc + 2 <= tc_end; tc += 2) {
-      load(B, 0, tc + 1);
-      compute(A, 0, xsl + (tc - tc_begin) * 128);
-      if (tc + 2 < tc_end) load(A, 0, tc + 2);  // warp-uniform
-      compute(B, 0, xsl + (tc + 1 - tc_begin) * 128);
+      load(B, tc + 1);
+      compute(A, xsl + (tc - tc_begin) * 128);
+      if (tc + 2 < tc_end) load(A, tc + 2);  // warp-uniform
+      compute(B, xsl + (tc + 1 - tc_begin) * 128);
     }
-    if (tc < tc_end) compute(A, 0, xsl + (tc - tc_begin) * 128);
+    if (tc < tc_end) compute(A, xsl + (tc - tc_begin) * 128);
 #endif
   }
   pdl_launch_dependents();  // the weight stream is done: let the next kernel's prefetch start
