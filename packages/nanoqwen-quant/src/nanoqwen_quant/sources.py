@@ -29,6 +29,7 @@ import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+import nanoqwen_format as nqf
 import numpy as np
 import torch
 from nanoqwen_model.config import GGUF_ARCHITECTURES, Qwen2Config, UnsupportedModelError
@@ -276,8 +277,6 @@ class GGUFSource(Source):
 
     def quantized_layer(self, i: int) -> dict:
         """{container linear name: nanoqwen_format.QuantizedTensor} of decoder layer i, exact."""
-        import nanoqwen_format as nqf
-
         if not 0 <= i < self.config.num_hidden_layers:
             raise IndexError(f"layer {i} out of range 0..{self.config.num_hidden_layers - 1}")
         shapes = self.config.tensor_shapes()
