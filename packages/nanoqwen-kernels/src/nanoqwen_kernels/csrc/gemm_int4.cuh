@@ -54,9 +54,11 @@ namespace nq_gemm {
 
 using nq_gemv::dq;
 using nq_gemv::GroupIO;
+using nq_gemv::load_tile_column;
 using nq_gemv::mma_bf16;
 using nq_gemv::neg_zero_pair;
 using nq_gemv::ScaleBits;
+using nq_gemv::TileColumn;
 
 constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
@@ -126,14 +128,6 @@ NQ_DEVICE void silu_mul_rows(bf16_t* xs, const bf16_t* raw) {
   }
 }
 
-// One tile-column of a warp's tile pair, in registers (the GEMV's Stage).
-template <int G>
-struct Col {
-  uint4 w0, w1;
-  typename ScaleBits<G>::type s0, s1;
-  u32 z0, z1;
-};
-
 // Sum the S fp32 partials of rows [row_base, row_base + ROWS_PER_BLOCK) x [0, M) in split order, add
 // the bias, write bf16: the last block of a row block to finish runs this (deterministic order).
 NQ_DEVICE void reduce_splits(const float* __restrict__ ws, const bf16_t* __restrict__ bias,
@@ -188,18 +182,9 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   const u8* z0p = ASYM ? zeros + (i64)row0 * KG : nullptr;
   const u8* z1p = ASYM ? zeros + (i64)row1 * KG : nullptr;
 
-  auto load = [&](Col<G>& c, int tc) {  // a warp without rows (has0 false) loads nothing
+  auto load = [&](TileColumn<G>& c, int tc) {  // a warp without rows (has0 false) loads nothing
     if (has0 && tc < tc_end) {
-      c.w0 = ld_stream_v4(w0p + (i64)tc * 32);
-      c.w1 = ld_stream_v4(w1p + (i64)tc * 32);  // = tile 0 again when there is no tile 1
-      c.s0 = GroupIO<G>::load_scales(s0p, tc);
-      c.s1 = GroupIO<G>::load_scales(s1p, tc);
-      if constexpr (ASYM) {
-        c.z0 = GroupIO<G>::load_zeros(z0p, tc);
-        c.z1 = GroupIO<G>::load_zeros(z1p, tc);
-      } else {
-        c.z0 = c.z1 = 0u;
-      }
+      load_tile_column<G, ASYM>(c, w0p, w1p, s0p, s1p, z0p, z1p, tc);  // w1p = w0p without tile 1
     }
   };
 
@@ -239,7 +224,7 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
 
   // Passes of NH n-tiles (NQ_GEMM_NH): the fresh per-group fragments of NH n-tiles are live at a time.
   constexpr int NH = NT < NQ_GEMM_NH ? NT : NQ_GEMM_NH;
-  auto compute = [&](const Col<G>& c, const bf16_t* xb, int col) {
+  auto compute = [&](const TileColumn<G>& c, const bf16_t* xb, int col) {
     const u32 w0[4] = {c.w0.x, c.w0.y, c.w0.z, c.w0.w};
     const u32 w1[4] = {c.w1.x, c.w1.y, c.w1.z, c.w1.w};
     const u32 xaddr = smem_addr(xb) + lane_off + (u32)col * 2u;
@@ -289,13 +274,13 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // Every warp walks every tile-column (the chunk barriers are block-wide); warps without rows skip
   // the loads and the math. A register ring of D tile-columns: the loads of the next D - 1 are in
   // flight while one is dequantised and multiplied (the GEMV's ping-pong is D = 2).
-  auto step = [&](const Col<G>& c, int tc, const bf16_t*& xb) {
+  auto step = [&](const TileColumn<G>& c, int tc, const bf16_t*& xb) {
     const int rel = tc - tc_begin;
     if (rel % CH == 0) xb = enter_chunk(rel / CH);
     if (has0) compute(c, xb, (rel % CH) * 128);
   };
   constexpr int D = NQ_GEMM_STAGES(NT);
-  Col<G> st[D];
+  TileColumn<G> st[D];
 #pragma unroll
   for (int d = 0; d < D - 1; ++d) load(st[d], tc_begin + d);  // weights depend on no kernel: before the PDL wait
   pdl_wait();

@@ -165,14 +165,29 @@ NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, 
   }
 }
 
-// One tile-column of one warp's tile pair: the registers of one pipeline stage.
-template <int G, bool ASYM>
-struct Stage {
-  using ScaleT = typename ScaleBits<G>::type;
-  uint4 w0, w1;
-  ScaleT s0, s1;
-  u32 z0, z1;
+// One tile-column of one warp's tile pair in registers: a pipeline stage of the GEMV and the GEMM.
+template <int G>
+struct TileColumn {
+  uint4 w0, w1;                          // the lane's 16 bytes of tile 0 and tile 1
+  typename ScaleBits<G>::type s0, s1;    // raw scale bits of the lane's rows g (tile 0) and g (tile 1)
+  u32 z0, z1;                            // their zero points (asymmetric; 0 otherwise, unused)
 };
+
+// Issue tile-column tc's loads into c, from the lane's row bases (w1p = w0p when there is no tile 1).
+template <int G, bool ASYM>
+NQ_DEVICE void load_tile_column(TileColumn<G>& c, const uint4* w0p, const uint4* w1p, const u16* s0p,
+                                const u16* s1p, const u8* z0p, const u8* z1p, int tc) {
+  c.w0 = ld_stream_v4(w0p + (i64)tc * 32);
+  c.w1 = ld_stream_v4(w1p + (i64)tc * 32);
+  c.s0 = GroupIO<G>::load_scales(s0p, tc);
+  c.s1 = GroupIO<G>::load_scales(s1p, tc);
+  if constexpr (ASYM) {
+    c.z0 = GroupIO<G>::load_zeros(z0p, tc);
+    c.z1 = GroupIO<G>::load_zeros(z1p, tc);
+  } else {
+    c.z0 = c.z1 = 0u;  // unused (zero point 8)
+  }
+}
 
 NQ_DEVICE void store_gemv_out(const float (&acc)[4], const bf16_t* __restrict__ bias, bf16_t* __restrict__ out,
                               float* __restrict__ ws, int* __restrict__ counters, int M, int N);
@@ -249,21 +264,12 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     }
   };
 
-  // Issue tile-column tc's loads into st. Addresses from the row bases and tc alone: no running
-  // pointers, which under the 64-register cap pushed ptxas into spills.
-  auto load = [&](Stage<G, ASYM>& st, int tc) {
-    st.w0 = ld_stream_v4(w0p + (i64)tc * 32);
-    st.w1 = ld_stream_v4(w1p + (i64)tc * 32);  // = tile 0 again when there is no tile 1
-    st.s0 = GroupIO<G>::load_scales(s0p, tc);
-    st.s1 = GroupIO<G>::load_scales(s1p, tc);
-    if constexpr (ASYM) {
-      st.z0 = GroupIO<G>::load_zeros(z0p, tc);
-      st.z1 = GroupIO<G>::load_zeros(z1p, tc);
-    } else {
-      st.z0 = st.z1 = 0u;  // unused (zero point 8)
-    }
+  // Tile-column tc's loads: addresses from the row bases and tc alone (running pointers, tried, pushed
+  // ptxas into spills under the 64-register cap).
+  auto load = [&](TileColumn<G>& st, int tc) {
+    load_tile_column<G, ASYM>(st, w0p, w1p, s0p, s1p, z0p, z1p, tc);
   };
-  auto compute = [&](const Stage<G, ASYM>& st, const bf16_t* xt) {
+  auto compute = [&](const TileColumn<G>& st, const bf16_t* xt) {
     compute_col(st.w0, st.w1, st.s0, st.s1, st.z0, st.z1, xt);
   };
 
@@ -274,7 +280,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // Under PDL this prefetch runs while the previous kernel finishes: weights, scales and zeros are
   // never written by a kernel. Everything after pdl_wait() may touch what the previous kernel wrote.
   const bool work = has0 && tc_begin < tc_end;  // warp-uniform (a split past K has no columns)
-  Stage<G, ASYM> A, B;
+  TileColumn<G> A, B;
   if (work) load(A, tc_begin);
   pdl_wait();
   stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
