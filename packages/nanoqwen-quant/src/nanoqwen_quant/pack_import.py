@@ -3,7 +3,7 @@ linears are all Q4_0 (sources.GGUFSource with a `scheme`) -> a `.nanoqwen` conta
 formats and their conversion: checkpoints.py).
 
 The container writer (io.write_container) streams it like an RTN pack, one layer at a time: the
-non-quantized tensors come from `source.layer(i)` (bf16), the four fused linears from
+non-quantized tensors come from `source.plain_layer(i)` (bf16), the four fused linears from
 `source.quantized_layer(i)` in the `int4-g{G}-tile8x128-f16s-v1` layout. No error is measured (the
 import is exact); the metadata's `quantization` describes the checkpoint's scheme (method "import",
 `source_format`).

@@ -86,21 +86,27 @@ class Source(ABC):
             return self.embed_tokens()
         return self._get("lm_head.weight")
 
-    def layer(self, i: int) -> dict[str, torch.Tensor]:
-        """The seven bf16 tensors of decoder layer `i`, fused and named as in DESIGN.md."""
+    def plain_layer(self, i: int) -> dict[str, torch.Tensor]:
+        """The non-linear tensors of decoder layer `i` (bf16): the two norms and the fused q/k/v bias
+        (what a source whose linears are imported exactly adds beside them)."""
         if not 0 <= i < self.config.num_hidden_layers:
             raise IndexError(f"layer {i} out of range 0..{self.config.num_hidden_layers - 1}")
         p = f"model.layers.{i}."
+        return {"input_norm": self._get(p + "input_layernorm.weight"),
+                "qkv_bias": torch.cat([self._get(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0),
+                "post_attn_norm": self._get(p + "post_attention_layernorm.weight")}
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """The seven bf16 tensors of decoder layer `i`, fused and named as in DESIGN.md."""
+        out = self.plain_layer(i)
+        p = f"model.layers.{i}."
         g = self._get
-        out = {
-            "input_norm": g(p + "input_layernorm.weight"),
+        out.update({
             "qkv": torch.cat([g(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0),
-            "qkv_bias": torch.cat([g(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0),
             "o_proj": g(p + "self_attn.o_proj.weight"),
-            "post_attn_norm": g(p + "post_attention_layernorm.weight"),
             "gate_up": torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")], 0),
             "down": g(p + "mlp.down_proj.weight"),
-        }
+        })
         shapes = self.config.tensor_shapes()
         for name in LAYER_TENSORS:
             shape = shapes[f"layers.{i}.{name}"]
@@ -291,13 +297,6 @@ class GGUFSource(Source):
             out[name] = nqf.int4.pack(q, d, None, self.scheme.group_size, scale_dtype="f16")
         return out
 
-    def plain_layer(self, i: int) -> dict[str, torch.Tensor]:
-        """The non-quantized tensors of layer i (bf16): norms and the fused q/k/v bias."""
-        p = f"model.layers.{i}."
-        return {"input_norm": self._get(p + "input_layernorm.weight"),
-                "qkv_bias": torch.cat([self._get(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0),
-                "post_attn_norm": self._get(p + "post_attention_layernorm.weight")}
-
     def source_sha256(self) -> str:
         return _sha256_files([self.path])
 
@@ -437,15 +436,6 @@ class QuantizedHFSource(HFFolderSource):
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         """The non-quantized tensors of layer i (bf16): norms and the fused q/k/v bias."""
         return self.plain_layer(i)
-
-    def plain_layer(self, i: int) -> dict[str, torch.Tensor]:
-        """The non-quantized tensors of layer i (bf16): norms and the fused q/k/v bias."""
-        if not 0 <= i < self.config.num_hidden_layers:
-            raise IndexError(f"layer {i} out of range 0..{self.config.num_hidden_layers - 1}")
-        p = f"model.layers.{i}."
-        return {"input_norm": self._get(p + "input_layernorm.weight"),
-                "qkv_bias": torch.cat([self._get(p + f"self_attn.{x}_proj.bias") for x in "qkv"], 0),
-                "post_attn_norm": self._get(p + "post_attention_layernorm.weight")}
 
     def check_complete(self) -> None:
         """SourceError naming the first missing tensor, or a quantized lm_head (no tensor data read)."""
