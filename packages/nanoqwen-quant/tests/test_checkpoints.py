@@ -242,6 +242,26 @@ def test_method_must_fit_the_source(gptq_folder, tiny_hf, tmp_path):
     assert not out.exists()
 
 
+def test_cli_default_method_and_a_leftover_checkpoint_folder(gptq_folder, tiny_hf, tmp_path):
+    """No --method and an OUT.ckpt folder left by an interrupted GPTQ pack: a GPTQ source is imported
+    (import keeps no checkpoint; the folder is left as it was), a float source is still refused, as
+    with --method gptq, until --resume is passed."""
+    out = tmp_path / "m.nanoqwen"
+    ckpt = tmp_path / "m.nanoqwen.ckpt"
+    ckpt.mkdir()
+    (ckpt / "keep").write_text("x")
+    res = CliRunner().invoke(app, ["pack", str(gptq_folder), "-o", str(out), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    with nqf.open(out) as f:
+        assert f.metadata["quantization"]["method"] == "import"
+    assert (ckpt / "keep").read_text() == "x"
+    out2 = tmp_path / "f.nanoqwen"
+    (tmp_path / "f.nanoqwen.ckpt").mkdir()
+    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out2), "--device", "cpu"])
+    assert res.exit_code == 1 and "exists: pass --resume" in " ".join(res.output.split()), res.output
+    assert not out2.exists()
+
+
 def test_cli_imports_by_default(gptq_folder, tmp_path):
     """No --method: a GPTQ folder is imported (method import, fp16-scale layout); --method rtn refused."""
     out = tmp_path / "m.nanoqwen"

@@ -178,7 +178,9 @@ def pack(
                 reported.add(line)
                 err.print(line, markup=False, highlight=False, soft_wrap=True)
 
-        for p in check_output_path(out, opts):
+        # without --method a GPTQ/AWQ source becomes an import, which has no checkpoint folder: pack()
+        # checks that folder once the method is known
+        for p in check_output_path(out, opts, check_checkpoint=method is not None):
             say(f"{out}: {p}")
         if err.is_terminal:  # feedback while a hub download or a GGUF's tokenizer conversion runs
             err.print(f"opening {src}", markup=False, highlight=False, soft_wrap=True)

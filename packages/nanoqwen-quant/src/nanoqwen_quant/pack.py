@@ -69,9 +69,12 @@ class PackSummary:
     device: str
 
 
-def check_output_path(out: str | Path, opts: PackOptions) -> list[nqf.PartialFile]:
+def check_output_path(out: str | Path, opts: PackOptions,
+                      check_checkpoint: bool = True) -> list[nqf.PartialFile]:
     """Check that a pack to `out` can write its files, before any source is read; remove the stale temp
     files of killed packs to `out` and return them (and those left alone), one-line `str()` each.
+    `check_checkpoint` False leaves the checkpoint folder unchecked: the CLI's early call when no
+    --method was given, since the source may turn the method into import, which keeps none.
 
     UsageError: `out` is a directory or another non-regular file (a regular file, or a symlink to
     one, is replaced atomically when the pack succeeds). FileNotFoundError / NotADirectoryError /
@@ -91,7 +94,7 @@ def check_output_path(out: str | Path, opts: PackOptions) -> list[nqf.PartialFil
         raise NotADirectoryError(errno.ENOTDIR, "output folder is not a folder", str(folder))
     if not os.access(folder, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, "output folder is not writable", str(folder))
-    if opts.method == "gptq":
+    if opts.method == "gptq" and check_checkpoint:
         checkpoint_folder(out, opts).check(opts.resume)
     return nqf.clean_partials(out)
 
