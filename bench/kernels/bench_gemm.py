@@ -21,7 +21,9 @@ TFLOP/s (2 M N K per product), and the achieved bandwidth of each path's minimum
 scales + x + out, each once) as a fraction of the read bandwidth (the roofline for M <= 64). The
 crossover between int4_gemm and dequant_gemm (summed over the four shapes) is printed: it is what
 ops_kernels.INT4_GEMM_MAX_ROWS / PREFILL_PATH should say. Writes bench_gemm.json and bench_gemm.md
-under --out. Runs in well under a minute on the H200 once the kernels are compiled (first use: NVRTC).
+under --out. `--variant NAME` times a compile-option build of the "gemm" family (`VARIANTS`) as
+int4_gemm instead (with `--int4-only`, the other paths are skipped). Runs in well under a minute on
+the H200 once the kernels are compiled (first use: NVRTC).
 """
 
 # ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)
@@ -40,6 +42,11 @@ from nanoqwen_kernels.bench import read_bandwidth, time_graph
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
 MS = (16, 32, 64, 128, 512, 2048)
+# compile-option builds of the "gemm" family that `--variant` can time
+VARIANTS = {
+    "min_blocks2": ("-DNQ_GEMM_FORCE_MIN_BLOCKS=2",),  # every kernel built for 2 blocks per SM
+    "stages2": ("-DNQ_GEMM_STAGES(NT)=2",),  # a 2-deep weight register ring (the GEMV's ping-pong)
+}
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
@@ -50,7 +57,7 @@ def random_weight(n, k, gen):
     return gemv.Int4Weight(words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, None, n, k, 128)
 
 
-def bench_shape(name, n, k, ms, gen, read_bw, rows):
+def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=False):
     w0 = random_weight(n, k, gen)
     copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
     weights = [w0] + [random_weight(n, k, gen) for _ in range(copies - 1)]
@@ -65,13 +72,15 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows):
         plan = gemm.plan_gemm(n, k, m)
         act = 2 * m * (n + k)  # x read + out written, bf16
         paths = {
-            "int4_gemm": (lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, plan),
-                          copies, w0.nbytes() + act),
+            "int4_gemm": (lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, plan,
+                                                   family=family), copies, w0.nbytes() + act),
             "cublas_bf16": (lambda i: torch.mm(x, dense[i % dense_copies].t(), out=out), dense_copies,
                             2 * n * k + act),
             "dequant_gemm": (lambda i: gemv.linear_int4_prefill(x, weights[i % copies], out, scratch),
                              copies, w0.nbytes() + act),
         }  # fmt: skip
+        if int4_only:
+            paths = {"int4_gemm": paths["int4_gemm"]}
         for path, (fn, reps, nbytes) in paths.items():
             t = time_graph(fn, reps)
             row = {"shape": name, "n": n, "k": k, "m": m, "path": path, "us": t * 1e6,
@@ -86,10 +95,13 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows):
 def crossover(rows) -> dict:
     """Per M: the sum over the shapes of each path's time, and which quantized path is faster."""
     out = {}
+    timed = {r["path"] for r in rows}
     for m in sorted({r["m"] for r in rows}):
         tot = {p: sum(r["us"] for r in rows if r["m"] == m and r["path"] == p)
                for p in ("int4_gemm", "dequant_gemm", "cublas_bf16")}
-        out[m] = tot | {"faster_quantized": min(("int4_gemm", "dequant_gemm"), key=tot.__getitem__)}
+        quantized = [p for p in ("int4_gemm", "dequant_gemm") if p in timed]
+        faster = min(quantized, key=tot.__getitem__) if len(quantized) > 1 else None
+        out[m] = tot | {"faster_quantized": faster}
     return out
 
 
@@ -101,9 +113,9 @@ def markdown(rep) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     cub = {(r["shape"], r["m"]): r["us"] for r in rep["rows"] if r["path"] == "cublas_bf16"}
     for r in rep["rows"]:
+        vs = f"{cub[(r['shape'], r['m'])] / r['us']:.2f}x" if cub else "-"  # --int4-only: no cuBLAS
         lines.append(f"| {r['shape']} | {r['m']} | {r['path']} | {r['us']:.1f} | {r['tflops']:.1f} | "
-                     f"{r['frac_read_bw']:.1%} | {cub[(r['shape'], r['m'])] / r['us']:.2f}x | "
-                     f"{r.get('plan', '')} |")
+                     f"{r['frac_read_bw']:.1%} | {vs} | {r.get('plan', '')} |")
     lines += ["", "Sum over the four shapes (us), and the faster quantized path:", "",
               "| M | int4_gemm | dequant_gemm | cublas_bf16 | faster |", "| --- | --- | --- | --- | --- |"]
     for m, c in rep["crossover"].items():
@@ -116,7 +128,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for bench_gemm.json / bench_gemm.md")
     ap.add_argument("--quick", action="store_true", help="M = 16, 64, 512 only")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), help="time this compile-option build of the GEMM")
+    ap.add_argument("--int4-only", action="store_true", help="time only int4_gemm")
     args = ap.parse_args(argv)
+    family = "gemm"
+    if args.variant:
+        from nanoqwen_kernels import build
+        from nanoqwen_kernels.specs import SPECS
+
+        SPECS[args.variant] = build.KernelSpec(args.variant, ("gemm.cu",), VARIANTS[args.variant])
+        family = args.variant
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rb = read_bandwidth(torch.device("cuda"), nbytes=1 << 30)
@@ -124,9 +145,10 @@ def main(argv=None) -> int:
     print(f"read bandwidth {read_bw / 1e9:.0f} GB/s", flush=True)
     rows: list[dict] = []
     for name, n, k in SHAPES:
-        bench_shape(name, n, k, (16, 64, 512) if args.quick else MS, gen, read_bw, rows)
+        ms = (16, 64, 512) if args.quick else MS
+        bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
-    rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variant": args.variant,
            "device": torch.cuda.get_device_name(0), "command": " ".join(sys.argv),
            "read_bandwidth_GBps": read_bw / 1e9, "read_bandwidth": rb, "rows": rows,
            "crossover": crossover(rows)}  # fmt: skip
