@@ -43,9 +43,9 @@ from nanoqwen_kernels.bench import read_bandwidth, time_graph
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
 MS = (16, 32, 64, 128, 512, 2048)
 # compile-option builds of the "gemm" family that `--variant` can time
+# (the session-8 wgmma attempt timed its -DNQ_GEMM_RING / -DNQ_GEMM_PROBE_NO_MMA builds this way)
 VARIANTS = {
     "min_blocks2": ("-DNQ_GEMM_FORCE_MIN_BLOCKS=2",),  # every kernel built for 2 blocks per SM
-    "stages2": ("-DNQ_GEMM_STAGES(NT)=2",),  # a 2-deep weight register ring (the GEMV's ping-pong)
 }
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
