@@ -21,15 +21,17 @@ TFLOP/s (2 M N K per product), and the achieved bandwidth of each path's minimum
 scales + x + out, each once) as a fraction of the read bandwidth (the roofline for M <= 64). The
 crossover between int4_gemm and dequant_gemm (summed over the four shapes) is printed: it is what
 ops_kernels.INT4_GEMM_MAX_ROWS / PREFILL_PATH should say. Writes bench_gemm.json and bench_gemm.md
-under --out. `--variant NAME` times a compile-option build of the "gemm" family (`VARIANTS`) as
-int4_gemm instead (with `--int4-only`, the other paths are skipped). Runs in well under a minute on
-the H200 once the kernels are compiled (first use: NVRTC).
+under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a build of the "gemm" family with
+those -D options as int4_gemm; `--splits S` replaces the planner's K split count of every M <= 64 plan
+by about S (`GemmPlan.with_splits`); `--int4-only` skips the other paths. Runs in well under a minute
+on the H200 once the kernels are compiled (first use: NVRTC).
 """
 
 # ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -42,11 +44,6 @@ from nanoqwen_kernels.bench import read_bandwidth, time_graph
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
 MS = (16, 32, 64, 128, 512, 2048)
-# compile-option builds of the "gemm" family that `--variant` can time
-# (the session-8 wgmma attempt timed its -DNQ_GEMM_RING / -DNQ_GEMM_PROBE_NO_MMA builds this way)
-VARIANTS = {
-    "min_blocks2": ("-DNQ_GEMM_FORCE_MIN_BLOCKS=2",),  # every kernel built for 2 blocks per SM
-}
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
@@ -57,7 +54,7 @@ def random_weight(n, k, gen):
     return gemv.Int4Weight(words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, None, n, k, 128)
 
 
-def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=False):
+def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=False, splits=None):
     w0 = random_weight(n, k, gen)
     copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
     weights = [w0] + [random_weight(n, k, gen) for _ in range(copies - 1)]
@@ -65,11 +62,15 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=Fal
     dense = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(dense_copies)]
     scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms), torch.device("cuda"))
+    plans = {m: gemm.plan_gemm(n, k, m) for m in ms}
+    if splits:
+        plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
+    ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values()),
+                                 torch.device("cuda"))
     for m in ms:
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        plan = gemm.plan_gemm(n, k, m)
+        plan = plans[m]
         act = 2 * m * (n + k)  # x read + out written, bf16
         paths = {
             "int4_gemm": (lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, plan,
@@ -128,16 +129,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for bench_gemm.json / bench_gemm.md")
     ap.add_argument("--quick", action="store_true", help="M = 16, 64, 512 only")
-    ap.add_argument("--variant", choices=sorted(VARIANTS), help="time this compile-option build of the GEMM")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                    help="build the GEMM with -DNAME[=VALUE] (repeatable) and time that build")
+    ap.add_argument("--splits", type=int, help="about this many K splits in every M <= 64 plan")
     ap.add_argument("--int4-only", action="store_true", help="time only int4_gemm")
     args = ap.parse_args(argv)
     family = "gemm"
-    if args.variant:
+    if args.define:
         from nanoqwen_kernels import build
         from nanoqwen_kernels.specs import SPECS
 
-        SPECS[args.variant] = build.KernelSpec(args.variant, ("gemm.cu",), VARIANTS[args.variant])
-        family = args.variant
+        options = tuple(f"-D{d}" for d in args.define)
+        family = "gemm-" + hashlib.sha256("|".join(options).encode()).hexdigest()[:10]
+        SPECS[family] = build.KernelSpec(family, ("gemm.cu",), options)
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rb = read_bandwidth(torch.device("cuda"), nbytes=1 << 30)
@@ -146,9 +150,10 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for name, n, k in SHAPES:
         ms = (16, 64, 512) if args.quick else MS
-        bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only)
+        bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only, args.splits)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
-    rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variant": args.variant,
+    rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "defines": args.define, "splits": args.splits,
            "device": torch.cuda.get_device_name(0), "command": " ".join(sys.argv),
            "read_bandwidth_GBps": read_bw / 1e9, "read_bandwidth": rb, "rows": rows,
            "crossover": crossover(rows)}  # fmt: skip

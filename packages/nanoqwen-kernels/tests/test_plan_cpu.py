@@ -125,6 +125,18 @@ def test_gemm_kernel_names_are_all_built():
     assert all(f"NQ_GEMM_G({g})" in src for g in (32, 64, 128))
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 28, 500])
+def test_gemm_plan_with_splits_covers_k(splits):
+    plan = gemm.plan_gemm_shape(4608, 3584, 128, 16, 132)
+    forced = plan.with_splits(splits)
+    kt = 3584 // 128
+    assert forced.splits * forced.kc >= kt and (forced.splits - 1) * forced.kc < kt  # each column once
+    assert forced.splits == -(-kt // -(-kt // min(splits, kt))) <= splits
+    assert (forced.n, forced.k, forced.n_tiles, forced.max_m) == (plan.n, plan.k, plan.n_tiles, plan.max_m)
+    with pytest.raises(ValueError, match="one M block"):
+        gemm.plan_gemm_shape(4608, 3584, 128, None, 132).with_splits(2)
+
+
 def test_gemm_plan_refuses_inconsistent_shapes():
     with pytest.raises(ValueError, match="exactly once"):
         gemm.GemmPlan(3584, 3584, 128, 8, 3, 5, 64)  # 3 x 5 tile-columns < 28

@@ -95,6 +95,14 @@ class GemmPlan:
     def grid(self, m: int) -> tuple[int, int, int]:
         return (self.m_blocks(m), self.blocks_n, self.splits)
 
+    def with_splits(self, splits: int) -> GemmPlan:
+        """This plan split about `splits` ways along K instead (benchmarks, tests): kc = ceil(K/128 /
+        splits) tile-columns per split, so the count used is ceil(K/128 / kc), at most one split per
+        tile-column and no empty one. Splitting needs one M block (max_m set)."""
+        kt = self.k // 128
+        kc = -(-kt // min(max(1, splits), kt))
+        return dataclasses.replace(self, splits=-(-kt // kc), kc=kc)
+
 
 def m_class(m: int) -> int | None:
     """The plan class of an M-row product: 16, 32, 64 (one M block of that many rows) or None (M > 64)."""
