@@ -52,13 +52,6 @@ def run_gemm(x, w, bias, plan=None, silu=False):
     return out
 
 
-def forced_split(plan, splits):
-    """The same plan split `splits` ways along K (at most one per tile-column, no empty split)."""
-    kt = plan.k // 128
-    kc = -(-kt // min(splits, kt))
-    return dataclasses.replace(plan, splits=-(-kt // kc), kc=kc)
-
-
 @pytest.mark.parametrize("name,n,k,m", CASES_7B)
 def test_gemm_7b_shapes(name, n, k, m, gen, device):
     w = random_int4(n, k, 128, True, gen, device)
@@ -109,7 +102,7 @@ def test_gemm_forced_split(n, k, m, gen, device):
     w = random_int4(n, k, 128, False, gen, device)
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
-    plan = forced_split(plan_gemm(n, k, m, 128, device), 64)
+    plan = plan_gemm(n, k, m, 128, device).with_splits(64)
     assert plan.splits > 1
     R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias), f"gemm split {plan.splits}")
 
