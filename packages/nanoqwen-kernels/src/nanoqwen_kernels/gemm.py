@@ -137,8 +137,7 @@ def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count
     blocks_n = -(-n // ROWS_PER_BLOCK)
     slots = sm_count * blocks_per_sm(group_size, nt)
     best = min(range(1, min(kt, 64) + 1), key=lambda s: (split_cost(blocks_n, kt, s, slots, max_m), s))
-    kc = -(-kt // best)
-    return GemmPlan(n, k, group_size, nt, -(-kt // kc), kc, max_m)
+    return GemmPlan(n, k, group_size, nt, 1, kt, max_m).with_splits(best)
 
 
 def plan_gemm(n: int, k: int, m: int, group_size: int = 128, device: torch.device | None = None) -> GemmPlan:
