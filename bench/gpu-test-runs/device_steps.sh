@@ -88,6 +88,56 @@ PY
         --require-overhead 0.95 2>&1 | grep -A3 "^Overhead\|^Submit" || true
       gzip -f $OUT/server-$side/engine-trace.jsonl || true
     done ;;
+  kernels-ab|ab-only)  # the kernel GPU tests, then the decode GEMV of HEAD (.v1, `git archive`) against this tree's
+    [ "$1" = ab-only ] || PYTHONPATH=$SRC NANOQWEN_REQUIRE_GPU=1 timeout 300 python3 -m pytest -q -m gpu packages/nanoqwen-kernels/tests \
+      -p no:cacheprovider -rs 2>&1 | tee $OUT/gpu-kernels.log | tail -6
+    V1=$PWD/.v1/packages/nanoqwen-kernels/src; NEW=$PWD/packages/nanoqwen-kernels/src
+    F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src; AB=bench/kernels/gemv_ab.py
+    mkdir -p $OUT/gemv-ab
+    PYTHONPATH=$F:$V1 timeout 120 python3 $AB time --label head --out $OUT/gemv-ab/head.json 2>&1 | tail -2
+    PYTHONPATH=$F:$NEW timeout 120 python3 $AB time --label new --out $OUT/gemv-ab/new.json 2>&1 | tail -2
+    PYTHONPATH=$F:$V1 timeout 120 python3 $AB time --label head2 --out $OUT/gemv-ab/head2.json 2>&1 | tail -2
+    for f in new head2; do python3 $AB compare $OUT/gemv-ab/head.json $OUT/gemv-ab/$f.json \
+      --out $OUT/gemv-ab/$f.md | tail -3; done ;;
+  runtime-synth)  # the runtime's GPU tests that need no real model (those skip), then the GEMV A/B again
+    PYTHONPATH=$SRC timeout 330 python3 -m pytest -q -m gpu packages/nanoqwen-runtime/tests -p no:cacheprovider \
+      -rs 2>&1 | tee $OUT/gpu-runtime.log | tail -8
+    bash $0 ab-only ;;
+  engine-ab)  # `nanoqwen-cli bench --quick` with HEAD's kernels, runtime and cli (.v1), then with this tree's
+    V1=$(ls -d $PWD/.v1/packages/*/src | paste -sd:)
+    for side in head new head2; do
+      pp=$SRC; [ $side != new ] && pp=$V1:$SRC
+      PYTHONPATH=$pp timeout 170 python3 -m nanoqwen_cli.main bench --quick --out $OUT/engine-$side 2>&1 \
+        | grep -i "tok/s\|decode\|prefill" | head -12 || true
+    done ;;
+  gemv-plans)  # this tree's decode GEMV: default build and plans against other split targets and builds
+    F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src:$PWD/packages/nanoqwen-kernels/src
+    AB=bench/kernels/gemv_ab.py; D=$OUT/gemv-plans; mkdir -p $D
+    PYTHONPATH=$F timeout 100 python3 $AB time --label default --out $D/default.json 2>&1 | tail -1
+    for c in t3: t5: t2: mb2t2:gemv_exact_mb2 mb2t3:gemv_exact_mb2 ext3:gemv_exact; do
+      name=${c%%:*}; v=${c#*:}; t=${name##*t}
+      PYTHONPATH=$F timeout 100 python3 $AB time --label $name ${v:+--variant $v} --target-blocks $t \
+        --out $D/$name.json 2>&1 | tail -1
+      python3 $AB compare $D/default.json $D/$name.json --out $D/$name.md | tail -2
+    done
+    tar czf $OUT/gemv-plans.tgz -C $OUT gemv-plans && rm -rf $D ;;
+  gemm-sweep)  # HEAD's INT4 GEMM: the planner's plans, forced K splits, and the two timing probes
+    G="timeout 100 python3 bench/kernels/bench_gemm.py --int4-only"
+    PYTHONPATH=$SRC $G --ms 16,32,64,128 --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -4
+    for s in 1 2 3 4 6; do
+      PYTHONPATH=$SRC $G --ms 16,32,64 --splits $s --out $OUT/gemm/splits$s 2>&1 | grep "M=" | tail -3
+    done
+    for d in NQ_GEMM_PROBE_NO_LDSM NQ_GEMM_PROBE_NO_MMA; do
+      PYTHONPATH=$SRC $G --ms 16,32,64,128 --define $d --out $OUT/gemm/$d 2>&1 | grep "M=" | tail -4
+    done ;;
+  gemm-ncu)  # ncu warp-stall sampling of HEAD's GEMM: gate_up at M = 64, qkv at M = 16
+    for c in "gate_up 64" "qkv 16" "down 32"; do set -- $c
+      PYTHONPATH=$SRC timeout 150 ncu --clock-control none --section SourceCounters --section WarpStateStats \
+        --section SpeedOfLight --section Occupancy -k regex:gemm_int4 --launch-skip 2 --launch-count 1 \
+        -f -o $OUT/ncu-$1-$2 python3 bench/kernels/prof_gemm.py $1 $2 2>&1 | tail -2
+      ncu -i $OUT/ncu-$1-$2.ncu-rep --page source --csv --print-source sass > $OUT/ncu-$1-$2-sass.csv 2>&1 || true
+      ncu -i $OUT/ncu-$1-$2.ncu-rep --page details > $OUT/ncu-$1-$2.txt 2>&1 || true
+    done ;;
   ceilings)  # ceilings main|ncu: issue 13 stage 0 (bench/kernels/CEILINGS.md)
     bash bench/kernels/ceilings/run_ceilings.sh "$2" 2>&1 | tail -40 ;;
   quality)   # quality MODEL RECIPES: rows accumulate in /tmp/quality across calls (containers kept there)

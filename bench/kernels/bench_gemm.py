@@ -23,8 +23,10 @@ crossover between int4_gemm and dequant_gemm (summed over the four shapes) is pr
 ops_kernels.INT4_GEMM_MAX_ROWS / PREFILL_PATH should say. Writes bench_gemm.json and bench_gemm.md
 under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a build of the "gemm" family with
 those -D options as int4_gemm; `--splits S` replaces the planner's K split count of every M <= 64 plan
-by about S (`GemmPlan.with_splits`); `--int4-only` skips the other paths. Runs in well under a minute
-on the H200 once the kernels are compiled (first use: NVRTC).
+by about S (`GemmPlan.with_splits`); `--int4-only` skips the other paths; `--ms 16,32` picks the M
+values. Timing probes (wrong outputs, tests never build them): `--define NQ_GEMM_PROBE_NO_LDSM`
+(B fragments from registers, no ldmatrix), `--define NQ_GEMM_PROBE_NO_MMA` (an FADD per mma
+instead). Runs in well under a minute on the H200 once the kernels are compiled (first use: NVRTC).
 """
 
 # ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)
@@ -129,6 +131,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for bench_gemm.json / bench_gemm.md")
     ap.add_argument("--quick", action="store_true", help="M = 16, 64, 512 only")
+    ap.add_argument("--ms", help="comma-separated M values instead (e.g. 16,32,64)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
                     help="build the GEMM with -DNAME[=VALUE] (repeatable) and time that build")
     ap.add_argument("--splits", type=int, help="about this many K splits in every M <= 64 plan")
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
     print(f"read bandwidth {read_bw / 1e9:.0f} GB/s", flush=True)
     rows: list[dict] = []
     for name, n, k in SHAPES:
-        ms = (16, 64, 512) if args.quick else MS
+        ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (16, 64, 512) if args.quick else MS
         bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only, args.splits)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
     rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

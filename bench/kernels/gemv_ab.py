@@ -14,7 +14,8 @@ Bytes counted: the weight's packed bytes + scales (+ zeros) + x + out (`Int4Weig
 Every timed output is first checked against the kernel tests' oracle (nanoqwen_kernels.reference:
 the fp32 product with the dequantized weight, bf16 tolerance from reference.TOLERANCES), so a variant
 that computes something else stops the run instead of reporting a time.
-`--variant NAME` registers a compile-option build of the "gemv" family (`VARIANTS`) and times it.
+`--variant NAME` registers a compile-option build of the "gemv" family (`VARIANTS`) and times it;
+`--target-blocks N` plans every shape's K split for about N blocks per SM (plan_gemv's default: 4).
 
 `compare` prints B's time over A's per row and the geometric mean, with each side's fraction of its
 own run's read bandwidth. Run both sides in one device call, back to back, so they share the machine.
@@ -35,6 +36,11 @@ VARIANTS = {
     "gemv_exact": ("-DNQ_GEMV_EXACT_LOOP",),
     "gemv_mb3": ("-DNQ_GEMV_MIN_BLOCKS_G128=3",),
     "gemv_exact_mb3": ("-DNQ_GEMV_EXACT_LOOP", "-DNQ_GEMV_MIN_BLOCKS_G128=3"),
+    # the exact loop everywhere, the g32/g64 kernels at 2 blocks per SM (session 9 timed it before the
+    # g128 SiLU kernels had a macro of their own: they were at 2 blocks too, today's default)
+    "gemv_exact_mb2": ("-DNQ_GEMV_EXACT_LOOP", "-DNQ_GEMV_MIN_BLOCKS=2"),
+    # today's g128 SiLU kernels at 3 blocks per SM (spills 4-8 bytes); pair with --target-blocks 3
+    "gemv_silu_mb3": ("-DNQ_GEMV_MIN_BLOCKS_G128_SILU=3",),
 }
 
 
@@ -61,7 +67,17 @@ def _check(out, x, w, silu: bool) -> None:
     R.assert_close(out, R.linear(xin, dense, None), what="gemv_ab output")
 
 
-def time_gemv(label: str, variant: str | None) -> dict:
+def _plan(gemv, n: int, k: int, silu: bool, target_blocks: int | None):
+    """The engine's plan of the shape (down: the SiLU-input kernel's), or one for `target_blocks`."""
+    if target_blocks is not None:
+        return gemv.plan_gemv(n, k, target_blocks_per_sm=target_blocks)
+    try:
+        return gemv.plan_gemv(n, k, silu_input=silu)
+    except TypeError:  # a tree from before the per-kernel split targets (2026-12-02)
+        return gemv.plan_gemv(n, k)
+
+
+def time_gemv(label: str, variant: str | None, target_blocks: int | None = None) -> dict:
     import torch
     from nanoqwen_kernels import build, gemv
     from nanoqwen_kernels.bench import read_bandwidth, time_graph
@@ -74,7 +90,8 @@ def time_gemv(label: str, variant: str | None) -> dict:
     dev = torch.device("cuda")
     read_bps = read_bandwidth(dev)["bytes_per_s"]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    ws = gemv.GemvWorkspace.allocate([gemv.plan_gemv(n, k) for _, n, k in SHAPES], dev)
+    plans = [_plan(gemv, n, k, name == "down", target_blocks) for name, n, k in SHAPES]
+    ws = gemv.GemvWorkspace.allocate(plans, dev)
     rows = []
     for name, n, k in SHAPES:
         silu = name == "down"
@@ -82,7 +99,7 @@ def time_gemv(label: str, variant: str | None) -> dict:
             w0 = _weight(n, k, gen, symmetric)
             copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
             weights = [w0] + [_weight(n, k, gen, symmetric) for _ in range(copies - 1)]
-            plan = gemv.plan_gemv(n, k)
+            plan = _plan(gemv, n, k, silu, target_blocks)
             for m in (1, 8):
                 x = torch.randn(m, 2 * k if silu else k, generator=gen, device="cuda").to(torch.bfloat16)
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -103,7 +120,8 @@ def time_gemv(label: str, variant: str | None) -> dict:
                       f"{rows[-1]['frac_read']:6.1%} of read BW", flush=True)  # fmt: skip
             weights = None
             torch.cuda.empty_cache()
-    return {"label": label, "variant": variant, "device": torch.cuda.get_device_name(),
+    return {"label": label, "variant": variant, "target_blocks": target_blocks,
+            "device": torch.cuda.get_device_name(),
             "read_bytes_per_s": read_bps, "rows": rows}  # fmt: skip
 
 
@@ -137,13 +155,14 @@ def main(argv=None) -> int:
     t.add_argument("--label", required=True)
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--variant", choices=sorted(VARIANTS))
+    t.add_argument("--target-blocks", type=int, help="plan_gemv's split-K target (blocks per SM)")
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
     c.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "time":
-        args.out.write_text(json.dumps(time_gemv(args.label, args.variant), indent=1))
+        args.out.write_text(json.dumps(time_gemv(args.label, args.variant, args.target_blocks), indent=1))
         return 0
     md = compare(json.loads(args.a.read_text()), json.loads(args.b.read_text()))
     print(md)

@@ -13,9 +13,13 @@ SHAPES = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (152064, 358
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("target", [1, 2, 3, 4, 6, 10_000])
+@pytest.mark.parametrize("target", [1, 2, 3, 4, 6, 10_000, "g128", "g128-silu", "g64", "g64-silu"])
 def test_plan_covers_k_exactly(n, k, target):
-    plan = gemv.plan_shape(n, k, 132, target)
+    if isinstance(target, str):  # the default target of one kernel kind
+        plan = gemv.plan_shape(n, k, 132, silu_input=target.endswith("silu"),
+                               group_size=int(target.split("-")[0][1:]))
+    else:
+        plan = gemv.plan_shape(n, k, 132, target)
     kt = k // 128
     assert plan.splits >= 1 and plan.kc >= 1
     assert plan.splits * plan.kc >= kt  # every tile-column is covered
@@ -32,6 +36,26 @@ def test_plan_covers_k_exactly(n, k, target):
 def test_plan_splits_small_n_and_not_large_n():
     assert gemv.plan_shape(3584, 18944, 132).splits > 1  # down: 28 row blocks alone leave SMs idle
     assert gemv.plan_shape(152064, 3584, 132).splits == 1  # lm_head: 1188 row blocks
+
+
+def test_default_split_targets_of_the_7b_decode_shapes():
+    # the targets measured on the H200 (gemv.TARGET_BLOCKS_PER_SM's comment), at 132 SMs:
+    # g128 plain: about 3 blocks per SM, or 4 where 3 would leave the shape unsplit
+    assert gemv.plan_shape(4608, 3584, 132) == gemv.plan_shape(4608, 3584, 132, 3)  # qkv
+    assert gemv.plan_shape(4608, 3584, 132).splits == 10
+    assert gemv.plan_shape(3584, 3584, 132).splits == 14  # o (3 and 4 blocks per SM agree)
+    assert gemv.plan_shape(37888, 3584, 132, 3).splits == 1
+    assert gemv.plan_shape(37888, 3584, 132) == gemv.plan_shape(37888, 3584, 132, 4)  # gate_up
+    assert gemv.plan_shape(37888, 3584, 132).splits == 2
+    assert gemv.plan_shape(152064, 3584, 132).splits == 1  # lm_head: unsplit at any target
+    # g128 SiLU input (down; 2 blocks resident): 2 blocks per SM
+    assert gemv.plan_shape(3584, 18944, 132, silu_input=True) == gemv.plan_shape(3584, 18944, 132, 2)
+    assert gemv.plan_shape(3584, 18944, 132, silu_input=True).splits == 9
+    # g32 / g64: the old target, plain or SiLU input
+    for silu in (False, True):
+        for n, k in SHAPES:
+            assert gemv.plan_shape(n, k, 132, silu_input=silu, group_size=64) == gemv.plan_shape(
+                n, k, 132, gemv.TARGET_BLOCKS_PER_SM)
 
 
 def test_workspace_sized_from_all_plans():

@@ -37,8 +37,14 @@ MAX_M = 8
 ROWS_PER_BLOCK = 128  # nq_gemv::ROWS_PER_BLOCK: 8 warps x 16 rows
 THREADS = 256
 XPAD = 32  # nq_gemv::XPAD
-# Blocks per SM that split-K aims for: 4 blocks of 8 warps are resident at the g128 kernels' 64
-# registers, so split K until about one full wave exists. Tuned on the H200 (see NOTES.md).
+# Blocks per SM that split-K aims for, by kernel (`default_target`), measured on the H200 at the 7B
+# decode shapes (bench/kernels/CEILINGS.md, session 9; `bench/kernels/gemv_ab.py --target-blocks`):
+# - g128, plain input (4 blocks of 8 warps resident at 64 registers): 3, i.e. fewer and longer blocks
+#   than a full wave (qkv 14 -> 10 splits: 0.91x the time, asym), unless that leaves a shape unsplit
+#   where 4 would split it (gate_up: 1 split took 1.03x the time of 2): then 4;
+# - g128, SiLU input (down; the exact loop at 128 registers, 2 blocks resident): 2 (19 -> 9 splits
+#   with the exact loop: 0.83x the time, asym);
+# - g32 / g64 (3 blocks resident; not re-tuned): TARGET_BLOCKS_PER_SM.
 TARGET_BLOCKS_PER_SM = 4
 # Most tile-columns one block stages: M = 8 rows x 48 x 128 bf16 = 96 KB of shared memory, so two
 # blocks still fit an SM for any K (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns).
@@ -131,9 +137,23 @@ def _sm_count(index: int) -> int:
 
 
 @functools.cache
-def plan_shape(n: int, k: int, sm_count: int, target_blocks_per_sm: int = TARGET_BLOCKS_PER_SM) -> GemvPlan:
+def plan_shape(n: int, k: int, sm_count: int, target_blocks_per_sm: int | None = None, *,
+               silu_input: bool = False, group_size: int = 128) -> GemvPlan:
     """Split K only as far as needed to give about `target_blocks_per_sm` blocks per SM (and so that
-    one block stages at most KC_MAX tile-columns of the activations)."""
+    one block stages at most KC_MAX tile-columns of the activations). None: the target measured for
+    the kernel that runs (see TARGET_BLOCKS_PER_SM)."""
+    if target_blocks_per_sm is not None:
+        return _split_for(n, k, sm_count, target_blocks_per_sm)
+    if group_size != 128:
+        return _split_for(n, k, sm_count, TARGET_BLOCKS_PER_SM)
+    if silu_input:
+        return _split_for(n, k, sm_count, 2)
+    fewer = _split_for(n, k, sm_count, 3)
+    full = _split_for(n, k, sm_count, 4)
+    return full if fewer.splits == 1 and full.splits > 1 else fewer
+
+
+def _split_for(n: int, k: int, sm_count: int, target_blocks_per_sm: int) -> GemvPlan:
     kt = k // 128
     blocks_n = -(-n // ROWS_PER_BLOCK)
     want = max(1, min(kt, round(sm_count * target_blocks_per_sm / blocks_n)))
@@ -142,12 +162,16 @@ def plan_shape(n: int, k: int, sm_count: int, target_blocks_per_sm: int = TARGET
 
 
 def plan_gemv(
-    n: int, k: int, device: torch.device | None = None, target_blocks_per_sm: int = TARGET_BLOCKS_PER_SM
+    n: int, k: int, device: torch.device | None = None, target_blocks_per_sm: int | None = None, *,
+    silu_input: bool = False, group_size: int = 128,
 ) -> GemvPlan:
     """The plan of one shape on `device` (default: the current CUDA device): `plan_shape` with the
-    device's SM count. `target_blocks_per_sm` is for benchmarks of other split-K targets."""
+    device's SM count, for the kernel that runs it: `silu_input` (the down projection's fused SiLU*mul
+    input) and the weight's `group_size`. `target_blocks_per_sm` is for benchmarks of other split-K
+    targets."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    return plan_shape(n, k, _sm_count(require_sm90(device)), target_blocks_per_sm)
+    return plan_shape(n, k, _sm_count(require_sm90(device)), target_blocks_per_sm, silu_input=silu_input,
+                      group_size=group_size)
 
 
 @dataclasses.dataclass
@@ -211,7 +235,7 @@ def gemv_int4(
     check(out, "out", torch.bfloat16, (m, n), dev, align=2)
     if bias is not None:
         check(bias, "bias", torch.bfloat16, (n,), dev, align=2)
-    plan = plan or plan_gemv(n, k, dev)
+    plan = plan or plan_gemv(n, k, dev, silu_input=silu_mul_input, group_size=weight.group_size)
     if (plan.n, plan.k) != (n, k):
         raise ValueError(f"plan is for [{plan.n}, {plan.k}], weight is [{n}, {k}]")
     silu = "_silu" if silu_mul_input else ""

@@ -252,9 +252,20 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
 #pragma unroll
           for (int i = 0; i < NH; ++i) {
             u32 b0, b1, b2, b3;
+#ifndef NQ_GEMM_PROBE_NO_LDSM
             ldmatrix_x4(xaddr + (u32)((p * NH + i) * 8 * XS + 32 * w) * 2u, b0, b1, b2, b3);
+#else  // timing probe (wrong outputs): B from registers, to time the kernel without its ldmatrix
+            b0 = a0 + (u32)i; b1 = a2; b2 = a4 + xaddr; b3 = a6;
+#endif
+#ifndef NQ_GEMM_PROBE_NO_MMA
             mma_bf16(f[i], a0, a1, a2, a3, b0, b1);
             mma_bf16(f[i], a4, a5, a6, a7, b2, b3);
+#else  // timing probe (wrong outputs): one FADD per mma keeps its operands live, no tensor-core work
+            f[i][0] += __uint_as_float(a0 ^ a1 ^ b0);
+            f[i][1] += __uint_as_float(a2 ^ a3 ^ b1);
+            f[i][2] += __uint_as_float(a4 ^ a5 ^ b2);
+            f[i][3] += __uint_as_float(a6 ^ a7 ^ b3);
+#endif
           }
         }
         const float sc0 = ST::to_f32((u16)(c.s0 >> (16 * gi)));

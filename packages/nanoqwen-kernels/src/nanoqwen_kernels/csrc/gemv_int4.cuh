@@ -192,8 +192,9 @@ NQ_DEVICE void load_tile_column(TileColumn<G>& c, const uint4* w0p, const uint4*
 NQ_DEVICE void store_gemv_out(const float (&acc)[4], const bf16_t* __restrict__ bias, bf16_t* __restrict__ out,
                               float* __restrict__ ws, int* __restrict__ counters, int M, int N);
 
-// scales: the raw 16-bit scale words, bf16 or fp16 as ST says.
-template <int G, bool ASYM, int XMODE, typename ST>
+// scales: the raw 16-bit scale words, bf16 or fp16 as ST says. EXACT: the main loop with an exact trip
+// count (below), for the kernels where it compiles without spills (gemv.cu says which).
+template <int G, bool ASYM, int XMODE, typename ST, bool EXACT>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                          const u16* __restrict__ scales, const u8* __restrict__ zeros,
                          const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
@@ -285,8 +286,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   pdl_wait();
   stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
   __syncthreads();
-  if (work) {
-#ifndef NQ_GEMV_EXACT_LOOP
+  if (work && !EXACT) {
     // Per-column guards (warp-uniform): 150 (sym) / 160 (asym) SASS instructions per tile-column at
     // g128 (nvcc 13.0; 165.5 / 180.5 before the changes above), no spills.
     for (int tc = tc_begin; tc < tc_end; tc += 2) {
@@ -295,12 +295,13 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
       if (tc + 2 < tc_end) load(A, tc + 2);
       if (tc + 1 < tc_end) compute(B, xsl + (tc + 1 - tc_begin) * 128);
     }
-#else
-    // Benchmark variant (bench/kernels/gemv_ab.py, "gemv_exact"): an exact trip count, pairs of
-    // columns then the odd one, so that both columns' math is one basic block (ptxas interleaves it):
-    // 131 (sym) / 151 (asym) instructions per tile-column at g128, 0.957x the time of the loop above's
-    // predecessor on the H200 (gate_up and down asym 0.90x), but ptxas then spills a few bytes around
-    // the loop's entry in most kernels, which the hot-kernel rule (test_build.py) does not allow.
+  } else if (work) {
+    // EXACT: an exact trip count, pairs of columns then the odd one, so that both columns' math is one
+    // basic block (ptxas interleaves it): 131 (sym) / 151 (asym) instructions per tile-column at g128
+    // (nvcc 13.0). On the H200 (CEILINGS.md, session 7) the g128 asym kernel took 0.996 / 0.983 / 0.925
+    // of the loop above's time on qkv / o / gate_up at M = 1. In most other kernels ptxas spills a few
+    // bytes with it, reloaded at every iteration, which the hot-kernel rule (test_build.py) forbids:
+    // gemv.cu turns it on per kernel, and -DNQ_GEMV_EXACT_LOOP everywhere (bench/kernels/gemv_ab.py).
     int tc = tc_begin;  // the next column to compute; stage A holds it
     for (; tc + 2 <= tc_end; tc += 2) {
       load(B, tc + 1);
@@ -309,7 +310,6 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
       compute(B, xsl + (tc + 1 - tc_begin) * 128);
     }
     if (tc < tc_end) compute(A, xsl + (tc - tc_begin) * 128);
-#endif
   }
   pdl_launch_dependents();  // the weight stream is done: let the next kernel's prefetch start
   store_gemv_out(acc, bias, out, ws, counters, M, N);

@@ -69,7 +69,11 @@ class KernelOps:
                                                  geom.head_dim, cfg.block_size)
         H, I = geom.hidden_size, geom.intermediate_size
         shapes = {(geom.qkv_dim, H), (H, geom.q_dim), (2 * I, H), (H, I), (geom.vocab_size, H)}
-        self.plans = {s: kgemv.plan_gemv(s[0], s[1], device) for s in shapes}
+        # GEMV plans by (N, K, SiLU input, group size 128 or not): the split target depends on the
+        # kernel that runs (nanoqwen_kernels.gemv.plan_shape); the down projection is the SiLU-input one
+        self.plans = {(n, k, silu, g128): kgemv.plan_gemv(n, k, device, silu_input=silu,
+                                                          group_size=128 if g128 else 64)
+                      for n, k in shapes for silu in (False, True) for g128 in (False, True)}
         self.workspace = kgemv.GemvWorkspace.allocate(self.plans.values(), device)
         # the GEMM's split-K scratch, for every M class and group size (plans are cached per shape)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -206,7 +210,7 @@ class KernelOps:
         path = self.int4_path(m)
         if path == "gemv_int4":
             self.paths["gemv_int4"] += 1
-            kgemv.gemv_int4(x, w, out, bias, self.workspace, self.plans[(lin.n, lin.k)], pdl=self.cfg.pdl)
+            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False), pdl=self.cfg.pdl)
         elif path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
             # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMM)
             self.paths["int4_gemm"] += 1
@@ -223,6 +227,9 @@ class KernelOps:
             return "gemv_int4"
         return "int4_gemm" if m <= INT4_GEMM_MAX_ROWS else PREFILL_PATH
 
+    def _gemv_plan(self, w: kgemv.Int4Weight, silu_input: bool) -> kgemv.GemvPlan:
+        return self.plans[(w.n, w.k, silu_input, w.group_size == 128)]
+
     def _gemm_plan(self, w: kgemv.Int4Weight, m: int) -> kgemm.GemmPlan:
         return kgemm.plan_gemm_shape(w.n, w.k, w.group_size, kgemm.m_class(m), self._sms)
 
@@ -236,7 +243,7 @@ class KernelOps:
             w = self._int4(down)
             self.paths[path] += 1
             if path == "gemv_int4":
-                kgemv.gemv_int4(gate_up, w, out, None, self.workspace, self.plans[(down.n, down.k)],
+                kgemv.gemv_int4(gate_up, w, out, None, self.workspace, self._gemv_plan(w, True),
                                 silu_mul_input=True, pdl=self.cfg.pdl)
             else:
                 kgemm.gemm_int4(gate_up, w, out, None, self.gemm_workspace, self._gemm_plan(w, m),
