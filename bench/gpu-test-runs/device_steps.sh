@@ -121,15 +121,17 @@ PY
       python3 $AB compare $D/default.json $D/$name.json --out $D/$name.md | tail -2
     done
     tar czf $OUT/gemv-plans.tgz -C $OUT gemv-plans && rm -rf $D ;;
-  gemm-sweep)  # HEAD's INT4 GEMM: the planner's plans, forced K splits, and the two timing probes
+  gemm-sweep)  # the INT4 GEMM: the planner's plans, forced K splits, and the two timing probes
+    # (gemm-sweep splits-only: without the probes)
     G="timeout 100 python3 bench/kernels/bench_gemm.py --int4-only"
     PYTHONPATH=$SRC $G --ms 16,32,64,128 --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -4
     for s in 1 2 3 4 6; do
       PYTHONPATH=$SRC $G --ms 16,32,64 --splits $s --out $OUT/gemm/splits$s 2>&1 | grep "M=" | tail -3
     done
-    for d in NQ_GEMM_PROBE_NO_LDSM NQ_GEMM_PROBE_NO_MMA; do
+    [ "${2:-}" = splits-only ] || for d in NQ_GEMM_PROBE_NO_LDSM NQ_GEMM_PROBE_NO_MMA; do
       PYTHONPATH=$SRC $G --ms 16,32,64,128 --define $d --out $OUT/gemm/$d 2>&1 | grep "M=" | tail -4
-    done ;;
+    done
+    tar czf $OUT/gemm-sweep.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;  # one file back, not 8 of 16
   gemm-ncu)  # ncu warp-stall sampling of HEAD's GEMM: gate_up at M = 64, qkv at M = 16
     for c in "gate_up 64" "qkv 16" "down 32"; do set -- $c
       PYTHONPATH=$SRC timeout 150 ncu --clock-control none --section SourceCounters --section WarpStateStats \

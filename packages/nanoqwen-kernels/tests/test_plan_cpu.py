@@ -99,11 +99,16 @@ def test_gemm_plan_covers_k_and_fits(n, k, max_m, group_size):
         assert plan.splits == 1 and plan.n_tiles == 8
     else:
         assert plan.rows_per_mblock == max_m
-        # the split count is the argmin of the documented cost model (ties: fewer splits)
+        # the split count is the measured one where gemm.MEASURED_SPLITS lists the shape, else the
+        # argmin of the documented cost model (ties: fewer splits)
+        measured = gemm.MEASURED_SPLITS.get((132, n, k, group_size, max_m))
         slots = 132 * gemm.blocks_per_sm(group_size, plan.n_tiles)
         kt = k // 128
         costs = {s: gemm.split_cost(plan.blocks_n, kt, s, slots, max_m) for s in range(1, min(kt, 64) + 1)}
-        assert gemm.split_cost(plan.blocks_n, kt, plan.splits, slots, max_m) == min(costs.values())
+        if measured is not None:
+            assert plan.splits == measured
+        else:
+            assert gemm.split_cost(plan.blocks_n, kt, plan.splits, slots, max_m) == min(costs.values())
     for silu in (False, True):
         assert plan.shared_bytes(silu) <= 227 * 1024 // gemm.blocks_per_sm(group_size, plan.n_tiles)
 
@@ -116,6 +121,14 @@ def test_gemm_split_plans_of_the_7b_shapes():
     qkv = gemm.plan_gemm_shape(4608, 3584, 128, 16, 132)
     assert 132 < qkv.blocks_n * qkv.splits <= 264
     assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).splits == 1  # 296 row blocks: partials cost more
+
+
+def test_gemm_measured_splits_are_the_7b_g128_plans_on_132_sms():
+    for (sms, n, k, g, max_m), splits in gemm.MEASURED_SPLITS.items():
+        plan = gemm.plan_gemm_shape(n, k, g, max_m, sms)
+        assert plan.splits == splits and plan.splits * plan.kc >= k // 128 > (plan.splits - 1) * plan.kc
+    # the same shapes at another SM count are the model's (an argmin, checked above at 132 SMs)
+    assert gemm.plan_gemm_shape(4608, 3584, 128, 16, 114).splits != 4
 
 
 def test_gemm_grid_walks_m_blocks_fastest():
