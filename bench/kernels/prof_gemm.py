@@ -5,7 +5,7 @@ planner's plan):
         --launch-skip 2 --launch-count 1 -f -o REPORT python3 bench/kernels/prof_gemm.py gate_up 64
 
 profiles the third launch of the first M given. Run from the repository root with every package's src
-on PYTHONPATH. (Session 8's wgmma attempt used the copy in bench/kernels/attempts/.)"""
+on PYTHONPATH. `qkv 16 128` makes the launches session 8 profiled on its wgmma attempt."""
 
 import sys
 
