@@ -122,8 +122,8 @@ PY
     done
     tar czf $OUT/gemv-plans.tgz -C $OUT gemv-plans && rm -rf $D ;;
   gemm-sweep)  # the INT4 GEMM: the planner's plans, forced K splits, and the two timing probes
-    # (gemm-sweep splits-only: without the probes)
-    G="timeout 100 python3 bench/kernels/bench_gemm.py --int4-only"
+    # (gemm-sweep splits-only [MODEL]: without the probes; MODEL 7b (default), 1.5b or 0.5b shapes)
+    G="timeout 100 python3 bench/kernels/bench_gemm.py --int4-only --model ${3:-7b}"
     PYTHONPATH=$SRC $G --ms 16,32,64,128 --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -4
     for s in 1 2 3 4 6; do
       PYTHONPATH=$SRC $G --ms 16,32,64 --splits $s --out $OUT/gemm/splits$s 2>&1 | grep "M=" | tail -3

@@ -24,9 +24,9 @@ ops_kernels.INT4_GEMM_MAX_ROWS / PREFILL_PATH should say. Writes bench_gemm.json
 under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a build of the "gemm" family with
 those -D options as int4_gemm; `--splits S` replaces the planner's K split count of every M <= 64 plan
 by about S (`GemmPlan.with_splits`); `--int4-only` skips the other paths; `--ms 16,32` picks the M
-values. Timing probes (wrong outputs, tests never build them): `--define NQ_GEMM_PROBE_NO_LDSM`
-(B fragments from registers, no ldmatrix), `--define NQ_GEMM_PROBE_NO_MMA` (an FADD per mma
-instead). Runs in well under a minute on the H200 once the kernels are compiled (first use: NVRTC).
+values; `--model 1.5b|0.5b` the real test models' shapes instead of the 7B's. Timing probes (wrong
+outputs, tests never build them): `--define NQ_GEMM_PROBE_NO_LDSM` (B fragments from registers, no
+ldmatrix), `--define NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead). Runs in well under a minute on the H200 once the kernels are compiled (first use: NVRTC).
 """
 
 # ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)
@@ -45,6 +45,12 @@ from nanoqwen_kernels import gemm, gemv
 from nanoqwen_kernels.bench import read_bandwidth, time_graph
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
+# the layer linears of the real test models (`--model`), for plans measured beyond the 7B
+MODEL_SHAPES = {
+    "7b": SHAPES,
+    "1.5b": [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("down", 1536, 8960)],
+    "0.5b": [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)],
+}
 MS = (16, 32, 64, 128, 512, 2048)
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
@@ -136,6 +142,7 @@ def main(argv=None) -> int:
                     help="build the GEMM with -DNAME[=VALUE] (repeatable) and time that build")
     ap.add_argument("--splits", type=int, help="about this many K splits in every M <= 64 plan")
     ap.add_argument("--int4-only", action="store_true", help="time only int4_gemm")
+    ap.add_argument("--model", choices=sorted(MODEL_SHAPES), default="7b", help="whose layer shapes (7b)")
     args = ap.parse_args(argv)
     family = "gemm"
     if args.define:
@@ -151,12 +158,12 @@ def main(argv=None) -> int:
     read_bw = rb["bytes_per_s"]
     print(f"read bandwidth {read_bw / 1e9:.0f} GB/s", flush=True)
     rows: list[dict] = []
-    for name, n, k in SHAPES:
+    for name, n, k in MODEL_SHAPES[args.model]:
         ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (16, 64, 512) if args.quick else MS
         bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only, args.splits)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
     rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "defines": args.define, "splits": args.splits,
+           "defines": args.define, "splits": args.splits, "model": args.model,
            "device": torch.cuda.get_device_name(0), "command": " ".join(sys.argv),
            "read_bandwidth_GBps": read_bw / 1e9, "read_bandwidth": rb, "rows": rows,
            "crossover": crossover(rows)}  # fmt: skip
