@@ -122,13 +122,14 @@ PY
     done
     tar czf $OUT/gemv-plans.tgz -C $OUT gemv-plans && rm -rf $D ;;
   gemm-sweep)  # the INT4 GEMM: the planner's plans, forced K splits, and the two timing probes
-    # (gemm-sweep splits-only [MODEL]: without the probes; MODEL 7b (default), 1.5b or 0.5b shapes)
+    # (gemm-sweep splits-only [MODEL]: without the probes; MODEL 7b (default), 1.5b or 0.5b shapes;
+    # PROBES="NQ_GEMM_PROBE_NO_WLOAD NQ_GEMM_PROBE_NO_X NQ_GEMM_PROBE_NO_XBAR" picks other probes)
     G="timeout 100 python3 bench/kernels/bench_gemm.py --int4-only --model ${3:-7b}"
     PYTHONPATH=$SRC $G --ms 16,32,64,128 --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -4
     for s in 1 2 3 4 6; do
       PYTHONPATH=$SRC $G --ms 16,32,64 --splits $s --out $OUT/gemm/splits$s 2>&1 | grep "M=" | tail -3
     done
-    [ "${2:-}" = splits-only ] || for d in NQ_GEMM_PROBE_NO_LDSM NQ_GEMM_PROBE_NO_MMA; do
+    [ "${2:-}" = splits-only ] || for d in ${PROBES:-NQ_GEMM_PROBE_NO_LDSM NQ_GEMM_PROBE_NO_MMA}; do
       PYTHONPATH=$SRC $G --ms 16,32,64,128 --define $d --out $OUT/gemm/$d 2>&1 | grep "M=" | tail -4
     done
     tar czf $OUT/gemm-sweep.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;  # one file back, not 8 of 16

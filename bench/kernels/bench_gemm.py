@@ -25,9 +25,11 @@ under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a build of 
 those -D options as int4_gemm; `--splits S` replaces the planner's K split count of every M <= 64 plan
 by about S (`GemmPlan.with_splits`); `--int4-only` skips the other paths; `--ms 16,32` picks the M
 values; `--model 1.5b|0.5b` the real test models' shapes instead of the 7B's. Timing probes (wrong
-outputs, tests never build them): `--define NQ_GEMM_PROBE_NO_LDSM` (B fragments from registers, no
-ldmatrix), `--define NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead). Runs in well under a minute on
-the H200 once the kernels are compiled (first use: NVRTC).
+outputs, tests never build them), each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from
+registers, no ldmatrix), `NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD`
+(weights made in registers, no global loads), `NQ_GEMM_PROBE_NO_X` (no activation copies; the chunk
+waits and barriers stay), `NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers). Runs in
+well under a minute on the H200 once the kernels are compiled (first use: NVRTC).
 """
 
 # ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)

@@ -184,7 +184,15 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
 
   auto load = [&](TileColumn<G>& c, int tc) {  // a warp without rows (has0 false) loads nothing
     if (has0 && tc < tc_end) {
+#ifndef NQ_GEMM_PROBE_NO_WLOAD
       load_tile_column<G, ASYM>(c, w0p, w1p, s0p, s1p, z0p, z1p, tc);  // w1p = w0p without tile 1
+#else  // timing probe (wrong outputs): weights, scales and zeros made in registers, no global loads
+      const u32 v = (u32)tc * 0x9e3779b9u + (u32)lane;
+      c.w0 = make_uint4(v, v ^ 1u, v ^ 2u, v ^ 3u);
+      c.w1 = make_uint4(v ^ 4u, v ^ 5u, v ^ 6u, v ^ 7u);
+      c.s0 = c.s1 = (typename ScaleBits<G>::type)0x3c003c00u;
+      c.z0 = c.z1 = 0x08080808u;
+#endif
     }
   };
 
@@ -192,6 +200,11 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   const bf16_t* xm = x + (i64)m0 * (XMODE ? 2 * K : K);
   auto issue = [&](int c) {
     const int col0 = (tc_begin + c * CH) * 128, ncols = min(CH, tc_end - tc_begin - c * CH) * 128;
+#if defined(NQ_GEMM_PROBE_NO_X) || defined(NQ_GEMM_PROBE_NO_XBAR)
+    (void)col0; (void)ncols;  // timing probes (wrong outputs): no activation copies
+    cp_async_commit();
+    return;
+#endif
     if constexpr (XMODE == 0) {
       stage_rows_async<R>(xbuf + (c & 1) * R * XS, xm, K, rows_valid, col0, ncols);
     } else {
@@ -203,8 +216,10 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // Called by every thread before the first tile-column of chunk c: afterwards chunk c is in the x
   // buffer the returned pointer names, and the copy of chunk c + 1 is in flight.
   auto enter_chunk = [&](int c) -> const bf16_t* {
+#ifndef NQ_GEMM_PROBE_NO_XBAR  // timing probe: no copies (above) and no wait or barrier per chunk
     cp_async_wait_all();
     __syncthreads();  // chunk c visible to all; everyone is done with chunk c - 1
+#endif
     if constexpr (XMODE == 0) {
       if (c + 1 < nchunks) issue(c + 1);  // into the buffer chunk c - 1 used
       return xbuf + (c & 1) * R * XS;
