@@ -65,7 +65,8 @@ def tests(session: nox.Session) -> None:
     # The test model download is a fetch, not part of a unit test: do it once here, into the cache.
     required = os.environ.get("NANOQWEN_REQUIRE_MODEL") == "1"
     session.run("python", "tools/testmodel.py", success_codes=[0] if required else [0, 1])
-    session.run("pytest", "-m", "not gpu", *_test_paths(), *session.posargs)
+    # --durations: the slowest tests in every log, for the CI time budget (.ci/run: under 20 minutes)
+    session.run("pytest", "-m", "not gpu", "--durations=25", *_test_paths(), *session.posargs)
 
 
 @nox.session(venv_backend="none")
