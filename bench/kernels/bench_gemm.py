@@ -161,8 +161,8 @@ def main(argv=None) -> int:
     read_bw = rb["bytes_per_s"]
     print(f"read bandwidth {read_bw / 1e9:.0f} GB/s", flush=True)
     rows: list[dict] = []
+    ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (16, 64, 512) if args.quick else MS
     for name, n, k in MODEL_SHAPES[args.model]:
-        ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (16, 64, 512) if args.quick else MS
         bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only, args.splits)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
     rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -11,11 +11,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, "packages/nanoqwen-kernels/tests")  # int4_testkit
+sys.path[:0] = ["packages/nanoqwen-kernels/tests", "bench/kernels"]  # int4_testkit, bench_gemm
+from bench_gemm import SHAPES as _SHAPES  # noqa: E402
 from int4_testkit import random_int4  # noqa: E402
 from nanoqwen_kernels import gemm  # noqa: E402
 
-SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+SHAPES = {name: (n, k) for name, n, k in _SHAPES}
 
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(1)
