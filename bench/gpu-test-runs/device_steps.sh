@@ -133,6 +133,31 @@ PY
       PYTHONPATH=$SRC $G --ms 16,32,64,128 --define $d --out $OUT/gemm/$d 2>&1 | grep "M=" | tail -4
     done
     tar czf $OUT/gemm-sweep.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;  # one file back, not 8 of 16
+  gemm-probes)  # the INT4 GEMM's plans, then a timing probe build per PROBES entry (no split sweep)
+    G="timeout 110 python3 bench/kernels/bench_gemm.py --int4-only --model 7b"
+    PYTHONPATH=$SRC $G --ms 16,32,64,128 --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -4
+    for d in ${PROBES:-NQ_GEMM_PROBE_NO_WLOAD NQ_GEMM_PROBE_NO_X NQ_GEMM_PROBE_NO_XBAR}; do
+      PYTHONPATH=$SRC $G --ms 16,32,64,128 --define $d --out $OUT/gemm/$d 2>&1 | grep "M=" | tail -4
+    done
+    tar czf $OUT/gemm-probes.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;
+  gemm-variants)  # the INT4 GEMM, default build against compile-option builds, sym then asym (outputs checked)
+    G="timeout 110 python3 bench/kernels/bench_gemm.py --int4-only --model 7b --ms 16,32,64,128"
+    for a in "" --asym; do
+      PYTHONPATH=$SRC $G $a --out $OUT/gemm/default$a 2>&1 | grep "M=" | tail -4
+      for v in ${VARIANTS:-NQ_GEMM_PRESCALE "NQ_GEMM_PRESCALE NQ_GEMM_FORCE_MIN_BLOCKS=2 NQ_GEMM_RING_DEPTH=3"}; do
+        d=""; for x in $v; do d="$d --define $x"; done
+        PYTHONPATH=$SRC $G $a $d --out "$OUT/gemm/${v// /+}$a" 2>&1 | grep "M=\|Error" | tail -4 || true
+      done
+    done
+    tar czf $OUT/gemm-variants.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;
+  gemm-multi)  # the INT4 GEMM's plans against unsplit M blocks of NT = 4 and 2 (bench_gemm --multi-nt), asym
+    G="timeout 100 python3 bench/kernels/bench_gemm.py --int4-only --model 7b --asym --ms 16,32,48,64,128"
+    PYTHONPATH=$SRC $G --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -5
+    for nt in 4 2; do PYTHONPATH=$SRC $G --multi-nt $nt --out $OUT/gemm/multi-nt$nt 2>&1 | grep "M=" | tail -5; done
+    tar czf $OUT/gemm-multi.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;
+  l2-prefetch)  # issue 13: the decode GEMV cold, L2-hot, and after an L2 prefetch of its weights
+    PYTHONPATH=$SRC timeout 200 python3 bench/kernels/l2_prefetch.py --out $OUT/l2-prefetch.md \
+      --json $OUT/l2-prefetch.json 2>&1 | tail -12 ;;
   gemm-ncu)  # ncu warp-stall sampling of HEAD's GEMM: gate_up at M = 64, qkv at M = 16
     for c in "gate_up 64" "qkv 16" "down 32"; do set -- $c
       PYTHONPATH=$SRC timeout 150 ncu --clock-control none --section SourceCounters --section WarpStateStats \

@@ -23,7 +23,9 @@ crossover between int4_gemm and dequant_gemm (summed over the four shapes) is pr
 ops_kernels.INT4_GEMM_MAX_ROWS / PREFILL_PATH should say. Writes bench_gemm.json and bench_gemm.md
 under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a build of the "gemm" family with
 those -D options as int4_gemm; `--splits S` replaces the planner's K split count of every M <= 64 plan
-by about S (`GemmPlan.with_splits`); `--int4-only` skips the other paths; `--ms 16,32` picks the M
+by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8 NT as unsplit M blocks of 8 NT
+rows; `--asym` times asymmetric weights; every timed build's output is first checked against the
+fp32 reference (except the probes'); `--int4-only` skips the other paths; `--ms 16,32` picks the M
 values; `--model 1.5b|0.5b` the real test models' shapes instead of the 7B's. Timing probes (wrong
 outputs, tests never build them), each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from
 registers, no ldmatrix), `NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD`
@@ -58,17 +60,30 @@ MS = (16, 32, 64, 128, 512, 2048)
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
-def random_weight(n, k, gen):
+def random_weight(n, k, gen, asym=False):
     words = torch.randint(0, 256, (n * k // 2,), generator=gen, device="cuda", dtype=torch.uint8)
     scales = (0.5 + torch.rand(n, k // 128, generator=gen, device="cuda")) / (4.6 * k**0.5)
     scales = scales.to(torch.bfloat16)
-    return gemv.Int4Weight(words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, None, n, k, 128)
+    zeros = (torch.randint(0, 16, (n, k // 128), generator=gen, device="cuda", dtype=torch.uint8)
+             if asym else None)  # fmt: skip
+    return gemv.Int4Weight(words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, zeros, n, k, 128)
 
 
-def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=False, splits=None):
-    w0 = random_weight(n, k, gen)
+def check_output(out, x, w) -> None:
+    """out against the kernel tests' oracle (the fp32 product with the dequantized weight), within the
+    bf16 tolerance: a build or plan that computes something else stops the run instead of reporting a
+    time."""
+    from nanoqwen_kernels import reference as R
+
+    dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
+    R.assert_close(out, R.linear(x, dense, None), what="bench_gemm output")
+
+
+def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=False, splits=None, asym=False,
+                check=True, multi_nt=None):
+    w0 = random_weight(n, k, gen, asym)
     copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
-    weights = [w0] + [random_weight(n, k, gen) for _ in range(copies - 1)]
+    weights = [w0] + [random_weight(n, k, gen, asym) for _ in range(copies - 1)]
     dense_copies = max(2, math.ceil(L2_ROTATE_BYTES / (2 * n * k)))
     dense = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(dense_copies)]
     scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
@@ -76,6 +91,9 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=Fal
     plans = {m: gemm.plan_gemm(n, k, m) for m in ms}
     if splits:
         plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
+    if multi_nt:  # unsplit blocks of 8 NT rows, several per M: the multi-block class at a smaller M block
+        plans = {m: gemm.GemmPlan(n, k, 128, multi_nt, 1, k // 128, None) if m > 8 * multi_nt else p
+                 for m, p in plans.items()}  # fmt: skip
     ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values()),
                                  torch.device("cuda"))
     for m in ms:
@@ -93,6 +111,10 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=Fal
         }  # fmt: skip
         if int4_only:
             paths = {"int4_gemm": paths["int4_gemm"]}
+        if check:  # a timing probe's outputs are wrong by design
+            gemm.gemm_int4(x, w0, out, None, ws, plan, family=family)
+            torch.cuda.synchronize()
+            check_output(out, x, w0)
         for path, (fn, reps, nbytes) in paths.items():
             t = time_graph(fn, reps)
             row = {"shape": name, "n": n, "k": k, "m": m, "path": path, "us": t * 1e6,
@@ -120,7 +142,8 @@ def crossover(rows) -> dict:
 def markdown(rep) -> str:
     lines = [f"# INT4 GEMM microbenchmark ({rep['date']})", "", f"- device: {rep['device']}",
              f"- read bandwidth: {rep['read_bandwidth_GBps']:.0f} GB/s (1 GiB, median of 30 launches)",
-             "- weights: INT4 g128 symmetric; bytes = weights (+ scales) + x + out, each once", "",
+             f"- weights: INT4 g128 {'asymmetric' if rep.get('asym') else 'symmetric'}; "
+             "bytes = weights (+ scales) + x + out, each once", "",
              "| shape | M | path | us | TFLOP/s | % of read BW | vs cuBLAS bf16 | plan |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     cub = {(r["shape"], r["m"]): r["us"] for r in rep["rows"] if r["path"] == "cublas_bf16"}
@@ -145,6 +168,10 @@ def main(argv=None) -> int:
                     help="build the GEMM with -DNAME[=VALUE] (repeatable) and time that build")
     ap.add_argument("--splits", type=int, help="about this many K splits in every M <= 64 plan")
     ap.add_argument("--int4-only", action="store_true", help="time only int4_gemm")
+    ap.add_argument("--multi-nt", type=int, choices=(2, 4, 8),
+                    help="every M > 8 NT: unsplit M blocks of 8 NT rows (the M > 64 class's plan at NT)")
+    ap.add_argument("--asym", action="store_true",
+                    help="asymmetric weights (zero points), the default recipe's")
     ap.add_argument("--model", choices=sorted(MODEL_SHAPES), default="7b", help="whose layer shapes (7b)")
     args = ap.parse_args(argv)
     family = "gemm"
@@ -163,10 +190,12 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (16, 64, 512) if args.quick else MS
     for name, n, k in MODEL_SHAPES[args.model]:
-        bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only, args.splits)
+        bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only, args.splits, args.asym,
+                    multi_nt=args.multi_nt, check=not any(d.startswith("NQ_GEMM_PROBE") for d in args.define))
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
     rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "defines": args.define, "splits": args.splits, "model": args.model,
+           "defines": args.define, "splits": args.splits, "model": args.model, "asym": args.asym,
+           "multi_nt": args.multi_nt,
            "device": torch.cuda.get_device_name(0), "command": " ".join(sys.argv),
            "read_bandwidth_GBps": read_bw / 1e9, "read_bandwidth": rb, "rows": rows,
            "crossover": crossover(rows)}  # fmt: skip

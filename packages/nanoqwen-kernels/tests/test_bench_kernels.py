@@ -1,6 +1,8 @@
 """GPU: the benchmark kernels (csrc/bench.cu). read_xor reads every word (its XOR equals numpy's, at odd
 sizes and at several MB), refuses inputs it cannot read with 16-byte loads; spin holds the stream for
-at least the asked time; read_bandwidth reports a rate only after its own correctness check."""
+at least the asked time; read_bandwidth reports a rate only after its own correctness check;
+l2_prefetch changes no byte of what it prefetches (any length, a tail shorter than its chunk) and
+refuses ranges a bulk prefetch cannot take."""
 
 from __future__ import annotations
 
@@ -38,6 +40,30 @@ def test_read_xor_refuses_what_it_cannot_read(gen, device):
             read_xor(bad, sink)
     with pytest.raises(TypeError):
         read_xor(data, torch.zeros(1, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("n_words,chunk", [(4, 16), (4 * 1001, 1 << 10), ((1 << 22) + 12, 32 << 10)])
+@pytest.mark.parametrize("evict_last", [False, True])
+def test_l2_prefetch_changes_nothing(n_words, chunk, evict_last, gen, device):
+    from nanoqwen_kernels.bench import l2_prefetch
+
+    data = words(n_words, gen, device)
+    before = data.clone()
+    l2_prefetch(data, chunk=chunk, evict_last=evict_last)
+    torch.cuda.synchronize(device)
+    assert torch.equal(data, before)
+
+
+def test_l2_prefetch_refuses_what_a_bulk_prefetch_cannot_take(gen, device):
+    from nanoqwen_kernels.bench import l2_prefetch
+
+    data = words(64, gen, device)
+    for bad in (data[1:5], data[:6], data.view(8, 8)[:, :4]):
+        with pytest.raises(ValueError, match="16-byte"):
+            l2_prefetch(bad)
+    for chunk in (0, 24):
+        with pytest.raises(ValueError, match="chunk"):
+            l2_prefetch(data, chunk=chunk)
 
 
 def test_spin_holds_the_stream(device):

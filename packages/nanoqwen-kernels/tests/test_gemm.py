@@ -68,6 +68,24 @@ def test_gemm_7b_asymmetric(name, n, k, m, gen, device):
     R.assert_close(run_gemm(x, w, None), reference_out(x, w, None), f"gemm asym {name} M={m}")
 
 
+@pytest.mark.parametrize("name,n,k", [s for s in SHAPES_7B if s[0] in ("qkv", "gate_up")])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("m", [33, 47, 64])
+def test_gemm_measured_multi_block_plan(name, n, k, symmetric, m, gen, device):
+    """gate_up and qkv at M = 33..64 on a 132-SM GPU run gemm.MEASURED_MULTI_BLOCK's plan (asserted,
+    not assumed): two unsplit M blocks of 32 rows, the second one partial."""
+    from nanoqwen_kernels import gemm
+
+    plan = gemm.plan_gemm(n, k, m, 128, device)
+    if torch.cuda.get_device_properties(device).multi_processor_count != 132:
+        pytest.skip("MEASURED_MULTI_BLOCK lists 132-SM plans (H100 SXM / H200); this GPU plans by the model")
+    assert (plan.n_tiles, plan.splits, plan.max_m, plan.grid(m)[0]) == (4, 1, None, 2)
+    w = random_int4(n, k, 128, symmetric, gen, device)
+    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16) if name == "qkv" else None
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias), f"gemm multi-block {name} M={m}")
+
+
 @pytest.mark.parametrize("n,k", ODD_SHAPES)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])

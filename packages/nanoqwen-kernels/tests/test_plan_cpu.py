@@ -95,8 +95,12 @@ def test_gemm_plan_covers_k_and_fits(n, k, max_m, group_size):
     kt = k // 128
     assert plan.splits * plan.kc >= kt and (plan.splits - 1) * plan.kc < kt
     assert plan.blocks_n == -(-n // gemm.ROWS_PER_BLOCK)
+    multi_nt = gemm.MEASURED_MULTI_BLOCK.get((132, n, k, group_size, max_m))
     if max_m is None:  # many M blocks: never split K (the M blocks give the CTAs; no [S, M, N] scratch)
         assert plan.splits == 1 and plan.n_tiles == 8
+    elif multi_nt is not None:  # measured: unsplit M blocks of 8 NT rows serve this class
+        assert plan.max_m is None and plan.splits == 1 and plan.n_tiles == multi_nt
+        assert plan.m_blocks(max_m) == max_m // (8 * multi_nt)
     else:
         assert plan.rows_per_mblock == max_m
         # the split count is the measured one where gemm.MEASURED_SPLITS lists the shape, else the
@@ -129,6 +133,18 @@ def test_gemm_measured_splits_are_the_7b_g128_plans_on_132_sms():
         assert plan.splits == splits and plan.splits * plan.kc >= k // 128 > (plan.splits - 1) * plan.kc
     # the same shapes at another SM count are the model's (an argmin, checked above at 132 SMs)
     assert gemm.plan_gemm_shape(4608, 3584, 128, 16, 114).splits != 4
+
+
+def test_gemm_measured_multi_block_plans_on_132_sms_only():
+    """gate_up and qkv of the 7B at M = 33..64 on 132 SMs: two unsplit M blocks of 32 rows (NT = 4), the
+    measured faster plan; o and down keep one 64-row M block with K splits; 114 SMs keep the model's."""
+    for (sms, n, k, g, max_m), nt in gemm.MEASURED_MULTI_BLOCK.items():
+        plan = gemm.plan_gemm_shape(n, k, g, max_m, sms)
+        assert (plan.n_tiles, plan.splits, plan.max_m, plan.grid(64)) == (nt, 1, None, (2, plan.blocks_n, 1))
+        assert plan.grid(33) == (2, plan.blocks_n, 1) and plan.grid(32) == (1, plan.blocks_n, 1)
+    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).n_tiles == 4
+    assert gemm.plan_gemm_shape(3584, 18944, 128, 64, 132).n_tiles == 8  # down: splits K instead
+    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 114).n_tiles == 8
 
 
 def test_gemm_grid_walks_m_blocks_fastest():

@@ -138,15 +138,28 @@ MEASURED_SPLITS = {
     (132, 37888, 3584, 128, 32): 1,
 }
 
+# Shapes whose M <= 64 class runs faster as unsplit M blocks of 8 NT rows (NT = 4: two blocks per SM,
+# twice the resident warps of NT = 8's one; the second M block finds the weights in L2) than as one
+# 64-row M block: measured with `bench_gemm.py --multi-nt 4` (H200, 2026-12-02, g128 asym, us;
+# bench/kernels/results/session10-2026-12-02/gemm-multi-*.md): gate_up M = 48 / 64 130.5 / 134.7 ->
+# 103.6 / 106.2, qkv 31.6 / 36.4 -> 29.2 / 29.3. o (23.8 / 27.8 -> 29.1 / 29.3) and down (68.9 / 73.4
+# -> 147.2 / 149.2: it needs its K splits, which many M blocks cannot have) stay one M block. Key as
+# MEASURED_SPLITS; value: NT.
+MEASURED_MULTI_BLOCK = {(132, 37888, 3584, 128, 64): 4, (132, 4608, 3584, 128, 64): 4}
+
 
 @functools.cache
 def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count: int) -> GemmPlan:
     """The plan of an M class (`max_m` 16, 32, 64, or None for M > 64). Split K only for one M block:
     the measured split count where MEASURED_SPLITS has one, else the split count with the least
-    `split_cost` on `sm_count` x `blocks_per_sm` resident blocks (ties: fewer splits)."""
+    `split_cost` on `sm_count` x `blocks_per_sm` resident blocks (ties: fewer splits). A shape in
+    MEASURED_MULTI_BLOCK gets, for its M class, unsplit M blocks of that NT instead (max_m None)."""
     if max_m not in (16, 32, 64, None):
         raise ValueError(f"max_m must be 16, 32, 64 or None, got {max_m}")
     kt = k // 128
+    multi_nt = MEASURED_MULTI_BLOCK.get((sm_count, n, k, group_size, max_m))
+    if multi_nt is not None:
+        return GemmPlan(n, k, group_size, multi_nt, 1, kt, None)
     nt = 8 if max_m is None else max_m // 8
     if max_m is None:
         return GemmPlan(n, k, group_size, nt, 1, kt, None)

@@ -4,6 +4,10 @@
 //                    decode roofline is measured against (a decode step reads weights and KV and
 //                    writes almost nothing, so a device-to-device copy, half reads and half writes,
 //                    is the wrong ceiling: cuBLAS's bf16 lm_head GEMV reads at 107% of it).
+//   l2_prefetch      asks the L2 to fetch a byte range (cp.async.bulk.prefetch.L2, one bulk request per
+//                    `chunk` bytes; optionally with an evict_last cache policy) and returns without
+//                    waiting for it: the measurement behind a weight prefetch that runs ahead of the
+//                    GEMVs (bench/kernels/l2_prefetch.py).
 //   spin_ns          one thread waits `ns` nanoseconds of %globaltimer: it holds a stream busy while
 //                    the host queues work behind it, so that queued kernels then run back to back
 //                    at the GPU's pace (the engine benchmark's per-op timing of eager steps).
@@ -55,4 +59,23 @@ NQ_DEVICE u64 globaltimer_ns() {
 extern "C" __global__ void __launch_bounds__(32) spin_ns(u64 ns) {
   const u64 t0 = globaltimer_ns();
   while (globaltimer_ns() - t0 < ns) asm volatile("nanosleep.u32 1000;" ::: "memory");
+}
+
+// grid (blocks), block 128. Thread t of the grid issues bulk prefetches of chunks t, t + S, ... of
+// [data, data + nbytes) (chunk and nbytes multiples of 16, data 16-byte aligned; the last chunk is
+// cut at nbytes). evict_last != 0 attaches an L2 evict_last policy (createpolicy, fraction 1.0).
+extern "C" __global__ void __launch_bounds__(128) l2_prefetch(const unsigned char* __restrict__ data, u64 nbytes,
+                                                              u32 chunk, int evict_last) {
+  u64 policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  const u64 stride = (u64)gridDim.x * blockDim.x * chunk;
+  for (u64 off = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * chunk; off < nbytes; off += stride) {
+    const u32 size = (u32)(nbytes - off < chunk ? nbytes - off : chunk);
+    if (evict_last) {
+      asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(data + off), "r"(size),
+                   "l"(policy) : "memory");
+    } else {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(data + off), "r"(size) : "memory");
+    }
+  }
 }
