@@ -2,13 +2,19 @@
 
 - The GGUF source reads q/k in HF order (no llama.cpp un-permute for qwen2): nanoqwen_model's
   forward on the packed bf16 container matches transformers' own GGUF loading, the oracle.
-- Quality, asserted against what GPTQ claims, with no bound fitted to a measurement: per projection
-  of every layer GPTQ's output error on its calibration inputs (`out_rel`, the quantity it
-  minimises) is below RTN's on the same inputs; on held-out stdlib code (the "heldout" split,
-  disjoint files) the perplexities order bf16 < GPTQ-g128 < RTN-g128; static groups keep RTN's
-  scales.
-  Cost: the fixture packs GPTQ and RTN, both symmetric g128 (GPTQ ~10 s/layer on an idle 2-core
-  machine; bf16 comes from the session cache) and the quality test runs three 4,096-token evaluations.
+- GPTQ, asserted against what GPTQ claims, with no bound fitted to a measurement: per projection of
+  every layer its output error on its calibration inputs (`out_rel`, the quantity it minimises) is
+  below RTN's on the same inputs; static groups keep RTN's scales; on held-out stdlib code (the
+  "heldout" split, disjoint files) both quantized containers cost perplexity against bf16.
+  Not asserted: GPTQ below RTN on the held-out text. With this CI calibration (8,192 tokens) that
+  order is a draw decided by fp32 summation order: the CPU pack put GPTQ sym below RTN sym, the same
+  recipe packed on an H200 put it above (7.232 against 7.187, bf16 6.665; session 10,
+  bench/gpu-test-runs/2026-12-02-session10.md). The default recipe's held-out quality (65,536
+  calibration tokens) is asserted against its goal in test_quality_default.py.
+- Cost: the CPU tests pack RTN (symmetric g128; bf16 comes from the session cache) in seconds. GPTQ
+  packs on the GPU (`gpu` tests, `nox -s gpu_tests`), as test_quality_default.py does: on the 2-core
+  CI machine its 24 layers took ~6 of CI's 20 minutes. The CPU suite keeps GPTQ's code paths on tiny
+  models (test_gptq.py, test_pack_tiny.py, test_recipes.py).
 """
 
 from __future__ import annotations
@@ -37,12 +43,12 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 FP32_U = 2**-24
 ORACLE_REL = 2 * (24 * 5 + 1) * 4864**0.5 * FP32_U
 # Calibration size. GPTQ lowers the output error on the inputs its Hessian H = 2/n sum x x^T was built
-# from; that carries over to held-out text only where H stands for the held-out inputs. With n tokens
-# H has rank <= n, and down's H is [4864, 4864]: below n = 4864 GPTQ moves weights along directions no
-# calibration token constrains (only the 1% damping does), and the held-out outcome becomes a draw
-# (observed with 4 x 512 = 2,048 tokens: GPTQ 5.61 vs RTN 5.69 before an fp32-rounding-level change
-# of the forward, 5.91 after it). So n >= intermediate_size, in the recipe's windows of 2,048 tokens:
-# ceil(4864 / 2048) = 3 windows reach it; a 4th gives n / K = 1.7 (the README table uses 16,384).
+# from. With n tokens H has rank <= n, and down's H is [4864, 4864]: below n = 4864 GPTQ moves weights
+# along directions no calibration token constrains (only the 1% damping does). So n >= intermediate_size,
+# in the recipe's windows of 2,048 tokens: ceil(4864 / 2048) = 3 windows reach it; a 4th gives n / K =
+# 1.7. That carries GPTQ's gain to held-out text only where H stands for the held-out inputs, which this
+# n does not ensure: observed a draw with 2,048 tokens (GPTQ 5.61 vs RTN 5.69, then 5.91 after an
+# fp32-rounding-level change of the forward) and with these 8,192 (module docstring).
 INTERMEDIATE_05B = 4864
 CALIB_SEQ_LEN = 2048
 CALIB_TOKENS = (-(-INTERMEDIATE_05B // CALIB_SEQ_LEN) + 1) * CALIB_SEQ_LEN
@@ -53,18 +59,22 @@ EVAL_TOKENS = 4096
 @pytest.fixture(scope="module")
 def packed(qwen05b_gguf, qwen05b_packed, tmp_path_factory):
     # bf16 comes from the session cache of `nanoqwen-quant pack` (root conftest), shared with the runtime
-    # and end-to-end tests. GPTQ (reduced CI calibration) and RTN are packed here on the symmetric grid,
-    # where GPTQ's gain over RTN is established; on the asymmetric grid (the default since issue 16) RTN
-    # alone is within +3.1% of bf16 on these tokens and GPTQ with this small calibration set measured
-    # level with it (+3.3%, 2026-12-01): that comparison belongs to bench/quality, not to an assertion.
+    # and end-to-end tests; RTN is packed here on the symmetric grid, GPTQ's grid in `gptq_packed`.
     d = tmp_path_factory.mktemp("q05b")
-    out = {"bf16": qwen05b_packed("none"), "rtn": d / "rtn.nanoqwen", "gptq": d / "gptq.nanoqwen"}
-    src = GGUFSource(qwen05b_gguf)
-    pack(src, out["rtn"], PackOptions(method="rtn", symmetric=True, device="cpu"), log=lambda m: None)
-    opts = PackOptions(method="gptq", symmetric=True, calib_tokens=CALIB_TOKENS, calib_seq_len=CALIB_SEQ_LEN,
-                       device="cpu")
-    pack(src, out["gptq"], opts, log=lambda m: None)
+    out = {"bf16": qwen05b_packed("none"), "rtn": d / "rtn.nanoqwen"}
+    pack(GGUFSource(qwen05b_gguf), out["rtn"], PackOptions(method="rtn", symmetric=True, device="cpu"),
+         log=lambda m: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def gptq_packed(packed, qwen05b_gguf, tmp_path_factory):
+    """`packed` plus "gptq": GPTQ symmetric g128 (reduced CI calibration), packed on the GPU."""
+    path = tmp_path_factory.mktemp("q05b-gptq") / "gptq.nanoqwen"
+    opts = PackOptions(method="gptq", symmetric=True, calib_tokens=CALIB_TOKENS, calib_seq_len=CALIB_SEQ_LEN,
+                       device="cuda")
+    pack(GGUFSource(qwen05b_gguf), path, opts, log=lambda m: None)
+    return packed | {"gptq": path}
 
 
 def test_containers_are_valid(packed, qwen05b_gguf):
@@ -82,8 +92,16 @@ def test_containers_are_valid(packed, qwen05b_gguf):
             assert any(t["content"] == "<|im_end|>" and t["id"] == 151645 for t in tok["added_tokens"])
             assert f.metadata["generation"]["eos_token_ids"] == [151645, 151643]
             assert f.config["intermediate_size"] == INTERMEDIATE_05B
-        with nqf.open(packed["gptq"]) as f:
-            assert f.metadata["quantization"]["calibration"]["tokens"] == CALIB_TOKENS == 8192
+
+
+@pytest.mark.gpu
+def test_gptq_container_is_valid(gptq_packed):
+    with nqf.open(gptq_packed["gptq"]) as f:
+        f.verify()
+        assert f.records["layers.23.down"].encoding == "int4"
+        q = f.metadata["quantization"]
+        assert (q["method"], q["symmetric"], q["group_size"]) == ("gptq", True, 128)
+        assert q["calibration"]["tokens"] == CALIB_TOKENS == 8192
 
 
 def test_bf16_forward_matches_transformers_gguf_loader(packed, qwen05b_gguf):
@@ -130,10 +148,11 @@ def test_bf16_forward_matches_transformers_gguf_loader(packed, qwen05b_gguf):
     assert torch.equal(logits.argmax(-1)[decided], ref.argmax(-1)[decided])
 
 
-def test_gptq_output_error_below_rtn_in_every_projection(packed):
+@pytest.mark.gpu
+def test_gptq_output_error_below_rtn_in_every_projection(gptq_packed):
     # the metadata's per-projection errors on the calibration inputs (src/nanoqwen_quant/metrics.py):
     # out_rel = tr(E H E^T) / tr(W H W^T) is what GPTQ minimises, rtn_out_rel the same for RTN's Q
-    with nqf.open(packed["gptq"]) as f:
+    with nqf.open(gptq_packed["gptq"]) as f:
         errs = f.metadata["quantization"]["layer_errors"]
     assert len(errs) == 24 and all(set(e) == set(LINEARS) for e in errs)
     worse = [(i, n, e[n]["out_rel"], e[n]["rtn_out_rel"]) for i, e in enumerate(errs) for n in LINEARS
@@ -141,10 +160,11 @@ def test_gptq_output_error_below_rtn_in_every_projection(packed):
     assert not worse, worse
 
 
-def test_gptq_keeps_rtn_scales(packed):
+@pytest.mark.gpu
+def test_gptq_keeps_rtn_scales(gptq_packed):
     # static groups: GPTQ's group scales are computed from the original weights, before any update,
     # exactly as RTN computes them; only columns with no calibration signal (dead, zeroed) differ
-    with nqf.open(packed["gptq"]) as g, nqf.open(packed["rtn"]) as r:
+    with nqf.open(gptq_packed["gptq"]) as g, nqf.open(gptq_packed["rtn"]) as r:
         errs = g.metadata["quantization"]["layer_errors"]
         for i in range(24):
             for n in LINEARS:
@@ -153,13 +173,13 @@ def test_gptq_keeps_rtn_scales(packed):
                     np.testing.assert_array_equal(g.quantized(name).scales, r.quantized(name).scales)
 
 
-def test_quality_order_on_heldout_text(packed):
-    # on the same held-out tokens: quantizing costs perplexity (the bf16 weights sit at a minimum of the
-    # training loss, so a perturbation raises it), and GPTQ, which minimises each projection's output
-    # error, costs less than RTN on the same grid. Any bound relative to bf16 comes from RTN, measured
-    # here in the same run: GPTQ's loss is below RTN's.
+@pytest.mark.gpu
+def test_quantized_perplexity_above_bf16_on_heldout_text(gptq_packed):
+    # on the same held-out tokens quantizing costs perplexity: the bf16 weights sit at a minimum of the
+    # training loss, so a perturbation raises it (measured 6.665 -> 7.187 RTN, 7.232 GPTQ on the H200;
+    # both margins ~8%, far beyond fp32 summation order). GPTQ against RTN here: a draw (module docstring).
     text = heldout_text(20_000)
-    ppl = {name: perplexity(path, text, seq_len=512, max_tokens=EVAL_TOKENS, device="cpu").perplexity
-           for name, path in packed.items()}
+    ppl = {name: perplexity(path, text, seq_len=512, max_tokens=EVAL_TOKENS, device="cuda").perplexity
+           for name, path in gptq_packed.items()}
     print("perplexity on held-out stdlib code:", ppl)
-    assert ppl["bf16"] < ppl["gptq"] < ppl["rtn"], ppl
+    assert ppl["bf16"] < min(ppl["gptq"], ppl["rtn"]), ppl
