@@ -9,9 +9,11 @@ the activation rows of a whole M block (csrc/gemm_int4.cuh explains the kernel).
 Plan, then run: `plan_gemm(N, K, M)` picks the kernel's M block (R = 16, 32 or 64 rows: n-tiles
 NT = R / 8) and, for one M block (M <= 64), the split-K factor; a pure function of the shape, the
 M class and the SM count (cached). M > 64 runs ceil(M / 64) M blocks of 64 rows and never splits K
-(the M blocks give enough CTAs). The split-K scratch is a `gemv.GemvWorkspace`, allocated from the
-GEMM plans with `max_m = 64` (`allocate_workspace`); the GEMV and the GEMM may share one per stream
-when it is sized for both. `gemm_int4` allocates nothing and never synchronises: graph-capturable.
+(the M blocks give enough CTAs); the shapes in `MEASURED_MULTI_BLOCK` run their M <= 64 class that
+way too, in unsplit M blocks of 32 rows (measured faster). The split-K scratch is a
+`gemv.GemvWorkspace`, allocated from the GEMM plans with `max_m = 64` (`allocate_workspace`); the GEMV
+and the GEMM may share one per stream when it is sized for both. `gemm_int4` allocates nothing and
+never synchronises: graph-capturable.
 """
 
 from __future__ import annotations
