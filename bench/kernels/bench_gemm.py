@@ -49,6 +49,10 @@ import torch
 from nanoqwen_kernels import gemm, gemv
 from nanoqwen_kernels.bench import read_bandwidth, time_graph
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import random_weight  # noqa: E402
+from gemv_ab import check_output  # noqa: E402
+
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
 # the layer linears of the real test models (`--model`), for plans measured beyond the 7B
 MODEL_SHAPES = {
@@ -60,30 +64,11 @@ MS = (16, 32, 64, 128, 512, 2048)
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
-def random_weight(n, k, gen, asym=False):
-    words = torch.randint(0, 256, (n * k // 2,), generator=gen, device="cuda", dtype=torch.uint8)
-    scales = (0.5 + torch.rand(n, k // 128, generator=gen, device="cuda")) / (4.6 * k**0.5)
-    scales = scales.to(torch.bfloat16)
-    zeros = (torch.randint(0, 16, (n, k // 128), generator=gen, device="cuda", dtype=torch.uint8)
-             if asym else None)  # fmt: skip
-    return gemv.Int4Weight(words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, zeros, n, k, 128)
-
-
-def check_output(out, x, w) -> None:
-    """out against the kernel tests' oracle (the fp32 product with the dequantized weight), within the
-    bf16 tolerance: a build or plan that computes something else stops the run instead of reporting a
-    time."""
-    from nanoqwen_kernels import reference as R
-
-    dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
-    R.assert_close(out, R.linear(x, dense, None), what="bench_gemm output")
-
-
 def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=False, splits=None, asym=False,
                 check=True, multi_nt=None):
-    w0 = random_weight(n, k, gen, asym)
+    w0 = random_weight(n, k, gen, symmetric=not asym)
     copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
-    weights = [w0] + [random_weight(n, k, gen, asym) for _ in range(copies - 1)]
+    weights = [w0] + [random_weight(n, k, gen, symmetric=not asym) for _ in range(copies - 1)]
     dense_copies = max(2, math.ceil(L2_ROTATE_BYTES / (2 * n * k)))
     dense = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(dense_copies)]
     scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")

@@ -44,19 +44,7 @@ VARIANTS = {
 }
 
 
-def _weight(n, k, gen, symmetric):
-    import torch
-    from nanoqwen_kernels import gemv
-
-    words = torch.randint(0, 256, (n * k // 2,), generator=gen, device="cuda", dtype=torch.uint8)
-    scales = (0.5 + torch.rand(n, k // 128, generator=gen, device="cuda")) / (4.6 * k**0.5)
-    scales = scales.to(torch.bfloat16)
-    zeros = None if symmetric else torch.randint(0, 16, (n, k // 128), generator=gen, device="cuda",
-                                                 dtype=torch.uint8)  # fmt: skip
-    return gemv.Int4Weight(words.view(torch.int32).reshape(n // 8, k // 128, 32, 4), scales, zeros, n, k, 128)
-
-
-def _check(out, x, w, silu: bool) -> None:
+def check_output(out, x, w, silu: bool = False) -> None:
     """out (bf16 [M, N]) against the kernel tests' oracle: the fp32 product with the dequantized weight
     (nanoqwen_kernels.reference), within the bf16 tolerance of reference.TOLERANCES."""
     import torch
@@ -79,6 +67,7 @@ def _plan(gemv, n: int, k: int, silu: bool, target_blocks: int | None):
 
 def time_gemv(label: str, variant: str | None, target_blocks: int | None = None) -> dict:
     import torch
+    from bench_kernels import random_weight
     from nanoqwen_kernels import build, gemv
     from nanoqwen_kernels.bench import read_bandwidth, time_graph
     from nanoqwen_kernels.specs import SPECS
@@ -96,16 +85,16 @@ def time_gemv(label: str, variant: str | None, target_blocks: int | None = None)
     for name, n, k in SHAPES:
         silu = name == "down"
         for symmetric in (True, False):
-            w0 = _weight(n, k, gen, symmetric)
+            w0 = random_weight(n, k, gen, symmetric)
             copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
-            weights = [w0] + [_weight(n, k, gen, symmetric) for _ in range(copies - 1)]
+            weights = [w0] + [random_weight(n, k, gen, symmetric) for _ in range(copies - 1)]
             plan = _plan(gemv, n, k, silu, target_blocks)
             for m in (1, 8):
                 x = torch.randn(m, 2 * k if silu else k, generator=gen, device="cuda").to(torch.bfloat16)
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                 gemv.gemv_int4(x, w0, out, workspace=ws, plan=plan, silu_mul_input=silu, family=family)
                 torch.cuda.synchronize()
-                _check(out, x, w0, silu)
+                check_output(out, x, w0, silu)
 
                 def fn(i, x=x, out=out, weights=weights, plan=plan, silu=silu, copies=copies):
                     gemv.gemv_int4(x, weights[i % copies], out, workspace=ws, plan=plan, silu_mul_input=silu,

@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv_ab import L2_ROTATE_BYTES, SHAPES, _check, _weight  # noqa: E402
+from bench_kernels import random_weight  # noqa: E402
+from gemv_ab import L2_ROTATE_BYTES, SHAPES, check_output  # noqa: E402
 
 GAP_NS = 8_000
 
@@ -51,9 +52,9 @@ def main(argv=None) -> int:
     ws = gemv.GemvWorkspace.allocate(list(plans.values()), dev)
 
     def cold_set(name, n, k):
-        w0 = _weight(n, k, gen, False)
+        w0 = random_weight(n, k, gen, symmetric=False)
         copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
-        return [w0] + [_weight(n, k, gen, False) for _ in range(copies - 1)]
+        return [w0] + [random_weight(n, k, gen, symmetric=False) for _ in range(copies - 1)]
 
     def inputs(name, n, k):
         silu = name == "down"
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
         plan = plans[name]
         gemv.gemv_int4(x, weights[0], out, workspace=ws, plan=plan, silu_mul_input=silu)
         torch.cuda.synchronize()
-        _check(out, x, weights[0], silu)
+        check_output(out, x, weights[0], silu)
 
         def g(i, weights=weights, x=x, out=out, plan=plan, silu=silu):
             gemv.gemv_int4(x, weights[i % len(weights)], out, workspace=ws, plan=plan, silu_mul_input=silu)

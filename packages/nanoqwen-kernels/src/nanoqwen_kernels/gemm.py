@@ -159,12 +159,10 @@ def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count
     if max_m not in (16, 32, 64, None):
         raise ValueError(f"max_m must be 16, 32, 64 or None, got {max_m}")
     kt = k // 128
-    multi_nt = MEASURED_MULTI_BLOCK.get((sm_count, n, k, group_size, max_m))
-    if multi_nt is not None:
+    multi_nt = 8 if max_m is None else MEASURED_MULTI_BLOCK.get((sm_count, n, k, group_size, max_m))
+    if multi_nt is not None:  # unsplit M blocks of 8 NT rows, as many as M needs
         return GemmPlan(n, k, group_size, multi_nt, 1, kt, None)
-    nt = 8 if max_m is None else max_m // 8
-    if max_m is None:
-        return GemmPlan(n, k, group_size, nt, 1, kt, None)
+    nt = max_m // 8
     blocks_n = -(-n // ROWS_PER_BLOCK)
     slots = sm_count * blocks_per_sm(group_size, nt)
     best = MEASURED_SPLITS.get((sm_count, n, k, group_size, max_m))
