@@ -56,6 +56,17 @@ def _test_paths() -> list[str]:
     return [p for p in paths if (ROOT / p).is_dir() and any((ROOT / p).glob("test_*.py"))]
 
 
+def _paths_and_options(posargs: list[str]) -> tuple[list[str], list[str]]:
+    """Split the arguments after `--` into test paths (files or folders that exist, optionally with a
+    `::test` suffix) and pytest options; without paths, every test folder. `nox -s gpu_tests --
+    packages/nanoqwen-kernels/tests` runs that folder only (pytest's --ignore cannot drop a folder
+    named on its command line), e.g. to run the suite in parts on a machine that limits each command
+    to 10 minutes."""
+    paths = [a for a in posargs if not a.startswith("-") and (ROOT / a.split("::")[0]).exists()]
+    options = [a for a in posargs if a not in paths]
+    return paths or _test_paths(), options
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """CPU tests. The model tests run when the registry can be reached and skip with a reason otherwise;
@@ -66,14 +77,17 @@ def tests(session: nox.Session) -> None:
     required = os.environ.get("NANOQWEN_REQUIRE_MODEL") == "1"
     session.run("python", "tools/testmodel.py", success_codes=[0] if required else [0, 1])
     # --durations: the slowest tests in every log, for the CI time budget (.ci/run: under 20 minutes)
-    session.run("pytest", "-m", "not gpu", "--durations=25", *_test_paths(), *session.posargs)
+    paths, options = _paths_and_options(session.posargs)
+    session.run("pytest", "-m", "not gpu", "--durations=25", *paths, *options)
 
 
 @nox.session(venv_backend="none")
 def gpu_tests(session: nox.Session) -> None:
-    """GPU tests, in the machine's existing environment (no installs, no downloads)."""
+    """GPU tests, in the machine's existing environment (no installs, no downloads). Test paths after
+    `--` narrow the run (`_paths_and_options`)."""
     env = {"PYTHONPATH": _src_pythonpath(), "NANOQWEN_REQUIRE_GPU": "1"}
-    session.run("python", "-m", "pytest", "-m", "gpu", *_test_paths(), *session.posargs, env=env)
+    paths, options = _paths_and_options(session.posargs)
+    session.run("python", "-m", "pytest", "-m", "gpu", *paths, *options, env=env)
 
 
 @nox.session(venv_backend="none")

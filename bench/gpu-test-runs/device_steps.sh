@@ -35,15 +35,19 @@ for m in testmodel.MODELS.values():
     print("verified", p.name, h)
 PY
     ;;
-  tests)     # the README's command, whole suite
+  tests)     # the README's command, whole suite (over 10 minutes since session 11: use tests-part1, -part2)
     timeout 585 python3 -m nox -s gpu_tests -- -p no:cacheprovider -rs --durations=20 2>&1 \
       | tee $OUT/gpu-tests.log | tail -45 ;;
-  tests-only)  # tests-only NAME DIR...: gpu_tests' own pytest command (its env: sources on PYTHONPATH,
-    # NANOQWEN_REQUIRE_GPU=1) on some test folders only; pytest's --ignore does not drop folders given
-    # on the command line, so nox's full path list cannot be narrowed from posargs
+  tests-part1|tests-part2)  # the README's command in two calls of < 10 minutes: quant + kernels, the rest
+    if [ "$1" = tests-part1 ]; then parts=(packages/nanoqwen-quant/tests packages/nanoqwen-kernels/tests)
+    else parts=(tests packages/nanoqwen-format/tests packages/nanoqwen-model/tests packages/nanoqwen-runtime/tests
+                packages/nanoqwen-cli/tests); fi
+    timeout 585 python3 -m nox -s gpu_tests -- "${parts[@]}" -p no:cacheprovider -rs --durations=20 2>&1 \
+      | tee $OUT/gpu-$1.log | tail -45 ;;
+  tests-only)  # tests-only NAME PATH...: the README's command on some test files or folders only
     name=$2; shift 2
-    PYTHONPATH=$SRC:/tmp/site NANOQWEN_REQUIRE_GPU=1 timeout 585 python3 -m pytest -m gpu "$@" -p no:cacheprovider \
-      -rs --durations=15 2>&1 | tee $OUT/gpu-$name.log | tail -40 ;;
+    timeout 585 python3 -m nox -s gpu_tests -- "$@" -p no:cacheprovider -rs --durations=15 2>&1 \
+      | tee $OUT/gpu-$name.log | tail -40 ;;
   bench)     # the README's command (features on: prefix caching, speculation ngram:4); "$2" e.g. --quick
     timeout 480 python3 -m nox -s bench -- ${2:-} 2>&1 | tee $OUT/bench.log | tail -60 || true
     tar czf $OUT/bench.tgz bench/engine bench/kernels/bench_kernels.json bench/kernels/bench_kernels.md ;;
@@ -84,8 +88,9 @@ PY
       $CACHE/qwen2.5-coder-0.5b-instruct.gguf -o $P --method rtn 2>&1 | tail -1
     for side in new old; do
       pp=$SRC:/tmp/site; [ $side = old ] && pp=$V1:$pp
+      # shellcheck disable=SC2086  # "$2": extra loadtest.py options, split into words on purpose
       PYTHONPATH=$pp timeout 240 python3 bench/server/loadtest.py $P --out $OUT/server-$side \
-        --require-overhead 0.95 2>&1 | grep -A3 "^Overhead\|^Submit" || true
+        --require-overhead 0.95 ${2:-} 2>&1 | grep -A3 "^Overhead\|^Submit" || true
       gzip -f $OUT/server-$side/engine-trace.jsonl || true
     done ;;
   kernels-ab|ab-only)  # the kernel GPU tests, then the decode GEMV of HEAD (.v1, `git archive`) against this tree's
@@ -155,6 +160,14 @@ PY
     PYTHONPATH=$SRC $G --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -5
     for nt in 4 2; do PYTHONPATH=$SRC $G --multi-nt $nt --out $OUT/gemm/multi-nt$nt 2>&1 | grep "M=" | tail -5; done
     tar czf $OUT/gemm-multi.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;
+  gemm-multi-splits)  # the INT4 GEMM's plans against M blocks of NT = 4 / 2 each split S ways (asym)
+    G="timeout 100 python3 bench/kernels/bench_gemm.py --int4-only --model 7b --asym --ms 24,32,48,64"
+    PYTHONPATH=$SRC $G --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -4
+    for c in ${COMBOS:-4:1 4:2 4:3 4:4 4:6 2:2 2:3 2:4}; do
+      PYTHONPATH=$SRC $G --multi-nt ${c%%:*} --splits ${c#*:} --out $OUT/gemm/nt${c%%:*}-s${c#*:} 2>&1 \
+        | grep "M=" | tail -4
+    done
+    tar czf $OUT/gemm-multi-splits.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;
   l2-prefetch)  # issue 13: the decode GEMV cold, L2-hot, and after an L2 prefetch of its weights
     PYTHONPATH=$SRC timeout 200 python3 bench/kernels/l2_prefetch.py --out $OUT/l2-prefetch.md \
       --json $OUT/l2-prefetch.json 2>&1 | tail -12 ;;

@@ -23,9 +23,10 @@ crossover between int4_gemm and dequant_gemm (summed over the four shapes) is pr
 ops_kernels.INT4_GEMM_MAX_ROWS / PREFILL_PATH should say. Writes bench_gemm.json and bench_gemm.md
 under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a build of the "gemm" family with
 those -D options as int4_gemm; `--splits S` replaces the planner's K split count of every M <= 64 plan
-by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8 NT as unsplit M blocks of 8 NT
-rows; `--asym` times asymmetric weights; every timed build's output is first checked against the
-fp32 reference (except the probes'); `--int4-only` skips the other paths; `--ms 16,32` picks the M
+by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8 NT as M blocks of 8 NT rows
+(unsplit, or with `--splits S` each M <= 64 block split about S ways along K); `--asym` times
+asymmetric weights; every timed build's output is first checked against the fp32 reference (except
+the probes'); `--int4-only` skips the other paths; `--ms 16,32` picks the M
 values; `--model 1.5b|0.5b` the real test models' shapes instead of the 7B's. Timing probes (wrong
 outputs, tests never build them), each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from
 registers, no ldmatrix), `NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD`
@@ -64,6 +65,13 @@ MS = (16, 32, 64, 128, 512, 2048)
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
+def multi_block_plan(n: int, k: int, m: int, n_tiles: int, splits: int | None) -> gemm.GemmPlan:
+    """M blocks of 8 NT rows for an M-row product: split about `splits` ways along K in the M <= 64
+    classes, unsplit above (the class M > 64 never splits)."""
+    plan = gemm.GemmPlan(n, k, 128, n_tiles, 1, k // 128, gemm.m_class(m))
+    return plan.with_splits(splits) if splits and plan.max_m is not None else plan
+
+
 def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=False, splits=None, asym=False,
                 check=True, multi_nt=None):
     w0 = random_weight(n, k, gen, symmetric=not asym)
@@ -74,11 +82,11 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=Fal
     scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plans = {m: gemm.plan_gemm(n, k, m) for m in ms}
-    if splits:
-        plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
-    if multi_nt:  # unsplit blocks of 8 NT rows, several per M: the multi-block class at a smaller M block
-        plans = {m: gemm.GemmPlan(n, k, 128, multi_nt, 1, k // 128, None) if m > 8 * multi_nt else p
+    if multi_nt:  # blocks of 8 NT rows, several per M (split along K by --splits for M <= 64)
+        plans = {m: multi_block_plan(n, k, m, multi_nt, splits) if m > 8 * multi_nt else p
                  for m, p in plans.items()}  # fmt: skip
+    elif splits:
+        plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
     ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values()),
                                  torch.device("cuda"))
     for m in ms:

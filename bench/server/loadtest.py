@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -213,6 +214,10 @@ class EngineBaseline:
         self.description = describe_engine(self.engine)
         for _ in self.engine.generate(self.requests("warm", 90_000, 4, 8)):
             pass
+        # as both server processes do once loaded (engine_worker.freeze_startup_objects): without it, a
+        # 38-47 ms full collection of the loaded pipeline's objects lands in some runs of one side only
+        gc.collect()
+        gc.freeze()
 
     def requests(self, tag: str, offset: int, count: int, tokens: int):
         from nanoqwen_runtime.engine import Request

@@ -21,6 +21,7 @@ import pytest
 import torch
 from int4_testkit import random_int4, reference_out
 from nanoqwen_kernels import reference as R
+from nanoqwen_kernels.gemm import MEASURED_MULTI_BLOCK
 
 pytestmark = pytest.mark.gpu
 
@@ -68,18 +69,28 @@ def test_gemm_7b_asymmetric(name, n, k, m, gen, device):
     R.assert_close(run_gemm(x, w, None), reference_out(x, w, None), f"gemm asym {name} M={m}")
 
 
-@pytest.mark.parametrize("name,n,k", [s for s in SHAPES_7B if s[0] in ("qkv", "gate_up")])
+MULTI_BLOCK_CASES = [
+    pytest.param(name, n, k, m, id=f"{name}-M{m}")
+    for name, n, k in SHAPES_7B
+    for max_m, ms in ((32, (17, 25, 32)), (64, (33, 47, 64)))
+    if (132, n, k, 128, max_m) in MEASURED_MULTI_BLOCK
+    for m in ms
+]
+
+
+@pytest.mark.parametrize("name,n,k,m", MULTI_BLOCK_CASES)
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-@pytest.mark.parametrize("m", [33, 47, 64])
-def test_gemm_measured_multi_block_plan(name, n, k, symmetric, m, gen, device):
-    """gate_up and qkv at M = 33..64 on a 132-SM GPU run gemm.MEASURED_MULTI_BLOCK's plan (asserted,
-    not assumed): two unsplit M blocks of 32 rows, the second one partial."""
+def test_gemm_measured_multi_block_plan(name, n, k, m, symmetric, gen, device):
+    """The 7B shapes of gemm.MEASURED_MULTI_BLOCK on a 132-SM GPU run its plan (asserted, not
+    assumed): two M blocks of 8 NT rows, the second partial below the class's top M, each with the
+    table's K splits."""
     from nanoqwen_kernels import gemm
 
-    plan = gemm.plan_gemm(n, k, m, 128, device)
     if torch.cuda.get_device_properties(device).multi_processor_count != 132:
         pytest.skip("MEASURED_MULTI_BLOCK lists 132-SM plans (H100 SXM / H200); this GPU plans by the model")
-    assert (plan.n_tiles, plan.splits, plan.max_m, plan.grid(m)[0]) == (4, 1, None, 2)
+    plan = gemm.plan_gemm(n, k, m, 128, device)
+    nt, splits = MEASURED_MULTI_BLOCK[(132, n, k, 128, gemm.m_class(m))]
+    assert (plan.n_tiles, plan.splits, plan.grid(m)[0]) == (nt, splits, 2)
     w = random_int4(n, k, 128, symmetric, gen, device)
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16) if name == "qkv" else None
@@ -125,6 +136,29 @@ def test_gemm_forced_split(n, k, m, gen, device):
     R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias), f"gemm split {plan.splits}")
 
 
+MULTI_SPLIT_SHAPES = [(3584, 3584, 128), (3584, 18944, 128), (200, 640, 32), (136, 4096, 64)]
+MULTI_SPLIT_BLOCKS = [(4, 64, 33), (4, 64, 47), (4, 64, 64), (2, 32, 17), (2, 32, 32), (2, 64, 50)]
+
+
+@pytest.mark.parametrize("n,k,group_size", MULTI_SPLIT_SHAPES)
+@pytest.mark.parametrize("n_tiles,max_m,m", MULTI_SPLIT_BLOCKS)
+@pytest.mark.parametrize("splits", [3, 64])
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
+def test_gemm_multi_block_split_k(n, k, group_size, n_tiles, max_m, m, splits, silu, gen, device):
+    """Several M blocks, each split along K (the partials of M block x land in rows 8 NT x.. of the
+    [S, M, N] scratch, one arrival counter per (M block, row block) tile): every row written once,
+    counters back at zero, the same tolerance (each element's sum is unchanged)."""
+    from nanoqwen_kernels.gemm import GemmPlan
+
+    plan = GemmPlan(n, k, group_size, n_tiles, 1, k // 128, max_m).with_splits(splits)
+    assert plan.splits > 1 and plan.m_blocks(m) > 1 and plan.counters == plan.m_blocks(max_m) * plan.blocks_n
+    w = random_int4(n, k, group_size, False, gen, device)
+    x = torch.randn(m, 2 * k if silu else k, generator=gen, device=device).to(torch.bfloat16)
+    bias = None if silu else torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
+    R.assert_close(run_gemm(x, w, bias, plan, silu=silu), reference_out(x, w, bias, silu=silu),
+                   f"gemm NT={n_tiles} x {plan.m_blocks(m)} blocks, {plan.splits} splits, M={m}")
+
+
 @pytest.mark.parametrize("m", [9, 33, 64, 100])
 @pytest.mark.parametrize("n,k,group_size", [(3584, 18944, 128), (40, 640, 32), (136, 1152, 64)])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
@@ -136,16 +170,19 @@ def test_gemm_fused_silu_mul_input(m, n, k, group_size, symmetric, gen, device):
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-@pytest.mark.parametrize("m", [16, 64, 300])
-def test_gemm_repeated_launches_and_graph_replay(pdl, m, gen, device):
-    """Counters return to zero (split-K at M <= 64): launches in a row and a captured graph replayed
-    with new inputs stay correct, also under PDL."""
-    from nanoqwen_kernels.gemm import allocate_workspace, gemm_int4, plan_gemm
+@pytest.mark.parametrize("m,multi_block", [(16, False), (64, False), (300, False), (47, True)])
+def test_gemm_repeated_launches_and_graph_replay(pdl, m, multi_block, gen, device):
+    """Counters return to zero (split-K at M <= 64, also with several M blocks): launches in a row and
+    a captured graph replayed with new inputs stay correct, also under PDL."""
+    from nanoqwen_kernels.gemm import GemmPlan, allocate_workspace, gemm_int4, plan_gemm
     from nanoqwen_kernels.launch import warm_up
 
     n, k = 3584, 18944
     w = random_int4(n, k, 128, True, gen, device)
     plan = plan_gemm(n, k, m, 128, device)
+    if multi_block:
+        plan = GemmPlan(n, k, 128, 4, 1, k // 128, 64).with_splits(4)
+        assert plan.m_blocks(m) == 2
     assert (plan.splits > 1) == (m <= 64)
     ws = allocate_workspace([plan], device)
     x = torch.empty(m, k, dtype=torch.bfloat16, device=device)

@@ -95,12 +95,12 @@ def test_gemm_plan_covers_k_and_fits(n, k, max_m, group_size):
     kt = k // 128
     assert plan.splits * plan.kc >= kt and (plan.splits - 1) * plan.kc < kt
     assert plan.blocks_n == -(-n // gemm.ROWS_PER_BLOCK)
-    multi_nt = gemm.MEASURED_MULTI_BLOCK.get((132, n, k, group_size, max_m))
+    multi = gemm.MEASURED_MULTI_BLOCK.get((132, n, k, group_size, max_m))
     if max_m is None:  # many M blocks: never split K (the M blocks give the CTAs; no [S, M, N] scratch)
-        assert plan.splits == 1 and plan.n_tiles == 8
-    elif multi_nt is not None:  # measured: unsplit M blocks of 8 NT rows serve this class
-        assert plan.max_m is None and plan.splits == 1 and plan.n_tiles == multi_nt
-        assert plan.m_blocks(max_m) == max_m // (8 * multi_nt)
+        assert plan.splits == 1 and plan.n_tiles == 8 and plan.counters == 0
+    elif multi is not None:  # measured: M blocks of 8 NT rows with the measured K splits
+        assert plan.max_m == max_m and (plan.n_tiles, plan.splits) == multi
+        assert plan.m_blocks(max_m) == max_m // (8 * multi[0])
     else:
         assert plan.rows_per_mblock == max_m
         # the split count is the measured one where gemm.MEASURED_SPLITS lists the shape, else the
@@ -136,15 +136,21 @@ def test_gemm_measured_splits_are_the_7b_g128_plans_on_132_sms():
 
 
 def test_gemm_measured_multi_block_plans_on_132_sms_only():
-    """gate_up and qkv of the 7B at M = 33..64 on 132 SMs: two unsplit M blocks of 32 rows (NT = 4), the
-    measured faster plan; o and down keep one 64-row M block with K splits; 114 SMs keep the model's."""
-    for (sms, n, k, g, max_m), nt in gemm.MEASURED_MULTI_BLOCK.items():
+    """The 7B shapes of MEASURED_MULTI_BLOCK on 132 SMs: M blocks of 8 NT rows (two at the class's top
+    M), the measured K splits, one arrival counter per (M block, row block) tile when split; gate_up
+    at class 64 unsplit; 114 SMs keep the model's one M block of the class's rows."""
+    for (sms, n, k, g, max_m), (nt, splits) in gemm.MEASURED_MULTI_BLOCK.items():
         plan = gemm.plan_gemm_shape(n, k, g, max_m, sms)
-        assert (plan.n_tiles, plan.splits, plan.max_m, plan.grid(64)) == (nt, 1, None, (2, plan.blocks_n, 1))
-        assert plan.grid(33) == (2, plan.blocks_n, 1) and plan.grid(32) == (1, plan.blocks_n, 1)
+        rows = 8 * nt
+        assert (plan.n_tiles, plan.splits, plan.max_m) == (nt, splits, max_m) and max_m == 2 * rows
+        assert plan.grid(max_m) == (2, plan.blocks_n, splits) == plan.grid(rows + 1)
+        assert plan.grid(rows) == (1, plan.blocks_n, splits)
+        assert plan.counters == (2 * plan.blocks_n if splits > 1 else 0)
     assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).n_tiles == 4
-    assert gemm.plan_gemm_shape(3584, 18944, 128, 64, 132).n_tiles == 8  # down: splits K instead
-    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 114).n_tiles == 8
+    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).splits == 1
+    assert gemm.plan_gemm_shape(3584, 18944, 128, 32, 132).n_tiles == 4  # down at class 32: one M block
+    for n, k in [(37888, 3584), (3584, 18944), (4608, 3584)]:
+        assert gemm.plan_gemm_shape(n, k, 128, 64, 114).n_tiles == 8
 
 
 def test_gemm_grid_walks_m_blocks_fastest():
@@ -160,7 +166,7 @@ def test_gemm_workspace_sized_from_all_plans():
     plans = gemm.plans_for_shapes(shapes, 128, 132)
     ws = gemm.allocate_workspace(plans, torch.device("cpu"))
     assert ws.partials.numel() == max(p.workspace_floats(64) for p in plans) > 0
-    assert ws.counters.numel() >= max(p.blocks_n for p in plans if p.splits > 1)
+    assert ws.counters.numel() >= max(p.m_blocks(p.max_m) * p.blocks_n for p in plans if p.splits > 1)
     assert int(ws.counters.abs().sum()) == 0
 
 
@@ -186,16 +192,20 @@ def test_gemm_plan_with_splits_covers_k(splits):
     assert forced.splits * forced.kc >= kt and (forced.splits - 1) * forced.kc < kt  # each column once
     assert forced.splits == -(-kt // -(-kt // min(splits, kt))) <= splits
     assert (forced.n, forced.k, forced.n_tiles, forced.max_m) == (plan.n, plan.k, plan.n_tiles, plan.max_m)
-    with pytest.raises(ValueError, match="one M block"):
+    with pytest.raises(ValueError, match="bounded M class"):
         gemm.plan_gemm_shape(4608, 3584, 128, None, 132).with_splits(2)
+    multi = gemm.GemmPlan(3584, 3584, 128, 4, 1, 28, 64).with_splits(4)  # several M blocks may split
+    assert (multi.splits, multi.m_blocks(64), multi.counters) == (4, 2, 2 * multi.blocks_n)
 
 
 def test_gemm_plan_refuses_inconsistent_shapes():
     with pytest.raises(ValueError, match="exactly once"):
         gemm.GemmPlan(3584, 3584, 128, 8, 3, 5, 64)  # 3 x 5 tile-columns < 28
-    with pytest.raises(ValueError, match="one M block"):
-        gemm.GemmPlan(3584, 3584, 128, 8, 2, 14, None)  # split K over many M blocks: no [S, M, N] scratch
+    with pytest.raises(ValueError, match="bounded M class"):
+        gemm.GemmPlan(3584, 3584, 128, 8, 2, 14, None)  # split K for any M: no bounded [S, M, N] scratch
+    with pytest.raises(ValueError, match="use n_tiles 2"):
+        gemm.GemmPlan(3584, 3584, 128, 4, 1, 28, 16)  # 32-row M blocks for M <= 16
     with pytest.raises(ValueError, match="does not serve"):
-        gemm.GemmPlan(3584, 3584, 128, 4, 1, 28, 64)
+        gemm.GemmPlan(3584, 3584, 128, 4, 1, 28, 48)
     with pytest.raises(ValueError, match="at least one row"):
         gemm.n_tiles_for(0)

@@ -7,10 +7,10 @@ the activation rows of a whole M block (csrc/gemm_int4.cuh explains the kernel).
     y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
 
 Plan, then run: `plan_gemm(N, K, M)` picks the kernel's M block (R = 16, 32 or 64 rows: n-tiles
-NT = R / 8) and, for one M block (M <= 64), the split-K factor; a pure function of the shape, the
-M class and the SM count (cached). M > 64 runs ceil(M / 64) M blocks of 64 rows and never splits K
-(the M blocks give enough CTAs); the shapes in `MEASURED_MULTI_BLOCK` run their M <= 64 class that
-way too, in unsplit M blocks of 32 rows (measured faster). The split-K scratch is a
+NT = R / 8) and, for M <= 64, the split-K factor; a pure function of the shape, the M class and the
+SM count (cached). M > 64 runs ceil(M / 64) M blocks of 64 rows and never splits K (the M blocks give
+enough CTAs). The shapes in `MEASURED_MULTI_BLOCK` run their M <= 64 class in M blocks of 32 rows
+instead (NT = 4: two blocks per SM), each split along K as measured. The split-K scratch is a
 `gemv.GemvWorkspace`, allocated from the GEMM plans with `max_m = 64` (`allocate_workspace`); the GEMV
 and the GEMM may share one per stream when it is sized for both. `gemm_int4` allocates nothing and
 never synchronises: graph-capturable.
@@ -51,9 +51,10 @@ def n_tiles_for(m: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
-    """Launch shape of one (N, K, M class): `n_tiles` (NT: M block of 8 NT rows), `splits` blocks
+    """Launch shape of one (N, K, M class): `n_tiles` (NT: M blocks of 8 NT rows), `splits` blocks
     along K (only when M <= 64), each over `kc` tile-columns of 128. `max_m`: the largest M the plan
-    serves with one M block (16, 32, 64), or None for the multi-block class (M > 64)."""
+    serves (16, 32, 64: one M block of max_m rows, or max_m / (8 NT) smaller ones), or None for the
+    class M > 64 (any number of M blocks, K unsplit)."""
 
     n: int
     k: int
@@ -65,15 +66,19 @@ class GemmPlan:
 
     def __post_init__(self) -> None:
         kt = self.k // 128
-        if self.n_tiles not in (2, 4, 8) or (self.max_m is not None and self.max_m != 8 * self.n_tiles):
+        if self.n_tiles not in (2, 4, 8) or (self.max_m is not None and self.max_m not in (16, 32, 64)):
             raise ValueError(f"GemmPlan: n_tiles {self.n_tiles} does not serve max_m {self.max_m}")
+        if self.max_m is not None and self.max_m < 8 * self.n_tiles:
+            raise ValueError(f"GemmPlan: M blocks of {8 * self.n_tiles} rows for M <= {self.max_m}: use "
+                             f"n_tiles {self.max_m // 8}")
         if self.splits < 1 or self.splits * self.kc < kt or (self.splits - 1) * self.kc >= kt:
             raise ValueError(
                 f"GemmPlan: {self.splits} splits of {self.kc} tile-columns do not cover K / 128 = "
                 f"{kt} exactly once"
             )
         if self.splits > 1 and self.max_m is None:
-            raise ValueError("GemmPlan: split-K needs one M block (max_m 16, 32 or 64)")
+            raise ValueError("GemmPlan: split-K needs a bounded M class (max_m 16, 32 or 64): its [S, M, N] "
+                             "scratch is sized for 64 rows")
 
     @property
     def blocks_n(self) -> int:
@@ -94,13 +99,18 @@ class GemmPlan:
     def workspace_floats(self, m: int) -> int:
         return self.splits * m * self.n if self.splits > 1 else 0
 
+    @property
+    def counters(self) -> int:
+        """Split-K arrival counters the launch uses: one per (M block, row block) tile."""
+        return self.m_blocks(self.max_m) * self.blocks_n if self.splits > 1 else 0
+
     def grid(self, m: int) -> tuple[int, int, int]:
         return (self.m_blocks(m), self.blocks_n, self.splits)
 
     def with_splits(self, splits: int) -> GemmPlan:
         """This plan split about `splits` ways along K instead (benchmarks, tests): kc = ceil(K/128 /
         splits) tile-columns per split, so the count used is ceil(K/128 / kc), at most one split per
-        tile-column and no empty one. Splitting needs one M block (max_m set)."""
+        tile-column and no empty one. Splitting needs a bounded M class (max_m set)."""
         kt = self.k // 128
         kc = -(-kt // min(max(1, splits), kt))
         return dataclasses.replace(self, splits=-(-kt // kc), kc=kc)
@@ -113,12 +123,12 @@ def m_class(m: int) -> int | None:
 
 
 def split_cost(blocks_n: int, kt: int, splits: int, slots: int, max_m: int) -> int:
-    """Modelled time of a split-K plan, in tile-columns of one block: waves x (tile-columns per block
-    + the fp32 partials it writes and the last block reads back when split: 128 rows x M x 8 bytes
-    against a tile-column's 8 KB of packed weights = M / 8 tile-columns). Waves count whole rounds of
-    `slots` resident blocks: the blocks of a plan all take the same time, so a partial wave costs a
-    full one (gate_up at M = 16 on 264 slots: 296 blocks unsplit = 2 waves of 28, 4 splits = 5 waves
-    of 7 + 2)."""
+    """Modelled time of a split-K plan of one M block, in tile-columns of one block: waves x
+    (tile-columns per block + the fp32 partials it writes and the last block reads back when split:
+    128 rows x M x 8 bytes against a tile-column's 8 KB of packed weights = M / 8 tile-columns). Waves
+    count whole rounds of `slots` resident blocks: the blocks of a plan all take the same time, so a
+    partial wave costs a full one (gate_up at M = 16 on 264 slots: 296 blocks unsplit = 2 waves of 28,
+    4 splits = 5 waves of 7 + 2)."""
     kc = -(-kt // splits)
     s = -(-kt // kc)
     waves = -(-blocks_n * s // slots)
@@ -134,34 +144,51 @@ def split_cost(blocks_n: int, kt: int, splits: int, slots: int, max_m: int) -> i
 # reduction), which these small-K shapes pay most; a term of about one tile-column per split fits the
 # 7B table but moves the small models' plans far (K = 896: 7 splits -> 1), unmeasured, so it waits
 # for a sweep of those shapes. Key: (sm_count, n, k, group_size, max_m).
+# (qkv and o at M = 32 were 4 splits here too; MEASURED_MULTI_BLOCK now has faster plans for them.)
 MEASURED_SPLITS = {
-    (132, 4608, 3584, 128, 16): 4, (132, 4608, 3584, 128, 32): 4,
-    (132, 3584, 3584, 128, 16): 4, (132, 3584, 3584, 128, 32): 4,
-    (132, 37888, 3584, 128, 32): 1,
+    (132, 4608, 3584, 128, 16): 4, (132, 3584, 3584, 128, 16): 4, (132, 37888, 3584, 128, 32): 1,
 }
 
-# Shapes whose M <= 64 class runs faster as unsplit M blocks of 8 NT rows (NT = 4: two blocks per SM,
-# twice the resident warps of NT = 8's one; the second M block finds the weights in L2) than as one
-# 64-row M block: measured with `bench_gemm.py --multi-nt 4` (H200, 2026-12-02, g128 asym, us;
-# bench/kernels/results/session10-2026-12-02/gemm-multi-*.md): gate_up M = 48 / 64 130.5 / 134.7 ->
-# 103.6 / 106.2, qkv 31.6 / 36.4 -> 29.2 / 29.3. o (23.8 / 27.8 -> 29.1 / 29.3) and down (68.9 / 73.4
-# -> 147.2 / 149.2: it needs its K splits, which many M blocks cannot have) stay one M block. Key as
-# MEASURED_SPLITS; value: NT.
-MEASURED_MULTI_BLOCK = {(132, 37888, 3584, 128, 64): 4, (132, 4608, 3584, 128, 64): 4}
+# Shapes whose M class runs faster as several M blocks of 8 NT rows, each split along K, than as one
+# M block of the class's rows (the second and later M blocks find the weights in L2; NT = 4 with g128
+# runs two blocks per SM where NT = 8 runs one). Measured on the H200, g128 asym, us, M = 48 / 64 for
+# class 64 and M = 24 / 32 for class 32, the one-block plan -> this one:
+# - session 10 (`bench_gemm.py --multi-nt 4`, results/session10-2026-12-02/gemm-multi-*.md): gate_up
+#   class 64 130.5 / 134.7 -> 103.6 / 106.2 with NT = 4 unsplit (K splits there only add: 121-188 us
+#   for 2-6 splits, session 11).
+# - session 11 (`bench_gemm.py --multi-nt NT --splits S`, `device_steps.sh gemm-multi-splits`,
+#   bench/kernels/results/session11-2026-12-02/gemm-multi-splits.tgz; NT = 4 with S = 1, 2, 3, 4, 6
+#   and NT = 2 with S = 2, 3, 4 timed, the least sum over the class's two M values kept, NT = 4 where
+#   NT = 2 was within 2 us): class 64 qkv 29.4 / 29.7 (then NT = 4 unsplit) -> 26.2 / 26.0 (NT = 4, 3
+#   splits), o 23.8 / 28.0 -> 20.0 / 20.3 (NT = 4, 4 splits), down 69.8 / 74.1 -> 62.6 / 63.3 (NT = 4,
+#   4 splits); class 32 qkv 18.5 / 20.5 -> 18.2 / 18.6 (NT = 2, 3 splits), o 15.1 / 17.0 -> 13.8 /
+#   13.9 (NT = 2, 4 splits). gate_up at class 32 and down at class 32 keep one M block (NT = 2 blocks:
+#   89-93 and 46-69 us against 71-72 and 37-40).
+# Sum of the four 7B linears: M = 64 238.3 -> 216.1 us, M = 32 149.5 -> 144.5. Key as MEASURED_SPLITS;
+# value: (NT, K splits of each M block).
+MEASURED_MULTI_BLOCK = {
+    (132, 4608, 3584, 128, 64): (4, 3), (132, 3584, 3584, 128, 64): (4, 4),
+    (132, 37888, 3584, 128, 64): (4, 1), (132, 3584, 18944, 128, 64): (4, 4),
+    (132, 4608, 3584, 128, 32): (2, 3), (132, 3584, 3584, 128, 32): (2, 4),
+}
 
 
 @functools.cache
 def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count: int) -> GemmPlan:
-    """The plan of an M class (`max_m` 16, 32, 64, or None for M > 64). Split K only for one M block:
-    the measured split count where MEASURED_SPLITS has one, else the split count with the least
-    `split_cost` on `sm_count` x `blocks_per_sm` resident blocks (ties: fewer splits). A shape in
-    MEASURED_MULTI_BLOCK gets, for its M class, unsplit M blocks of that NT instead (max_m None)."""
+    """The plan of an M class (`max_m` 16, 32, 64, or None for M > 64: unsplit 64-row M blocks). A
+    shape in MEASURED_MULTI_BLOCK gets, for its M class, M blocks of that NT with that many K splits.
+    Otherwise one M block of `max_m` rows, split along K by the measured split count where
+    MEASURED_SPLITS has one, else by the split count with the least `split_cost` on `sm_count` x
+    `blocks_per_sm` resident blocks (ties: fewer splits)."""
     if max_m not in (16, 32, 64, None):
         raise ValueError(f"max_m must be 16, 32, 64 or None, got {max_m}")
     kt = k // 128
-    multi_nt = 8 if max_m is None else MEASURED_MULTI_BLOCK.get((sm_count, n, k, group_size, max_m))
-    if multi_nt is not None:  # unsplit M blocks of 8 NT rows, as many as M needs
-        return GemmPlan(n, k, group_size, multi_nt, 1, kt, None)
+    if max_m is None:
+        return GemmPlan(n, k, group_size, 8, 1, kt, None)
+    multi = MEASURED_MULTI_BLOCK.get((sm_count, n, k, group_size, max_m))
+    if multi is not None:  # M blocks of 8 NT rows, as many as M needs, each split `splits` ways
+        multi_nt, splits = multi
+        return GemmPlan(n, k, group_size, multi_nt, 1, kt, max_m).with_splits(splits)
     nt = max_m // 8
     blocks_n = -(-n // ROWS_PER_BLOCK)
     slots = sm_count * blocks_per_sm(group_size, nt)
@@ -230,7 +257,7 @@ def gemm_int4(
         if workspace is None:
             raise ValueError(f"this shape splits K {plan.splits} ways: pass a workspace (allocate_workspace)")
         small = workspace.partials.numel() < plan.workspace_floats(m)
-        if small or workspace.counters.numel() < plan.blocks_n:
+        if small or workspace.counters.numel() < plan.counters:
             raise ValueError("GEMM workspace too small for this shape; allocate it from all plans")
         if workspace.partials.device != dev:
             raise ValueError("GEMM workspace is on another device")

@@ -124,6 +124,11 @@ class GemvPlan:
     def blocks_n(self) -> int:
         return -(-self.n // ROWS_PER_BLOCK)
 
+    @property
+    def counters(self) -> int:
+        """Split-K arrival counters the launch uses (one per row block; allocated even unsplit)."""
+        return self.blocks_n
+
     def shared_bytes(self, m: int) -> int:
         return m * (self.kc * 128 + XPAD) * 2
 
@@ -185,7 +190,7 @@ class GemvWorkspace:
     def allocate(cls, plans, device: torch.device, max_m: int = MAX_M) -> GemvWorkspace:
         plans = list(plans)
         floats = max([p.workspace_floats(max_m) for p in plans] + [1])
-        blocks = max([p.blocks_n for p in plans] + [1])
+        blocks = max([p.counters for p in plans] + [1])
         return cls(
             torch.empty(floats, dtype=torch.float32, device=device),
             torch.zeros(blocks, dtype=torch.int32, device=device),

@@ -27,6 +27,7 @@ import uvicorn
 from ..errors import CliError
 from .app import AppConfig, create_app
 from .engine_process import EngineProcess
+from .engine_worker import freeze_startup_objects
 from .metrics import Metrics
 
 __all__ = ["run_server"]
@@ -103,6 +104,7 @@ async def _watch_load(engine: EngineProcess, holder: dict, host: str, port: int)
         return
     if engine.info is None:  # stopped while loading
         return
+    freeze_startup_objects()  # the pipeline and the app, loaded by now (engine_worker.py)
     while not server.started:  # the lifespan starts before uvicorn binds its sockets (port 0: which one)
         if server.should_exit:
             return

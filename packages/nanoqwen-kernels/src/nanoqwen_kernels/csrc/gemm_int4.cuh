@@ -28,9 +28,12 @@
 //            the next chunk arrive by cp.async into a raw buffer while the current chunk is multiplied;
 //            at the chunk boundary the block converts them into the (single) x buffer.
 //
-// Split-K (M <= 64 only: one M block): as in the GEMV, gridDim.z = S blocks share each block's rows,
-// write fp32 partials [S, M, N], and the last to arrive (an atomic counter per row block, reset by
-// that block: graph-replay safe) sums them in split order (deterministic), adds the bias, writes bf16.
+// Split-K (M <= 64 only, so the scratch is bounded): as in the GEMV, gridDim.z = S blocks share each
+// (M block, row block) tile, write their fp32 partials into [S, M, N] (rows m0.. of the M block), and
+// the last to arrive (an atomic counter per tile, blockIdx.x * gridDim.y + blockIdx.y, reset by that
+// block: graph-replay safe) sums the tile's partials in split order (deterministic), adds the bias,
+// writes bf16. One M block of 8 NT >= M rows, or several smaller ones (NT = 4 for M = 33..64: two
+// blocks per SM) each with its K splits.
 //
 // Launch (nanoqwen_kernels/gemm.py): grid (ceil(M / R), ceil(N / 128), S), 256 threads, dynamic shared
 // memory (XMODE ? 3 : 2) * R * (CH * 128 + 8) * 2 bytes.
@@ -128,13 +131,14 @@ NQ_DEVICE void silu_mul_rows(bf16_t* xs, const bf16_t* raw) {
   }
 }
 
-// Sum the S fp32 partials of rows [row_base, row_base + ROWS_PER_BLOCK) x [0, M) in split order, add
-// the bias, write bf16: the last block of a row block to finish runs this (deterministic order).
+// Sum the S fp32 partials of weight rows [row_base, row_base + ROWS_PER_BLOCK) x activation rows
+// [m0, m0 + rows) in split order, add the bias, write bf16: the last block of a tile to finish runs
+// this (deterministic order).
 NQ_DEVICE void reduce_splits(const float* __restrict__ ws, const bf16_t* __restrict__ bias,
-                             bf16_t* __restrict__ out, int M, int N, int S, int row_base) {
+                             bf16_t* __restrict__ out, int M, int N, int S, int row_base, int m0, int rows) {
   const i64 split_stride = (i64)M * N;
-  for (int idx = threadIdx.x; idx < M * ROWS_PER_BLOCK; idx += THREADS) {
-    const int m = idx / ROWS_PER_BLOCK, n = row_base + (idx - m * ROWS_PER_BLOCK);
+  for (int idx = threadIdx.x; idx < rows * ROWS_PER_BLOCK; idx += THREADS) {
+    const int mr = idx / ROWS_PER_BLOCK, m = m0 + mr, n = row_base + (idx - mr * ROWS_PER_BLOCK);
     if (n >= N) continue;
     const float* p = ws + (i64)m * N + n;
     float sum = 0.f;
@@ -336,11 +340,11 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     }
     return;
   }
-  float* part = ws + (i64)split * M * N;  // split-K runs with one M block (m0 = 0)
+  float* part = ws + (i64)split * M * N;  // [S, M, N]: this M block's rows are m0..
   if (has0) {
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
-      const int ma = 8 * i + 2 * t, mb = ma + 1;
+      const int ma = m0 + 8 * i + 2 * t, mb = ma + 1;
       if (ma < M) part[(i64)ma * N + row0] = acc[i][0];
       if (mb < M) part[(i64)mb * N + row0] = acc[i][1];
       if (has1 && ma < M) part[(i64)ma * N + row1] = acc[i][2];
@@ -350,12 +354,13 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   __threadfence();
   __syncthreads();
   __shared__ int is_last;
-  if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.y], 1) == S - 1;
+  int* counter = counters + blockIdx.x * gridDim.y + blockIdx.y;  // one per (M block, row block) tile
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == S - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  reduce_splits(ws, bias, out, M, N, S, blockIdx.y * ROWS_PER_BLOCK);
-  if (threadIdx.x == 0) counters[blockIdx.y] = 0;  // ready for the next launch (or graph replay)
+  reduce_splits(ws, bias, out, M, N, S, blockIdx.y * ROWS_PER_BLOCK, m0, rows_valid);
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
 }
 
 }  // namespace nq_gemm
