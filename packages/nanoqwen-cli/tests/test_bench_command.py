@@ -93,7 +93,8 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(bench, "prefill_rate", lambda engine, n, seed=0: real_prefill(engine, min(n, MAX_CTX),
                                                                                     seed=seed))
     monkeypatch.setattr(bench_profile, "profile_decode_ops",
-                        lambda engine, steps: real_profile(engine, steps=steps, prompt=20))
+                        lambda engine, steps, batch=1: real_profile(engine, steps=steps, prompt=20,
+                                                                    batch=batch))
     monkeypatch.setattr(bench, "copy_bandwidth", lambda device: COPY_BPS)
     monkeypatch.setattr(kbench, "read_bandwidth", lambda device: read)
     monkeypatch.setattr(kbench, "spin", lambda ns, device=None: None)

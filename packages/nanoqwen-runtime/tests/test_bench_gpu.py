@@ -43,6 +43,23 @@ def test_profile_of_eager_decode_steps(weights):
     assert lm["bytes_per_step"] / (lm["us_per_step"] * 1e-6) < 10e12  # no impossible bandwidth
 
 
+@pytest.mark.parametrize("batch", [16, 33])
+def test_profile_of_batched_eager_decode_steps_runs_the_int4_gemm(weights, batch):
+    """A batched profile times decode steps of `batch` rows, and its kernel list says which path ran:
+    the INT4 GEMM for the layer linears (M > 8), no decode GEMV; the engine is left idle."""
+    eng = Engine(GEOM, weights, EngineConfig(kv_memory_bytes=1 << 30, max_model_len=2048, mode="eager",
+                                             dense_weight_cache=False))
+    p = profile_decode_ops(eng, steps=3, prompt=64, batch=batch)
+    assert p["batch"] == batch and eng.kv_blocks_used() == 0 and not eng.has_work
+    kernels = {k["kernel"]: k for k in p["kernels"]}
+    gemm = [k for k in kernels if k.startswith("gemm_int4_")]
+    assert gemm and not any(k.startswith("gemv_int4_") for k in kernels), sorted(kernels)
+    # 2 layers x (qkv, o, gate_up, down), one launch each
+    assert sum(kernels[k]["launches_per_step"] for k in gemm) == 4 * GEOM.num_hidden_layers
+    ops = {o["op"]: o for o in p["ops"]}
+    assert ops["linear gate_up"]["bytes_per_step"] > batch * GEOM.hidden_size * 2  # x of every row read
+
+
 def test_memory_report_and_report_of_a_graph_engine(weights):
     torch.cuda.reset_peak_memory_stats()
     eng = Engine(GEOM, weights, EngineConfig(kv_memory_bytes=1 << 30, max_model_len=2048))

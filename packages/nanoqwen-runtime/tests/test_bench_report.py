@@ -372,9 +372,9 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     eager_engine = [None]
     real_profile = bench_profile.profile_decode_ops
 
-    def profile(engine, steps):
+    def profile(engine, steps, batch=1):
         eager_engine[0] = engine
-        return real_profile(engine, steps=steps, prompt=20)
+        return real_profile(engine, steps=steps, prompt=20, batch=batch)
 
     monkeypatch.setattr(bench, "decode_at_context", decode)
     monkeypatch.setattr(bench_profile, "profile_decode_ops", profile)
@@ -413,6 +413,9 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     assert [r["batch"] for r in rep["eager"]] == [1, 8]
     assert rep["memory"]["kv_pool_bytes"] == 2048 * TINY.kv_bytes_per_token() * 16
     assert rep["launches_per_decode_step"] > 0 and rep["model_load"]["path"] == str(tiny_path)
+    # per-op profiles of batched steps beside batch 1's (issue 12's per-kernel table)
+    assert [p["batch"] for p in rep["profile_batched"]] == list(bench.PROFILE_BATCHES)
+    assert all(p["ops"] and p["kernel_us_per_step"] > 0 for p in rep["profile_batched"])
     # features on vs off in the same run: both sides measured at every batch size, alternately
     fc = rep["features_cost"]
     assert [r["batch"] for r in fc["rows"]] == list(bench.FEATURES_BATCHES)
@@ -426,4 +429,6 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     md = (tmp_path / "bench.md").read_text()
     assert "## Loading the model" in md and "## Errors" in md and "| linear qkv |" in md
     assert "## Prefix caching + speculation on vs off" in md
+    assert "## Time per op of a batch-1 decode step" in md
+    assert "## Time per op of a batch-64 decode step" in md
     assert json.loads((tmp_path / "bench.json").read_text())["device"] == "fake GPU"

@@ -172,6 +172,7 @@ def prefix_cache_ttft(engine: Engine, prefix: int = 4096, tail: int = 64, reps: 
 
 
 FEATURES_BATCHES = (1, 8, 32, 64)
+PROFILE_BATCHES = (16, 32, 64)  # per-kernel decode profiles beside batch 1's: the INT4 GEMM's classes
 # A/B verdicts are judged against the run's own noise, not a fitted margin: with `reps` alternating
 # repeats per side, A is called slower than B only when every one of its repeats is slower than every
 # repeat of B (a one-sided rank test with U = 0: under "no difference" that ordering has probability
@@ -434,6 +435,11 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
         log(f"decode step, eager, CUDA events: {p['launches_per_step']} launches, "
             f"{p['kernel_us_per_step']:.0f} us of GPU time ({p['starved_chunks']} of {p['chunks']} chunks "
             "where the host fell behind)")
+    for b in PROFILE_BATCHES:  # the INT4 GEMM's steps, per kernel (issue 12: where the batched time goes)
+        p = run.section(f"profile{b}", profile_decode_ops, eager, steps=profile_steps, batch=b,
+                        into="profile_batched")
+        if p:
+            log(f"decode step at batch {b}, eager, CUDA events: {p['kernel_us_per_step']:.0f} us of GPU time")
     del eager
     torch.cuda.empty_cache()
     if features:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..events import TokenEvent
 from ..sampling import SamplingParams
 from .scheduler import Request
 
@@ -249,26 +250,42 @@ def _step_totals(segments) -> dict:
             "total_s": sum(per_op.values())}
 
 
-def profile_decode_ops(engine, steps: int = 5, prompt: int = 128, timeline: Timeline | None = None) -> dict:
-    """Per-op and per-kernel GPU time of `steps` eager batch-1 decode steps at context ~`prompt`.
+def profile_decode_ops(engine, steps: int = 5, prompt: int = 128, timeline: Timeline | None = None,
+                       batch: int = 1) -> dict:
+    """Per-op and per-kernel GPU time of `steps` eager decode steps of `batch` requests (random prompts
+    of `prompt` tokens, so the context is ~`prompt`): at batch 1 the GEMV path, above 8 rows the INT4
+    GEMM's (the `kernels` list names which kernels ran).
 
-    `engine` must run eagerly (EngineConfig(mode="eager")); it is left as it was found."""
+    `engine` must run eagerly (EngineConfig(mode="eager")), idle, with `max_batch >= batch`; it is left
+    as it was found (the requests run to their end)."""
     if engine.config.mode != "eager":
         raise ValueError("profile_decode_ops times eager steps: build the engine with mode='eager'")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if not 1 <= batch <= engine.config.max_batch:
+        raise ValueError(f"batch must be in 1..{engine.config.max_batch} (the engine's max_batch), "
+                         f"got {batch}")
     tl = timeline or Timeline()
     g = engine.geom
-    ids = torch.randint(0, min(g.vocab_size, 150000), (prompt,), generator=torch.Generator().manual_seed(3))
     if engine.has_work:
-        raise RuntimeError("profile_decode_ops needs an idle engine (one request, batch 1)")
-    refused = engine.submit(Request(ids.tolist(), SamplingParams(max_tokens=steps + 4), "profile",
-                                    ignore_eos=True))
-    if refused is not None:
-        raise RuntimeError(f"profile request refused: {refused.detail}")
-    decodes = engine.num_steps["decode"]
-    while engine.has_work and engine.num_steps["decode"] == decodes:
-        engine.step()  # prefill, then the first decode step (warm)
+        raise RuntimeError("profile_decode_ops needs an idle engine")
+    gen = torch.Generator().manual_seed(3)
+    # the first rows decode while later ones are still prefilled (a decode step between two prefill
+    # chunks): enough tokens that none ends before the timed steps do; the rest are aborted at the end
+    max_tokens = steps + 4 + batch
+    for i in range(batch):
+        ids = torch.randint(0, min(g.vocab_size, 150000), (prompt,), generator=gen)
+        refused = engine.submit(Request(ids.tolist(), SamplingParams(max_tokens=max_tokens), f"profile{i}",
+                                        ignore_eos=True))
+        if refused is not None:
+            raise RuntimeError(f"profile request refused: {refused.detail}")
+    while True:  # the prefills (one chunk or several), then a first decode step of every row (warm)
+        decodes = engine.num_steps["decode"]
+        rows = _rows_stepped(engine.step())
+        if engine.num_steps["decode"] != decodes and rows == batch:
+            break
+        if not engine.has_work:
+            raise RuntimeError("the profile's requests ended before a decode step ran all of them")
     context = prompt + 1 + steps // 2  # the middle of the timed steps
     label, nbytes = op_accounting(engine, context)
     runner = engine.runner
@@ -284,10 +301,10 @@ def profile_decode_ops(engine, steps: int = 5, prompt: int = 128, timeline: Time
             tl.begin_step()
             decodes = engine.num_steps["decode"]
             t0 = time.perf_counter()
-            engine.step()
+            rows = _rows_stepped(engine.step())
             host_s = time.perf_counter() - t0
-            if engine.num_steps["decode"] != decodes + 1:
-                raise RuntimeError("a profiled step was not a decode step")
+            if engine.num_steps["decode"] != decodes + 1 or rows != batch:
+                raise RuntimeError(f"a profiled step was not a decode step of {batch} rows ({rows})")
             if not tl.closed:
                 raise RuntimeError("the decode step did not end with a `sample` op: cannot place the "
                                    "closing mark before its synchronisation")
@@ -301,9 +318,14 @@ def profile_decode_ops(engine, steps: int = 5, prompt: int = 128, timeline: Time
     finally:
         runner.ops = inner
         undo()
-    while engine.has_work:
-        engine.step()
-    return summarise(results, tl.spin_ns, context)
+    for i in range(batch):
+        engine.abort(f"profile{i}")  # None for one that has ended
+    return {"batch": batch, **summarise(results, tl.spin_ns, context)}
+
+
+def _rows_stepped(events) -> int:
+    """Requests that got a token in one step's events."""
+    return len({ev.request for ev in events if isinstance(ev, TokenEvent)})
 
 
 def summarise(results, spin_ns: int, context: int) -> dict:

@@ -23,7 +23,8 @@ raw = {
   "decode_batched": [{"batch", "engine_tok_s", "graph_tok_s", ...}],
   "prefill": [{"prompt", "prefill_s", "prefill_tok_s", "ttft_s"}], "ttft_2k": {same},
   "eager": [{"batch", "engine_tok_s", ...}],
-  "profile": bench_profile.profile_decode_ops(...) result,
+  "profile": bench_profile.profile_decode_ops(...) result (batch 1),
+  "profile_batched": [the same at batch 16, 32, 64: the INT4 GEMM's steps],
   "model_load": LoadStats as a dict (--model FILE), "load_test": bench.load_time(...) result,
   "prefix_cache": bench.prefix_cache_ttft(...) result, "engine_stats": EngineStats as a dict,
   "features_cost": bench.features_cost(...) result (features on vs off, same run),
@@ -65,7 +66,7 @@ def _decode1_row(r: dict, read_bps: float | None, copy_bps: float | None) -> dic
     return out
 
 
-def _profile(p: dict | None, read_bps: float | None, graph_replay_s: float | None) -> dict | None:
+def profile_report(p: dict | None, read_bps: float | None, graph_replay_s: float | None) -> dict | None:
     """Per-op bandwidth against the read roofline, and the kernel-time sum against the graph replay."""
     if not p:
         return None
@@ -95,7 +96,10 @@ def build_report(raw: dict) -> dict:
     mem = dict(raw.get("memory") or {})
     for k in MEMORY_KEYS:
         mem.setdefault(k, None)
-    prof = _profile(raw.get("profile"), read_bps, graph_128)
+    prof = profile_report(raw.get("profile"), read_bps, graph_128)
+    graph_by_batch = {r["batch"]: r.get("graph_replay_s") for r in raw.get("decode_batched", [])}
+    prof_batched = [profile_report(p, read_bps, graph_by_batch.get(p.get("batch")))
+                    for p in raw.get("profile_batched", [])]
     ttft = raw.get("ttft_2k")
     rep = {
         "command": meta.get("command"), "date": meta.get("date"), "device": meta.get("device"),
@@ -113,6 +117,7 @@ def build_report(raw: dict) -> dict:
         "eager": list(raw.get("eager", [])),
         "launches_per_decode_step": prof.get("launches_per_step") if prof else None,
         "profile": prof,
+        "profile_batched": prof_batched,
     }
     rep["prefix_caching"] = meta.get("prefix_caching")
     rep["speculation"] = meta.get("speculation")
@@ -214,7 +219,9 @@ def markdown(rep: dict) -> str:
     for r in rep.get("eager", []):
         lines.append(f"| {r['batch']} | {_f(graph.get(r['batch'], {}).get('engine_tok_s'))} | "
                      f"{_f(r.get('engine_tok_s'), '.1f')} |")
-    lines += _profile_md(rep.get("profile"))
+    lines += profile_markdown(rep.get("profile"))
+    for p in rep.get("profile_batched") or []:
+        lines += profile_markdown(p)
     lines += _load_md(rep)
     if rep.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {k}: {v}" for k, v in rep["errors"].items()]
@@ -258,14 +265,16 @@ def _layout_md(ls: dict | None) -> list[str]:
                   "asym", "sym", ls["rows"], "slower")
 
 
-def _profile_md(p: dict | None) -> list[str]:
+def profile_markdown(p: dict | None) -> list[str]:
+    """The markdown lines of one `profile_report`: a section with its per-op and per-kernel tables."""
     if not p:
         return []
     warn = ""
     if p.get("starved_chunks"):
         warn = (f"; WARNING: the host fell behind the GPU in {p['starved_chunks']} of {p['chunks']} chunks, "
                 "so those times include host gaps")
-    lines = ["", f"## Time per op of a batch-1 decode step (eager, context {p.get('context')}, CUDA events)",
+    lines = ["", f"## Time per op of a batch-{p.get('batch', 1)} decode step (eager, context "
+             f"{p.get('context')}, CUDA events)",
              "", f"{_f(p.get('launches_per_step'))} launches per step "
              f"({_f(p.get('kernel_launches_per_step'))} nanoqwen kernels + "
              f"{_f(p.get('library_calls_per_step'))} cuBLAS/torch calls); sum of op times "
