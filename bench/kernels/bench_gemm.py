@@ -65,13 +65,6 @@ MS = (16, 32, 64, 128, 512, 2048)
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
-def multi_block_plan(n: int, k: int, m: int, n_tiles: int, splits: int | None) -> gemm.GemmPlan:
-    """M blocks of 8 NT rows for an M-row product: split about `splits` ways along K in the M <= 64
-    classes, unsplit above (the class M > 64 never splits)."""
-    plan = gemm.GemmPlan(n, k, 128, n_tiles, 1, k // 128, gemm.m_class(m))
-    return plan.with_splits(splits) if splits and plan.max_m is not None else plan
-
-
 def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=False, splits=None, asym=False,
                 check=True, multi_nt=None):
     w0 = random_weight(n, k, gen, symmetric=not asym)
@@ -82,9 +75,10 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=Fal
     scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plans = {m: gemm.plan_gemm(n, k, m) for m in ms}
-    if multi_nt:  # blocks of 8 NT rows, several per M (split along K by --splits for M <= 64)
-        plans = {m: multi_block_plan(n, k, m, multi_nt, splits) if m > 8 * multi_nt else p
-                 for m, p in plans.items()}  # fmt: skip
+    if multi_nt:  # blocks of 8 NT rows, several per M; M <= 64 split about --splits ways (M > 64 never)
+        multi_splits = {m: splits if splits and m <= gemm.MBLOCK else 1 for m in ms}
+        plans = {m: gemm.GemmPlan.of(n, k, 128, multi_nt, gemm.m_class(m), multi_splits[m])
+                 if m > 8 * multi_nt else p for m, p in plans.items()}  # fmt: skip
     elif splits:
         plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
     ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values()),

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import statistics
 import sys
@@ -205,6 +204,7 @@ class EngineBaseline:
 
     def __init__(self, model: Path, kv_memory: str, device: str = "cuda"):
         from nanoqwen_cli.server.engine_spec import EngineSpec, describe_engine
+        from nanoqwen_cli.server.engine_worker import freeze_startup_objects
         from nanoqwen_runtime.engine import parse_bytes
         from nanoqwen_runtime.generate import Pipeline
 
@@ -214,10 +214,9 @@ class EngineBaseline:
         self.description = describe_engine(self.engine)
         for _ in self.engine.generate(self.requests("warm", 90_000, 4, 8)):
             pass
-        # as both server processes do once loaded (engine_worker.freeze_startup_objects): without it, a
-        # 38-47 ms full collection of the loaded pipeline's objects lands in some runs of one side only
-        gc.collect()
-        gc.freeze()
+        # as both server processes do once loaded: without it, a 38-47 ms full collection of the loaded
+        # pipeline's objects lands in some runs of one side only
+        freeze_startup_objects()
 
     def requests(self, tag: str, offset: int, count: int, tokens: int):
         from nanoqwen_runtime.engine import Request

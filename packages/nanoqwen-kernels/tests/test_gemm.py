@@ -150,7 +150,7 @@ def test_gemm_multi_block_split_k(n, k, group_size, n_tiles, max_m, m, splits, s
     counters back at zero, the same tolerance (each element's sum is unchanged)."""
     from nanoqwen_kernels.gemm import GemmPlan
 
-    plan = GemmPlan(n, k, group_size, n_tiles, 1, k // 128, max_m).with_splits(splits)
+    plan = GemmPlan.of(n, k, group_size, n_tiles, max_m, splits)
     assert plan.splits > 1 and plan.m_blocks(m) > 1 and plan.counters == plan.m_blocks(max_m) * plan.blocks_n
     w = random_int4(n, k, group_size, False, gen, device)
     x = torch.randn(m, 2 * k if silu else k, generator=gen, device=device).to(torch.bfloat16)
@@ -181,7 +181,7 @@ def test_gemm_repeated_launches_and_graph_replay(pdl, m, multi_block, gen, devic
     w = random_int4(n, k, 128, True, gen, device)
     plan = plan_gemm(n, k, m, 128, device)
     if multi_block:
-        plan = GemmPlan(n, k, 128, 4, 1, k // 128, 64).with_splits(4)
+        plan = GemmPlan.of(n, k, 128, 4, 64, 4)
         assert plan.m_blocks(m) == 2
     assert (plan.splits > 1) == (m <= 64)
     ws = allocate_workspace([plan], device)

@@ -194,7 +194,7 @@ def test_gemm_plan_with_splits_covers_k(splits):
     assert (forced.n, forced.k, forced.n_tiles, forced.max_m) == (plan.n, plan.k, plan.n_tiles, plan.max_m)
     with pytest.raises(ValueError, match="bounded M class"):
         gemm.plan_gemm_shape(4608, 3584, 128, None, 132).with_splits(2)
-    multi = gemm.GemmPlan(3584, 3584, 128, 4, 1, 28, 64).with_splits(4)  # several M blocks may split
+    multi = gemm.GemmPlan.of(3584, 3584, 128, 4, 64, 4)  # several M blocks may split
     assert (multi.splits, multi.m_blocks(64), multi.counters) == (4, 2, 2 * multi.blocks_n)
 
 

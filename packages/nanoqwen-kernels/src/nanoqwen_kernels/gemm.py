@@ -80,6 +80,13 @@ class GemmPlan:
             raise ValueError("GemmPlan: split-K needs a bounded M class (max_m 16, 32 or 64): its [S, M, N] "
                              "scratch is sized for 64 rows")
 
+    @classmethod
+    def of(cls, n: int, k: int, group_size: int, n_tiles: int, max_m: int | None,
+           splits: int = 1) -> GemmPlan:
+        """M blocks of 8 `n_tiles` rows for the class `max_m`, split about `splits` ways along K
+        (`with_splits`; 1: unsplit)."""
+        return cls(n, k, group_size, n_tiles, 1, k // 128, max_m).with_splits(splits)
+
     @property
     def blocks_n(self) -> int:
         return -(-self.n // ROWS_PER_BLOCK)
@@ -184,18 +191,18 @@ def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count
         raise ValueError(f"max_m must be 16, 32, 64 or None, got {max_m}")
     kt = k // 128
     if max_m is None:
-        return GemmPlan(n, k, group_size, 8, 1, kt, None)
+        return GemmPlan.of(n, k, group_size, 8, None)
     multi = MEASURED_MULTI_BLOCK.get((sm_count, n, k, group_size, max_m))
     if multi is not None:  # M blocks of 8 NT rows, as many as M needs, each split `splits` ways
         multi_nt, splits = multi
-        return GemmPlan(n, k, group_size, multi_nt, 1, kt, max_m).with_splits(splits)
+        return GemmPlan.of(n, k, group_size, multi_nt, max_m, splits)
     nt = max_m // 8
     blocks_n = -(-n // ROWS_PER_BLOCK)
     slots = sm_count * blocks_per_sm(group_size, nt)
     best = MEASURED_SPLITS.get((sm_count, n, k, group_size, max_m))
     if best is None:
         best = min(range(1, min(kt, 64) + 1), key=lambda s: (split_cost(blocks_n, kt, s, slots, max_m), s))
-    return GemmPlan(n, k, group_size, nt, 1, kt, max_m).with_splits(best)
+    return GemmPlan.of(n, k, group_size, nt, max_m, best)
 
 
 def plan_gemm(n: int, k: int, m: int, group_size: int = 128, device: torch.device | None = None) -> GemmPlan:
