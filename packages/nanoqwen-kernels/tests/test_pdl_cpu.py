@@ -120,7 +120,8 @@ def test_every_kernel_entry_waits_before_touching_dependent_memory():
 
 
 LAUNCHERS = [
-    gemv.gemv_int4, gemv.gemv_int8, gemv.dequantize_int4, gemv.linear_int4_prefill, gemm.gemm_int4,
+    gemv.gemv_int4, gemv.gemv_int4_qkv_rope, gemv.gemv_int8, gemv.dequantize_int4, gemv.linear_int4_prefill,
+    gemm.gemm_int4,
     layer_ops.rms_norm, layer_ops.fused_add_rms_norm, layer_ops.silu_mul, layer_ops.embedding_gather,
     layer_ops.qkv_rope_kv_write, sampling.sample_tokens, attention.PagedAttentionPlan.run,
 ]  # fmt: skip
@@ -185,6 +186,13 @@ def _call_every_launcher(pdl_kw: dict) -> None:
     layer_ops.qkv_rope_kv_write(torch.zeros(3, shape.qkv_width, **bf), shape, pos, pos,
                                 layer_ops.rope_inv_freq(32, 1e6, "cpu"), torch.zeros(3, 4, 32, **bf), cache,
                                 cache.clone(), **pdl_kw)  # fmt: skip
+    wqkv = gemv.Int4Weight(torch.zeros(shape.qkv_width // 8, k // 128, 32, 4, dtype=torch.int32),
+                           torch.ones(shape.qkv_width, k // 128, **bf), None, shape.qkv_width, k, 128)
+    qplan = gemv.plan_shape(shape.qkv_width, k, 132, 10_000)  # split K: the workspace path
+    gemv.gemv_int4_qkv_rope(torch.zeros(3, k, **bf), wqkv, None, shape, pos, pos,
+                            layer_ops.rope_inv_freq(32, 1e6, "cpu"), torch.zeros(3, 4, 32, **bf), cache,
+                            cache.clone(), gemv.GemvWorkspace.allocate([qplan], torch.device("cpu")), qplan,
+                            **pdl_kw)  # fmt: skip
     sampling.sample_tokens(torch.zeros(2, 64, **bf), sampling.SamplingState.allocate(2, "cpu"),
                            torch.zeros(2, dtype=torch.int32), **pdl_kw)  # fmt: skip
     kv = torch.zeros(5, 2, 16, 64, **bf)
@@ -209,7 +217,7 @@ def test_launchers_pass_pdl_to_every_launch(pdl, monkeypatch):
     monkeypatch.setattr(gemv, "_sm_count", lambda index: 132)
     _call_every_launcher({} if pdl is None else {"pdl": pdl})
     kernels = [k for k, _ in launched]
-    assert len(kernels) == 14 and "paged_attention_combine_hd64" in kernels, kernels
+    assert len(kernels) == 15 and "paged_attention_combine_hd64" in kernels, kernels
     assert all(p is bool(pdl) for _, p in launched), launched
 
 

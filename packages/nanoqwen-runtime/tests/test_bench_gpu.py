@@ -30,11 +30,14 @@ def test_profile_of_eager_decode_steps(weights):
     assert eng.kv_blocks_used() == 0 and eng.runner.ops is eng.ops
     assert p["starved_chunks"] == 0, p  # every chunk was queued before its wait ended
     ops = {o["op"]: o for o in p["ops"]}
-    assert ops["linear qkv"]["calls_per_step"] == 2 and ops["linear lm_head"]["calls_per_step"] == 1
-    # per layer: 2 norms, qkv, rope+KV write, attention (+ combine when split), o, gate_up, down;
-    # per step: embedding, final norm, sampling; the bf16 lm_head is one cuBLAS call and the logits'
-    # range (the NaN/Inf check) one torch reduction
-    assert 3 + 8 * 2 <= p["kernel_launches_per_step"] <= 3 + 9 * 2
+    assert ops["linear qkv + rope/KV write"]["calls_per_step"] == 2
+    assert ops["linear lm_head"]["calls_per_step"] == 1
+    # per layer: 2 norms, qkv (RoPE + the K/V write fused), attention (+ combine when split), o,
+    # gate_up, down; per step: embedding, final norm, sampling; the bf16 lm_head is one cuBLAS call and
+    # the logits' range (the NaN/Inf check) one torch reduction
+    assert 3 + 7 * 2 <= p["kernel_launches_per_step"] <= 3 + 8 * 2
+    kernels = {k["kernel"] for k in p["kernels"]}
+    assert any(k.endswith("_rope") for k in kernels) and "qkv_rope_kv_write_bf16" not in kernels
     assert p["library_calls_per_step"] == 2 and any(k["kernel"] == LIBRARY for k in p["kernels"])
     assert ops["logits_range"]["calls_per_step"] == 1
     assert all(o["us_per_step"] > 0 for o in p["ops"])

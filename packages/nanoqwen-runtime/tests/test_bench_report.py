@@ -228,7 +228,8 @@ def test_sections_on_cpu_feed_the_report(tiny_path, tmp_path):
     assert spins and all(ns >= bench_profile.SPIN_MIN_NS for ns in spins)
     ops = {o["op"]: o for o in prof["ops"]}
     L = TINY.num_hidden_layers
-    assert ops["linear qkv"]["calls_per_step"] == L and ops["linear lm_head"]["calls_per_step"] == 1
+    assert ops["linear qkv + rope/KV write"]["calls_per_step"] == L
+    assert ops["linear lm_head"]["calls_per_step"] == 1
     assert ops["attention"]["calls_per_step"] == L and ops["sample"]["calls_per_step"] == 1
     assert all(o["us_per_step"] >= 0 for o in prof["ops"])
     assert ops["linear lm_head"]["bytes_per_step"] >= TINY.vocab_size * TINY.hidden_size * 2
@@ -247,7 +248,7 @@ def test_sections_on_cpu_feed_the_report(tiny_path, tmp_path):
     assert math.isfinite(rep["profile"]["gap_us"])
     write_report(rep, tmp_path)
     md = (tmp_path / "bench.md").read_text()
-    assert "| linear qkv | 2 |" in md
+    assert "| linear qkv + rope/KV write | 2 |" in md
     pytest.importorskip("matplotlib")
     assert (tmp_path / "tok_s_vs_batch.png").stat().st_size > 1000
 
@@ -328,11 +329,13 @@ def test_profile_marks_every_launch_of_the_kernel_backend(tiny_path, monkeypatch
     p = bench_profile.profile_decode_ops(engine, steps=3, prompt=20, timeline=tl)
     L = TINY.num_hidden_layers
     kernels = {k["kernel"]: k["launches_per_step"] for k in p["kernels"]}
-    # per layer: 2 norms, 4 GEMVs (down with SiLU*mul fused), rope + KV write, attention; per step:
-    # embedding, final norm, sampling; torch/cuBLAS: the bf16 lm_head and the logits' range (NaN check)
-    assert p["kernel_launches_per_step"] == 3 + 8 * L and p["library_calls_per_step"] == 2
-    assert p["launches_per_step"] == 5 + 8 * L
-    assert kernels["gemv_int4_g128_sym"] == 3 * L and kernels["gemv_int4_g128_sym_silu"] == L
+    # per layer: 2 norms, 4 GEMVs (qkv with RoPE + the K/V write fused, down with SiLU*mul fused),
+    # attention; per step: embedding, final norm, sampling; torch/cuBLAS: the bf16 lm_head and the
+    # logits' range (NaN check)
+    assert p["kernel_launches_per_step"] == 3 + 7 * L and p["library_calls_per_step"] == 2
+    assert p["launches_per_step"] == 5 + 7 * L
+    assert kernels["gemv_int4_g128_sym"] == 2 * L and kernels["gemv_int4_g128_sym_silu"] == L
+    assert kernels["gemv_int4_g128_sym_rope"] == L and "qkv_rope_kv_write_bf16" not in kernels
     assert kernels["paged_attention_decode"] == L and kernels[bench_profile.LIBRARY] == 2
     assert "spin_ns" not in kernels and launched.count("spin_ns") >= 3  # waits ran, were not counted
     assert engine.runner.ops is engine.ops
@@ -427,7 +430,7 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     assert "layout_speed" not in rep  # a --model run has its own layout: no synthetic asym/sym comparison
     assert fc["on_engine_stats"]["prefix_queried_tokens"] > 0  # the "on" engine had its prefix cache on
     md = (tmp_path / "bench.md").read_text()
-    assert "## Loading the model" in md and "## Errors" in md and "| linear qkv |" in md
+    assert "## Loading the model" in md and "## Errors" in md and "| linear qkv + rope/KV write |" in md
     assert "## Prefix caching + speculation on vs off" in md
     assert "## Time per op of a batch-1 decode step" in md
     assert "## Time per op of a batch-64 decode step" in md

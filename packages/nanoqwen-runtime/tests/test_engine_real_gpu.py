@@ -110,10 +110,13 @@ def test_teacher_forced_decode_matches_reference(engine, prompts, reference, bou
     assert replays[key] >= (n // batch) * (STEPS - 2), replays
     paths = engine.runner.graph_paths[key]
     layers = engine.geom.num_hidden_layers
-    # per layer qkv, o_proj, gate_up and down (silu-fused): one INT4 GEMV launch (<= 8 rows) or one
-    # INT4 GEMM launch (more); the tied bf16 lm_head on cuBLAS
-    kind = "gemv_int4" if batch <= 8 else "int4_gemm"
-    assert paths == {kind: 4 * layers, "cublas_bf16": 1}, paths
+    # per layer qkv, o_proj, gate_up and down: one INT4 GEMV launch (<= 8 rows: qkv with RoPE and the
+    # K/V write fused, down with SiLU*mul fused) or one INT4 GEMM launch (more); the tied bf16 lm_head
+    # on cuBLAS
+    if batch <= 8:
+        assert paths == {"gemv_int4": 4 * layers, "qkv_rope_fused": layers, "cublas_bf16": 1}, paths
+    else:
+        assert paths == {"int4_gemm": 4 * layers, "cublas_bf16": 1}, paths
     worst, compared, expected = 0.0, 0, 0
     for p in range(n):
         diff = (run.logits[p] - reference.logits[p]).abs().amax(dim=-1)

@@ -14,6 +14,9 @@ shape and shared by every GEMV on a stream (the counters return to zero at the e
 
     y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
 
+`gemv_int4_qkv_rope` is the qkv GEMV with `layer_ops.qkv_rope_kv_write` as its epilogue (one launch
+instead of two for a decode layer's attention input; the same bits).
+
 `gemv_int8` is the same decode product for the INT8 row-major layout of the `--lm-head int8` option
 (csrc/gemv_int8.cuh; `Int8Weight`, G = 64 or 128, no bias, no split-K).
 
@@ -30,6 +33,7 @@ import functools
 import numpy as np
 import torch
 
+from . import layer_ops
 from .launch import check, i32, launch, ptr, require_sm90
 
 FAMILY = "gemv"
@@ -241,21 +245,8 @@ def gemv_int4(
     if bias is not None:
         check(bias, "bias", torch.bfloat16, (n,), dev, align=2)
     plan = plan or plan_gemv(n, k, dev, silu_input=silu_mul_input, group_size=weight.group_size)
-    if (plan.n, plan.k) != (n, k):
-        raise ValueError(f"plan is for [{plan.n}, {plan.k}], weight is [{n}, {k}]")
+    ws_ptr, cnt_ptr = _split_workspace(plan, weight, m, workspace)
     silu = "_silu" if silu_mul_input else ""
-    ws_ptr = cnt_ptr = np.uint64(0)
-    if plan.splits > 1:
-        if workspace is None:
-            raise ValueError(f"this shape splits K {plan.splits} ways: pass a GemvWorkspace")
-        if (
-            workspace.partials.numel() < plan.workspace_floats(m)
-            or workspace.counters.numel() < plan.blocks_n
-        ):
-            raise ValueError("GemvWorkspace too small for this shape; allocate it from all plans")
-        if workspace.partials.device != dev:
-            raise ValueError("GemvWorkspace is on another device")
-        ws_ptr, cnt_ptr = ptr(workspace.partials), ptr(workspace.counters)
     name = f"gemv_int4_{weight.kernel_suffix()}{silu}"
     args = (
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
@@ -264,6 +255,77 @@ def gemv_int4(
     launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, plan.shared_bytes(m),
            pdl=pdl)
     return out
+
+
+def _split_workspace(plan: GemvPlan, weight: Int4Weight, m: int, workspace: GemvWorkspace | None):
+    """The (partials, counters) pointers a launch of `plan` needs (0, 0 unsplit); refuses a plan of
+    another shape and a missing, too small or foreign workspace."""
+    if (plan.n, plan.k) != (weight.n, weight.k):
+        raise ValueError(f"plan is for [{plan.n}, {plan.k}], weight is [{weight.n}, {weight.k}]")
+    if plan.splits == 1:
+        return np.uint64(0), np.uint64(0)
+    if workspace is None:
+        raise ValueError(f"this shape splits K {plan.splits} ways: pass a GemvWorkspace")
+    if workspace.partials.numel() < plan.workspace_floats(m) or workspace.counters.numel() < plan.blocks_n:
+        raise ValueError("GemvWorkspace too small for this shape; allocate it from all plans")
+    if workspace.partials.device != weight.qweight.device:
+        raise ValueError("GemvWorkspace is on another device")
+    return ptr(workspace.partials), ptr(workspace.counters)
+
+
+# head_dim values the fused qkv epilogue takes: a 128-row block must hold whole heads
+ROPE_HEAD_DIMS = (32, 64, 128)
+
+
+def gemv_int4_qkv_rope(
+    x: torch.Tensor,
+    weight: Int4Weight,
+    bias: torch.Tensor | None,
+    shape: layer_ops.AttentionShape,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    inv_freq: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    workspace: GemvWorkspace | None = None,
+    plan: GemvPlan | None = None,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """The qkv projection of M = 1..8 decode rows and what follows it, in one launch: the GEMV
+    qkv = x @ Wqkv^T + bias, then `layer_ops.qkv_rope_kv_write` on it as the GEMV's epilogue (RoPE on
+    q and k, q to q_out, k and v into the paged cache at slot_mapping; < 0 skips). The same bits as
+    those two launches; qkv itself is not written.
+
+    x: bf16 [M, K]; weight: Int4Weight [(Hq + 2 Hkv) D, K]; bias: bf16 [N] or None; shape: a
+    `layer_ops.AttentionShape` (n_heads, n_kv_heads, head_dim; head_dim in ROPE_HEAD_DIMS);
+    positions, slot_mapping: int32 [M]; inv_freq: fp32 [D / 2]; q_out: bf16 [M, Hq, D]; k_cache,
+    v_cache: bf16 [num_blocks, Hkv, block_size, D]. workspace, plan, pdl: as in `gemv_int4`. Returns
+    q_out."""
+    n, k = weight.n, weight.k
+    dev = weight.qweight.device
+    index = require_sm90(dev)
+    hq, hkv, d = shape.n_heads, shape.n_kv_heads, shape.head_dim
+    if d not in ROPE_HEAD_DIMS:
+        raise ValueError(f"the fused qkv epilogue needs head_dim in {ROPE_HEAD_DIMS}, got {d}")
+    if n != (hq + 2 * hkv) * d:
+        raise ValueError(f"qkv weight has {n} rows, the heads need (Hq + 2 Hkv) D = {(hq + 2 * hkv) * d}")
+    m = _check_x(x, k)
+    check(x, "x", torch.bfloat16, (m, k), dev)
+    if bias is not None:
+        check(bias, "bias", torch.bfloat16, (n,), dev, align=2)
+    layer_ops.check_rope_kv_args(shape, m, positions, slot_mapping, inv_freq, q_out, k_cache, v_cache, dev)
+    plan = plan or plan_gemv(n, k, dev, group_size=weight.group_size)
+    ws_ptr, cnt_ptr = _split_workspace(plan, weight, m, workspace)
+    args = (
+        ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ws_ptr, cnt_ptr,
+        i32(m), i32(n), i32(k), i32(plan.kc), ptr(positions), ptr(slot_mapping), ptr(inv_freq),
+        ptr(q_out), ptr(k_cache), ptr(v_cache), i32(hq), i32(hkv), i32(d), i32(k_cache.shape[2]),
+    )  # fmt: skip
+    launch(FAMILY, f"gemv_int4_{weight.kernel_suffix()}_rope", index, (plan.blocks_n, plan.splits, 1),
+           (THREADS, 1, 1), args, plan.shared_bytes(m), pdl=pdl)
+    return q_out
 
 
 INT8_GROUP_SIZES = (64, 128)  # a 64-column chunk of the kernel must lie inside one group

@@ -113,6 +113,19 @@ class AttentionShape:
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
 
+def check_rope_kv_args(shape: AttentionShape, t: int, positions, slot_mapping, inv_freq, q_out, k_cache,
+                       v_cache, dev: torch.device) -> None:
+    """The checks of what RoPE + the paged K/V write of t tokens read and write (qkv_rope_kv_write, and
+    the qkv GEMV that fuses it: `gemv.gemv_int4_qkv_rope`)."""
+    hq, hkv, d = shape.n_heads, shape.n_kv_heads, shape.head_dim
+    check(positions, "positions", torch.int32, (t,), dev, align=4)
+    check(slot_mapping, "slot_mapping", torch.int32, (t,), dev, align=4)
+    check(inv_freq, "inv_freq", torch.float32, (d // 2,), dev, align=4)
+    check(q_out, "q_out", torch.bfloat16, (t, hq, d), dev)
+    check(k_cache, "k_cache", torch.bfloat16, (None, hkv, None, d), dev)
+    check(v_cache, "v_cache", torch.bfloat16, tuple(k_cache.shape), dev)
+
+
 def qkv_rope_kv_write(
     qkv: torch.Tensor,
     shape: AttentionShape,
@@ -140,12 +153,7 @@ def qkv_rope_kv_write(
         raise ValueError(f"head_dim must be a multiple of 4, got {d}")
     check(qkv, "qkv", torch.bfloat16, (None, shape.qkv_width), dev)
     t = qkv.shape[0]
-    check(positions, "positions", torch.int32, (t,), dev, align=4)
-    check(slot_mapping, "slot_mapping", torch.int32, (t,), dev, align=4)
-    check(inv_freq, "inv_freq", torch.float32, (d // 2,), dev, align=4)
-    check(q_out, "q_out", torch.bfloat16, (t, hq, d), dev)
-    check(k_cache, "k_cache", torch.bfloat16, (None, hkv, None, d), dev)
-    check(v_cache, "v_cache", torch.bfloat16, tuple(k_cache.shape), dev)
+    check_rope_kv_args(shape, t, positions, slot_mapping, inv_freq, q_out, k_cache, v_cache, dev)
     if bias is not None:
         check(bias, "bias", torch.bfloat16, (shape.qkv_width,), dev, align=4)
     if t:

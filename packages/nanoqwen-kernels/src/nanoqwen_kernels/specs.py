@@ -31,7 +31,7 @@ SPECS: dict[str, KernelSpec] = {
             for g in (32, 64, 128)
             for kind in ("sym", "asym")
             for scales in ("", "_f16s")  # bf16 scales, or fp16 (layout int4-g{G}-tile8x128-f16s-v1)
-            for suffix in ("", "_silu")
+            for suffix in ("", "_silu", "_rope")  # _rope: the qkv GEMV with the RoPE / K/V epilogue
         )
         + tuple(
             f"dequant_int4_g{g}_{kind}{scales}"

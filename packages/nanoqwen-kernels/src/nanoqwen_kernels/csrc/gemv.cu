@@ -5,6 +5,9 @@
 //                                              and applies SiLU(gate) * up while staging x (fuses the
 //                                              MLP activation into the down projection); `_f16s`: fp16
 //                                              scales (layout int4-g{G}-tile8x128-f16s-v1), else bf16
+//   gemv_int4_g{32,64,128}_{sym,asym}[_f16s]_rope
+//                                              the qkv GEMV, M = 1..8, with qkv_rope_kv_write as its
+//                                              epilogue: q to q_out, K/V into the paged cache
 //   dequant_int4_g{32,64,128}_{sym,asym}[_f16s] INT4 -> dense bf16 [N, K] (prefill: + cuBLAS GEMM)
 //   gemv_int8_g{64,128}                        decode GEMV, M = 1..8, INT8 row-major weights (the
 //                                              `--lm-head int8` layout; gemv_int8.cuh)
@@ -78,6 +81,37 @@ NQ_GEMV_ENTRY(gemv_int4_g64_sym_f16s_silu, 64, false, 1, ScaleF16)
 NQ_GEMV_ENTRY(gemv_int4_g64_asym_f16s_silu, 64, true, 1, ScaleF16)
 NQ_GEMV_ENTRY(gemv_int4_g32_sym_f16s_silu, 32, false, 1, ScaleF16)
 NQ_GEMV_ENTRY(gemv_int4_g32_asym_f16s_silu, 32, true, 1, ScaleF16)
+
+// The qkv GEMV with the RoPE / paged K/V write epilogue (gemv_int4.cuh, EPI = 1): plain input, every
+// layout, the blocks per SM of the plain kernel of the layout; the per-column-guard loop everywhere (the
+// exact loop spilled 12 bytes in g128 asym with the epilogue; on the qkv shape it measured 0.996 of the
+// other loop's time, NOTES.md). Launch as the GEMV, without out; extra arguments: positions,
+// slot_mapping, inv_freq, q_out, k_cache, v_cache, Hq, Hkv, D, block_size.
+#define NQ_GEMV_ROPE_ENTRY(NAME, G, ASYM, ST, EXACT)                                                   \
+  extern "C" __global__ void __launch_bounds__(THREADS, NQ_GEMV_BLOCKS(G, 0))                          \
+      NAME(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,                          \
+           const u16* __restrict__ scales, const u8* __restrict__ zeros,                              \
+           const bf16_t* __restrict__ bias, float* __restrict__ ws, int* __restrict__ counters, int M, \
+           int N, int K, int kc, const int* __restrict__ positions, const int* __restrict__ slot_mapping, \
+           const float* __restrict__ inv_freq, bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_cache, \
+           bf16_t* __restrict__ v_cache, int Hq, int Hkv, int D, int block_size) {                     \
+    gemv_int4<G, ASYM, 0, ST, (EXACT) || NQ_GEMV_EXACT_ALL, 1>(                                       \
+        x, qweight, scales, zeros, bias, nullptr, ws, counters, M, N, K, kc,                           \
+        RopeKV{positions, slot_mapping, inv_freq, q_out, k_cache, v_cache, Hq, Hkv, D, block_size});   \
+  }
+
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g128_sym_rope, 128, false, ScaleBF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g128_asym_rope, 128, true, ScaleBF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g64_sym_rope, 64, false, ScaleBF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g64_asym_rope, 64, true, ScaleBF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g32_sym_rope, 32, false, ScaleBF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g32_asym_rope, 32, true, ScaleBF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g128_sym_f16s_rope, 128, false, ScaleF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g128_asym_f16s_rope, 128, true, ScaleF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g64_sym_f16s_rope, 64, false, ScaleF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g64_asym_f16s_rope, 64, true, ScaleF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g32_sym_f16s_rope, 32, false, ScaleF16, false)
+NQ_GEMV_ROPE_ENTRY(gemv_int4_g32_asym_f16s_rope, 32, true, ScaleF16, false)
 
 #define NQ_DEQUANT_ENTRY(NAME, G, ASYM, ST)                                                           \
   extern "C" __global__ void __launch_bounds__(256)                                                   \

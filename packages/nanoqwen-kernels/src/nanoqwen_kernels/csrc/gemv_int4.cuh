@@ -37,8 +37,16 @@
 // adds them in split order (deterministic), adds the bias and writes bf16.
 //
 // Block: 8 warps; warp w of block b owns rows 16 * (8b + w) .. +15 (N % 8 == 0: a half pair is masked).
+//
+// The qkv epilogue (EPI = 1, the `_rope` entry points): instead of storing y, the block's 128 bf16 outputs
+// per row (bias added and rounded once, exactly as stored otherwise) are staged in shared memory and the
+// block applies layer_ops.cu's qkv_rope_kv_write to them: RoPE on the q and k heads, q to q_out
+// [M, Hq, D], k and v into the paged cache at slot_mapping[m] (< 0: not written). A 128-row block holds
+// 128 / D whole heads (D divides 128), so both columns of every RoPE pair are in the block. Same
+// arithmetic as the two kernels it replaces, so the same bits; one launch and no qkv round trip.
 #pragma once
 #include "common.cuh"
+#include "layer_ops.cuh"
 
 namespace nq_gemv {
 
@@ -192,13 +200,34 @@ NQ_DEVICE void load_tile_column(TileColumn<G>& c, const uint4* w0p, const uint4*
 NQ_DEVICE void store_gemv_out(const float (&acc)[4], const bf16_t* __restrict__ bias, bf16_t* __restrict__ out,
                               float* __restrict__ ws, int* __restrict__ counters, int M, int N);
 
+// The qkv epilogue's arguments (EPI = 1): as layer_ops.cu's qkv_rope_kv_write; unused for EPI = 0.
+struct RopeKV {
+  const int* positions;     // [M]
+  const int* slot_mapping;  // [M]: page * block_size + offset, < 0 skips the K/V write
+  const float* inv_freq;    // [D / 2]
+  bf16_t* q_out;            // [M, Hq, D]
+  bf16_t* k_cache;          // [num_blocks, Hkv, block_size, D]
+  bf16_t* v_cache;
+  int Hq, Hkv, D, block_size;
+};
+
+// Not inlined: its registers stay out of the main loop's allocation (inlined, ptxas spilled 8-12 bytes
+// in the g32 asym and g128 asym fp16-scale kernels).
+__device__ __noinline__ void store_gemv_rope(float a0, float a1, float a2, float a3, const bf16_t* __restrict__ bias,
+                                             float* __restrict__ ws, int* __restrict__ counters, int M, int N,
+                                             RopeKV rk);
+NQ_DEVICE bool split_k_arrive(const float (&acc)[4], float* __restrict__ ws, int* __restrict__ counters, int M,
+                              int N);
+NQ_DEVICE float sum_splits(const float* __restrict__ ws, int M, int N, int S, int m, int n);
+
 // scales: the raw 16-bit scale words, bf16 or fp16 as ST says. EXACT: the main loop with an exact trip
 // count (below), for the kernels where it compiles without spills (gemv.cu says which).
-template <int G, bool ASYM, int XMODE, typename ST, bool EXACT>
+// EPI: 0 stores y (+ bias) to out; 1 is the qkv epilogue (header), with rk.
+template <int G, bool ASYM, int XMODE, typename ST, bool EXACT, int EPI = 0>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                          const u16* __restrict__ scales, const u8* __restrict__ zeros,
                          const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
-                         int* __restrict__ counters, int M, int N, int K, int kc) {
+                         int* __restrict__ counters, int M, int N, int K, int kc, const RopeKV& rk = {}) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
   constexpr int GPT = 128 / G;
@@ -312,8 +341,24 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     if (tc < tc_end) compute(A, xsl + (tc - tc_begin) * 128);
   }
   pdl_launch_dependents();  // the weight stream is done: let the next kernel's prefetch start
-  store_gemv_out(acc, bias, out, ws, counters, M, N);
+  if constexpr (EPI == 0) store_gemv_out(acc, bias, out, ws, counters, M, N);
+  else store_gemv_rope(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, rk);
 }
+
+// Where lane (g, t) of warp w's accumulators go (store_gemv_out says which is which): output rows
+// row0 = 8 tr0 + g and row1 = 8 tr1 + g (tr0/1 = 2 (8 blockIdx.x + w) (+1); has0/1: the row exists),
+// activation rows m0 = 2t, m1 = 2t + 1. From a fresh read of the thread index (see store_gemv_out).
+struct LaneOut {
+  int row0, row1, m0, m1;
+  bool has0, has1;
+  static NQ_DEVICE LaneOut of(int N) {
+    u32 tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));  // volatile: not merged with the kernel's read
+    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int tr0 = 2 * (blockIdx.x * WARPS + warp), tr1 = tr0 + 1;
+    return {8 * tr0 + g, 8 * tr1 + g, 2 * t, 2 * t + 1, tr0 < N / 8, tr1 < N / 8};
+  }
+};
 
 // The GEMV's epilogue: the fp32 accumulators of lane (g, t) of warp w -- acc[0..1]: y[2t, 2t+1] of row
 // 8 tr0 + g, acc[2..3]: of row 8 tr1 + g, tr0/1 = 2 (8 blockIdx.x + w) (+1) -- plus the bias, to bf16
@@ -323,15 +368,11 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
 // registers).
 NQ_DEVICE void store_gemv_out(const float (&acc)[4], const bf16_t* __restrict__ bias, bf16_t* __restrict__ out,
                               float* __restrict__ ws, int* __restrict__ counters, int M, int N) {
-  u32 tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));  // volatile: not merged with the kernel's read
-  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int NT = N / 8, S = gridDim.y, split = blockIdx.y;
-  const int tr0 = 2 * (blockIdx.x * WARPS + warp), tr1 = tr0 + 1;
-  const bool has0 = tr0 < NT, has1 = tr1 < NT;
-  const int row0 = 8 * tr0 + g, row1 = 8 * tr1 + g;
-  const int m0 = 2 * t, m1 = 2 * t + 1;
+  const int S = gridDim.y;
   if (S == 1) {
+    const LaneOut L = LaneOut::of(N);
+    const int row0 = L.row0, row1 = L.row1, m0 = L.m0, m1 = L.m1;
+    const bool has0 = L.has0, has1 = L.has1;
     if (has0) {
       const float b0 = bias ? bf16_to_f32(bias[row0]) : 0.f;
       if (m0 < M) out[(i64)m0 * N + row0] = f32_to_bf16(acc[0] + b0);
@@ -344,7 +385,24 @@ NQ_DEVICE void store_gemv_out(const float (&acc)[4], const bf16_t* __restrict__ 
     }
     return;
   }
-  float* part = ws + (i64)split * M * N;
+  if (!split_k_arrive(acc, ws, counters, M, N)) return;
+  const int row_base = blockIdx.x * ROWS_PER_BLOCK;
+  for (int idx = threadIdx.x; idx < M * ROWS_PER_BLOCK; idx += blockDim.x) {
+    const int m = idx / ROWS_PER_BLOCK, n = row_base + (idx - m * ROWS_PER_BLOCK);
+    if (n < N) out[(i64)m * N + n] = f32_to_bf16(sum_splits(ws, M, N, S, m, n) + (bias ? bf16_to_f32(bias[n]) : 0.f));
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (or graph replay)
+}
+
+// Split-K arrival: write this block's fp32 partials (acc of lane (g, t), as store_gemv_out reads them)
+// to ws [S, M, N] and count the block row's arrivals. True in the block row's last block to arrive
+// (block-uniform), which then sums the partials; it must reset counters[blockIdx.x] to 0.
+NQ_DEVICE bool split_k_arrive(const float (&acc)[4], float* __restrict__ ws, int* __restrict__ counters, int M,
+                              int N) {
+  const LaneOut L = LaneOut::of(N);
+  const int row0 = L.row0, row1 = L.row1, m0 = L.m0, m1 = L.m1, S = gridDim.y;
+  const bool has0 = L.has0, has1 = L.has1;
+  float* part = ws + (i64)blockIdx.y * M * N;
   if (has0) {
     if (m0 < M) part[(i64)m0 * N + row0] = acc[0];
     if (m1 < M) part[(i64)m1 * N + row0] = acc[1];
@@ -358,30 +416,86 @@ NQ_DEVICE void store_gemv_out(const float (&acc)[4], const bf16_t* __restrict__ 
   __shared__ int is_last;
   if (threadIdx.x == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == S - 1;
   __syncthreads();
-  if (!is_last) return;
+  if (!is_last) return false;
   __threadfence();
-  const int row_base = blockIdx.x * ROWS_PER_BLOCK;
-  for (int idx = threadIdx.x; idx < M * ROWS_PER_BLOCK; idx += blockDim.x) {
-    const int m = idx / ROWS_PER_BLOCK, n = row_base + (idx - m * ROWS_PER_BLOCK);
-    if (n >= N) continue;
-    float v = bias ? bf16_to_f32(bias[n]) : 0.f;
-    // Partials added in split order (deterministic), 8 loads in flight at a time: this block is on
-    // the launch's critical path, so its L2 round trips must not be serialised.
-    const float* p = ws + (i64)m * N + n;
-    const i64 split_stride = (i64)M * N;
-    float sum = 0.f;
-    int s = 0;
-    for (; s + 8 <= S; s += 8) {
-      float part[8];
+  return true;
+}
+
+// y[m, n] without the bias: the S partials of ws [S, M, N] added in split order (deterministic), 8
+// loads in flight at a time (the last block is on the launch's critical path: its L2 round trips must
+// not be serialised).
+NQ_DEVICE float sum_splits(const float* __restrict__ ws, int M, int N, int S, int m, int n) {
+  const float* p = ws + (i64)m * N + n;
+  const i64 split_stride = (i64)M * N;
+  float sum = 0.f;
+  int s = 0;
+  for (; s + 8 <= S; s += 8) {
+    float part[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) part[i] = ld_cg_f32(p + (s + i) * split_stride);
+    for (int i = 0; i < 8; ++i) part[i] = ld_cg_f32(p + (s + i) * split_stride);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum += part[i];
-    }
-    for (; s < S; ++s) sum += ld_cg_f32(p + s * split_stride);
-    out[(i64)m * N + n] = f32_to_bf16(sum + v);
+    for (int i = 0; i < 8; ++i) sum += part[i];
   }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (or graph replay)
+  for (; s < S; ++s) sum += ld_cg_f32(p + s * split_stride);
+  return sum;
+}
+
+// The qkv epilogue (EPI = 1; the header says what it does). vals: the block's bf16 outputs, row m of
+// the block at vals[m * ROWS_PER_BLOCK ..], each bf16(y + bias) as store_gemv_out would store it.
+__device__ __noinline__ void store_gemv_rope(float a0, float a1, float a2, float a3, const bf16_t* __restrict__ bias,
+                                             float* __restrict__ ws, int* __restrict__ counters, int M, int N,
+                                             RopeKV rk) {
+  __shared__ bf16_t vals[8 * ROWS_PER_BLOCK];  // M <= 8 (gemv.MAX_M)
+  const float acc[4] = {a0, a1, a2, a3};
+  const int S = gridDim.y, row_base = blockIdx.x * ROWS_PER_BLOCK;
+  if (S == 1) {
+    const LaneOut L = LaneOut::of(N);
+    const int r0 = L.row0 - row_base, r1 = L.row1 - row_base;  // block-local rows
+    if (L.has0) {
+      const float b0 = bias ? bf16_to_f32(bias[L.row0]) : 0.f;
+      if (L.m0 < M) vals[L.m0 * ROWS_PER_BLOCK + r0] = f32_to_bf16(acc[0] + b0);
+      if (L.m1 < M) vals[L.m1 * ROWS_PER_BLOCK + r0] = f32_to_bf16(acc[1] + b0);
+    }
+    if (L.has1) {
+      const float b1 = bias ? bf16_to_f32(bias[L.row1]) : 0.f;
+      if (L.m0 < M) vals[L.m0 * ROWS_PER_BLOCK + r1] = f32_to_bf16(acc[2] + b1);
+      if (L.m1 < M) vals[L.m1 * ROWS_PER_BLOCK + r1] = f32_to_bf16(acc[3] + b1);
+    }
+  } else {
+    if (!split_k_arrive(acc, ws, counters, M, N)) return;
+    for (int idx = threadIdx.x; idx < M * ROWS_PER_BLOCK; idx += blockDim.x) {
+      const int m = idx / ROWS_PER_BLOCK, nl = idx - m * ROWS_PER_BLOCK, n = row_base + nl;
+      if (n < N) vals[idx] = f32_to_bf16(sum_splits(ws, M, N, S, m, n) + (bias ? bf16_to_f32(bias[n]) : 0.f));
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+  }
+  __syncthreads();
+  // One thread per (row m, column pair (c, c + D/2) of a head of the block): 64 pairs per row.
+  const int D = rk.D, half = D / 2, Hq = rk.Hq, Hkv = rk.Hkv, bs = rk.block_size;
+  for (int idx = threadIdx.x; idx < M * (ROWS_PER_BLOCK / 2); idx += blockDim.x) {
+    const int m = idx / (ROWS_PER_BLOCK / 2), p = idx - m * (ROWS_PER_BLOCK / 2);
+    const int nl = (p / half) * D + p % half, n = row_base + nl;
+    if (n >= N) continue;
+    const int h = n / D, c = n - h * D;
+    const bf16_t va = vals[m * ROWS_PER_BLOCK + nl], vb = vals[m * ROWS_PER_BLOCK + nl + half];
+    const int slot = rk.slot_mapping[m];
+    const i64 page_base = slot < 0 ? 0 : (i64)(slot / bs) * Hkv * bs * D + (i64)(slot % bs) * D;
+    if (h < Hq + Hkv) {
+      float si, co, ra, rb;
+      nq::rope_sincos((float)rk.positions[m] * rk.inv_freq[c], &si, &co);
+      nq::rope_rotate(bf16_to_f32(va), bf16_to_f32(vb), co, si, &ra, &rb);
+      bf16_t* dst = h < Hq ? rk.q_out + ((i64)m * Hq + h) * D
+                           : (slot >= 0 ? rk.k_cache + page_base + (i64)(h - Hq) * bs * D : nullptr);
+      if (dst) {
+        dst[c] = f32_to_bf16(ra);
+        dst[c + half] = f32_to_bf16(rb);
+      }
+    } else if (slot >= 0) {
+      bf16_t* dst = rk.v_cache + page_base + (i64)(h - Hq - Hkv) * bs * D;
+      dst[c] = va;
+      dst[c + half] = vb;
+    }
+  }
 }
 
 // a[i] for a lane-dependent i in 0..3, as selects (a dynamic index would put `a` in local memory).

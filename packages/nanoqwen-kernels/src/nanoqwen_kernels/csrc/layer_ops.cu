@@ -95,8 +95,11 @@ extern "C" __global__ void __launch_bounds__(256) qkv_rope_kv_write_bf16(
     float s0, c0, s1, c1;
     rope_sincos(pos * inv_freq[i], &s0, &c0);
     rope_sincos(pos * inv_freq[i + 1], &s1, &c1);
-    const u32 oa = f32x2_to_bf16x2(a0 * c0 - b0 * s0, a1 * c1 - b1 * s1);
-    const u32 ob = f32x2_to_bf16x2(b0 * c0 + a0 * s0, b1 * c1 + a1 * s1);
+    float ra0, rb0, ra1, rb1;
+    rope_rotate(a0, b0, c0, s0, &ra0, &rb0);
+    rope_rotate(a1, b1, c1, s1, &ra1, &rb1);
+    const u32 oa = f32x2_to_bf16x2(ra0, ra1);
+    const u32 ob = f32x2_to_bf16x2(rb0, rb1);
     if (h < Hq) {
       bf16_t* q = q_out + ((i64)t * Hq + h) * D;
       *reinterpret_cast<u32*>(q + i) = oa;

@@ -89,6 +89,15 @@ NQ_DEVICE void rope_sincos(float angle, float* s, float* c) {
   __sincosf(r, s, c);
 }
 
+// Qwen2 RoPE (rotate_half) of one column pair (a = column c, b = column c + D/2 of a head) by the angle
+// whose cos/sin are co/si: a' = a co - b si, b' = b co + a si. Each product and the sum rounded on its
+// own (no FMA contraction), so that every kernel applying it (qkv_rope_kv_write, the qkv GEMV's fused
+// epilogue) gives the same bits.
+NQ_DEVICE void rope_rotate(float a, float b, float co, float si, float* ra, float* rb) {
+  *ra = __fsub_rn(__fmul_rn(a, co), __fmul_rn(b, si));
+  *rb = __fadd_rn(__fmul_rn(b, co), __fmul_rn(a, si));
+}
+
 NQ_DEVICE float silu(float g) { return g / (1.f + __expf(-g)); }
 
 }  // namespace nq

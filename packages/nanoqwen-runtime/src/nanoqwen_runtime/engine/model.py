@@ -145,10 +145,9 @@ class ModelRunner:
                 ops.rms_norm(resid, lw.input_norm, eps, normed)
             else:
                 ops.add_rms_norm(proj, resid, lw.input_norm, eps, normed)
-            ops.linear(normed, lw.qkv, qkv, bias=lw.qkv_bias)
             kc, vc = self.kv[i, 0], self.kv[i, 1]
-            ops.qkv_rope_kv_write(qkv, v["positions"], v["slot_mapping"], kc, vc, q,
-                                  g.num_attention_heads, g.num_key_value_heads)
+            ops.qkv_projection(normed, lw.qkv, lw.qkv_bias, qkv, v["positions"], v["slot_mapping"], kc, vc, q,
+                               g.num_attention_heads, g.num_key_value_heads)
             if attn_meta is not None:
                 ops.attention_run(attn_meta, q, kc, vc, attn)
             else:

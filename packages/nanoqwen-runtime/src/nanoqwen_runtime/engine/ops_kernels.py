@@ -16,9 +16,12 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   `dense_weight_cache=True` (explicit, off by default) keeps the old bf16 copy of every quantized
   linear for M > 8 (path "cublas_bf16_cache"); its memory cost is printed at load.
 - linear, bf16 weight (the default lm_head): cuBLAS (`torch.mm`) into the preallocated output.
-- MLP down projection: the GEMV and the INT4 GEMM read gate_up [M, 2I] and apply SiLU*mul while
-  staging it (`silu_mul_input=True`), so the MLP is two launches; the dequantize + cuBLAS path runs
-  `silu_mul` first.
+- MLP down projection: at M <= 8 the GEMV reads gate_up [M, 2I] and applies SiLU*mul while staging
+  it (`silu_mul_input=True`), so the MLP is two launches; above 8 rows `silu_mul` runs first, then the
+  plain linear (the SiLU-input GEMM recomputes the activation in every row block: 2x slower at
+  M = 32 / 64, bench/engine/NOTES.md session 11).
+- attention input: at M <= 8 the qkv GEMV applies RoPE and writes q and the paged K/V itself
+  (`gemv_int4_qkv_rope`, path counter "qkv_rope_fused"); above, `linear` then `qkv_rope_kv_write`.
 - attention: decode plans, one per graph bucket, planned for the longest context (`max_model_len`):
   one graph serves every length. One prefill plan for chunks of up to `prefill_chunk` tokens.
 - logits range: `torch.aminmax` per row into static buffers (the engine's NaN/Inf check of the logits).
@@ -92,7 +95,8 @@ class KernelOps:
         # replays runs; `ModelRunner.graph_paths` keeps that per graph): "gemv_int4", "gemv_int8"
         # (per 8-row launch), "int4_gemm" (M > 8, INT4 tensor-core GEMM), "cublas_bf16" (a bf16
         # weight), "cublas_bf16_cache" (the explicit bf16 copy of a quantized weight), "dequant_gemm"
-        # (dequantize into scratch + cuBLAS).
+        # (dequantize into scratch + cuBLAS); and "qkv_rope_fused" (a qkv GEMV that also applied RoPE
+        # and wrote q and the paged K/V: counted in "gemv_int4" too).
         self.paths: collections.Counter[str] = collections.Counter()
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -235,24 +239,42 @@ class KernelOps:
 
     def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor) -> None:
         """out = down(silu(gate) * up); act is the [M, I] scratch used when not fused."""
-        m = gate_up.shape[0]
-        path = self.int4_path(m)
-        # fused: the GEMV always; the INT4 GEMM unless the explicit bf16 cache serves this step
-        fused = path == "gemv_int4" or (path == "int4_gemm" and id(down) not in self._dense)
-        if isinstance(down, Int4Linear) and fused:
+        # Fused into the GEMV only (M <= 8). Above 8 rows the SiLU-input GEMM recomputes
+        # silu(gate) * up in every row block (28x for the 7B's down) and took twice the plain
+        # kernel's time at M = 32 / 64 (bench/engine/NOTES.md, session 11): one silu_mul pass, then
+        # the plain linear (INT4 GEMM or dequantize + cuBLAS).
+        if isinstance(down, Int4Linear) and self.int4_path(gate_up.shape[0]) == "gemv_int4":
             w = self._int4(down)
-            self.paths[path] += 1
-            if path == "gemv_int4":
-                kgemv.gemv_int4(gate_up, w, out, None, self.workspace, self._gemv_plan(w, True),
-                                silu_mul_input=True, pdl=self.cfg.pdl)
-            else:
-                kgemm.gemm_int4(gate_up, w, out, None, self.gemm_workspace, self._gemm_plan(w, m),
-                                silu_mul_input=True, pdl=self.cfg.pdl)
+            self.paths["gemv_int4"] += 1
+            kgemv.gemv_int4(gate_up, w, out, None, self.workspace, self._gemv_plan(w, True),
+                            silu_mul_input=True, pdl=self.cfg.pdl)
             return
         kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
         self.linear(act, down, out)
 
     # ---- attention block -----------------------------------------------------------------------------
+    def qkv_projection(self, x, qkv_w: Linear, bias, qkv, positions, slot_mapping, k_cache, v_cache, q_out,
+                       n_heads, n_kv) -> None:
+        """qkv = x @ Wqkv^T + bias, RoPE, q_out and the paged K/V. At M <= 8 on an INT4 weight: one
+        `gemv_int4_qkv_rope` launch (the GEMV with qkv_rope_kv_write as its epilogue; qkv not written),
+        counted as path "gemv_int4" and as "qkv_rope_fused"; otherwise `linear` + `qkv_rope_kv_write`."""
+        if self.fuses_qkv_rope(qkv_w, x.shape[0]):
+            w = self._int4(qkv_w)
+            self.paths["gemv_int4"] += 1
+            self.paths["qkv_rope_fused"] += 1
+            kgemv.gemv_int4_qkv_rope(x, w, bias, self.shape, positions, slot_mapping, self.inv_freq, q_out,
+                                     k_cache, v_cache, self.workspace, self._gemv_plan(w, False),
+                                     pdl=self.cfg.pdl)
+            return
+        self.linear(x, qkv_w, qkv, bias=bias)
+        self.qkv_rope_kv_write(qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv)
+
+    def fuses_qkv_rope(self, qkv_w: Linear, m: int) -> bool:
+        """Whether `qkv_projection` of m rows is one fused launch (an INT4 GEMV step of a model whose
+        head_dim the epilogue takes)."""
+        return (isinstance(qkv_w, Int4Linear) and self.int4_path(m) == "gemv_int4"
+                and self.shape.head_dim in kgemv.ROPE_HEAD_DIMS)
+
     def qkv_rope_kv_write(self, qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv) -> None:
         kops.qkv_rope_kv_write(qkv, self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache,
                                v_cache, None, pdl=self.cfg.pdl)

@@ -76,6 +76,14 @@ class TorchOps:
         out.copy_(y.to(out.dtype))
 
     # ---- attention block -------------------------------------------------------------------------
+    def qkv_projection(self, x: torch.Tensor, qkv_w: Linear, bias: torch.Tensor | None, qkv: torch.Tensor,
+                       positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, q_out: torch.Tensor, n_heads: int, n_kv: int) -> None:
+        """The attention block's input: qkv = x @ Wqkv^T + bias into the [T, (Hq+2Hkv)D] scratch, then
+        `qkv_rope_kv_write` (q_out and the paged K/V)."""
+        self.linear(x, qkv_w, qkv, bias=bias)
+        self.qkv_rope_kv_write(qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv)
+
     def qkv_rope_kv_write(self, qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, q_out: torch.Tensor,
                           n_heads: int, n_kv: int) -> None:
