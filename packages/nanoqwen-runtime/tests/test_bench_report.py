@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 
 import pytest
@@ -212,7 +213,9 @@ def test_sections_on_cpu_feed_the_report(tiny_path, tmp_path):
     d = bench.decode_at_context(engine, 40, 12, batch=2)
     assert d["engine_tok_s"] > 0 and d["prefill_s"] > 0 and "graph_tok_s" not in d
     p = bench.prefill_rate(engine, 100)
-    assert p["prefill_tok_s"] > 0
+    assert p["prefill_tok_s"] > 0 and p["reps"] == bench.PREFILL_REPS == len(p["prefill_s_all"])
+    assert p["prefill_s"] == statistics.median(p["prefill_s_all"]) and p["prefill_tok_s"] == 100 / p["prefill_s"]
+    assert engine.stats().prefix_hit_tokens == 0  # each repeat a fresh prompt: no prefix-cache hit
     parts = bench.bytes_per_token(engine, 128)
     assert parts["int4_words"] > 0 and parts["kv"] == 128 * TINY.kv_bytes_per_token()
     mem = engine.memory_report()

@@ -136,11 +136,23 @@ def decode_at_context(engine: Engine, ctx: int, new: int, batch: int = 1, seed: 
     return out
 
 
-def prefill_rate(engine: Engine, n: int, seed: int = 7) -> dict:
-    fins, log = _run(engine, [Request(_prompt(n, engine.geom.vocab_size, seed), SamplingParams(max_tokens=1),
-                                      f"p{n}", ignore_eos=True)])
-    t = sum(dt for k, _, dt in log if k == "prefill")
-    return {"prompt": n, "prefill_s": t, "prefill_tok_s": n / t, "ttft_s": fins[f"p{n}"].ttft_s}
+PREFILL_REPS = 3  # one n-token prefill is 4-120 ms on the H200: a single run moved by +-30% (session 12)
+
+
+def prefill_rate(engine: Engine, n: int, seed: int = 7, reps: int = PREFILL_REPS) -> dict:
+    """Prefill of an n-token prompt, `reps` times with fresh prompts (no prefix-cache hit): the medians
+    of the prefill steps' time and of the time to first token, the rate from the median time, and
+    every repeat's figures."""
+    times, ttfts = [], []
+    for r in range(reps):
+        rid = f"p{n}-{r}"
+        fins, log = _run(engine, [Request(_prompt(n, engine.geom.vocab_size, seed + 1000 * r),
+                                          SamplingParams(max_tokens=1), rid, ignore_eos=True)])
+        times.append(sum(dt for k, _, dt in log if k == "prefill"))
+        ttfts.append(fins[rid].ttft_s)
+    t = statistics.median(times)
+    return {"prompt": n, "prefill_s": t, "prefill_tok_s": n / t, "ttft_s": statistics.median(ttfts),
+            "reps": reps, "prefill_s_all": times, "ttft_s_all": ttfts}
 
 
 def prefix_cache_ttft(engine: Engine, prefix: int = 4096, tail: int = 64, reps: int = 3,
