@@ -26,7 +26,9 @@
 //            c is multiplied (two buffers, one barrier per chunk).
 //   XMODE 1: x is gate_up [M, 2K] and the input is bf16(silu(gate) * up): the raw gate and up rows of
 //            the next chunk arrive by cp.async into a raw buffer while the current chunk is multiplied;
-//            at the chunk boundary the block converts them into the (single) x buffer.
+//            at the chunk boundary the block converts them into the (single) x buffer. Every row block
+//            recomputes the whole activation this way: at M = 32 / 64 that took twice the plain
+//            kernel's time, so the engine runs silu_mul + XMODE 0 instead (NOTES.md, session 12).
 //
 // Split-K (M <= 64 only, so the scratch is bounded): as in the GEMV, gridDim.z = S blocks share each
 // (M block, row block) tile, write their fp32 partials into [S, M, N] (rows m0.. of the M block), and
