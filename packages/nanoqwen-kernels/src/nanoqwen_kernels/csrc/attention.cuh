@@ -37,6 +37,7 @@
 #pragma once
 
 #include "common.cuh"  // bf16_t (raw bits: no toolkit headers), f32x2_to_bf16x2
+#include "mbarrier.cuh"  // mbar_init, mbar_arrive, mbar_wait
 
 // Prefill register budget (160 threads, 2 CTAs/SM: ptxas caps at 168 registers). Q fragments held in
 // registers only fit with 16-token softmax steps (166 registers); re-reading Q from shared memory with
@@ -90,26 +91,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// ---- mbarrier, cp.async, named barriers ---------------------------------------------------------
-
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.shared::cta.b64 st, [%0];\n\t}" ::"r"(smem_addr(bar))
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-  asm volatile(
-      "{\n\t.reg .pred done;\n"
-      "WAIT_%=:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra WAIT_%=;\n\t}" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
+// ---- cp.async, named barriers (the mbarriers are mbarrier.cuh's) --------------------------------------
 
 // 16-byte async copy; src_bytes == 0 writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async_16_zfill(unsigned dst, const void* src, unsigned src_bytes) {
