@@ -195,10 +195,11 @@ def _linear_names(weights) -> dict[int, str]:
     return names
 
 
-def _down_form(engine, gate_up) -> str:
-    """How `mlp_down` runs M rows: SiLU*mul fused into the GEMV's input, or a `silu_mul` pass first."""
-    path = getattr(engine.ops, "int4_path", None)
-    return " fused" if path is not None and path(gate_up.shape[0]) == "gemv_int4" else ", then down"
+def _fused(engine, predicate: str, lin, rows: int) -> bool:
+    """The op backend's own answer to `predicate` (`fuses_silu_down` / `fuses_qkv_rope`: does this op
+    of `rows` rows run fused?); False on a backend that never fuses (the torch reference)."""
+    fuses = getattr(engine.ops, predicate, None)
+    return fuses is not None and fuses(lin, rows)
 
 
 def op_accounting(engine, context: int):
@@ -212,7 +213,8 @@ def op_accounting(engine, context: int):
         if op == "linear":
             return f"linear {names.get(id(args[1]), '?')}"
         if op == "mlp_down":
-            return f"mlp_down {names.get(id(args[2]), '?')} (silu*mul{_down_form(engine, args[0])})"
+            form = " fused" if _fused(engine, "fuses_silu_down", args[2], args[0].shape[0]) else ", then down"
+            return f"mlp_down {names.get(id(args[2]), '?')} (silu*mul{form})"
         if op == "qkv_projection":  # the qkv linear and RoPE / K/V write: one fused launch or two
             return f"linear {names.get(id(args[1]), '?')} + rope/KV write"
         return op
@@ -231,15 +233,14 @@ def op_accounting(engine, context: int):
             bias = kw.get("bias", args[3] if len(args) > 3 else None)
             return b(args[0]) + args[1].nbytes + b(args[2]) + (b(bias) if bias is not None else 0)
         if op == "mlp_down":  # the unfused form writes and reads the [M, I] activation once more
-            act = 0 if _down_form(engine, args[0]) == " fused" else 2 * b(args[1])
+            act = 0 if _fused(engine, "fuses_silu_down", args[2], args[0].shape[0]) else 2 * b(args[1])
             return b(args[0]) + act + args[2].nbytes + b(args[3])
         if op == "silu_mul":
             return b(args[0]) + b(args[1])
         if op == "qkv_projection":  # x, the weight (+ bias) read; q and one token's K/V per row written;
             # the unfused form also writes and reads qkv (args: x, w, bias, qkv, .., q_out at 8)
             x, qkv, q_out = args[0], args[3], args[8]
-            fuses = getattr(engine.ops, "fuses_qkv_rope", None)
-            fused = fuses is not None and fuses(args[1], x.shape[0])
+            fused = _fused(engine, "fuses_qkv_rope", args[1], x.shape[0])
             return (b(x) + args[1].nbytes + (b(args[2]) if args[2] is not None else 0) + b(q_out)
                     + x.shape[0] * kv_token_layer + (0 if fused else 2 * b(qkv)))
         if op == "qkv_rope_kv_write":  # qkv read; q written; one token's K and V written per row

@@ -243,7 +243,7 @@ class KernelOps:
         # silu(gate) * up in every row block (28x for the 7B's down) and took twice the plain
         # kernel's time at M = 32 / 64 (bench/engine/NOTES.md, session 11): one silu_mul pass, then
         # the plain linear (INT4 GEMM or dequantize + cuBLAS).
-        if isinstance(down, Int4Linear) and self.int4_path(gate_up.shape[0]) == "gemv_int4":
+        if self.fuses_silu_down(down, gate_up.shape[0]):
             w = self._int4(down)
             self.paths["gemv_int4"] += 1
             kgemv.gemv_int4(gate_up, w, out, None, self.workspace, self._gemv_plan(w, True),
@@ -251,6 +251,11 @@ class KernelOps:
             return
         kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
         self.linear(act, down, out)
+
+    def fuses_silu_down(self, down: Linear, m: int) -> bool:
+        """Whether `mlp_down` of m rows applies SiLU*mul inside the down GEMV's input staging (an INT4
+        GEMV step) rather than in a `silu_mul` pass first."""
+        return isinstance(down, Int4Linear) and self.int4_path(m) == "gemv_int4"
 
     # ---- attention block -----------------------------------------------------------------------------
     def qkv_projection(self, x, qkv_w: Linear, bias, qkv, positions, slot_mapping, k_cache, v_cache, q_out,
