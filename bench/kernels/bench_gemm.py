@@ -31,10 +31,8 @@ values; `--model 1.5b|0.5b` the real test models' shapes instead of the 7B's. Ti
 outputs, tests never build them), each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from
 registers, no ldmatrix), `NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD`
 (weights made in registers, no global loads), `NQ_GEMM_PROBE_NO_X` (no activation copies; the chunk
-waits and barriers stay), `NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers). An
-experiment with correct outputs: `NQ_GEMM_BULK_X` (XMODE 0 stages each chunk by one bulk copy per row;
-gemm_int4.cuh's header). Runs in well under a minute on the H200 once the kernels are compiled (first
-use: NVRTC).
+waits and barriers stay), `NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers). Runs in
+well under a minute on the H200 once the kernels are compiled (first use: NVRTC).
 """
 
 # ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)

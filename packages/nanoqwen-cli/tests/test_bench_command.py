@@ -119,7 +119,7 @@ def test_bench_model_writes_its_report(tiny_path, tmp_path, cpu_bench):
     assert len(rep["decode_batch1"]) == 2 and [d["batch"] for d in rep["decode_batched"]] == [1, 8, 32, 64]
     assert rep["ttft_2k_ms"] > 0 and rep["launches_per_decode_step"] > 0
     md = (out / "bench.md").read_text()
-    assert "## Loading the model" in md and "| linear qkv + rope/KV write |" in md
+    assert "## Loading the model" in md and "| linear qkv + rope/KV write (after RMSNorm) |" in md
     assert md.strip() in r.stdout  # the report is printed
     assert (out / "tok_s_vs_batch.png").stat().st_size > 1000
     last = r.stdout.strip().splitlines()[-1]

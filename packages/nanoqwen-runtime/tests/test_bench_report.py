@@ -233,7 +233,12 @@ def test_sections_on_cpu_feed_the_report(tiny_path, tmp_path):
     assert spins[0] == 0 and spins[1:] and all(ns >= bench_profile.SPIN_MIN_NS for ns in spins[1:])
     ops = {o["op"]: o for o in prof["ops"]}
     L = TINY.num_hidden_layers
-    assert ops["linear qkv + rope/KV write"]["calls_per_step"] == L
+    # the torch backend fuses no norm: layer 0's input norm is an RMSNorm, the others add + RMSNorm
+    assert ops["linear qkv + rope/KV write (after RMSNorm)"]["calls_per_step"] == 1
+    assert ops["linear qkv + rope/KV write (after add + RMSNorm)"]["calls_per_step"] == L - 1
+    assert ops["linear gate_up (after add + RMSNorm)"]["calls_per_step"] == L
+    assert ops["linear o_proj + residual"]["calls_per_step"] == L
+    assert ops["add_rms_norm"]["calls_per_step"] == 1  # the final norm, of the last down's pending add
     assert ops["linear lm_head"]["calls_per_step"] == 1
     assert ops["attention"]["calls_per_step"] == L and ops["sample"]["calls_per_step"] == 1
     assert all(o["us_per_step"] >= 0 for o in prof["ops"])
@@ -253,7 +258,7 @@ def test_sections_on_cpu_feed_the_report(tiny_path, tmp_path):
     assert math.isfinite(rep["profile"]["gap_us"])
     write_report(rep, tmp_path)
     md = (tmp_path / "bench.md").read_text()
-    assert "| linear qkv + rope/KV write | 2 |" in md
+    assert "| linear qkv + rope/KV write (after add + RMSNorm) | 1 |" in md
     pytest.importorskip("matplotlib")
     assert (tmp_path / "tok_s_vs_batch.png").stat().st_size > 1000
 
@@ -334,13 +339,17 @@ def test_profile_marks_every_launch_of_the_kernel_backend(tiny_path, monkeypatch
     p = bench_profile.profile_decode_ops(engine, steps=3, prompt=20, timeline=tl)
     L = TINY.num_hidden_layers
     kernels = {k["kernel"]: k["launches_per_step"] for k in p["kernels"]}
-    # per layer: 2 norms, 4 GEMVs (qkv with RoPE + the K/V write fused, down with SiLU*mul fused),
-    # attention; per step: embedding, final norm, sampling; torch/cuBLAS: the bf16 lm_head and the
-    # logits' range (NaN check)
-    assert p["kernel_launches_per_step"] == 3 + 7 * L and p["library_calls_per_step"] == 2
-    assert p["launches_per_step"] == 5 + 7 * L
-    assert kernels["gemv_int4_g128_sym"] == 2 * L and kernels["gemv_int4_g128_sym_silu"] == L
-    assert kernels["gemv_int4_g128_sym_rope"] == L and "qkv_rope_kv_write_bf16" not in kernels
+    # per layer: 4 GEMVs (qkv with the input norm as its prologue (but layer 0) and RoPE + the K/V
+    # write as its epilogue, o adding into the residual, gate_up with the post-attention norm as its
+    # prologue, down with SiLU*mul fused and adding into the residual), attention; per step:
+    # embedding, layer 0's input norm, the final norm, sampling; torch/cuBLAS: the bf16 lm_head and
+    # the logits' range (NaN check)
+    assert p["kernel_launches_per_step"] == 4 + 5 * L and p["library_calls_per_step"] == 2
+    assert p["launches_per_step"] == 6 + 5 * L
+    assert kernels["gemv_int4_g128_sym_resid"] == L and kernels["gemv_int4_g128_sym_silu_resid"] == L
+    assert kernels["gemv_int4_g128_sym_norm"] == L and kernels["gemv_int4_g128_sym_norm_rope"] == L - 1
+    assert kernels["gemv_int4_g128_sym_rope"] == 1 and "qkv_rope_kv_write_bf16" not in kernels
+    assert kernels["rms_norm_bf16"] == 2 and "fused_add_rms_norm_bf16" not in kernels
     assert kernels["paged_attention_decode"] == L and kernels[bench_profile.LIBRARY] == 2
     assert "spin_ns" not in kernels and launched.count("spin_ns") >= 3  # waits ran, were not counted
     assert engine.runner.ops is engine.ops
@@ -435,7 +444,8 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     assert "layout_speed" not in rep  # a --model run has its own layout: no synthetic asym/sym comparison
     assert fc["on_engine_stats"]["prefix_queried_tokens"] > 0  # the "on" engine had its prefix cache on
     md = (tmp_path / "bench.md").read_text()
-    assert "## Loading the model" in md and "## Errors" in md and "| linear qkv + rope/KV write |" in md
+    assert "## Loading the model" in md and "## Errors" in md
+    assert "| linear qkv + rope/KV write (after RMSNorm) |" in md
     assert "## Prefix caching + speculation on vs off" in md
     assert "## Time per op of a batch-1 decode step" in md
     assert "## Time per op of a batch-64 decode step" in md

@@ -255,19 +255,25 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
     assert any("paged_attention_prefill" in s for s in per_step)
     decode_steps = [s for s in per_step if "paged_attention_decode" in s]
     assert decode_steps
-    # last decode step: the batch is down to one sequence (request 0 finishes last); per layer:
-    # add+norm, qkv GEMV (bias, RoPE and the K/V write fused), attention, o GEMV, add+norm, gate_up
-    # GEMV, down GEMV with SiLU*mul fused = 6 launches + attention; per step: embedding, sampling.
+    # last decode step: the batch is down to one sequence (request 0 finishes last); per layer: the qkv
+    # GEMV (input norm as its prologue, bias, RoPE and the K/V write as its epilogue), attention, the
+    # o GEMV (adding into the residual), the gate_up GEMV (post-attention norm as its prologue), the
+    # down GEMV (SiLU*mul input, adding into the residual) = 4 launches + attention; per step:
+    # embedding, layer 0's input norm (of the embeddings), the final norm, sampling.
     layers = engine.geom.num_hidden_layers
     d1 = decode_steps[-1]
     assert d1.count("embedding_gather_bf16") == 1 and d1.count("sample_tokens_bf16") == 1
     assert sum(k.startswith("gemv_int4") for k in d1) == 4 * layers
-    assert sum(k.endswith("_silu") for k in d1) == layers
+    assert sum(k.endswith("_silu_resid") for k in d1) == layers
+    assert sum(k.endswith("_resid") and "_silu" not in k for k in d1) == layers  # o_proj
     assert sum(k.startswith("gemv_int4") and k.endswith("_rope") for k in d1) == layers
+    assert sum(k.endswith("_norm_rope") for k in d1) == layers - 1  # layer 0: the embeddings' norm
+    assert sum(k.endswith("_norm") for k in d1) == layers  # gate_up
     assert d1.count("qkv_rope_kv_write_bf16") == 0
     assert d1.count("paged_attention_decode") == layers
-    assert d1.count("fused_add_rms_norm_bf16") == 2 * layers  # + final norm - first layer's plain norm
-    assert len(d1) == 3 + 7 * layers  # embedding, final add+norm, sampling (+ cuBLAS lm_head)
+    assert d1.count("fused_add_rms_norm_bf16") == 0
+    assert d1.count("rms_norm_bf16") == 2  # layer 0's input norm and the final norm
+    assert len(d1) == 4 + 5 * layers  # (+ cuBLAS lm_head)
     # a decode step of 9 rows: cuBLAS on the bf16 weight cache, or one INT4 GEMM per linear; the down
     # projection's input is one `silu_mul` pass and then the plain GEMM of the 16-row class (the
     # SiLU-input GEMM recomputes the activation in every row block: slower above 8 rows)
@@ -277,6 +283,8 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
     assert not any(k.startswith("gemm_int4") and "_silu" in k for k in d9)
     assert sum(k.startswith("silu_mul") for k in d9) == layers
     assert d9.count("qkv_rope_kv_write_bf16") == layers  # above 8 rows RoPE is its own launch
+    # and the residual adds stay pending: one fused add + RMSNorm per norm but layer 0's input norm
+    assert d9.count("fused_add_rms_norm_bf16") == 2 * layers and d9.count("rms_norm_bf16") == 1
     # the 62-row prefill step also runs the INT4 GEMM (below ops_kernels.INT4_GEMM_MAX_ROWS): nothing
     # dequantises
     assert not any(k.startswith("dequant") for s in per_step for k in s)
@@ -287,6 +295,9 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
     assert (engine.ops.paths["int4_gemm"] > 0) != dense
     assert engine.ops.paths["dequant_gemm"] == 0
     assert engine.ops.paths["qkv_rope_fused"] == sum(k.endswith("_rope") for k in everything) > 0
+    norms = sum(k.endswith(("_norm", "_norm_rope")) for k in everything)
+    assert engine.ops.paths["norm_prologue"] == norms > 0
+    assert engine.ops.paths["residual_epilogue"] == sum(k.endswith("_resid") for k in everything) > 0
     assert (engine.ops.paths["cublas_bf16_cache"] > 0) == dense
 
 

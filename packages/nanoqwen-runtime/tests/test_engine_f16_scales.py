@@ -119,7 +119,8 @@ def test_kernel_backend_launches_f16s_kernels(f16s_path, monkeypatch):
         engine.step()
     int4 = [k for k in launched if k.startswith(("gemv_int4", "gemm_int4", "dequant_int4"))]
     assert int4 and all("_f16s" in k for k in int4), sorted(set(int4))
-    assert any(k.startswith("gemv_int4") and k.endswith("_f16s_silu") for k in int4)  # fused down proj
+    assert any(k.startswith("gemv_int4") and k.endswith("_f16s_silu_resid") for k in int4)  # fused down proj
+    assert any(k.startswith("gemv_int4") and k.endswith("_f16s_norm") for k in int4)  # fused gate_up norm
     assert any(not k.startswith("gemv_int4") for k in int4)  # and the M > 8 path (GEMM or dequantize)
 
 

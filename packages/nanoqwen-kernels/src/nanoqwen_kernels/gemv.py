@@ -17,6 +17,13 @@ shape and shared by every GEMV on a stream (the counters return to zero at the e
 `gemv_int4_qkv_rope` is the qkv GEMV with `layer_ops.qkv_rope_kv_write` as its epilogue (one launch
 instead of two for a decode layer's attention input; the same bits).
 
+Two more fusions take a decode layer's add + RMSNorm launches into its GEMVs (csrc/gemv_int4.cuh):
+a `ResidualEpilogue` (o_proj, down) adds the GEMV's output into the residual stream instead of storing
+it, and writes the new residual's sums of squares per 128 columns; a `NormPrologue` (qkv, gate_up)
+makes the GEMV's input RMSNorm(residual) * weight from those sums while staging it. Between them the
+norm's statistics travel as fp32 [M, ceil(H / 128)] (`norm_stats_shape`), so no block reads a whole
+row for its norm.
+
 `gemv_int8` is the same decode product for the INT8 row-major layout of the `--lm-head int8` option
 (csrc/gemv_int8.cuh; `Int8Weight`, G = 64 or 128, no bias, no split-K).
 
@@ -201,6 +208,56 @@ class GemvWorkspace:
         )
 
 
+def norm_stats_shape(m: int, h: int) -> tuple[int, int]:
+    """Shape of the norm statistics of m residual rows of h columns: fp32 [m, ceil(h / 128)] (one sum of
+    squares per row and 128-column block of the GEMV that wrote them)."""
+    return (m, -(-h // ROWS_PER_BLOCK))
+
+
+@dataclasses.dataclass(frozen=True)
+class NormPrologue:
+    """The GEMV's input as RMSNorm of the residual stream (the `_norm` kernels): the launcher's x is
+    the residual [M, K], and the GEMV multiplies bf16(x * rsqrt(sum_b stats[m, b] / K + eps) * weight),
+    `layer_ops.rms_norm`'s arithmetic on the sums of squares that a `ResidualEpilogue` left behind.
+
+    weight: bf16 [K]; stats: fp32 `norm_stats_shape(M, K)`; eps: the norm's epsilon."""
+
+    weight: torch.Tensor
+    stats: torch.Tensor
+    eps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualEpilogue:
+    """The GEMV's output added into the residual stream (the `_resid` kernels) instead of stored:
+    residual <- bf16(residual + bf16(y)) (the update of `layer_ops.fused_add_rms_norm`), and
+    stats[m, b] <- the sum of squares of the new residual[m] over columns 128 b .. 128 b + 127.
+
+    residual: bf16 [M, N], updated in place; stats: fp32 `norm_stats_shape(M, N)`, written."""
+
+    residual: torch.Tensor
+    stats: torch.Tensor
+
+
+def _norm_args(norm: NormPrologue, m: int, k: int, dev: torch.device) -> tuple:
+    check(norm.weight, "norm.weight", torch.bfloat16, (k,), dev)
+    check(norm.stats, "norm.stats", torch.float32, norm_stats_shape(m, k), dev, align=4)
+    return ptr(norm.weight), ptr(norm.stats), np.float32(norm.eps), i32(norm.stats.shape[1])
+
+
+def _residual_args(res: ResidualEpilogue, x: torch.Tensor, m: int, n: int, dev: torch.device) -> tuple:
+    check(res.residual, "residual.residual", torch.bfloat16, (m, n), dev, align=2)
+    check(res.stats, "residual.stats", torch.float32, norm_stats_shape(m, n), dev, align=4)
+    if _overlaps(res.residual, x):
+        raise ValueError("residual.residual overlaps x: the kernel reads x while it updates the residual")
+    return ptr(res.residual), ptr(res.stats)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _check_x(x: torch.Tensor, k: int, name: str = "x") -> int:
     check(x, name, torch.bfloat16, (None, k))
     m = x.shape[0]
@@ -212,27 +269,36 @@ def _check_x(x: torch.Tensor, k: int, name: str = "x") -> int:
 def gemv_int4(
     x: torch.Tensor,
     weight: Int4Weight,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     workspace: GemvWorkspace | None = None,
     plan: GemvPlan | None = None,
     silu_mul_input: bool = False,
     family: str = FAMILY,
     *,
+    norm: NormPrologue | None = None,
+    residual: ResidualEpilogue | None = None,
     pdl: bool = False,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """out[M, N] = x[M, K] @ W^T (+ bias), M = 1..8, bf16, on the current stream.
 
     x: bf16 [M, K] contiguous; or, with `silu_mul_input`, the gate_up output [M, 2K] from which the
-    kernel computes silu(gate) * up while staging it (fused MLP activation). weight: Int4Weight
-    [N, K]; bias: bf16 [N] or None; out: bf16 [M, N] (written completely). workspace: required when
-    the plan splits K (plan.splits > 1). family: the registry entry to launch from (benchmarks register
-    compile-option variants of "gemv" under other names). pdl: launch with programmatic dependent
-    launch. Returns out.
+    kernel computes silu(gate) * up while staging it (fused MLP activation); or, with `norm`, the
+    residual stream, normalised while staging (`NormPrologue`; not with `silu_mul_input`). weight:
+    Int4Weight [N, K]; bias: bf16 [N] or None; out: bf16 [M, N] (written completely), or None with
+    `residual`, which adds y into the residual stream instead (`ResidualEpilogue`; not with `norm`).
+    workspace: required when the plan splits K (plan.splits > 1). family: the registry entry to launch
+    from (benchmarks register compile-option variants of "gemv" under other names). pdl: launch with
+    programmatic dependent launch. Returns out.
     """
     n, k = weight.n, weight.k
     dev = weight.qweight.device
     index = require_sm90(dev)
+    if norm is not None and (silu_mul_input or residual is not None):
+        raise ValueError("a norm prologue takes a plain input and stores y: "
+                         "not with silu_mul_input or residual")
+    if (out is None) != (residual is not None):
+        raise ValueError("pass out, or residual (the output then goes into the residual stream), not both")
     if silu_mul_input:
         check(x, "x", torch.bfloat16, (None, 2 * k), dev)
         m = x.shape[0]
@@ -241,16 +307,22 @@ def gemv_int4(
     else:
         m = _check_x(x, k)
         check(x, "x", torch.bfloat16, (m, k), dev)
-    check(out, "out", torch.bfloat16, (m, n), dev, align=2)
+    if out is not None:
+        check(out, "out", torch.bfloat16, (m, n), dev, align=2)
     if bias is not None:
         check(bias, "bias", torch.bfloat16, (n,), dev, align=2)
+    extra = ()
+    if norm is not None:
+        extra = _norm_args(norm, m, k, dev)
+    elif residual is not None:
+        extra = _residual_args(residual, x, m, n, dev)
     plan = plan or plan_gemv(n, k, dev, silu_input=silu_mul_input, group_size=weight.group_size)
     ws_ptr, cnt_ptr = _split_workspace(plan, weight, m, workspace)
-    silu = "_silu" if silu_mul_input else ""
-    name = f"gemv_int4_{weight.kernel_suffix()}{silu}"
+    name = (f"gemv_int4_{weight.kernel_suffix()}{'_silu' if silu_mul_input else ''}"
+            f"{'_norm' if norm is not None else ''}{'_resid' if residual is not None else ''}")
     args = (
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
-        ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc),
+        ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc), *extra,
     )  # fmt: skip
     launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, plan.shared_bytes(m),
            pdl=pdl)
@@ -291,6 +363,7 @@ def gemv_int4_qkv_rope(
     workspace: GemvWorkspace | None = None,
     plan: GemvPlan | None = None,
     *,
+    norm: NormPrologue | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """The qkv projection of M = 1..8 decode rows and what follows it, in one launch: the GEMV
@@ -301,8 +374,8 @@ def gemv_int4_qkv_rope(
     x: bf16 [M, K]; weight: Int4Weight [(Hq + 2 Hkv) D, K]; bias: bf16 [N] or None; shape: a
     `layer_ops.AttentionShape` (n_heads, n_kv_heads, head_dim; head_dim in ROPE_HEAD_DIMS);
     positions, slot_mapping: int32 [M]; inv_freq: fp32 [D / 2]; q_out: bf16 [M, Hq, D]; k_cache,
-    v_cache: bf16 [num_blocks, Hkv, block_size, D]. workspace, plan, pdl: as in `gemv_int4`. Returns
-    q_out."""
+    v_cache: bf16 [num_blocks, Hkv, block_size, D]. workspace, plan, norm (x is then the residual
+    stream: the `_norm_rope` kernels), pdl: as in `gemv_int4`. Returns q_out."""
     n, k = weight.n, weight.k
     dev = weight.qweight.device
     index = require_sm90(dev)
@@ -316,15 +389,17 @@ def gemv_int4_qkv_rope(
     if bias is not None:
         check(bias, "bias", torch.bfloat16, (n,), dev, align=2)
     layer_ops.check_rope_kv_args(shape, m, positions, slot_mapping, inv_freq, q_out, k_cache, v_cache, dev)
+    extra = () if norm is None else _norm_args(norm, m, k, dev)
     plan = plan or plan_gemv(n, k, dev, group_size=weight.group_size)
     ws_ptr, cnt_ptr = _split_workspace(plan, weight, m, workspace)
     args = (
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ws_ptr, cnt_ptr,
         i32(m), i32(n), i32(k), i32(plan.kc), ptr(positions), ptr(slot_mapping), ptr(inv_freq),
-        ptr(q_out), ptr(k_cache), ptr(v_cache), i32(hq), i32(hkv), i32(d), i32(k_cache.shape[2]),
+        ptr(q_out), ptr(k_cache), ptr(v_cache), i32(hq), i32(hkv), i32(d), i32(k_cache.shape[2]), *extra,
     )  # fmt: skip
-    launch(FAMILY, f"gemv_int4_{weight.kernel_suffix()}_rope", index, (plan.blocks_n, plan.splits, 1),
-           (THREADS, 1, 1), args, plan.shared_bytes(m), pdl=pdl)
+    name = f"gemv_int4_{weight.kernel_suffix()}{'_norm' if norm is not None else ''}_rope"
+    launch(FAMILY, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, plan.shared_bytes(m),
+           pdl=pdl)
     return q_out
 
 

@@ -34,7 +34,7 @@ from nanoqwen_model.sampling import sampling_mask, sampling_probs
 __all__ = [
     "Tolerance", "TOLERANCES", "assert_close", "RowTolerance", "ATTENTION_ROW", "assert_rows_close",
     "dequantize_int4", "dequantize_int8", "linear", "silu_mul", "rms_norm",
-    "fused_add_rms_norm", "qkv_rope_kv_write", "sampling_mask", "sampling_probs",
+    "fused_add_rms_norm", "residual_stats", "qkv_rope_kv_write", "sampling_mask", "sampling_probs",
 ]  # fmt: skip
 
 
@@ -182,6 +182,16 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     the bf16 residual and normalises what it stored."""
     new_res = (x.float() + residual.float()).to(torch.bfloat16)
     return rms_norm(new_res, weight, eps), new_res
+
+
+def residual_stats(residual: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """fp32 [M, ceil(N / block)]: per row and block of `block` columns, the sum of squares of the bf16
+    residual [M, N], computed in fp64 and rounded once (what a GEMV's residual epilogue writes, up to
+    its fp32 summation order)."""
+    m, n = residual.shape
+    nb = -(-n // block)
+    sq = F.pad(residual.double() ** 2, (0, nb * block - n))
+    return sq.view(m, nb, block).sum(-1).float()
 
 
 def qkv_rope_kv_write(qkv, n_heads, n_kv_heads, head_dim, positions, slot_mapping, inv_freq,

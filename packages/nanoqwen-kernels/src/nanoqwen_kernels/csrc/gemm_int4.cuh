@@ -40,14 +40,8 @@
 // Launch (nanoqwen_kernels/gemm.py): grid (ceil(M / R), ceil(N / 128), S), 256 threads, dynamic shared
 // memory (XMODE ? 3 : 2) * R * (CH * 128 + 8) * 2 bytes.
 //
-// Experiment NQ_GEMM_BULK_X (off by default; kernels NOTES.md, session 12): XMODE 0 stages each chunk
-// with one bulk copy (1D TMA) per activation row, issued by warp 0 and completing on one mbarrier per
-// buffer, instead of every thread's cp.async loop (~68 issued instructions per warp and tile-column at
-// NT = 4). Rows >= M are zeroed once at the start (no copy ever writes them); a short last chunk's tail
-// columns are zeroed by the block before its copies are issued.
 #pragma once
 #include "gemv_int4.cuh"
-#include "mbarrier.cuh"
 
 // n-tiles whose fresh group fragments are live at a time (NT / NQ_GEMM_NH passes over each word).
 // 8 = one pass: passes of 2 or 4 did not lower ptxas's register count (it keeps the whole tile-column's
@@ -211,33 +205,12 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
 
   // Activation chunks. x rows of this M block: XMODE 0 row stride K, XMODE 1 row stride 2K.
   const bf16_t* xm = x + (i64)m0 * (XMODE ? 2 * K : K);
-#ifdef NQ_GEMM_BULK_X
-  __shared__ __align__(8) unsigned long long xfull[2];  // chunk c completes on xfull[c & 1]
-#endif
   auto issue = [&](int c) {
     const int col0 = (tc_begin + c * CH) * 128, ncols = min(CH, tc_end - tc_begin - c * CH) * 128;
 #if defined(NQ_GEMM_PROBE_NO_X) || defined(NQ_GEMM_PROBE_NO_XBAR)
     (void)col0; (void)ncols;  // timing probes (wrong outputs): no activation copies
     cp_async_commit();
     return;
-#endif
-#ifdef NQ_GEMM_BULK_X
-    if constexpr (XMODE == 0) {
-      bf16_t* dst = xbuf + (c & 1) * R * XS;
-      if (ncols < CH * 128) {  // a short last chunk: zero the columns no copy writes (last read 2 chunks ago)
-        const int tail8 = (CH * 128 - ncols) / 8;
-        for (int i = threadIdx.x; i < rows_valid * tail8; i += THREADS)
-          *reinterpret_cast<uint4*>(dst + (i / tail8) * XS + ncols + (i % tail8) * 8) = make_uint4(0, 0, 0, 0);
-      }
-      if (warp == 0) {
-        if (lane == 0) mbar_arrive_expect_tx(&xfull[c & 1], (unsigned)(rows_valid * ncols * 2));
-        __syncwarp();
-        fence_proxy_async_shared();  // the block read this buffer (chunk c - 2) before the barrier
-        for (int r = lane; r < rows_valid; r += 32)
-          bulk_copy_g2s(smem_addr(dst + r * XS), xm + (i64)r * K + col0, (unsigned)(ncols * 2), &xfull[c & 1]);
-      }
-      return;
-    }
 #endif
     if constexpr (XMODE == 0) {
       stage_rows_async<R>(xbuf + (c & 1) * R * XS, xm, K, rows_valid, col0, ncols);
@@ -251,12 +224,7 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // buffer the returned pointer names, and the copy of chunk c + 1 is in flight.
   auto enter_chunk = [&](int c) -> const bf16_t* {
 #ifndef NQ_GEMM_PROBE_NO_XBAR  // timing probe: no copies (above) and no wait or barrier per chunk
-#ifdef NQ_GEMM_BULK_X
-    if constexpr (XMODE == 0) mbar_wait(&xfull[c & 1], (c >> 1) & 1);
-    else cp_async_wait_all();
-#else
     cp_async_wait_all();
-#endif
     __syncthreads();  // chunk c visible to all; everyone is done with chunk c - 1
 #endif
     if constexpr (XMODE == 0) {
@@ -349,21 +317,6 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
 #pragma unroll
   for (int d = 0; d < D - 1; ++d) load(st[d], tc_begin + d);  // weights depend on no kernel: before the PDL wait
   pdl_wait();
-#ifdef NQ_GEMM_BULK_X
-  if constexpr (XMODE == 0) {
-    if (threadIdx.x == 0) {
-      mbar_init(&xfull[0], 1);
-      mbar_init(&xfull[1], 1);
-      mbar_fence_init();
-    }
-    // rows rows_valid.. of both buffers: never copied, zero for the whole launch
-    const int zero16 = (R - rows_valid) * XS / 8;
-    for (int i = threadIdx.x; i < 2 * zero16; i += THREADS)
-      *reinterpret_cast<uint4*>(xbuf + (i / zero16) * R * XS + rows_valid * XS + (i % zero16) * 8) =
-          make_uint4(0, 0, 0, 0);
-    __syncthreads();  // barriers initialised (and the zero rows written) before any use
-  }
-#endif
   issue(0);
   const bf16_t* xb = xbuf;
   for (int tc = tc_begin; tc < tc_end; tc += D) {

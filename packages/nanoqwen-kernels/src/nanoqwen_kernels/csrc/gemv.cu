@@ -8,6 +8,9 @@
 //   gemv_int4_g{32,64,128}_{sym,asym}[_f16s]_rope
 //                                              the qkv GEMV, M = 1..8, with qkv_rope_kv_write as its
 //                                              epilogue: q to q_out, K/V into the paged cache
+//   gemv_int4_g{32,64,128}_{sym,asym}[_f16s]{_norm,_norm_rope,_resid,_silu_resid}
+//                                              the fused-layer GEMVs (below): RMSNorm of the residual
+//                                              as the input, or y added into the residual
 //   dequant_int4_g{32,64,128}_{sym,asym}[_f16s] INT4 -> dense bf16 [N, K] (prefill: + cuBLAS GEMM)
 //   gemv_int8_g{64,128}                        decode GEMV, M = 1..8, INT8 row-major weights (the
 //                                              `--lm-head int8` layout; gemv_int8.cuh)
@@ -22,12 +25,21 @@ using namespace nq_gemv;
 
 #define NQ_GEMV_BLOCKS(G, XMODE) \
   (G == 128 ? (XMODE == 0 ? NQ_GEMV_MIN_BLOCKS_G128 : NQ_GEMV_MIN_BLOCKS_G128_SILU) : NQ_GEMV_MIN_BLOCKS)
+// The parameter lists every GEMV entry point starts with (the launch arguments of gemv.py).
+#define NQ_GEMV_PARAMS                                                                                \
+  const bf16_t* __restrict__ x, const uint4* __restrict__ qweight, const u16* __restrict__ scales,    \
+      const u8* __restrict__ zeros, const bf16_t* __restrict__ bias, bf16_t* __restrict__ out,        \
+      float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K, int kc
+#define NQ_GEMV_ROPE_PARAMS                                                                           \
+  const bf16_t* __restrict__ x, const uint4* __restrict__ qweight, const u16* __restrict__ scales,    \
+      const u8* __restrict__ zeros, const bf16_t* __restrict__ bias, float* __restrict__ ws,          \
+      int* __restrict__ counters, int M, int N, int K, int kc, const int* __restrict__ positions,      \
+      const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,                       \
+      bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache, int Hq, \
+      int Hkv, int D, int block_size
 #define NQ_GEMV_ENTRY_LOOP(NAME, G, ASYM, XMODE, ST, EXACT)                                           \
   extern "C" __global__ void __launch_bounds__(THREADS, NQ_GEMV_BLOCKS(G, XMODE))                     \
-      NAME(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,                          \
-           const u16* __restrict__ scales, const u8* __restrict__ zeros,                              \
-           const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,         \
-           int* __restrict__ counters, int M, int N, int K, int kc) {                                 \
+      NAME(NQ_GEMV_PARAMS) {                                                                           \
     gemv_int4<G, ASYM, XMODE, ST, (EXACT) || NQ_GEMV_EXACT_ALL>(x, qweight, scales, zeros, bias, out, ws, \
                                                                  counters, M, N, K, kc);               \
   }
@@ -89,12 +101,7 @@ NQ_GEMV_ENTRY(gemv_int4_g32_asym_f16s_silu, 32, true, 1, ScaleF16)
 // slot_mapping, inv_freq, q_out, k_cache, v_cache, Hq, Hkv, D, block_size.
 #define NQ_GEMV_ROPE_ENTRY(NAME, G, ASYM, ST, EXACT)                                                   \
   extern "C" __global__ void __launch_bounds__(THREADS, NQ_GEMV_BLOCKS(G, 0))                          \
-      NAME(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,                          \
-           const u16* __restrict__ scales, const u8* __restrict__ zeros,                              \
-           const bf16_t* __restrict__ bias, float* __restrict__ ws, int* __restrict__ counters, int M, \
-           int N, int K, int kc, const int* __restrict__ positions, const int* __restrict__ slot_mapping, \
-           const float* __restrict__ inv_freq, bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_cache, \
-           bf16_t* __restrict__ v_cache, int Hq, int Hkv, int D, int block_size) {                     \
+      NAME(NQ_GEMV_ROPE_PARAMS) {                                                                      \
     gemv_int4<G, ASYM, 0, ST, (EXACT) || NQ_GEMV_EXACT_ALL, 1>(                                       \
         x, qweight, scales, zeros, bias, nullptr, ws, counters, M, N, K, kc,                           \
         RopeKV{positions, slot_mapping, inv_freq, q_out, k_cache, v_cache, Hq, Hkv, D, block_size});   \
@@ -112,6 +119,91 @@ NQ_GEMV_ROPE_ENTRY(gemv_int4_g64_sym_f16s_rope, 64, false, ScaleF16, false)
 NQ_GEMV_ROPE_ENTRY(gemv_int4_g64_asym_f16s_rope, 64, true, ScaleF16, false)
 NQ_GEMV_ROPE_ENTRY(gemv_int4_g32_sym_f16s_rope, 32, false, ScaleF16, false)
 NQ_GEMV_ROPE_ENTRY(gemv_int4_g32_asym_f16s_rope, 32, true, ScaleF16, false)
+
+// The fused-layer GEMVs (gemv_int4.cuh's header: the norm prologue and the residual epilogue), which
+// take the add + RMSNorm launches out of a decode layer: `_norm` (gate_up: RMSNorm of the residual as
+// the input), `_norm_rope` (qkv: the same input, the RoPE / K/V epilogue), `_resid` (o_proj: y added
+// into the residual, its sums of squares written) and `_silu_resid` (down: SiLU*mul input, the same
+// epilogue). Each is its own instantiation, so the kernels above are compiled exactly as without
+// them. The loop of each: the one of the kernel it extends (the exact loop where that one has it and
+// it stays spill-free, test_build.py). Launch as the GEMV; extra arguments after kc: `_norm` norm_w,
+// norm_stats, norm_eps, norm_blocks; `_resid` / `_silu_resid` resid, resid_stats (out is 0); after
+// block_size, `_norm_rope` the norm's four.
+#define NQ_GEMV_NORM_ENTRY(NAME, G, ASYM, ST, EXACT)                                                   \
+  extern "C" __global__ void __launch_bounds__(THREADS, NQ_GEMV_BLOCKS(G, 0))                          \
+      NAME(NQ_GEMV_PARAMS, const bf16_t* __restrict__ norm_w,                                          \
+           const float* __restrict__ norm_stats, float norm_eps, int norm_blocks) {                   \
+    gemv_int4<G, ASYM, 0, ST, (EXACT) || NQ_GEMV_EXACT_ALL, 0, true>(                                 \
+        x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, kc, RopeKV{},                     \
+        NormIn{norm_w, norm_stats, norm_eps, norm_blocks});                                            \
+  }
+#define NQ_GEMV_RESID_ENTRY(NAME, G, ASYM, XMODE, ST, EXACT)                                           \
+  extern "C" __global__ void __launch_bounds__(THREADS, NQ_GEMV_BLOCKS(G, XMODE))                     \
+      NAME(NQ_GEMV_PARAMS, bf16_t* __restrict__ resid,                                                 \
+           float* __restrict__ resid_stats) {                                                          \
+    gemv_int4<G, ASYM, XMODE, ST, (EXACT) || NQ_GEMV_EXACT_ALL, 2>(                                   \
+        x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, kc, RopeKV{}, NormIn{},           \
+        ResidOut{resid, resid_stats});                                                                 \
+  }
+#define NQ_GEMV_NORM_ROPE_ENTRY(NAME, G, ASYM, ST, EXACT)                                              \
+  extern "C" __global__ void __launch_bounds__(THREADS, NQ_GEMV_BLOCKS(G, 0))                          \
+      NAME(NQ_GEMV_ROPE_PARAMS,                                                                        \
+           const bf16_t* __restrict__ norm_w, const float* __restrict__ norm_stats, float norm_eps,    \
+           int norm_blocks) {                                                                          \
+    gemv_int4<G, ASYM, 0, ST, (EXACT) || NQ_GEMV_EXACT_ALL, 1, true>(                                 \
+        x, qweight, scales, zeros, bias, nullptr, ws, counters, M, N, K, kc,                           \
+        RopeKV{positions, slot_mapping, inv_freq, q_out, k_cache, v_cache, Hq, Hkv, D, block_size},    \
+        NormIn{norm_w, norm_stats, norm_eps, norm_blocks});                                            \
+  }
+
+NQ_GEMV_NORM_ENTRY(gemv_int4_g128_sym_norm, 128, false, ScaleBF16, false)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g128_asym_norm, 128, true, ScaleBF16, true)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g64_sym_norm, 64, false, ScaleBF16, false)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g64_asym_norm, 64, true, ScaleBF16, false)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g32_sym_norm, 32, false, ScaleBF16, false)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g32_asym_norm, 32, true, ScaleBF16, false)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g128_sym_f16s_norm, 128, false, ScaleF16, false)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g128_asym_f16s_norm, 128, true, ScaleF16, false)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g64_sym_f16s_norm, 64, false, ScaleF16, false)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g64_asym_f16s_norm, 64, true, ScaleF16, false)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g32_sym_f16s_norm, 32, false, ScaleF16, false)
+NQ_GEMV_NORM_ENTRY(gemv_int4_g32_asym_f16s_norm, 32, true, ScaleF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g128_sym_resid, 128, false, 0, ScaleBF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g128_asym_resid, 128, true, 0, ScaleBF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g64_sym_resid, 64, false, 0, ScaleBF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g64_asym_resid, 64, true, 0, ScaleBF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g32_sym_resid, 32, false, 0, ScaleBF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g32_asym_resid, 32, true, 0, ScaleBF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g128_sym_f16s_resid, 128, false, 0, ScaleF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g128_asym_f16s_resid, 128, true, 0, ScaleF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g64_sym_f16s_resid, 64, false, 0, ScaleF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g64_asym_f16s_resid, 64, true, 0, ScaleF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g32_sym_f16s_resid, 32, false, 0, ScaleF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g32_asym_f16s_resid, 32, true, 0, ScaleF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g128_sym_silu_resid, 128, false, 1, ScaleBF16, true)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g128_asym_silu_resid, 128, true, 1, ScaleBF16, true)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g64_sym_silu_resid, 64, false, 1, ScaleBF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g64_asym_silu_resid, 64, true, 1, ScaleBF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g32_sym_silu_resid, 32, false, 1, ScaleBF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g32_asym_silu_resid, 32, true, 1, ScaleBF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g128_sym_f16s_silu_resid, 128, false, 1, ScaleF16, true)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g128_asym_f16s_silu_resid, 128, true, 1, ScaleF16, true)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g64_sym_f16s_silu_resid, 64, false, 1, ScaleF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g64_asym_f16s_silu_resid, 64, true, 1, ScaleF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g32_sym_f16s_silu_resid, 32, false, 1, ScaleF16, false)
+NQ_GEMV_RESID_ENTRY(gemv_int4_g32_asym_f16s_silu_resid, 32, true, 1, ScaleF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g128_sym_norm_rope, 128, false, ScaleBF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g128_asym_norm_rope, 128, true, ScaleBF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g64_sym_norm_rope, 64, false, ScaleBF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g64_asym_norm_rope, 64, true, ScaleBF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g32_sym_norm_rope, 32, false, ScaleBF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g32_asym_norm_rope, 32, true, ScaleBF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g128_sym_f16s_norm_rope, 128, false, ScaleF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g128_asym_f16s_norm_rope, 128, true, ScaleF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g64_sym_f16s_norm_rope, 64, false, ScaleF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g64_asym_f16s_norm_rope, 64, true, ScaleF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g32_sym_f16s_norm_rope, 32, false, ScaleF16, false)
+NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g32_asym_f16s_norm_rope, 32, true, ScaleF16, false)
 
 #define NQ_DEQUANT_ENTRY(NAME, G, ASYM, ST)                                                           \
   extern "C" __global__ void __launch_bounds__(256)                                                   \

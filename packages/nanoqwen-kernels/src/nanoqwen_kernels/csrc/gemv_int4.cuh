@@ -38,6 +38,17 @@
 //
 // Block: 8 warps; warp w of block b owns rows 16 * (8b + w) .. +15 (N % 8 == 0: a half pair is masked).
 //
+// The norm prologue (NORM, the `_norm` and `_norm_rope` entry points): x is the residual stream [M, K] and the GEMV's input is RMSNorm(x) * w, made while staging:
+// bf16(x * rs[m] * w) with rs[m] = rsqrt(sum_b stats[m, b] / K + eps), layer_ops.cuh's rms_norm_row
+// arithmetic on a sum of squares that the kernel which last wrote x left in stats [M, K / 128] (the
+// residual epilogue below), so no block reads a whole row for it. Same bits as rms_norm then the GEMV,
+// except where the sum's order (per 128 columns, then across them) moves rs by an ulp.
+// The residual epilogue (EPI = 2, the `_resid` and `_silu_resid` entry points): instead of storing y, the block adds y (bias added, rounded to bf16 as it would be stored)
+// into the residual stream resid [M, N] in place, rounding the sum to bf16 as fused_add_rms_norm does,
+// and writes each row's sum of squares of the new residual over its 128 columns to resid_stats
+// [M, gridDim.x]: the add of fused_add_rms_norm, and the statistics the next GEMV's norm prologue needs.
+// Together they take the two add + RMSNorm launches out of a decode layer.
+//
 // The qkv epilogue (EPI = 1, the `_rope` entry points): instead of storing y, the block's 128 bf16 outputs
 // per row (bias added and rounded once, exactly as stored otherwise) are staged in shared memory and the
 // block applies layer_ops.cu's qkv_rope_kv_write to them: RoPE on the q and k heads, q to q_out
@@ -143,16 +154,23 @@ struct GroupIO {
 // Stage x[0:M, k0 : k0 + ncols] into shared memory, permuted within each 32-column chunk so that
 // element (m, 32c + 2t + 8j + e) sits at xs[m * xs_stride + 32c + 8t + 2j + e].
 // XMODE 0: x is [M, K]. XMODE 1: x is gate_up [M, 2K] and the staged value is bf16(silu(g) * u).
+// XMODE 2 (the norm prologue): x is the residual [M, K] and the staged value is bf16(x * rs[m] * nw)
+// (rs: the rows' RMS scales, nw: the norm weight [K]).
 template <int XMODE>
 NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M, int K, int k0,
-                       int ncols) {
+                       int ncols, const bf16_t* __restrict__ nw = nullptr, const float* rs = nullptr) {
   const int vec_per_row = ncols / 8;
-#pragma unroll 4
+  // unrolled 4 times, except the norm staging: 2 (4 made ptxas spill in the g128 asym kernels, whose
+  // first weight stage is live across the staging)
+#pragma unroll(XMODE == 2 ? 1 : 4)
   for (int v = threadIdx.x; v < M * vec_per_row; v += blockDim.x) {
     const int m = v / vec_per_row, c8 = (v - m * vec_per_row) * 8;
     u32 w[4];
     if constexpr (XMODE == 0) {
       const uint4 a = ld_v4(x + (i64)m * K + k0 + c8);
+      w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+    } else if constexpr (XMODE == 2) {
+      const uint4 a = nq::scale_bf16x8(ld_v4(x + (i64)m * K + k0 + c8), ld_v4(nw + k0 + c8), rs[m]);
       w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
     } else {
       const uint4 g = ld_v4(x + (i64)m * 2 * K + k0 + c8);
@@ -211,6 +229,54 @@ struct RopeKV {
   int Hq, Hkv, D, block_size;
 };
 
+// The norm prologue's arguments (NORM; header).
+struct NormIn {
+  const bf16_t* weight;  // [K]
+  const float* stats;    // [M, stat_blocks]: sums of squares of x per 128 columns
+  float eps;
+  int stat_blocks;       // ceil(K / 128)
+};
+
+// The residual epilogue's arguments (EPI = 2; header).
+struct ResidOut {
+  bf16_t* resid;  // [M, N], updated in place
+  float* stats;   // [M, gridDim.x], written
+};
+
+// rs[m] = rsqrt(sum_b stats[m, b] / K + eps) for m < M (warp m sums row m: lanes over b, then the
+// butterfly; a fixed order). The caller synchronises before reading rs.
+NQ_DEVICE void norm_scales(const NormIn& ni, int M, int K, float* rs) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (warp >= M) return;
+  float s = 0.f;
+#pragma unroll 1  // one or two trips (K <= 8192); unrolled, ptxas kept 16 loads live and spilled
+  for (int b = lane; b < ni.stat_blocks; b += 32) s += ni.stats[warp * ni.stat_blocks + b];
+  s = warp_sum(s);
+  if (lane == 0) rs[warp] = rsqrtf(s / (float)K + ni.eps);
+}
+
+// The norm prologue's staging: the rows' RMS scales from ni.stats, then x staged as stage_x<2>. Not
+// inlined: inlined, ptxas spilled 8 bytes inside the main loop of the g128 asym exact-loop kernel.
+__device__ __noinline__ void stage_x_normed(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M,
+                                            int K, int k0, int ncols, NormIn ni) {
+  __shared__ float rs[8];
+  norm_scales(ni, M, K, rs);
+  __syncthreads();
+  stage_x<2>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
+}
+
+NQ_DEVICE void store_gemv_residual(float a0, float a1, float a2, float a3, const bf16_t* __restrict__ bias,
+                                   float* __restrict__ ws, int* __restrict__ counters, int M, int N,
+                                   ResidOut ro);
+// The same, not inlined: for the plain-input kernels (inlined, ptxas spilled 8 bytes in the g128 asym
+// ones at 64 registers); the SiLU-input ones inline it (not inlined, the g64 asym ones spilled 8 bytes
+// at 85 registers).
+__device__ __noinline__ void store_gemv_residual_call(float a0, float a1, float a2, float a3,
+                                                      const bf16_t* __restrict__ bias, float* __restrict__ ws,
+                                                      int* __restrict__ counters, int M, int N, ResidOut ro) {
+  store_gemv_residual(a0, a1, a2, a3, bias, ws, counters, M, N, ro);
+}
+
 // Not inlined: its registers stay out of the main loop's allocation (inlined, ptxas spilled 8-12 bytes
 // in the g32 asym and g128 asym fp16-scale kernels).
 __device__ __noinline__ void store_gemv_rope(float a0, float a1, float a2, float a3, const bf16_t* __restrict__ bias,
@@ -222,12 +288,16 @@ NQ_DEVICE float sum_splits(const float* __restrict__ ws, int M, int N, int S, in
 
 // scales: the raw 16-bit scale words, bf16 or fp16 as ST says. EXACT: the main loop with an exact trip
 // count (below), for the kernels where it compiles without spills (gemv.cu says which).
-// EPI: 0 stores y (+ bias) to out; 1 is the qkv epilogue (header), with rk.
-template <int G, bool ASYM, int XMODE, typename ST, bool EXACT, int EPI = 0>
+// EPI: 0 stores y (+ bias) to out; 1 is the qkv epilogue (header), with rk; 2 the residual epilogue,
+// with ro (out unused). NORM: the norm prologue (XMODE 0 only), with ni. Separate instantiations (and
+// entry points), so the kernels without them compile exactly as before: near the 64-register cap a
+// run-time switch moved ptxas into spills in the main loop of the g128 asym kernels.
+template <int G, bool ASYM, int XMODE, typename ST, bool EXACT, int EPI = 0, bool NORM = false>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                          const u16* __restrict__ scales, const u8* __restrict__ zeros,
                          const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
-                         int* __restrict__ counters, int M, int N, int K, int kc, const RopeKV& rk = {}) {
+                         int* __restrict__ counters, int M, int N, int K, int kc, const RopeKV& rk = {},
+                         const NormIn& ni = {}, const ResidOut& ro = {}) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
   constexpr int GPT = 128 / G;
@@ -313,7 +383,12 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   TileColumn<G> A, B;
   if (work) load(A, tc_begin);
   pdl_wait();
-  stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
+  if constexpr (NORM) {
+    static_assert(XMODE == 0, "the norm prologue takes a plain input");
+    stage_x_normed(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
+  } else {
+    stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
+  }
   __syncthreads();
   if (work && !EXACT) {
     // Per-column guards (warp-uniform): 150 (sym) / 160 (asym) SASS instructions per tile-column at
@@ -342,7 +417,9 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   }
   pdl_launch_dependents();  // the weight stream is done: let the next kernel's prefetch start
   if constexpr (EPI == 0) store_gemv_out(acc, bias, out, ws, counters, M, N);
-  else store_gemv_rope(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, rk);
+  else if constexpr (EPI == 1) store_gemv_rope(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, rk);
+  else if constexpr (XMODE == 0) store_gemv_residual_call(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, ro);
+  else store_gemv_residual(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, ro);
 }
 
 // Where lane (g, t) of warp w's accumulators go (store_gemv_out says which is which): output rows
@@ -438,6 +515,51 @@ NQ_DEVICE float sum_splits(const float* __restrict__ ws, int M, int N, int S, in
   }
   for (; s < S; ++s) sum += ld_cg_f32(p + s * split_stride);
   return sum;
+}
+
+// The residual epilogue (header). sq[m * 128 + r]: the square of the new residual of row m, block-local
+// column r (0 where the column does not exist), summed per row by warp m in a fixed order.
+NQ_DEVICE void store_gemv_residual(float a0, float a1, float a2, float a3, const bf16_t* __restrict__ bias,
+                                   float* __restrict__ ws, int* __restrict__ counters, int M, int N,
+                                   ResidOut ro) {
+  __shared__ float sq[8 * ROWS_PER_BLOCK];  // M <= 8 (gemv.MAX_M)
+  const float acc[4] = {a0, a1, a2, a3};
+  const int S = gridDim.y, row_base = blockIdx.x * ROWS_PER_BLOCK;
+  // y (fp32, bias added) into resid[m, n]: bf16(bf16(y) + resid), stored; returns its square
+  auto add = [&](int m, int n, float y) {
+    bf16_t* p = ro.resid + (i64)m * N + n;
+    const bf16_t r = f32_to_bf16(bf16_to_f32(f32_to_bf16(y)) + bf16_to_f32(*p));
+    *p = r;
+    const float rf = bf16_to_f32(r);
+    return rf * rf;
+  };
+  if (S == 1) {
+    const LaneOut L = LaneOut::of(N);
+    const int r0 = L.row0 - row_base, r1 = L.row1 - row_base;  // block-local rows
+    const float b0 = (bias && L.has0) ? bf16_to_f32(bias[L.row0]) : 0.f;
+    const float b1 = (bias && L.has1) ? bf16_to_f32(bias[L.row1]) : 0.f;
+    sq[L.m0 * ROWS_PER_BLOCK + r0] = (L.has0 && L.m0 < M) ? add(L.m0, L.row0, acc[0] + b0) : 0.f;
+    sq[L.m1 * ROWS_PER_BLOCK + r0] = (L.has0 && L.m1 < M) ? add(L.m1, L.row0, acc[1] + b0) : 0.f;
+    sq[L.m0 * ROWS_PER_BLOCK + r1] = (L.has1 && L.m0 < M) ? add(L.m0, L.row1, acc[2] + b1) : 0.f;
+    sq[L.m1 * ROWS_PER_BLOCK + r1] = (L.has1 && L.m1 < M) ? add(L.m1, L.row1, acc[3] + b1) : 0.f;
+  } else {
+    if (!split_k_arrive(acc, ws, counters, M, N)) return;
+    for (int idx = threadIdx.x; idx < M * ROWS_PER_BLOCK; idx += blockDim.x) {
+      const int m = idx / ROWS_PER_BLOCK, n = row_base + (idx - m * ROWS_PER_BLOCK);
+      sq[idx] = n < N ? add(m, n, sum_splits(ws, M, N, S, m, n) + (bias ? bf16_to_f32(bias[n]) : 0.f)) : 0.f;
+    }
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (warp < M) {
+    const float* row = sq + warp * ROWS_PER_BLOCK;
+    float s = row[lane] + row[lane + 32];
+    s += row[lane + 64];
+    s += row[lane + 96];
+    s = warp_sum(s);
+    if (lane == 0) ro.stats[warp * gridDim.x + blockIdx.x] = s;
+  }
 }
 
 // The qkv epilogue (EPI = 1; the header says what it does). vals: the block's bf16 outputs, row m of

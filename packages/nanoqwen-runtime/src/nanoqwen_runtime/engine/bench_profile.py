@@ -38,6 +38,7 @@ import torch
 
 from ..events import TokenEvent
 from ..sampling import SamplingParams
+from .residual import NormedInput
 from .scheduler import Request
 
 SPIN_EVERY = 64  # marks per chunk queued behind one GPU-side wait
@@ -47,8 +48,9 @@ SPIN = "<spin>"
 END = "<end>"
 LIBRARY = "<torch/cuBLAS>"
 # the op calls of ModelRunner._forward; anything else on the backend (plans, setup) passes through
-TIMED_OPS = ("embed", "rms_norm", "add_rms_norm", "linear", "qkv_projection", "mlp_down", "silu_mul",
-             "qkv_rope_kv_write", "attention_run", "attention", "logits_range", "sample")
+TIMED_OPS = ("embed", "rms_norm", "add_rms_norm", "norm", "linear", "linear_residual", "qkv_projection",
+             "mlp_down", "silu_mul", "qkv_rope_kv_write", "attention_run", "attention", "logits_range",
+             "sample")
 
 
 class Timeline:
@@ -202,47 +204,91 @@ def _fused(engine, predicate: str, lin, rows: int) -> bool:
     return fuses is not None and fuses(lin, rows)
 
 
+def _fuses_norm(engine, x, lin) -> bool:
+    """Whether the op backend makes the NormedInput x as the prologue of `lin`'s GEMV (False on a
+    backend that never fuses, or for a plain tensor input)."""
+    fuses = getattr(engine.ops, "fuses_norm", None)
+    return isinstance(x, NormedInput) and fuses is not None and fuses(x, lin)
+
+
 def op_accounting(engine, context: int):
     """(label, nbytes) functions for `TimedOps`: bytes each op call must move at decode, counting each
-    input read once and each output written once; attention reads `context` tokens of K and V per row."""
+    input read once and each output written once; attention reads `context` tokens of K and V per row.
+    A linear's NormedInput input counts the norm's bytes in the linear (its launch runs inside the
+    linear's op when not fused), a pending residual add's in the norm that makes it."""
     g = engine.geom
     names = _linear_names(engine.weights)
     kv_token_layer = g.kv_bytes_per_token() // g.num_hidden_layers
 
+    def b(t):
+        return t.numel() * t.element_size()
+
+    def rows(x):
+        return x.rows if isinstance(x, NormedInput) else x.shape[0]
+
+    def norm_form(x, lin) -> str:
+        if not isinstance(x, NormedInput):
+            return ""
+        if _fuses_norm(engine, x, lin):
+            return " (RMSNorm fused)"
+        return " (after add + RMSNorm)" if x.update.pending is not None else " (after RMSNorm)"
+
+    def input_bytes(x, lin) -> int:
+        """x read by the linear; for a NormedInput, the norm too: fused, the residual and the norm
+        weight; else the norm kernel's traffic (a pending add: x and residual read, residual and out
+        written; else residual read, out written) and out read again by the linear."""
+        if not isinstance(x, NormedInput):
+            return b(x)
+        if _fuses_norm(engine, x, lin):
+            return b(x.residual) + b(x.weight)
+        return (4 if x.update.pending is not None else 2) * b(x.residual) + b(x.weight) + b(x.out)
+
+    def residual_bytes(lin, out, residual) -> int:
+        """The output of a linear feeding the residual: fused, the residual read and written; else out
+        written (the add is the next norm's)."""
+        return 2 * b(residual) if _fused(engine, "fuses_residual", lin, out.shape[0]) else b(out)
+
     def label(op, args, kw):
         if op == "linear":
-            return f"linear {names.get(id(args[1]), '?')}"
+            return f"linear {names.get(id(args[1]), '?')}{norm_form(args[0], args[1])}"
+        if op == "linear_residual":
+            return f"linear {names.get(id(args[1]), '?')} + residual"
         if op == "mlp_down":
             form = " fused" if _fused(engine, "fuses_silu_down", args[2], args[0].shape[0]) else ", then down"
-            return f"mlp_down {names.get(id(args[2]), '?')} (silu*mul{form})"
+            return f"mlp_down {names.get(id(args[2]), '?')} (silu*mul{form}) + residual"
         if op == "qkv_projection":  # the qkv linear and RoPE / K/V write: one fused launch or two
-            return f"linear {names.get(id(args[1]), '?')} + rope/KV write"
+            return f"linear {names.get(id(args[1]), '?')} + rope/KV write{norm_form(args[0], args[1])}"
+        if op == "norm":  # the final norm
+            return "add_rms_norm" if args[0].update.pending is not None else "rms_norm"
         return op
 
     def nbytes(op, args, kw):
-        def b(t):
-            return t.numel() * t.element_size()
-
         if op == "embed":
             return 2 * b(args[2])
         if op == "rms_norm":
             return 2 * b(args[0]) + b(args[1])
         if op == "add_rms_norm":  # x, residual read; residual, out written; weight
             return 4 * b(args[0]) + b(args[2])
+        if op == "norm":
+            x = args[0]
+            return (4 if x.update.pending is not None else 2) * b(x.residual) + b(x.weight)
         if op == "linear":
             bias = kw.get("bias", args[3] if len(args) > 3 else None)
-            return b(args[0]) + args[1].nbytes + b(args[2]) + (b(bias) if bias is not None else 0)
+            bias_bytes = b(bias) if bias is not None else 0
+            return input_bytes(args[0], args[1]) + args[1].nbytes + b(args[2]) + bias_bytes
+        if op == "linear_residual":  # args: x, lin, out, residual
+            return b(args[0]) + args[1].nbytes + residual_bytes(args[1], args[2], args[3])
         if op == "mlp_down":  # the unfused form writes and reads the [M, I] activation once more
             act = 0 if _fused(engine, "fuses_silu_down", args[2], args[0].shape[0]) else 2 * b(args[1])
-            return b(args[0]) + act + args[2].nbytes + b(args[3])
+            return b(args[0]) + act + args[2].nbytes + residual_bytes(args[2], args[3], args[4])
         if op == "silu_mul":
             return b(args[0]) + b(args[1])
         if op == "qkv_projection":  # x, the weight (+ bias) read; q and one token's K/V per row written;
             # the unfused form also writes and reads qkv (args: x, w, bias, qkv, .., q_out at 8)
             x, qkv, q_out = args[0], args[3], args[8]
-            fused = _fused(engine, "fuses_qkv_rope", args[1], x.shape[0])
-            return (b(x) + args[1].nbytes + (b(args[2]) if args[2] is not None else 0) + b(q_out)
-                    + x.shape[0] * kv_token_layer + (0 if fused else 2 * b(qkv)))
+            fused = _fused(engine, "fuses_qkv_rope", args[1], rows(x))
+            return (input_bytes(x, args[1]) + args[1].nbytes + (b(args[2]) if args[2] is not None else 0)
+                    + b(q_out) + rows(x) * kv_token_layer + (0 if fused else 2 * b(qkv)))
         if op == "qkv_rope_kv_write":  # qkv read; q written; one token's K and V written per row
             qkv = args[0]
             return b(qkv) + b(args[5]) + qkv.shape[0] * kv_token_layer

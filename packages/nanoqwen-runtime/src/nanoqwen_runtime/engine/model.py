@@ -2,20 +2,21 @@
 op backend (`ops_torch.TorchOps`, or `ops_kernels.KernelOps` over nanoqwen_kernels), on static
 buffers, with CUDA-graph capture of decode steps per batch bucket.
 
-Per layer, the step launches (kernel backend, decode):
+Per layer, the step computes (the ops and what the kernel backend launches for them at decode, M <= 8
+rows; ops_kernels.py says what runs above that):
 
-    1 fused add + RMSNorm (input norm; layer 0: plain RMSNorm of the embeddings)
-    2 INT4 GEMV qkv (bias fused where the kernel offers it)
-    3 q/k/v bias + RoPE + paged K/V write
-    4 paged decode attention (split-KV + combine inside the backend)
-    5 INT4 GEMV o_proj
-    6 fused add + RMSNorm (post-attention norm)
-    7 INT4 GEMV gate_up
-    8 SiLU * mul
-    9 INT4 GEMV down
+    qkv_projection  RMSNorm(residual) (input norm) -> qkv GEMV (+ bias) -> RoPE + paged K/V write:
+                    one GEMV with the norm as its prologue and RoPE / K/V as its epilogue (layer 0:
+                    a plain RMSNorm of the embeddings first)
+    attention       paged decode attention (split-KV + combine inside the backend)
+    linear_residual o_proj GEMV, its output added into the residual by the GEMV's epilogue
+    linear          RMSNorm(residual) (post-attention norm) -> gate_up GEMV: one GEMV, norm prologue
+    mlp_down        SiLU * mul -> down GEMV -> added into the residual: one GEMV
 
-plus, per step: embedding gather, final add + norm, row gather, lm_head GEMV, the logits' range per
-row, sampling. `bench_profile.profile_decode_ops` counts and times the launches of a step.
+plus, per step: embedding gather, final norm, row gather, lm_head GEMV, the logits' range per row,
+sampling. The residual stream and the norms between the linears travel as `residual.ResidualUpdate`
+and `residual.NormedInput` values, so a backend can fuse them or not (the torch backend launches
+each op on its own). `bench_profile.profile_decode_ops` counts and times the launches of a step.
 
 The logits' range (`ops.logits_range`: one min/max reduction over the step's B x V bf16 logits, 0.3 MB
 at batch 1 for V = 152064) is written to static buffers beside the sampled tokens; `run()` reads
@@ -39,6 +40,7 @@ from nanoqwen_model import Qwen2Config
 
 from .config import EngineConfig
 from .metadata import DeviceStepBuffers, StepInputs
+from .residual import NO_UPDATE, NormedInput
 from .weights import ModelWeights
 
 
@@ -140,23 +142,20 @@ class ModelRunner:
             attn_meta = ops.attention_plan(kind=kind, query_start=v["query_start"],
                                            context_lens=v["context_lens"], page_table=v["page_table"],
                                            num_rows=B, num_tokens=T, max_context_len=max_ctx)
+        update = NO_UPDATE  # the residual stream holds the embeddings
         for i, lw in enumerate(w.layers):
-            if i == 0:
-                ops.rms_norm(resid, lw.input_norm, eps, normed)
-            else:
-                ops.add_rms_norm(proj, resid, lw.input_norm, eps, normed)
             kc, vc = self.kv[i, 0], self.kv[i, 1]
-            ops.qkv_projection(normed, lw.qkv, lw.qkv_bias, qkv, v["positions"], v["slot_mapping"], kc, vc, q,
+            x = NormedInput(resid, update, lw.input_norm, eps, normed)
+            ops.qkv_projection(x, lw.qkv, lw.qkv_bias, qkv, v["positions"], v["slot_mapping"], kc, vc, q,
                                g.num_attention_heads, g.num_key_value_heads)
             if attn_meta is not None:
                 ops.attention_run(attn_meta, q, kc, vc, attn)
             else:
                 ops.attention(q, kc, vc, v["query_start"], v["context_lens"], v["page_table"], attn, B)
-            ops.linear(attn, lw.o_proj, proj)
-            ops.add_rms_norm(proj, resid, lw.post_attn_norm, eps, normed)
-            ops.linear(normed, lw.gate_up, gu)
-            ops.mlp_down(gu, act, lw.down, proj)
-        ops.add_rms_norm(proj, resid, w.final_norm, eps, normed)
+            update = ops.linear_residual(attn, lw.o_proj, proj, resid)
+            ops.linear(NormedInput(resid, update, lw.post_attn_norm, eps, normed), lw.gate_up, gu)
+            update = ops.mlp_down(gu, act, lw.down, proj, resid)
+        ops.norm(NormedInput(resid, update, w.final_norm, eps, normed))
         if kind == "decode":
             last = normed  # one token per row: every row is sampled
         else:

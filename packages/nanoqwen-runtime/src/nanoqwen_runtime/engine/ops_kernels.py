@@ -22,6 +22,14 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   M = 32 / 64, bench/engine/NOTES.md session 11).
 - attention input: at M <= 8 the qkv GEMV applies RoPE and writes q and the paged K/V itself
   (`gemv_int4_qkv_rope`, path counter "qkv_rope_fused"); above, `linear` then `qkv_rope_kv_write`.
+- the residual stream (residual.py): at M <= 8 the o_proj and down GEMVs add their output into the
+  residual in their epilogue and leave its sums of squares in a small fp32 buffer of this backend
+  (`ResidualEpilogue`, path counter "residual_epilogue"); the next qkv / gate_up GEMV makes RMSNorm of
+  the residual as its input prologue from them (`NormPrologue`, "norm_prologue"). So a decode layer
+  launches no add + RMSNorm: six launches, the four GEMVs and attention's two. Otherwise (more rows,
+  or a linear that is not INT4) the add stays pending and the norm is one fused_add_rms_norm launch;
+  layer 0's input norm and the final norm are plain `rms_norm` launches (nothing fused made their
+  statistics, or nothing consumes them fused).
 - attention: decode plans, one per graph bucket, planned for the longest context (`max_model_len`):
   one graph serves every length. One prefill plan for chunks of up to `prefill_chunk` tokens.
 - logits range: `torch.aminmax` per row into static buffers (the engine's NaN/Inf check of the logits).
@@ -43,6 +51,7 @@ from nanoqwen_kernels import sampling as ksamp
 from nanoqwen_model import Qwen2Config
 
 from .config import EngineConfig
+from .residual import NormedInput, ResidualUpdate
 from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 
 # Steps of more than 8 rows: the INT4 GEMM up to INT4_GEMM_MAX_ROWS rows, then PREFILL_PATH. Set from
@@ -83,6 +92,10 @@ class KernelOps:
         self._sms = sms
         self.gemm_workspace = kgemm.allocate_workspace(
             [p for g in (32, 64, 128) for p in kgemm.plans_for_shapes(shapes, g, sms)], device)
+        # the residual epilogue's statistics of the new residual, read by the next norm prologue: one
+        # buffer (each producer runs after the previous consumer on the stream)
+        self._norm_stats = torch.empty(kgemv.MAX_M * kgemv.norm_stats_shape(1, H)[1], dtype=torch.float32,
+                                       device=device)
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
@@ -95,8 +108,10 @@ class KernelOps:
         # replays runs; `ModelRunner.graph_paths` keeps that per graph): "gemv_int4", "gemv_int8"
         # (per 8-row launch), "int4_gemm" (M > 8, INT4 tensor-core GEMM), "cublas_bf16" (a bf16
         # weight), "cublas_bf16_cache" (the explicit bf16 copy of a quantized weight), "dequant_gemm"
-        # (dequantize into scratch + cuBLAS); and "qkv_rope_fused" (a qkv GEMV that also applied RoPE
-        # and wrote q and the paged K/V: counted in "gemv_int4" too).
+        # (dequantize into scratch + cuBLAS); and, counted in "gemv_int4" too, "qkv_rope_fused" (a qkv
+        # GEMV that also applied RoPE and wrote q and the paged K/V), "norm_prologue" (a GEMV whose input
+        # was RMSNorm of the residual, made while staging) and "residual_epilogue" (a GEMV that added
+        # its output into the residual).
         self.paths: collections.Counter[str] = collections.Counter()
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -180,12 +195,51 @@ class KernelOps:
     def add_rms_norm(self, x, residual, w, eps, out) -> None:
         kops.fused_add_rms_norm(x, residual, w, out, eps, pdl=self.cfg.pdl)
 
+    def norm(self, x: NormedInput) -> torch.Tensor:
+        """Materialise x into x.out: fused add + RMSNorm when its update is pending, else RMSNorm (the
+        residual is already updated; its statistics, if any, are not needed)."""
+        if x.update.pending is not None:
+            self.add_rms_norm(x.update.pending, x.residual, x.weight, x.eps, x.out)
+        else:
+            self.rms_norm(x.residual, x.weight, x.eps, x.out)
+        return x.out
+
+    def fuses_norm(self, x: NormedInput, lin: Linear) -> bool:
+        """Whether a linear on x makes the norm as its input prologue: an INT4 GEMV step whose residual a
+        fused epilogue updated (its statistics are there)."""
+        return (x.update.stats is not None and isinstance(lin, Int4Linear)
+                and self.int4_path(x.rows) == "gemv_int4")
+
+    def fuses_residual(self, lin: Linear, m: int) -> bool:
+        """Whether `linear_residual` / `mlp_down` of m rows add into the residual in the GEMV's epilogue."""
+        return isinstance(lin, Int4Linear) and self.int4_path(m) == "gemv_int4"
+
+    def _norm_prologue(self, x: NormedInput) -> kgemv.NormPrologue:
+        self.paths["norm_prologue"] += 1
+        return kgemv.NormPrologue(x.weight, x.update.stats, x.eps)
+
+    def _residual_epilogue(self, residual: torch.Tensor) -> tuple[kgemv.ResidualEpilogue, ResidualUpdate]:
+        shape = kgemv.norm_stats_shape(*residual.shape)
+        stats = self._norm_stats[: shape[0] * shape[1]].view(shape)
+        self.paths["residual_epilogue"] += 1
+        return kgemv.ResidualEpilogue(residual, stats), ResidualUpdate(stats=stats)
+
     def silu_mul(self, gate_up, out) -> None:
         kops.silu_mul(gate_up, out, pdl=self.cfg.pdl)
 
     # ---- linear ------------------------------------------------------------------------------------
-    def linear(self, x: torch.Tensor, lin: Linear, out: torch.Tensor,
+    def linear(self, x: torch.Tensor | NormedInput, lin: Linear, out: torch.Tensor,
                bias: torch.Tensor | None = None) -> None:
+        """out = x @ W^T (+ bias); x a NormedInput: the norm fused as the GEMV's prologue where
+        `fuses_norm`, else materialised first."""
+        if isinstance(x, NormedInput):
+            if self.fuses_norm(x, lin):
+                w = self._int4(lin)
+                self.paths["gemv_int4"] += 1
+                kgemv.gemv_int4(x.residual, w, out, bias, self.workspace, self._gemv_plan(w, False),
+                                norm=self._norm_prologue(x), pdl=self.cfg.pdl)
+                return
+            x = self.norm(x)
         m = x.shape[0]
         if isinstance(lin, Int8Linear) and bias is not None:
             raise ValueError("the INT8 GEMV has no bias (it serves the lm_head)")
@@ -237,20 +291,37 @@ class KernelOps:
     def _gemm_plan(self, w: kgemv.Int4Weight, m: int) -> kgemm.GemmPlan:
         return kgemm.plan_gemm_shape(w.n, w.k, w.group_size, kgemm.m_class(m), self._sms)
 
-    def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor) -> None:
-        """out = down(silu(gate) * up); act is the [M, I] scratch used when not fused."""
-        # Fused into the GEMV only (M <= 8). Above 8 rows the SiLU-input GEMM recomputes
-        # silu(gate) * up in every row block (28x for the 7B's down) and took twice the plain
-        # kernel's time at M = 32 / 64 (bench/engine/NOTES.md, session 11): one silu_mul pass, then
-        # the plain linear (INT4 GEMM or dequantize + cuBLAS).
+    def linear_residual(self, x: torch.Tensor, lin: Linear, out: torch.Tensor,
+                        residual: torch.Tensor) -> ResidualUpdate:
+        """residual += x @ W^T: added by the GEMV's epilogue where `fuses_residual` (out not written),
+        else out = x @ W^T with the add pending (the next norm makes it)."""
+        if self.fuses_residual(lin, x.shape[0]):
+            w = self._int4(lin)
+            self.paths["gemv_int4"] += 1
+            epilogue, update = self._residual_epilogue(residual)
+            kgemv.gemv_int4(x, w, None, None, self.workspace, self._gemv_plan(w, False), residual=epilogue,
+                            pdl=self.cfg.pdl)
+            return update
+        self.linear(x, lin, out)
+        return ResidualUpdate(pending=out)
+
+    def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor,
+                 residual: torch.Tensor) -> ResidualUpdate:
+        """residual += down(silu(gate) * up), as `linear_residual`; act is the [M, I] scratch used when
+        the SiLU is not fused."""
+        # Fused into the GEMV only (M <= 8), with the residual epilogue. Above 8 rows the SiLU-input
+        # GEMM recomputes silu(gate) * up in every row block (28x for the 7B's down) and took twice the
+        # plain kernel's time at M = 32 / 64 (bench/engine/NOTES.md, session 11): one silu_mul pass,
+        # then the plain linear (INT4 GEMM or dequantize + cuBLAS).
         if self.fuses_silu_down(down, gate_up.shape[0]):
             w = self._int4(down)
             self.paths["gemv_int4"] += 1
-            kgemv.gemv_int4(gate_up, w, out, None, self.workspace, self._gemv_plan(w, True),
-                            silu_mul_input=True, pdl=self.cfg.pdl)
-            return
+            epilogue, update = self._residual_epilogue(residual)
+            kgemv.gemv_int4(gate_up, w, None, None, self.workspace, self._gemv_plan(w, True),
+                            silu_mul_input=True, residual=epilogue, pdl=self.cfg.pdl)
+            return update
         kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
-        self.linear(act, down, out)
+        return self.linear_residual(act, down, out, residual)
 
     def fuses_silu_down(self, down: Linear, m: int) -> bool:
         """Whether `mlp_down` of m rows applies SiLU*mul inside the down GEMV's input staging (an INT4
@@ -260,15 +331,23 @@ class KernelOps:
     # ---- attention block -----------------------------------------------------------------------------
     def qkv_projection(self, x, qkv_w: Linear, bias, qkv, positions, slot_mapping, k_cache, v_cache, q_out,
                        n_heads, n_kv) -> None:
-        """qkv = x @ Wqkv^T + bias, RoPE, q_out and the paged K/V. At M <= 8 on an INT4 weight: one
-        `gemv_int4_qkv_rope` launch (the GEMV with qkv_rope_kv_write as its epilogue; qkv not written),
-        counted as path "gemv_int4" and as "qkv_rope_fused"; otherwise `linear` + `qkv_rope_kv_write`."""
-        if self.fuses_qkv_rope(qkv_w, x.shape[0]):
+        """qkv = x @ Wqkv^T + bias, RoPE, q_out and the paged K/V (x: a tensor or a NormedInput). At
+        M <= 8 on an INT4 weight: one `gemv_int4_qkv_rope` launch (the GEMV with qkv_rope_kv_write as
+        its epilogue; qkv not written), counted as path "gemv_int4" and as "qkv_rope_fused", with the
+        norm as its prologue where `fuses_norm`; otherwise `linear` + `qkv_rope_kv_write`."""
+        rows = x.rows if isinstance(x, NormedInput) else x.shape[0]
+        if self.fuses_qkv_rope(qkv_w, rows):
             w = self._int4(qkv_w)
+            norm = None
+            if isinstance(x, NormedInput):
+                if self.fuses_norm(x, qkv_w):
+                    norm, x = self._norm_prologue(x), x.residual
+                else:
+                    x = self.norm(x)
             self.paths["gemv_int4"] += 1
             self.paths["qkv_rope_fused"] += 1
             kgemv.gemv_int4_qkv_rope(x, w, bias, self.shape, positions, slot_mapping, self.inv_freq, q_out,
-                                     k_cache, v_cache, self.workspace, self._gemv_plan(w, False),
+                                     k_cache, v_cache, self.workspace, self._gemv_plan(w, False), norm=norm,
                                      pdl=self.cfg.pdl)
             return
         self.linear(x, qkv_w, qkv, bias=bias)

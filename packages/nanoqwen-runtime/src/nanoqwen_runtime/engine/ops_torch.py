@@ -20,6 +20,7 @@ from nanoqwen_model import Qwen2Config
 from nanoqwen_model.forward import apply_rope, causal_attention, rms_norm, rope_inv_freq
 from nanoqwen_model.sampling import sample
 
+from .residual import NormedInput, ResidualUpdate
 from .weights import DenseLinear, Linear
 
 
@@ -47,10 +48,20 @@ class TorchOps:
         residual.copy_((x.float() + residual.float()).to(residual.dtype))
         self.rms_norm(residual, w, eps, out)
 
-    def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor) -> None:
-        """out = down(silu(gate) * up), through the [T, I] scratch `act`."""
+    def norm(self, x: NormedInput) -> torch.Tensor:
+        """Materialise x into x.out: fused add + RMSNorm when its update is pending, else RMSNorm."""
+        if x.update.pending is not None:
+            self.add_rms_norm(x.update.pending, x.residual, x.weight, x.eps, x.out)
+        else:
+            self.rms_norm(x.residual, x.weight, x.eps, x.out)
+        return x.out
+
+    def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor,
+                 residual: torch.Tensor) -> ResidualUpdate:
+        """out = down(silu(gate) * up), through the [T, I] scratch `act`; its add into `residual` is left
+        to the next norm (pending)."""
         self.silu_mul(gate_up, act)
-        self.linear(act, down, out)
+        return self.linear_residual(act, down, out, residual)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """gate_up bf16 [T, 2I] -> out bf16 [T, I] = silu(gate) * up."""
@@ -69,18 +80,28 @@ class TorchOps:
             self._dense[key] = w
         return w
 
-    def linear(self, x: torch.Tensor, lin: Linear, out: torch.Tensor,
+    def linear(self, x: torch.Tensor | NormedInput, lin: Linear, out: torch.Tensor,
                bias: torch.Tensor | None = None) -> None:
-        """x bf16 [T, K] -> out [T, N] (bf16, or f32 for logits) = x @ W.T (+ bias)."""
+        """x bf16 [T, K] (or a NormedInput, materialised first) -> out [T, N] (bf16, or f32 for logits)
+        = x @ W.T (+ bias)."""
+        if isinstance(x, NormedInput):
+            x = self.norm(x)
         y = F.linear(x.float(), self._weight(lin).float(), None if bias is None else bias.float())
         out.copy_(y.to(out.dtype))
 
+    def linear_residual(self, x: torch.Tensor, lin: Linear, out: torch.Tensor,
+                        residual: torch.Tensor) -> ResidualUpdate:
+        """residual += x @ W.T, as out = x @ W.T with the add pending (the next norm makes it)."""
+        self.linear(x, lin, out)
+        return ResidualUpdate(pending=out)
+
     # ---- attention block -------------------------------------------------------------------------
-    def qkv_projection(self, x: torch.Tensor, qkv_w: Linear, bias: torch.Tensor | None, qkv: torch.Tensor,
-                       positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, q_out: torch.Tensor, n_heads: int, n_kv: int) -> None:
-        """The attention block's input: qkv = x @ Wqkv^T + bias into the [T, (Hq+2Hkv)D] scratch, then
-        `qkv_rope_kv_write` (q_out and the paged K/V)."""
+    def qkv_projection(self, x: torch.Tensor | NormedInput, qkv_w: Linear, bias: torch.Tensor | None,
+                       qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, q_out: torch.Tensor, n_heads: int,
+                       n_kv: int) -> None:
+        """The attention block's input: qkv = x @ Wqkv^T + bias into the [T, (Hq+2Hkv)D] scratch (x a
+        NormedInput: materialised first), then `qkv_rope_kv_write` (q_out and the paged K/V)."""
         self.linear(x, qkv_w, qkv, bias=bias)
         self.qkv_rope_kv_write(qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv)
 
