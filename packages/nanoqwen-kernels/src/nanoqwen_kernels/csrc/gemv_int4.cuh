@@ -38,13 +38,15 @@
 //
 // Block: 8 warps; warp w of block b owns rows 16 * (8b + w) .. +15 (N % 8 == 0: a half pair is masked).
 //
-// The norm prologue (NORM, the `_norm` and `_norm_rope` entry points): x is the residual stream [M, K] and the GEMV's input is RMSNorm(x) * w, made while staging:
+// The norm prologue (NORM, the `_norm` and `_norm_rope` entry points): x is the residual stream [M, K]
+// and the GEMV's input is RMSNorm(x) * w, made while staging:
 // bf16(x * rs[m] * w) with rs[m] = rsqrt(sum_b stats[m, b] / K + eps), layer_ops.cuh's rms_norm_row
 // arithmetic on a sum of squares that the kernel which last wrote x left in stats [M, K / 128] (the
 // residual epilogue below), so no block reads a whole row for it. Same bits as rms_norm then the GEMV,
 // except where the sum's order (per 128 columns, then across them) moves rs by an ulp.
-// The residual epilogue (EPI = 2, the `_resid` and `_silu_resid` entry points): instead of storing y, the block adds y (bias added, rounded to bf16 as it would be stored)
-// into the residual stream resid [M, N] in place, rounding the sum to bf16 as fused_add_rms_norm does,
+// The residual epilogue (EPI = 2, the `_resid` and `_silu_resid` entry points): instead of storing y,
+// the block adds y (bias added, rounded to bf16 as it would be stored) into the residual stream
+// resid [M, N] in place, rounding the sum to bf16 as fused_add_rms_norm does,
 // and writes each row's sum of squares of the new residual over its 128 columns to resid_stats
 // [M, gridDim.x]: the add of fused_add_rms_norm, and the statistics the next GEMV's norm prologue needs.
 // Together they take the two add + RMSNorm launches out of a decode layer.
@@ -160,8 +162,8 @@ template <int XMODE>
 NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M, int K, int k0,
                        int ncols, const bf16_t* __restrict__ nw = nullptr, const float* rs = nullptr) {
   const int vec_per_row = ncols / 8;
-  // unrolled 4 times, except the norm staging: 2 (4 made ptxas spill in the g128 asym kernels, whose
-  // first weight stage is live across the staging)
+  // unrolled 4 times, except the norm staging (XMODE 2): not unrolled (unrolled, ptxas spilled in the
+  // g128 asym kernels, whose first weight stage is live across the staging)
 #pragma unroll(XMODE == 2 ? 1 : 4)
   for (int v = threadIdx.x; v < M * vec_per_row; v += blockDim.x) {
     const int m = v / vec_per_row, c8 = (v - m * vec_per_row) * 8;
@@ -418,7 +420,8 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   pdl_launch_dependents();  // the weight stream is done: let the next kernel's prefetch start
   if constexpr (EPI == 0) store_gemv_out(acc, bias, out, ws, counters, M, N);
   else if constexpr (EPI == 1) store_gemv_rope(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, rk);
-  else if constexpr (XMODE == 0) store_gemv_residual_call(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, ro);
+  else if constexpr (XMODE == 0)
+    store_gemv_residual_call(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, ro);
   else store_gemv_residual(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, ro);
 }
 
