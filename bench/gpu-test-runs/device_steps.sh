@@ -108,9 +108,22 @@ PY
     PYTHONPATH=$SRC timeout 330 python3 -m pytest -q -m gpu packages/nanoqwen-runtime/tests -p no:cacheprovider \
       -rs 2>&1 | tee $OUT/gpu-runtime.log | tail -8
     bash $0 ab-only ;;
+  attn-ab)  # the attention microbenchmark with HEAD's kernels (.v1), this tree's, HEAD's again
+    V1=$PWD/.v1/packages/nanoqwen-kernels/src; NEW=$PWD/packages/nanoqwen-kernels/src
+    F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src; B=packages/nanoqwen-kernels/bench/attention
+    mkdir -p $OUT/attn-ab
+    # ${ATTN_VARIANTS}: this tree's kernels again with other split knobs, uUfF = --unsplit-max-tiles U
+    # --fuse-max F (e.g. "u0f8 u2f4"), or -DNAME=VALUE builds
+    for side in head new ${ATTN_VARIANTS:-} head2; do
+      k=$NEW; d=(); case $side in head*) k=$V1 ;; *=*) d=(--define "$side") ;;
+        u*f*) m=${side#u}; d=(--unsplit-max-tiles "${m%f*}" --fuse-max "${side#*f}") ;; esac
+      PYTHONPATH=$F:$k timeout 120 python3 $B/bench_attention.py --decode-only "${d[@]}" \
+        --out "$OUT/attn-ab/$side.json" 2>&1 | tee "$OUT/attn-ab/$side.md" | grep "decode B=\|copy"
+    done
+    tar czf $OUT/attn-ab.tgz -C $OUT attn-ab && rm -rf $OUT/attn-ab ;;
   engine-ab)  # `nanoqwen-cli bench --quick` with HEAD's kernels, runtime and cli (.v1), then with this tree's
     V1=$(ls -d $PWD/.v1/packages/*/src | paste -sd:)
-    for side in head new head2; do
+    for side in ${ENGINE_SIDES:-head new head2}; do
       pp=$SRC; [ $side != new ] && pp=$V1:$SRC
       PYTHONPATH=$pp timeout 170 python3 -m nanoqwen_cli.main bench --quick --out $OUT/engine-$side 2>&1 \
         | grep -i "tok/s\|decode\|prefill" | head -12 || true

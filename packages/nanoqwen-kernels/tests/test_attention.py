@@ -35,7 +35,9 @@ def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def _run3(plan, case) -> torch.Tensor:
-    """Three runs into NaN-poisoned outputs; all bit-identical. Returns the first."""
+    """Three runs into NaN-poisoned outputs; all bit-identical (the last split to arrive merges, and
+    which CTA that is varies run to run), and every split-arrival counter back at 0 after each (what
+    the next launch and graph replay need). Returns the first."""
     outs = []
     for _ in range(3):
         out = torch.full((case.q.shape[0], *case.q.shape[1:]), float("nan"), dtype=torch.bfloat16,
@@ -43,6 +45,9 @@ def _run3(plan, case) -> torch.Tensor:
         plan.run(case.q, case.k_cache, case.v_cache, case.page_table, case.context_lens,
                  case.query_start_loc, out=out)
         outs.append(out)
+        if plan.counters is not None:
+            torch.cuda.synchronize()
+            assert int(plan.counters.count_nonzero()) == 0, "a split group's counter was not reset"
     torch.cuda.synchronize()
     for o in outs[1:]:
         assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16)), "runs differ: a race"
@@ -77,6 +82,24 @@ def test_decode_long_context_splits(geom, batch):
     _check(_run3(plan, case), case.reference())
 
 
+@pytest.mark.parametrize("geom", ["7b", "0.5b"])
+@pytest.mark.parametrize("fuse_max", [1, 4, 16])
+def test_decode_splits_follow_the_actual_context(geom, fuse_max):
+    """A plan made for 8K contexts (many splits) on short, tile-edge and long contexts in one batch:
+    each (sequence, KV head) runs unsplit up to unsplit_max_tiles tiles and else splits into
+    min(num_splits, its tiles), so short contexts run unsplit beside an 8K one split num_splits ways;
+    groups of at most fuse_max splits are merged by their last split (1: none), the others by the
+    combine kernel, all in one batch."""
+    nh, nkv, hd = GEOMS[geom]
+    plan = plan_decode(AttentionGeometry(nh, nkv, hd, 16), max_batch=6, max_context_len=8192,
+                       fuse_max_splits=fuse_max)
+    assert plan.num_splits >= 8, plan
+    assert plan.launches == (2 if plan.num_splits > fuse_max else 1)
+    for seed, lens in ((61, [1, 64, 65, 129, 700, 8192]), (62, [8000, 3, 130, 64 * 17 + 1, 2, 4000])):
+        case = make_paged_case(nh, nkv, hd, 16, lens, seed=seed, max_pages=8192 // 16)
+        _check(_run3(plan, case), case.reference())
+
+
 def test_decode_zero_context_slot_gives_zeros():
     nh, nkv, hd = GEOMS["7b"]
     lens = [5, 0, 40]
@@ -97,13 +120,15 @@ PREFILL_CASES = [  # (context_len, query_len): prefix = context_len - query_len
 
 @pytest.mark.parametrize("geom", ["7b", "0.5b"])
 @pytest.mark.parametrize("num_splits", [1, 2, None])
-def test_chunked_prefill(geom, num_splits):
+@pytest.mark.parametrize("fuse_max", [1, 16], ids=["combine-kernel", "in-kernel-merge"])
+def test_chunked_prefill(geom, num_splits, fuse_max):
     nh, nkv, hd = GEOMS[geom]
     ctx = [c for c, _ in PREFILL_CASES]
     qlen = [q for _, q in PREFILL_CASES]
     case = make_paged_case(nh, nkv, hd, 16, ctx, qlen, seed=21, max_pages=70)
     plan = plan_prefill(AttentionGeometry(nh, nkv, hd, 16), max_batch=len(ctx), max_query_len=max(qlen),
-                        max_total_q=sum(qlen), max_context_len=70 * 16, num_splits=num_splits)
+                        max_total_q=sum(qlen), max_context_len=70 * 16, num_splits=num_splits,
+                        fuse_max_splits=fuse_max)
     _check(_run3(plan, case), case.reference())
 
 

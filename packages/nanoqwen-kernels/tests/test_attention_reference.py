@@ -128,7 +128,10 @@ def test_split_heuristic():
     # one sequence of the 7B model (4 KV heads): one full wave of 2 x 132 CTAs, even tiles per split
     assert choose_num_splits(base_ctas=4, max_context_len=32768, num_sms=132) == 64  # 8 tiles each
     assert choose_num_splits(base_ctas=4, max_context_len=8192, num_sms=132) == 64  # 2 tiles each
-    assert choose_num_splits(base_ctas=4, max_context_len=100, num_sms=132) == 2  # 2 tiles, 1 each
+    # a context of at most unsplit_max_tiles tiles is not split (the merge would cost more)
+    assert choose_num_splits(base_ctas=4, max_context_len=100, num_sms=132, unsplit_max_tiles=0) == 2
+    assert choose_num_splits(base_ctas=4, max_context_len=100, num_sms=132, unsplit_max_tiles=2) == 1
+    assert choose_num_splits(base_ctas=4, max_context_len=512, num_sms=132, unsplit_max_tiles=2) == 8
     # batch 32: 2 splits fill one wave (256 CTAs); 3 would spill 120 CTAs into a second wave
     assert choose_num_splits(base_ctas=32 * 4, max_context_len=8192, num_sms=132) == 2
     # a big batch or a long prefill already fills the GPU

@@ -152,6 +152,9 @@ def _cpu_attention_plan(mode: str, num_splits: int) -> attention.PagedAttentionP
     plan._decode_qsl = torch.arange(3, dtype=torch.int32)
     plan.work_o = torch.empty(num_splits, 2, 14, 64)
     plan.work_lse = torch.empty(num_splits, 2, 14)
+    plan.counters = torch.zeros(2 * 2 * 1, dtype=torch.int32)
+    plan.work_splits = torch.empty(2, 14, dtype=torch.int32)
+    plan.unsplit_max_tiles, plan.fuse_max_splits = 2, 2  # 3 splits: the combine kernel too
     return plan
 
 

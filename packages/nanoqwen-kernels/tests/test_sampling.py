@@ -49,6 +49,40 @@ def test_greedy_is_argmax_with_ties(b, v, gen, device):
     assert st.offsets.tolist() == [1] * b
 
 
+@pytest.mark.parametrize("v", [8 * 1024 * 3 + 8, 152064])
+def test_greedy_across_chunks(v, gen, device):
+    """A row read by several blocks (sampling.chunks_per_row): the maximum at either end of a chunk, a
+    tie across two chunks (the lower index wins), NaN in every chunk, and rows whose maximum is in the
+    first or the last chunk; greedy rows beside sampled ones (top_k = 1: the maximum too, but from the
+    last block's full sampling path). The arrival counters are back at 0 after every launch."""
+    from nanoqwen_kernels.sampling import chunks_per_row, sample_tokens
+
+    c = chunks_per_row(v)
+    assert c > 1
+    edges = [k * (v // 8) // c * 8 for k in range(c + 1)]  # chunk boundaries in elements
+    b = 6
+    logits = torch.randn(b, v, generator=gen, device=device).to(torch.bfloat16)
+    logits[:, edges[1:-1]] = float("nan")  # the first element of every chunk after the first
+    logits[0, edges[1] - 1] = 9.0  # last element of chunk 0
+    logits[1, edges[2] + 1] = 9.0  # just after a NaN at a chunk's start
+    logits[2, edges[1] - 1] = 9.0
+    logits[2, edges[c - 1] + 3] = 9.0  # tie across chunks: the lower index
+    logits[3, v - 1] = 9.0  # the very last element
+    logits[4, 0] = 9.0
+    logits[5, edges[c // 2] - 1] = 9.0
+    want = [edges[1] - 1, edges[2] + 1, edges[1] - 1, v - 1, 0, edges[c // 2] - 1]
+    assert torch.equal(torch.argmax(logits.float().nan_to_num(-1e9), -1).cpu(), torch.tensor(want))
+    st = make_state(b, device, 0.0, 0, 1.0)
+    st.temperature[1::2] = 0.5
+    st.top_k[1::2] = 1
+    for launch_no in range(3):
+        out = torch.full((b,), -7, dtype=torch.int32, device=device)
+        sample_tokens(logits, st, out)
+        assert out.tolist() == want, launch_no
+        assert int(st.counters.count_nonzero()) == 0
+    assert st.offsets.tolist() == [3] * b
+
+
 def test_top_k_1_keeps_only_the_maximum(gen, device):
     """top_k = 1 keeps the maximum value; bf16 ties at the maximum are all kept (HF's mask rule)."""
     from nanoqwen_kernels.sampling import sample_tokens

@@ -117,7 +117,10 @@ def with_variant(options: tuple[str, ...], fn):
         attention.FAMILY = saved
 
 
-def bench_decode(batch: int, ctx: int, l2_bytes: int, num_splits: int | None = None) -> dict:
+def bench_decode(batch: int, ctx: int, l2_bytes: int, num_splits: int | None = None,
+                 plan_ctx: int | None = None) -> dict:
+    """Decode at context `ctx`, with a plan made for `plan_ctx` (default ctx): the engine's graphs plan
+    for their context class (512, 8192, the maximum) and run shorter contexts on it."""
     kv_bytes = batch * ctx * GEOM.n_kv_heads * GEOM.head_dim * 2 * 2
     nsets = max(1, min(128, math.ceil(4 * l2_bytes / kv_bytes)))
     pages = -(-ctx // GEOM.block_size)
@@ -126,11 +129,16 @@ def bench_decode(batch: int, ctx: int, l2_bytes: int, num_splits: int | None = N
     q = torch.randn(batch, GEOM.n_heads, GEOM.head_dim, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    plan = plan_decode(GEOM, max_batch=batch, max_context_len=ctx, num_splits=num_splits)
+    plan_ctx = plan_ctx or ctx
+    plan = plan_decode(GEOM, max_batch=batch, max_context_len=plan_ctx, num_splits=num_splits)
+    if plan_ctx > ctx:  # the page tables must cover the plan's length; pages past ctx are never read
+        extra = -(-plan_ctx // GEOM.block_size) - pages
+        tables = [torch.cat([t, t[:, :1].expand(-1, extra)], dim=1).contiguous() for t in tables]
     calls = [lambda t=t: plan.run(q, k, v, t, lens, out=out) for t in tables]
     n_calls = max(len(calls), min(200, math.ceil(2e-3 / (kv_bytes / 4e12))))
     sec = _graph_time(calls, n_calls)
-    return dict(kind="decode", batch=batch, context=ctx, splits=plan.num_splits, us=sec * 1e6,
+    return dict(kind="decode", batch=batch, context=ctx, plan_context=plan_ctx, splits=plan.num_splits,
+                us=sec * 1e6,
                 bytes=kv_bytes, tb_s=kv_bytes / sec / 1e12, kernels_us=_kernel_us(calls[:8]))
 
 
@@ -156,12 +164,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--ablate", action="store_true", help="also time split counts and build variants")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="build the kernels with -DNAME=VALUE for the whole run (repeatable)")
+    ap.add_argument("--decode-only", action="store_true", help="the decode rows only")
+    ap.add_argument("--unsplit-max-tiles", type=int, help="plans' unsplit contexts (default: module's)")
+    ap.add_argument("--fuse-max", type=int, help="plans' most splits merged in-kernel (default: module's)")
     args = ap.parse_args()
-    launch.warm_up(["attention"])
+    if args.unsplit_max_tiles is not None:
+        attention.UNSPLIT_MAX_TILES = args.unsplit_max_tiles
+    if args.fuse_max is not None:
+        attention.FUSE_MAX_SPLITS = args.fuse_max
+    if args.define:
+        options = tuple(f"-D{d}" for d in args.define)
+        return with_variant(options, lambda: _run(args))
+    return _run(args)
+
+
+def _run(args) -> None:
+    launch.warm_up([attention.FAMILY])
     props = torch.cuda.get_device_properties(0)
     bw, mm = copy_bandwidth(), matmul_flops()
     rows = [bench_decode(b, c, props.L2_cache_size) for b in (1, 32) for c in (1024, 8192, 32768)]
-    rows += [bench_prefill(512, 512), bench_prefill(4096, 4096), bench_prefill(512, 4096)]
+    # the engine's decode graphs: context classes 512 / 8192 / 32768 serving shorter contexts
+    rows += [bench_decode(b, c, props.L2_cache_size, plan_ctx=pc)
+             for b, c, pc in ((1, 128, 512), (1, 128, 8192), (1, 4096, 8192), (1, 4096, 32768),
+                              (8, 128, 512), (8, 4096, 8192), (32, 128, 512))]
+    if not args.decode_only:
+        rows += [bench_prefill(512, 512), bench_prefill(4096, 4096), bench_prefill(512, 4096)]
     if args.ablate:
         for b, c, splits in ((1, 32768, 32), (1, 32768, 128), (1, 8192, 32), (32, 8192, 1), (32, 8192, 4)):
             rows.append(dict(bench_decode(b, c, props.L2_cache_size, splits), note="forced splits"))
@@ -170,13 +199,17 @@ def main() -> None:
             rows.append(dict(r, note=label))
     res = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
                date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-               copy_tb_s=bw / 1e12, matmul_tflop_s=mm / 1e12, rows=rows)
+               defines=args.define, unsplit_max_tiles=getattr(attention, "UNSPLIT_MAX_TILES", None),
+               fuse_max_splits=getattr(attention, "FUSE_MAX_SPLITS", None), copy_tb_s=bw / 1e12,
+               matmul_tflop_s=mm / 1e12, rows=rows)
     print(f"{props.name}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, {res['date']}")
     print("| case | splits | time (us) | achieved | of ceiling | kernels, eager (us) |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         if r["kind"] == "decode":
             name = f"decode B={r['batch']} ctx={r['context']}"
+            if r.get("plan_context", r["context"]) != r["context"]:
+                name += f" (plan {r['plan_context']})"
             ach, pct = f"{r['tb_s']:.2f} TB/s", 100 * r["tb_s"] * 1e12 / bw
         else:
             name = f"prefill q={r['query']} ctx={r['context']}"

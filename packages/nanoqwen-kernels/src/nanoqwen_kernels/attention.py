@@ -14,11 +14,17 @@ DESIGN.md. Lengths live in device buffers, so nothing in `run()` depends on them
 The new tokens' K/V must already be in the cache (the fused QKV/RoPE kernel writes them), and
 query_len <= context_len <= plan.max_context_len (device values, not checked: that would sync).
 
-`plan_decode` / `plan_prefill` fix the launch shape: the split-KV count (flash-decoding, from the
-maximum context, so one sequence fills the 132 SMs), the grid, and the fp32 work buffers of the
-split combine. `plan.run(...)` then allocates nothing (when `out` is given) and never synchronises,
-so a captured graph replays it for any lengths up to the maximum. Call `launch.warm_up(["attention"])`
-(or one eager run) before capturing.
+`plan_decode` / `plan_prefill` fix the launch shape: the most split-KV CTAs per sequence
+(flash-decoding, from the maximum context, so one sequence fills the 132 SMs; the kernel uses
+min(num_splits, tiles of the actual context) of them, none when the context has at most
+UNSPLIT_MAX_TILES tiles), the grid, and the fp32 work
+buffers of the split merge. Up to FUSE_MAX_SPLITS splits are merged inside the attention launch by
+the last split to finish (arrival counters, back to zero at the end of every launch: one plan serves
+one stream at a time); a plan that can split further also launches the combine kernel, which merges
+the rows split more ways than that. So a plan of at most FUSE_MAX_SPLITS splits is one launch.
+`plan.run(...)` allocates nothing (when `out` is given) and never synchronises, so a captured graph
+replays it for any lengths up to the maximum. Call `launch.warm_up(["attention"])` (or one eager run)
+before capturing.
 """
 
 from __future__ import annotations
@@ -38,6 +44,15 @@ CTAS_PER_SM = 2  # shared memory and registers allow two CTAs per SM (see NOTES.
 MAX_SPLITS = 256  # csrc/attention.cuh MAX_SPLITS (the combine's shared weights)
 COMBINE_THREADS = 512  # csrc/attention.cuh COMBINE_THREADS
 CTA_OVERHEAD_TILES = 1  # prologue + epilogue + combine share of one CTA, in tile-times (a guess)
+FUSE_CAP = 16  # csrc/attention.cuh FUSE_CAP: the most splits the in-kernel merge can take
+# Measured on the H200 (kernels NOTES.md, session 14): a context of at most UNSPLIT_MAX_TILES tiles runs
+# unsplit (2 tiles: 7.1 us against 7.7-8.2 split in two + combine, batch 1); FUSE_MAX_SPLITS: the most
+# splits merged inside the attention launch by the last split to finish, more go to the combine kernel.
+# 1 = never: the in-kernel merge measured slower than the combine kernel at every split count tried
+# (its tail is an atomic and then the partial rows' L2 round trips in one CTA; batch 1, context 128,
+# two splits: 8.6 us against 7.7-8.2), so it is an option, not the default.
+UNSPLIT_MAX_TILES = 2
+FUSE_MAX_SPLITS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +70,13 @@ class KernelConfig:
         return self.stages * 2 * TILE * self.head_dim * 2 + 4 * 16 * self.head_dim * 2
 
 
+_COMBINE = {128: "paged_attention_combine_hd128", 64: "paged_attention_combine_hd64"}
 _KERNELS = {
     ("decode", 128): KernelConfig("paged_attention_decode_hd128", rows=16, stages=3, head_dim=128),
     ("decode", 64): KernelConfig("paged_attention_decode_hd64", rows=16, stages=4, head_dim=64),
     ("prefill", 128): KernelConfig("paged_attention_prefill_hd128", rows=64, stages=3, head_dim=128),
     ("prefill", 64): KernelConfig("paged_attention_prefill_hd64", rows=64, stages=4, head_dim=64),
 }
-_COMBINE = {128: "paged_attention_combine_hd128", 64: "paged_attention_combine_hd64"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,19 +105,24 @@ class AttentionGeometry:
         return self.n_heads // self.n_kv_heads
 
 
-def choose_num_splits(base_ctas: int, max_context_len: int, num_sms: int) -> int:
+def choose_num_splits(base_ctas: int, max_context_len: int, num_sms: int,
+                      unsplit_max_tiles: int = UNSPLIT_MAX_TILES) -> int:
     """Split-KV count minimizing the modelled critical path, fewest splits on a tie.
 
     A CTA streams its split's tiles; CTAS_PER_SM * num_sms CTAs run at once ("a wave"). The model's
     time is waves * (ceil(tiles / splits) + CTA_OVERHEAD_TILES) tile-times, so it favours filling the
     last wave (a batch of 32 sequences x 4 KV heads = 128 CTAs takes 2 splits, 256 CTAs, not 3 = 384
     CTAs = 1.45 waves), splits that divide the tiles evenly, and few splits when the batch is large.
-    The device partition is even too (attention.cuh cta_work).
+    The device partition is even too, over min(splits, tiles) splits of the actual context
+    (attention.cuh cta_work): a graph planned for a long context pays nothing at a short one for the
+    splits it does not need.
     """
     tiles = max(1, -(-max_context_len // TILE))
     slots = CTAS_PER_SM * num_sms
     # never more splits than one wave needs: each split adds a partial row per query row for the
     # combine to read (a 512-token chunk on a 4K prefix with 8 splits spent 21 us combining)
+    if tiles <= unsplit_max_tiles:  # the kernel runs such a context unsplit whatever the plan says
+        return 1
     cap = min(MAX_SPLITS, tiles, -(-slots // max(1, base_ctas)))
     best, best_cost = 1, None
     for s in range(1, cap + 1):
@@ -130,6 +150,8 @@ class PagedAttentionPlan:
         max_context_len: int,
         device: torch.device | str,
         num_splits: int | None = None,
+        unsplit_max_tiles: int | None = None,
+        fuse_max_splits: int | None = None,
     ) -> None:
         if mode not in ("decode", "prefill"):
             raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
@@ -149,8 +171,14 @@ class PagedAttentionPlan:
         self.num_row_tiles = -(-max_query_len * geometry.group // self.kernel.rows)
         base = max_batch * geometry.n_kv_heads * self.num_row_tiles
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.unsplit_max_tiles = UNSPLIT_MAX_TILES if unsplit_max_tiles is None else unsplit_max_tiles
+        self.fuse_max_splits = FUSE_MAX_SPLITS if fuse_max_splits is None else fuse_max_splits
+        if self.unsplit_max_tiles < 0:
+            raise ValueError(f"unsplit_max_tiles must be >= 0, got {self.unsplit_max_tiles}")
+        if not 1 <= self.fuse_max_splits <= FUSE_CAP:
+            raise ValueError(f"fuse_max_splits must be in [1, {FUSE_CAP}], got {self.fuse_max_splits}")
         if num_splits is None:
-            num_splits = choose_num_splits(base, max_context_len, num_sms)
+            num_splits = choose_num_splits(base, max_context_len, num_sms, self.unsplit_max_tiles)
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         self.num_splits = num_splits
@@ -164,14 +192,19 @@ class PagedAttentionPlan:
             f32 = dict(dtype=torch.float32, device=self.device)
             self.work_o = torch.empty(num_splits, max_total_q, nh, hd, **f32)
             self.work_lse = torch.empty(num_splits, max_total_q, nh, **f32)
+            # one arrival counter per (sequence, KV head, row tile): the last split to arrive merges
+            self.counters = torch.zeros(max_batch * geometry.n_kv_heads * self.num_row_tiles,
+                                        dtype=torch.int32, device=self.device)
+            self.work_splits = torch.empty(max_total_q, nh, dtype=torch.int32, device=self.device)
         else:
-            self.work_o = self.work_lse = None
+            self.work_o = self.work_lse = self.counters = self.work_splits = None
 
     def __repr__(self) -> str:
         g = self.geometry
         return (f"PagedAttentionPlan({self.mode}, heads {g.n_heads}/{g.n_kv_heads}x{g.head_dim}, "
                 f"block {g.block_size}, max_batch {self.max_batch}, max_context {self.max_context_len}, "
-                f"splits {self.num_splits}, row tiles {self.num_row_tiles})")
+                f"splits {self.num_splits} (in-kernel merge <= {self.fuse_max_splits}), "
+                f"row tiles {self.num_row_tiles})")
 
     def _check(self, q, k_cache, v_cache, page_table, context_lens, qsl, out):
         g, dev = self.geometry, self.device
@@ -225,7 +258,8 @@ class PagedAttentionPlan:
         k_cache, v_cache: bf16 [num_blocks, n_kv_heads, block_size, head_dim] (one layer of the pool);
         page_table: int32 [B, max_pages]; context_lens: int32 [B];
         query_start_loc: int32 [B + 1], prefill only (decode: total_q == B).
-        pdl: launch the attention kernel and the split combine with programmatic dependent launch.
+        pdl: launch with programmatic dependent launch. One kernel launch, or two when the plan
+        can split more than fuse_max_splits ways (`launches`).
         """
         batch, total_q = self._check(q, k_cache, v_cache, page_table, context_lens, query_start_loc, out)
         if out is None:
@@ -240,17 +274,24 @@ class PagedAttentionPlan:
             launch.ptr(k_cache), launch.ptr(v_cache),
             launch.ptr(page_table), launch.i32(page_table.stride(0)),
             launch.ptr(context_lens), launch.ptr(qsl), launch.ptr(out), launch.ptr(self.work_o),
-            launch.ptr(self.work_lse), launch.i32(self.max_total_q), launch.i32(g.n_heads),
+            launch.ptr(self.work_lse), launch.ptr(self.counters), launch.ptr(self.work_splits),
+            launch.i32(self.max_total_q), launch.i32(g.n_heads),
             launch.i32(g.n_kv_heads), launch.i32(g.block_size.bit_length() - 1), launch.i32(self.num_splits),
-            launch.i32(self.num_row_tiles), launch.f32(self.scale_log2),
+            launch.i32(self.num_row_tiles), launch.i32(self.unsplit_max_tiles),
+            launch.i32(self.fuse_max_splits), launch.f32(self.scale_log2),
         )
         grid = (self.num_row_tiles * self.num_splits, g.n_kv_heads, batch)
         launch.launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem,
                       pdl=pdl)
-        if self.num_splits > 1:
+        if self.launches == 2:
             launch.launch(FAMILY, _COMBINE[g.head_dim], self.device_index, (total_q * g.n_heads,),
                           (COMBINE_THREADS,), args + (launch.i32(total_q),), pdl=pdl)
         return out
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches per run(): 1, or 2 with the combine kernel (num_splits > fuse_max_splits)."""
+        return 2 if self.num_splits > self.fuse_max_splits else 1
 
 
 def plan_decode(
@@ -260,10 +301,14 @@ def plan_decode(
     max_context_len: int,
     device: torch.device | str = "cuda",
     num_splits: int | None = None,
+    unsplit_max_tiles: int | None = None,
+    fuse_max_splits: int | None = None,
 ) -> PagedAttentionPlan:
-    """Plan decode attention (one new token per sequence) for up to `max_batch` sequences."""
+    """Plan decode attention (one new token per sequence) for up to `max_batch` sequences. The split
+    knobs default to the module's measured UNSPLIT_MAX_TILES and FUSE_MAX_SPLITS."""
     return PagedAttentionPlan(geometry, "decode", max_batch=max_batch, max_query_len=1, max_total_q=max_batch,
-                              max_context_len=max_context_len, device=device, num_splits=num_splits)
+                              max_context_len=max_context_len, device=device, num_splits=num_splits,
+                              unsplit_max_tiles=unsplit_max_tiles, fuse_max_splits=fuse_max_splits)
 
 
 def plan_prefill(
@@ -275,8 +320,11 @@ def plan_prefill(
     max_context_len: int,
     device: torch.device | str = "cuda",
     num_splits: int | None = None,
+    unsplit_max_tiles: int | None = None,
+    fuse_max_splits: int | None = None,
 ) -> PagedAttentionPlan:
     """Plan chunked prefill: chunks of up to `max_query_len` new tokens (`max_total_q` over the batch)."""
     return PagedAttentionPlan(geometry, "prefill", max_batch=max_batch, max_query_len=max_query_len,
                               max_total_q=max_total_q, max_context_len=max_context_len, device=device,
-                              num_splits=num_splits)
+                              num_splits=num_splits, unsplit_max_tiles=unsplit_max_tiles,
+                              fuse_max_splits=fuse_max_splits)

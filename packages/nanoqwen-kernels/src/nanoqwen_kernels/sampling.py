@@ -1,5 +1,8 @@
 """GPU sampling launcher (csrc/sampling.cu): greedy, temperature, top-k, top-p, one launch per step.
 
+Each row is read by up to MAX_CHUNKS blocks at once for its maximum (the greedy answer, and the
+first pass of sampling); the last block of a row to finish takes it from there (csrc/sampling.cuh).
+
 Per-sequence parameters live in device buffers (a `SamplingState`), so a captured CUDA graph reads
 whatever the host last wrote into them, and each launch increments every row's Philox `offsets`
 entry: a replayed graph draws fresh numbers, and (seed, offset) reproduces a draw exactly.
@@ -19,18 +22,33 @@ from .launch import check, i32, launch, ptr, require_sm90
 
 FAMILY = "sampling"
 THREADS = 1024
+MAX_CHUNKS = 32  # csrc/sampling.cuh MAX_CHUNKS: blocks per row
+
+
+def chunks_per_row(vocab: int) -> int:
+    """Blocks per row: about one 16-byte load per thread (19 at V = 152064), at most MAX_CHUNKS."""
+    return max(1, min(MAX_CHUNKS, -(-(vocab // 8) // THREADS)))
 
 
 @dataclasses.dataclass
 class SamplingState:
     """Device buffers for up to `max_batch` rows: fp32 temperature, int32 top_k, fp32 top_p,
-    int64 seed and int64 offset (the Philox counter, advanced by each launch)."""
+    int64 seed and int64 offset (the Philox counter, advanced by each launch); and the kernel's own
+    scratch, made here: the chunk maxima (int64 [max_batch, MAX_CHUNKS]) and the rows' arrival
+    counters (int32 [max_batch], zero between launches). One state serves one stream at a time."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     seeds: torch.Tensor
     offsets: torch.Tensor
+    partials: torch.Tensor = dataclasses.field(init=False, repr=False)
+    counters: torch.Tensor = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rows, dev = self.temperature.numel(), self.temperature.device
+        self.partials = torch.zeros(rows, MAX_CHUNKS, dtype=torch.int64, device=dev)
+        self.counters = torch.zeros(rows, dtype=torch.int32, device=dev)
 
     @classmethod
     def allocate(cls, max_batch: int, device) -> SamplingState:
@@ -74,12 +92,13 @@ def sample_tokens(logits: torch.Tensor, state: SamplingState, out: torch.Tensor,
     if b > state.temperature.numel():
         raise ValueError(f"batch {b} exceeds the SamplingState's {state.temperature.numel()} rows")
     check(out, "out", torch.int32, (b,), dev, align=4)
-    for name in ("temperature", "top_k", "top_p", "seeds", "offsets"):
+    for name in ("temperature", "top_k", "top_p", "seeds", "offsets", "partials", "counters"):
         t = getattr(state, name)
         if t.device != dev:
             raise ValueError(f"SamplingState.{name} is on {t.device}, logits on {dev}")
     if b:
         args = (ptr(logits), np.int64(logits.stride(0)), i32(v), ptr(state.temperature), ptr(state.top_k),
-                ptr(state.top_p), ptr(state.seeds), ptr(state.offsets), ptr(out))  # fmt: skip
-        launch(FAMILY, "sample_tokens_bf16", index, (b, 1, 1), (THREADS, 1, 1), args, pdl=pdl)
+                ptr(state.top_p), ptr(state.seeds), ptr(state.offsets), ptr(out), ptr(state.partials),
+                ptr(state.counters))  # fmt: skip
+        launch(FAMILY, "sample_tokens_bf16", index, (b, chunks_per_row(v), 1), (THREADS, 1, 1), args, pdl=pdl)
     return out

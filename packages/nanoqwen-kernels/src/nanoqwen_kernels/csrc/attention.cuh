@@ -15,10 +15,14 @@
 // MMA tile, and the 4 consumer warps split each KV tile's tokens between them instead (KV_WARPS = 4).
 // Prefill has 4 warps x 16 rows and each warp sees the whole KV tile (KV_WARPS = 1). The KV range of
 // a CTA (every token its last row may see) is cut into TILE-token tiles and those tiles into
-// num_splits contiguous splits (flash-decoding), so one long sequence fills all SMs; the combine
-// kernel merges the splits by their log-sum-exp. Split s of a sequence with n tiles takes tiles
-// [s * n / S, (s + 1) * n / S): the partition is computed on the device from context_lens, so a captured
-// graph serves every length up to the plan's maximum.
+// splits contiguous splits (flash-decoding), so one long sequence fills all SMs; the splits are merged
+// by their log-sum-exp. The split count is chosen on the device from the actual context: a CTA group
+// (row tile, KV head, sequence) with n tiles runs unsplit when n <= unsplit_max_tiles (the merge would
+// cost more than the split saves) and else in S = min(num_splits, n) splits (the plan's num_splits is
+// the most, fixed for the longest context a graph serves), split s taking tiles
+// [s * n / S, (s + 1) * n / S); the CTAs of splits >= S exit at once. A captured graph
+// thus serves every length up to the plan's maximum without paying at a short context for the splits
+// of a long one.
 //
 // Pipeline (warp-specialized). Warp 0 is the producer: it reads the page table and copies whole KV
 // tiles into an NSTAGES-deep shared-memory ring with 16-byte cp.async (XOR-swizzled rows so that
@@ -32,8 +36,17 @@
 //
 // Epilogue. Each consumer warp leaves (m, l, O) per row in shared memory (reusing the ring, which is
 // drained by then); all consumer threads merge the KV_WARPS partial states in a fixed order (the
-// result is bit-identical run to run) and write either the final bf16 row (num_splits == 1) or an fp32
-// row normalized by its own sum plus its log2-sum-exp for the combine kernel.
+// result is bit-identical run to run) and write either the final bf16 row (one split) or an fp32 row
+// normalized by its own sum plus its log2-sum-exp to the work buffers.
+//
+// Split merge. With 1 < S <= fuse_max_splits, each CTA then publishes its partial rows and counts itself
+// on its group's arrival counter; the CTA that arrives last (whichever split it is) merges the S partial
+// rows of its tile, in split order (so the result does not depend on which CTA was last), and resets
+// the counter to 0 for the next launch or graph replay: no second kernel. With more splits one CTA's
+// merge would be the launch's long pole (it reads S partial rows alone, ~0.7 us per dependent L2 round
+// trip), so the groups with S > fuse_max_splits leave it to the combine kernel, one CTA per output row
+// (launched only by plans that can split that far; it skips the rows already final). Split 0 writes
+// each row's S to work_splits, which is how the combine kernel knows.
 #pragma once
 
 #include "common.cuh"  // bf16_t (raw bits: no toolkit headers), f32x2_to_bf16x2
@@ -67,6 +80,8 @@ struct Params {
   bf16_t* out;               // [total_q, n_heads, head_dim] contiguous (num_splits == 1)
   float* work_o;             // [num_splits, work_rows, n_heads, head_dim] (num_splits > 1)
   float* work_lse;           // [num_splits, work_rows, n_heads], log2 domain
+  int* counters;             // [B, n_kv_heads, num_row_tiles] split arrivals: 0 between launches
+  int* work_splits;          // [work_rows, n_heads]: the row's split count S, written by split 0
   long long q_stride;
   int page_table_stride;
   int work_rows;
@@ -75,8 +90,12 @@ struct Params {
   int log2_block_size;
   int num_splits;
   int num_row_tiles;
+  int unsplit_max_tiles;  // a context of at most this many KV tiles runs unsplit (the merge costs)
+  int fuse_max_splits;  // most splits merged inside the kernel (<= FUSE_CAP); more: the combine kernel
   float scale_log2;  // softmax scale * log2(e)
 };
+
+constexpr int FUSE_CAP = 16;  // fuse_max_splits <= FUSE_CAP: the in-kernel merge holds S rows in registers
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -145,7 +164,7 @@ __device__ __forceinline__ unsigned tile_offset(int row, int chunk) {
 // ---- the CTA's share of the work ----------------------------------------------------------------
 
 struct Work {
-  int b, kvh, row0, rows_total, qlen, ctx, qs, tile_begin, n_tiles, split, kv_limit;
+  int b, kvh, row_tile, row0, rows_total, qlen, ctx, qs, tile_begin, n_tiles, split, splits, kv_limit;
 };
 
 template <int ROW_WARPS>
@@ -156,7 +175,7 @@ __device__ __forceinline__ bool cta_work(const Params& p, Work& w) {
   w.kvh = blockIdx.y;
   w.split = blockIdx.x % p.num_splits;
   // Row tiles in reverse: under the causal mask the last rows have the most work, start them first.
-  const int row_tile = p.num_row_tiles - 1 - (int)(blockIdx.x / p.num_splits);
+  const int row_tile = w.row_tile = p.num_row_tiles - 1 - (int)(blockIdx.x / p.num_splits);
   w.qs = p.qo_start[w.b];
   w.qlen = p.qo_start[w.b + 1] - w.qs;
   w.ctx = p.context_lens[w.b];
@@ -165,11 +184,14 @@ __device__ __forceinline__ bool cta_work(const Params& p, Work& w) {
   if (w.row0 >= w.rows_total) return false;
   const int last_token = (min(w.row0 + ROWS, w.rows_total) - 1) / G;
   w.kv_limit = max(0, min(w.ctx, w.ctx - w.qlen + last_token + 1));
-  // Even partition: split s takes tiles [s * n / S, (s + 1) * n / S), so no split has more than one
-  // tile more than another; with n < S some splits are empty (they still write lse = -inf).
+  // S = 1 for n <= unsplit_max_tiles, else min(num_splits, n): by the actual context, so
+  // none is empty (a group with no live token, context 0, has one split of no tiles: zeros); even
+  // partition: split s takes tiles [s * n / S, (s + 1) * n / S), none more than one tile longer.
   const int tiles = (w.kv_limit + TILE - 1) / TILE;
-  w.tile_begin = (int)((long long)w.split * tiles / p.num_splits);
-  w.n_tiles = (int)((long long)(w.split + 1) * tiles / p.num_splits) - w.tile_begin;
+  w.splits = tiles <= p.unsplit_max_tiles ? 1 : min(p.num_splits, tiles);
+  if (w.split >= w.splits) return false;
+  w.tile_begin = (int)((long long)w.split * tiles / w.splits);
+  w.n_tiles = (int)((long long)(w.split + 1) * tiles / w.splits) - w.tile_begin;
   return true;
 }
 
@@ -424,17 +446,90 @@ __device__ __forceinline__ void finalize(const Params& p, const Work& w, const f
         acc[3] += e * v.w;
       }
     }
-    const float inv = L > 0.f ? 1.f / L : 0.f;  // no live token (empty split or context 0): zeros
+    const float inv = L > 0.f ? 1.f / L : 0.f;  // no live token for this row (context 0): zeros
     const long long row_off = (long long)tok * p.n_heads + head;
-    if (p.num_splits == 1) {
+    if (w.splits == 1) {
+      if (c == 0 && p.num_splits > 1) p.work_splits[row_off] = 1;  // final: the combine kernel skips it
       uint2 packed = make_uint2(f32x2_to_bf16x2(acc[0] * inv, acc[1] * inv), f32x2_to_bf16x2(acc[2] * inv, acc[3] * inv));
       *reinterpret_cast<uint2*>(p.out + row_off * HD + c) = packed;
     } else {
       const long long split_off = (long long)w.split * p.work_rows * p.n_heads;
       *reinterpret_cast<float4*>(p.work_o + (split_off + row_off) * HD + c) =
           make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
-      if (c == 0) p.work_lse[split_off + row_off] = L > 0.f ? mx + log2f(L) : neg_inf();
+      if (c == 0) {
+        p.work_lse[split_off + row_off] = L > 0.f ? mx + log2f(L) : neg_inf();
+        if (w.split == 0) p.work_splits[row_off] = w.splits;
+      }
     }
+  }
+}
+
+// In-kernel merge, part 1 (every consumer thread of every split CTA of a group with S <= fuse_max):
+// count this CTA on its group's counter once its partial rows are written. True in the group's last
+// CTA to arrive (uniform across the consumer warps), which has reset the counter to 0 and may then
+// read every split's rows. The release/acquire pattern of CUTLASS's semaphores: the named barrier
+// orders the CTA's stores before thread 0's acq_rel atomic at gpu scope (cumulative), and thread 0's
+// acquire before the other threads' loads after the second barrier; no thread fences on its own.
+__device__ __forceinline__ bool arrive_last_split(const Params& p, const Work& w, int ctid) {
+  __shared__ int is_last;
+  consumer_sync();
+  if (ctid == 0) {
+    int* counter = p.counters + ((long long)w.b * p.n_kv_heads + w.kvh) * p.num_row_tiles + w.row_tile;
+    int prev;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
+    is_last = prev == w.splits - 1;
+    if (is_last) *counter = 0;  // every split has arrived: ready for the next launch (or graph replay)
+  }
+  consumer_sync();
+  return is_last;
+}
+
+// In-kernel merge, part 2 (the last CTA's consumer threads): for each live row of the tile
+//     out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M),   M = max_s lse_s,
+// summed in split order (bit-identical whichever CTA is last). A split where the row saw no token
+// (prefill's causal mask) has lse = -inf: weight 0. This CTA is the launch's long pole, so each thread
+// issues all its loads at once (its float4 column of the S <= FUSE_CAP partial rows and their S lse)
+// and merges in registers: one dependent L2 round trip per (row, column) item. ld.cg: other CTAs wrote
+// these rows during this launch, and L1 is not coherent.
+template <int HD, int ROWS>
+__device__ __forceinline__ void merge_splits_in_cta(const Params& p, const Work& w, int ctid) {
+  constexpr int VEC = HD / 4;  // float4 columns per row
+  const int G = p.n_heads / p.n_kv_heads, S = w.splits;
+  const int rows = min(ROWS, w.rows_total - w.row0);
+  const long long split_stride = (long long)p.work_rows * p.n_heads;  // in rows
+  for (int i = ctid; i < rows * VEC; i += 32 * CONSUMER_WARPS) {
+    const int r = i / VEC, c = (i % VEC) * 4;
+    const int rg = w.row0 + r;
+    const long long row_off = (long long)(w.qs + rg / G) * p.n_heads + w.kvh * G + rg % G;
+    float lse[FUSE_CAP];
+    float4 v[FUSE_CAP];
+#pragma unroll
+    for (int s = 0; s < FUSE_CAP; ++s) {
+      if (s < S) {
+        lse[s] = ld_cg_f32(p.work_lse + s * split_stride + row_off);
+        v[s] = ld_cg_f32x4(p.work_o + (s * split_stride + row_off) * HD + c);
+      }
+    }
+    float mx = neg_inf();
+#pragma unroll
+    for (int s = 0; s < FUSE_CAP; ++s)
+      if (s < S) mx = fmaxf(mx, lse[s]);
+    float L = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < FUSE_CAP; ++s) {
+      if (s < S) {
+        const float e = lse[s] == neg_inf() ? 0.f : exp2f(lse[s] - mx);
+        L += e;
+        acc.x += e * v[s].x;
+        acc.y += e * v[s].y;
+        acc.z += e * v[s].z;
+        acc.w += e * v[s].w;
+      }
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    *reinterpret_cast<uint2*>(p.out + row_off * HD + c) =
+        make_uint2(f32x2_to_bf16x2(acc.x * inv, acc.y * inv), f32x2_to_bf16x2(acc.z * inv, acc.w * inv));
   }
 }
 
@@ -466,16 +561,20 @@ __device__ __forceinline__ void paged_attention(const Params& p) {
     consume<HD, NSTAGES, ROW_WARPS, KV_WARPS>(p, w, ring, ring + NSTAGES * 2 * TILE * HD * 2, full, empty,
                                                warp - 1, lane, sm_ml);
     consumer_sync();  // epilogue buffers complete
-    finalize<HD, ROW_WARPS, KV_WARPS>(p, w, reinterpret_cast<const float*>(ring), sm_ml,
-                                      threadIdx.x - 32);
+    const int ctid = threadIdx.x - 32;
+    finalize<HD, ROW_WARPS, KV_WARPS>(p, w, reinterpret_cast<const float*>(ring), sm_ml, ctid);
+    // few splits: the last to finish merges them here; more: the combine kernel does
+    if (w.splits > 1 && w.splits <= p.fuse_max_splits && arrive_last_split(p, w, ctid))
+      merge_splits_in_cta<HD, ROWS>(p, w, ctid);
   }
 }
 
-// Merge the per-split rows: out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M), M = max_s lse_s.
+// The combine kernel, for rows of groups with S > fuse_max_splits splits (the others return at once):
+// out = sum_s 2^(lse_s - M) O_s / sum_s 2^(lse_s - M), M = max_s lse_s, over the row's S splits.
 // One CTA of COMBINE_THREADS per (token, head) row, so that the reads of all splits are in flight at
 // once: thread i takes lse_i for the weights; then NG groups of HD / 4 threads (a float4 column each)
-// sum every NG-th split, and the groups are added in a fixed order (bit-identical run to run). Splits
-// with no live token carry lse = -inf (weight 0) and a zero row.
+// sum every NG-th split, and the groups are added in a fixed order (bit-identical run to run). A split
+// where the row saw no token (prefill's causal mask) carries lse = -inf (weight 0) and a zero row.
 constexpr int COMBINE_THREADS = 512;
 constexpr int MAX_SPLITS = 256;
 
@@ -488,7 +587,9 @@ __device__ __forceinline__ void combine_splits(const Params& p, int total_q) {
   __shared__ float4 part[NG][LPR];
   const long long row = blockIdx.x;  // token * n_heads + head
   if (row >= (long long)total_q * p.n_heads) return;
-  const int tid = threadIdx.x, S = p.num_splits;
+  const int S = p.work_splits[row];
+  if (S <= p.fuse_max_splits) return;  // unsplit, or merged by its last split: already final
+  const int tid = threadIdx.x;
   const long long split_stride = (long long)p.work_rows * p.n_heads;
   float lse[(MAX_SPLITS + COMBINE_THREADS - 1) / COMBINE_THREADS];
   float mx = neg_inf();

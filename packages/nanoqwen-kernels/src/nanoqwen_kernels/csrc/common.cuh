@@ -88,6 +88,20 @@ NQ_DEVICE uint4 ld_stream_v4(const void* p) {
 
 NQ_DEVICE uint4 ld_v4(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
+// Loads that bypass L1 (cached in L2 only): for data another block of the same launch wrote, read after
+// an arrival counter said it is complete (a split-K or split-KV reduction); L1 is not coherent.
+NQ_DEVICE float ld_cg_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+NQ_DEVICE float4 ld_cg_f32x4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Philox4x32-10 (Salmon et al. 2011; constants as in curand). counter: 4 words, key: 2 words.
 // ---------------------------------------------------------------------------------------------------

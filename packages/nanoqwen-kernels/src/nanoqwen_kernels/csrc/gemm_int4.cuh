@@ -149,11 +149,11 @@ NQ_DEVICE void reduce_splits(const float* __restrict__ ws, const bf16_t* __restr
     for (; s + 8 <= S; s += 8) {  // 8 loads in flight: this block is on the launch's critical path
       float part[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) part[i] = nq_gemv::ld_cg_f32(p + (s + i) * split_stride);
+      for (int i = 0; i < 8; ++i) part[i] = ld_cg_f32(p + (s + i) * split_stride);
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum += part[i];
     }
-    for (; s < S; ++s) sum += nq_gemv::ld_cg_f32(p + s * split_stride);
+    for (; s < S; ++s) sum += ld_cg_f32(p + s * split_stride);
     out[(i64)m * N + n] = f32_to_bf16(sum + (bias ? bf16_to_f32(bias[n]) : 0.f));
   }
 }

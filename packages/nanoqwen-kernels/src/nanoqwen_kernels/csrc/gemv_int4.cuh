@@ -109,12 +109,6 @@ NQ_DEVICE void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-NQ_DEVICE float ld_cg_f32(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-
 // The two scale types of the INT4 layouts: 16 bits per scale, widened exactly to f32.
 struct ScaleBF16 {
   static NQ_DEVICE float to_f32(u16 bits) { return __uint_as_float(((u32)bits) << 16); }

@@ -7,11 +7,14 @@
 //   paged_attention_prefill_hd{64,128}  64-row tiles of (token, head) pairs; each consumer warp owns
 //                                       16 rows and sees every KV tile (chunked prefill: causal
 //                                       over the cached prefix plus the chunk itself)
-//   paged_attention_combine_hd{64,128}  merges num_splits partial rows by their log-sum-exp
+//   paged_attention_combine_hd{64,128}  merges the rows split more than fuse_max_splits ways
+// Fewer splits are merged inside the attention launch by the last split of each (row tile, KV head,
+// sequence) to finish (attention.cuh); the combine kernel is launched only by plans that can split
+// further, and skips the rows already final.
 //
 // Launch (nanoqwen_kernels.attention does it): attention grid (num_row_tiles * num_splits,
-// n_kv_heads, B), 160 threads, dynamic shared memory (NSTAGES * 2 + 1) * 64 * head_dim * 2 bytes; combine
-// grid total_q * n_heads (one CTA per output row), 128 threads. Arguments are plain scalars and
+// n_kv_heads, B), 160 threads, dynamic shared memory (NSTAGES * 2 + 1) * 64 * head_dim * 2 bytes;
+// combine grid total_q * n_heads (one CTA per output row), 512 threads. Arguments are plain scalars and
 // pointers (the order of nq_attn::Params), so any launcher can pass them without a struct layout.
 #include "attention.cuh"
 
@@ -19,8 +22,8 @@
   const bf16_t *q, long long q_stride, const bf16_t *k_cache,                      \
       const bf16_t *v_cache, const int *page_table, int page_table_stride,                  \
       const int *context_lens, const int *qo_start, bf16_t *out, float *work_o,             \
-      float *work_lse, int work_rows, int n_heads, int n_kv_heads, int log2_block_size,              \
-      int num_splits, int num_row_tiles, float scale_log2
+      float *work_lse, int *counters, int *work_splits, int work_rows, int n_heads, int n_kv_heads, int log2_block_size,              \
+      int num_splits, int num_row_tiles, int unsplit_max_tiles, int fuse_max_splits, float scale_log2
 
 #define NQ_ATTN_FILL(p)                                                                                \
   nq_attn::Params p;                                                                                   \
@@ -35,12 +38,16 @@
   p.out = out;                                                                                         \
   p.work_o = work_o;                                                                                   \
   p.work_lse = work_lse;                                                                               \
+  p.counters = counters;                                                                               \
+  p.work_splits = work_splits;                                                                         \
   p.work_rows = work_rows;                                                                             \
   p.n_heads = n_heads;                                                                                 \
   p.n_kv_heads = n_kv_heads;                                                                           \
   p.log2_block_size = log2_block_size;                                                                 \
   p.num_splits = num_splits;                                                                           \
   p.num_row_tiles = num_row_tiles;                                                                     \
+  p.unsplit_max_tiles = unsplit_max_tiles;                                                             \
+  p.fuse_max_splits = fuse_max_splits;                                                                 \
   p.scale_log2 = scale_log2
 
 #define NQ_ATTN_ENTRY(NAME, HD, NSTAGES, ROW_WARPS, KV_WARPS)                                          \

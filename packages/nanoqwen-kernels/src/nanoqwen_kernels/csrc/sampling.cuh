@@ -1,5 +1,12 @@
-// sampling.cuh: next-token selection on the GPU from bf16 logits [B, V], one block of 1024 threads
-// per row, V % 8 == 0 (16-byte loads; vocabularies are padded to a multiple of 8 or more).
+// sampling.cuh: next-token selection on the GPU from bf16 logits [B, V], V % 8 == 0 (16-byte loads;
+// vocabularies are padded to a multiple of 8 or more), blocks of 1024 threads.
+//
+// Grid (B, C): the C blocks of a row each find the maximum of one contiguous chunk of it (pass 1
+// below; about one 16-byte load per thread at V = 152064, C = 19), publish it, and count themselves
+// on the row's arrival counter; the last to arrive takes the maximum of the C partials (a max, so the
+// same whichever block is last), resets the counter for the next launch or graph replay, and finishes
+// the row alone: greedy rows are done, sampled rows run the passes below over the whole row. One
+// block per row had spent ~15 us streaming the row for the argmax alone.
 //
 // Greedy (temperature <= 0): argmax, ties to the lowest index (torch.argmax's rule); NaN never wins.
 // Otherwise, in HF's order: temperature, top-k (0 = off), top-p (>= 1 = off) over the renormalised
@@ -17,13 +24,14 @@
 // int64 offset in device memory is incremented by every launch, so a replayed CUDA graph draws fresh
 // numbers and (seed, offset) reproduces a draw. Each warp owns a contiguous chunk of the row; warp
 // sums of the kept weights locate the warp holding u * Z, which rescans its chunk in index order.
-// Cost per row: 3-5 passes over 0.3 MB (V = 152064) from L2 by one SM; rows run in parallel.
+// Cost per sampled row: 3-5 passes over 0.3 MB (V = 152064) from L2 by one SM; rows run in parallel.
 #pragma once
 #include "common.cuh"
 
 namespace nq_sample {
 
 constexpr int THREADS = 1024;
+constexpr int MAX_CHUNKS = 32;  // blocks per row (sampling.py MAX_CHUNKS)
 constexpr int WARPS = THREADS / 32;
 constexpr int NEAR = 255;  // fast-path histogram bins: key distance 0 .. 254 below the max key
 
@@ -87,12 +95,12 @@ NQ_DEVICE void clear_bins(Smem& sm) {
 
 // Apply f(index, bf16 bits) to every element, 8 per 16-byte load, four loads in flight per thread
 // (one SM streams the row from L2: the loads must overlap).
+// for_each_in: the same over the 16-byte vectors [v0, v1) of the row only.
 template <typename F>
-NQ_DEVICE void for_each(const bf16_t* row, int V, F f) {
+NQ_DEVICE void for_each_in(const bf16_t* row, int v0, int nvec, F f) {
   constexpr int DEPTH = 4;
   const uint4* rv = reinterpret_cast<const uint4*>(row);
-  const int nvec = V / 8;
-  for (int v = threadIdx.x; v < nvec; v += DEPTH * THREADS) {
+  for (int v = v0 + threadIdx.x; v < nvec; v += DEPTH * THREADS) {
     uint4 a[DEPTH];
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d)
@@ -110,6 +118,11 @@ NQ_DEVICE void for_each(const bf16_t* row, int V, F f) {
       }
     }
   }
+}
+
+template <typename F>
+NQ_DEVICE void for_each(const bf16_t* row, int V, F f) {
+  for_each_in(row, 0, V / 8, f);
 }
 
 // Smallest bin index d (scanning d = 0, 1, ... i.e. from the largest keys down) whose cumulative
@@ -144,14 +157,18 @@ struct RowParams {
   u64 offset;
 };
 
-NQ_DEVICE int sample_row(const bf16_t* __restrict__ row, int V, RowParams p, Smem& sm) {
-  // ---- pass 1: max key and its lowest index (the greedy answer) ------------------------------------
+// ---- pass 1: max key and its lowest index (the greedy answer) over vectors [v0, v1) of the row --------
+NQ_DEVICE u64 chunk_best(const bf16_t* __restrict__ row, int v0, int v1, Smem& sm) {
   u64 best = 0;
-  for_each(row, V, [&](int i, u32 b) {
+  for_each_in(row, v0, v1, [&](int i, u32 b) {
     const u64 c = pack_best(bf16_key(b), (u32)i);
     best = c > best ? c : best;
   });
-  best = block_max_u64(best, sm);
+  return block_max_u64(best, sm);
+}
+
+// The row's token given `best`, the maximum of pass 1 over the whole row (block-uniform).
+NQ_DEVICE int sample_row(const bf16_t* __restrict__ row, int V, RowParams p, u64 best, Smem& sm) {
   if (!(p.temperature > 0.f)) return (int)best_index(best);
   const u32 kmax = (u32)(best >> 32);
   const float lmax = bf16_to_f32((bf16_t)row[best_index(best)]);

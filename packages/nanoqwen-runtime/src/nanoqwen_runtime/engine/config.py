@@ -66,8 +66,10 @@ class EngineConfig:
     graph_buckets: tuple[int, ...] = GRAPH_BUCKETS
     # Decode graphs are captured per (bucket, context class): a step uses the smallest class holding
     # its longest context (the engine's max context is always the last class). The attention plan of
-    # a class splits the KV for that length: at batch 1, a plan made for 32K launches 64 splits and a
-    # combine even for a 128-token context (7.5 us per layer measured vs ~4 us unsplit).
+    # a class has the split count for that length; the kernel uses as many of those as the actual
+    # context has 64-token tiles (none up to 2 tiles), but a class still fixes the CTAs launched and
+    # whether the combine kernel runs (a 32K plan at batch 1 launches 4 x 64 CTAs, most of which exit
+    # at once at a 128-token context).
     graph_context_classes: tuple[int, ...] = (512, 8192)
     # Prefix caching (engine/blocks.py): full KV blocks stay cached after their request ends, keyed by
     # their token prefix, and a new request starts after the longest cached prefix of its prompt.

@@ -8,7 +8,7 @@ rows; ops_kernels.py says what runs above that):
     qkv_projection  RMSNorm(residual) (input norm) -> qkv GEMV (+ bias) -> RoPE + paged K/V write:
                     one GEMV with the norm as its prologue and RoPE / K/V as its epilogue (layer 0:
                     a plain RMSNorm of the embeddings first)
-    attention       paged decode attention (split-KV + combine inside the backend)
+    attention       paged decode attention (+ the split combine kernel when the plan can split)
     linear_residual o_proj GEMV, its output added into the residual by the GEMV's epilogue
     linear          RMSNorm(residual) (post-attention norm) -> gate_up GEMV: one GEMV, norm prologue
     mlp_down        SiLU * mul -> down GEMV -> added into the residual: one GEMV
