@@ -11,6 +11,10 @@ CACHE=${NANOQWEN_CACHE:-$HOME/.cache/nanoqwen}
 case "$1" in
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl-serve/*.whl
+    # .whl-fast (httptools): a folder of its own, put on PYTHONPATH only by the sides of serve-variants
+    # that run this tree's server (uvicorn takes httptools whenever it can import it)
+    if [ -d .whl-fast ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site-fast .whl-fast/*.whl; fi
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader ;;
   piece)
     mkdir -p /tmp/carry && cp "$2" /tmp/carry/ && ls /tmp/carry | wc -l ;;
@@ -69,6 +73,22 @@ PY
     PYTHONPATH=$SRC:/tmp/site timeout 420 python3 bench/server/loadtest.py $P --out $OUT/server \
       --require-overhead 0.95 2>&1 | tail -30 || true
     gzip -f $OUT/server/engine-trace.jsonl || true ;;
+  serve-variants)  # the load test + overhead phase for several servers in one call (same engine, model,
+    # machine): old = HEAD's server code (.v1, first on PYTHONPATH) on h11; off = this tree's with httptools
+    # and --cpu-placement off; auto = the same with --cpu-placement auto (engine baseline pinned alike).
+    # "$2": extra loadtest.py options; SERVE_SIDES picks and orders the sides
+    P=/tmp/q05-rtn.nanoqwen; V1=$PWD/.v1/packages/nanoqwen-cli/src
+    [ -f $P ] || PYTHONPATH=$SRC:/tmp/site python3 -m nanoqwen_quant.cli pack \
+      $CACHE/qwen2.5-coder-0.5b-instruct.gguf -o $P --method rtn 2>&1 | tail -1
+    nproc; cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list || true
+    for side in ${SERVE_SIDES:-old off auto}; do
+      case $side in old) pp=$V1:$SRC:/tmp/site; pl=unset ;; off) pp=/tmp/site-fast:$SRC:/tmp/site; pl=off ;;
+        auto) pp=/tmp/site-fast:$SRC:/tmp/site; pl=auto ;; esac
+      # shellcheck disable=SC2086  # "$2": extra loadtest.py options, split into words on purpose
+      PYTHONPATH=$pp timeout 200 python3 bench/server/loadtest.py $P --out $OUT/server-$side \
+        --cpu-placement $pl ${2:-} 2>&1 | grep -A3 "^Server\|^Overhead\|^| completed" || true
+      gzip -f $OUT/server-$side/engine-trace.jsonl || true
+    done ;;
   gemv-ab)   # the decode GEMV of HEAD~ (the kernels package's src as carried in .v1/, `git archive`)
     # against this tree's, and this tree's compile-option variants, in one call (bench/kernels/gemv_ab.py)
     V1=$PWD/.v1/packages/nanoqwen-kernels/src; NEW=$PWD/packages/nanoqwen-kernels/src

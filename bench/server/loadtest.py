@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -202,12 +204,14 @@ class EngineBaseline:
     HTTP runs: session 7 saw the host drift by +-10% within one load test, which a baseline timed
     after the server had exited counted as overhead or as a gain."""
 
-    def __init__(self, model: Path, kv_memory: str, device: str = "cuda"):
+    def __init__(self, model: Path, kv_memory: str, device: str = "cuda",
+                 engine_cpus: tuple[int, ...] | None = None):
         from nanoqwen_cli.server.engine_spec import EngineSpec, describe_engine
         from nanoqwen_cli.server.engine_worker import freeze_startup_objects
         from nanoqwen_runtime.engine import parse_bytes
         from nanoqwen_runtime.generate import Pipeline
 
+        self.engine_cpus = engine_cpus
         self.pipe = Pipeline.from_container(model, backend=None)
         spec = EngineSpec(path=str(model), device=device, kv_memory_bytes=parse_bytes(kv_memory))
         self.engine = spec.build()
@@ -238,6 +242,14 @@ class EngineBaseline:
         reqs = self.requests(f"b{offset}-", offset, n, max_tokens)
         rows: list[dict] = []
         tokens = 0
+        with pinned(self.engine_cpus):
+            wall, t0, tokens = self._run(engine, reqs, rows)
+        return {"requests": n, "generated_tokens": tokens, "wall_s": round(wall, 3),
+                "throughput_tok_s": round(tokens / wall, 1), "breakdown": breakdown(rows, t0, t0 + wall)}
+
+    @staticmethod
+    def _run(engine, reqs: list, rows: list[dict]) -> tuple[float, float, int]:
+        tokens = 0
         t0 = time.perf_counter()
         for r in reqs:
             if engine.submit(r) is not None:
@@ -251,9 +263,35 @@ class EngineBaseline:
             rows.append({"t_wake": t_step, "n_cmds": 0, "n_submits": 0, "t_step": t_step, "t_done": t_done,
                          "kind": kind, "n_tokens": 0, "t_sent": t_done})
             tokens += sum(ev.num_generated for ev in events if hasattr(ev, "num_generated"))
-        wall = time.perf_counter() - t0
-        return {"requests": n, "generated_tokens": tokens, "wall_s": round(wall, 3),
-                "throughput_tok_s": round(tokens / wall, 1), "breakdown": breakdown(rows, t0, t0 + wall)}
+        return time.perf_counter() - t0, t0, tokens
+
+
+def baseline_cpus(mode: str) -> tuple[int, ...] | None:
+    """The CPUs the server's engine process takes under `--cpu-placement mode` (the same plan, made from
+    this process's affinity, which the server inherits), for the baseline's runs: the engine alone gets
+    the same CPUs the server's engine process has. None: no placement."""
+    if mode != "auto":
+        return None
+    from nanoqwen_cli.server import cpu_placement
+
+    p = cpu_placement.plan(mode)
+    return p.engine if p is not None else None
+
+
+@contextlib.contextmanager
+def pinned(cpus: tuple[int, ...] | None):
+    """Every thread of this process on `cpus` for the block (nothing when None), then back."""
+    if cpus is None:
+        yield
+        return
+    from nanoqwen_cli.server import cpu_placement
+
+    before = os.sched_getaffinity(0)
+    cpu_placement.apply(cpus)
+    try:
+        yield
+    finally:
+        cpu_placement.apply(before)
 
 
 def paired_ratios(http_runs: list[dict], engine_runs: list[dict]) -> list[float]:
@@ -335,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-memory", default="16GiB")
     ap.add_argument("--max-waiting", type=int, default=256)
     ap.add_argument("--require-overhead", type=float, default=None)
+    ap.add_argument("--cpu-placement", choices=("auto", "off", "unset"), default="auto",
+                    help="the server's --cpu-placement; with auto the engine baseline runs on the engine "
+                         "process's CPUs too (unset: the flag is not passed, for servers older than it)")
     args = ap.parse_args(argv)
     if not 1 <= args.clients <= 1024:
         ap.error("--clients must be in 1..1024")
@@ -351,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_memory": args.kv_memory,
         "overhead_clients": args.overhead_clients,
         "overhead_max_tokens": args.overhead_max_tokens,
+        "cpu_placement": args.cpu_placement,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     trace_path = args.out / "engine-trace.jsonl"
@@ -364,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         args.kv_memory,
         "--max-waiting",
         str(args.max_waiting),
+        *(["--cpu-placement", args.cpu_placement] if args.cpu_placement != "unset" else []),
         env={TRACE_ENV: str(trace_path)},
     )
     srv.start()
@@ -378,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         load["server_preemptions"] = m.get("nanoqwen_preemptions_total")
         report["load"] = load
         if args.overhead_clients:
-            baseline = EngineBaseline(args.model, args.kv_memory, args.device)
+            baseline = EngineBaseline(args.model, args.kv_memory, args.device,
+                                      engine_cpus=baseline_cpus(args.cpu_placement))
+            report["baseline_cpus"] = list(baseline.engine_cpus) if baseline.engine_cpus else None
             report["overhead_http"] = overhead_phase(srv, name, args, baseline)
             del baseline
     finally:
@@ -392,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in report["overhead_http"].values():
             run["breakdown"] = breakdown(trace, *run.pop("window"))
             run["arrival"] = [arrival(breakdown(trace, *w)) for w in run.pop("windows")]
+        report["server_line"] = next((ln for ln in server_log.splitlines() if "nanoqwen serve: " in ln), None)
         report["server_engine"] = next(
             (ln.split("nanoqwen serve: ", 1)[1].split(";")[0] for ln in server_log.splitlines()
              if "nanoqwen serve: " in ln), None)
@@ -431,6 +477,9 @@ def markdown(r: dict) -> str:
         f"# nanoqwen-cli serve load test ({r['model']}, {r['device']})",
         "",
         f"{ld['requests']} concurrent streaming clients, {r['max_tokens']} tokens each (ignore_eos, greedy)",
+        "",
+        f"Server: `{(r.get('server_line') or '').strip()}` (`--cpu-placement {r.get('cpu_placement')}`; the "
+        f"engine baseline on CPUs {r.get('baseline_cpus') or 'as the scheduler places it'})",
         "",
         "| completed | 429 | lost | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | KV blocks after |",
         "|---|---|---|---|---|---|---|",

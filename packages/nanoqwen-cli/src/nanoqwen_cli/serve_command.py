@@ -3,7 +3,7 @@
 serve MODEL [--host 127.0.0.1] [--port 8000] [--device cpu|cuda|cuda:N] [--api-key KEY]
       [--model-name NAME] [--kv-memory SIZE] [--max-model-len N] [--max-batch N] [--max-waiting N]
       [--max-body SIZE] [--drain-timeout S] [--eager] [--no-verify] [--threads N]
-      [--speculate ngram[:K]] [--no-prefix-cache]
+      [--speculate ngram[:K]] [--no-prefix-cache] [--cpu-placement auto|off]
 
 `--device cuda` runs the CUDA `Engine` (CUDA graphs unless --eager); `--device cpu` runs the
 plain-torch `ReferenceEngine` (fp32), so the server can be tested for real without a GPU. The
@@ -11,7 +11,10 @@ server listens at once; GET /health answers 503 "loading" until the model is loa
 captured), then 200. A model that fails to load ends the command with its one-line error (exit 1).
 The engine runs in a process of its own (server/engine_process.py), built from an `EngineSpec`;
 --threads sets torch's threads there. If that process dies (crash, OOM kill), its requests end with an
-error, the server stops and the command exits 1 with one line saying how it died.
+error, the server stops and the command exits 1 with one line saying how it died. On cuda with 4 or
+more CPUs the engine process runs on two hardware threads of its own and the HTTP process on the others
+(`--cpu-placement auto`, server/cpu_placement.py); `off` leaves both to the scheduler, as does
+`--device cpu` (the reference engine computes on every core).
 Binds 127.0.0.1 unless --host says otherwise. `--api-key` (or NANOQWEN_API_KEY) makes /v1/* require
 `Authorization: Bearer KEY`. SIGTERM (or Ctrl-C) drains: no new requests (503), running ones get up
 to --drain-timeout seconds to finish, the rest are aborted; then the command exits 0 (130 for Ctrl-C).
@@ -84,6 +87,10 @@ def serve(
         "than 8 rows (faster batched decode and prefill while the INT4 GEMM is slower than cuBLAS; costs "
         "2 bytes per weight, about 13 GB at 7B, taken from the KV pool and printed at load)")] = False,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
+    cpu_placement: Annotated[str, typer.Option(
+        "--cpu-placement", help="cuda, auto: the engine process gets the last two hardware threads (whole "
+        "cores) and the HTTP process the other CPUs (at least 2; else no placement), so that streaming does "
+        "not slow the engine's steps; off: wherever the scheduler puts them")] = "auto",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat/completions, completions, models)."""
     from .generate_commands import LoadOptions
@@ -106,6 +113,8 @@ def serve(
         raise UsageError(f"--drain-timeout must be >= 0, got {drain_timeout}")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty")
+    if cpu_placement not in ("auto", "off"):
+        raise UsageError(f"--cpu-placement must be auto or off, got {cpu_placement!r}")
     body_limit = _size(max_body, "--max-body")
     kv_bytes = _size(kv_memory, "--kv-memory") if kv_memory else None
     path = check_model_path(model)
@@ -128,10 +137,12 @@ def serve(
                         speculation=spec, prefix_caching=not no_prefix_cache,
                         dense_weight_cache=dense_weight_cache, threads=threads)
 
+    from .server import cpu_placement as placement
     from .server.runner import run_server
 
     error = run_server(engine, pipeline, name, host=host, port=port, api_key=api_key,
                        max_body_bytes=body_limit, max_waiting=max_waiting, drain_timeout_s=drain_timeout,
-                       log_level=log_level)
+                       log_level=log_level,
+                       placement=placement.plan(cpu_placement) if device.startswith("cuda") else None)
     if error is not None:
         raise error

@@ -95,12 +95,16 @@ class EngineProcess:
     """Runs `spec.build()`'s engine in a child process (see the module header).
 
     spec: picklable, with `build() -> engine` (an `EngineSpec`; tests use `fake_engine.FakeEngineSpec`).
+    engine_cpus: the CPUs the engine process binds itself to before it loads (cpu_placement.py); None:
+      wherever the scheduler puts it.
     """
 
-    def __init__(self, spec: Any, metrics: Metrics, *, max_waiting: int):
+    def __init__(self, spec: Any, metrics: Metrics, *, max_waiting: int,
+                 engine_cpus: tuple[int, ...] | None = None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.spec = spec
+        self.engine_cpus = engine_cpus  # the engine process binds itself to these (cpu_placement.py)
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.info: EngineInfo | None = None
@@ -127,7 +131,8 @@ class EngineProcess:
         self._aloop = aloop
         ctx = multiprocessing.get_context("spawn")  # CUDA does not survive a fork
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=worker_main, args=(self.spec, child_conn), name="nanoqwen-engine",
+        self._proc = ctx.Process(target=worker_main, args=(self.spec, child_conn, self.engine_cpus),
+                                 name="nanoqwen-engine",
                                  daemon=True)
         # SIGINT/SIGTERM blocked while spawning: the child inherits the mask and ignores both before
         # unblocking them (a Ctrl-C to the process group must not kill the engine; we drain it)

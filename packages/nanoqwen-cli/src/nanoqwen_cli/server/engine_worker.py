@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 
 from nanoqwen_runtime.events import TokenEvent
 
+from . import cpu_placement
 from .engine_spec import EngineInfo
 
 __all__ = ["Finish", "StepTrace", "TRACE_ENV", "worker_main"]
@@ -103,13 +104,20 @@ class StepTrace:
         os.replace(tmp, self.path)
 
 
-def worker_main(spec: Any, conn: Connection) -> None:
-    """Entry point of the engine process. `spec` has `build() -> engine` (an `EngineSpec`)."""
+def worker_main(spec: Any, conn: Connection, cpus: tuple[int, ...] | None = None) -> None:
+    """Entry point of the engine process. `spec` has `build() -> engine` (an `EngineSpec`); `cpus`: bind
+    the process to these CPUs first, so that every thread the engine starts runs there too."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # the parent starts us with both blocked (so that none lands before the lines above): unblock
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
+        if cpus:
+            try:
+                cpu_placement.apply(cpus)
+            except OSError as e:
+                raise OSError(f"cannot bind the engine process to CPUs {cpu_placement.format_cpus(cpus)} "
+                              f"({e.strerror or e}); start the server with --cpu-placement off") from None
         engine = spec.build()
         info = EngineInfo.of(engine)
         stats = engine.stats()

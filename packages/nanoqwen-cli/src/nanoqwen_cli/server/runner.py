@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from ..errors import CliError
+from . import cpu_placement
 from .app import AppConfig, create_app
 from .engine_process import EngineProcess
 from .engine_worker import freeze_startup_objects
@@ -51,11 +52,21 @@ class _Server(uvicorn.Server):
 
 def run_server(spec: Any, pipeline: Any, model_name: str, *, host: str, port: int, api_key: str | None,
                max_body_bytes: int, max_waiting: int, drain_timeout_s: float,
-               log_level: str = "info") -> CliError | None:
+               log_level: str = "info", placement: cpu_placement.CpuPlacement | None = None
+               ) -> CliError | None:
     """Serve until SIGTERM/SIGINT. `spec`: picklable, `build()` makes the engine in the engine process
-    (an `EngineSpec`). Returns the error that stopped the server (the engine failed to load or died)."""
+    (an `EngineSpec`). `placement`: the CPUs of the two processes (cpu_placement.py; None: the
+    scheduler's choice). Returns the error that stopped the server (the engine failed to load or died,
+    or the CPUs of `placement` were refused)."""
+    if placement is not None:
+        try:  # this process first: the engine process, spawned later, inherits it and then moves itself
+            cpu_placement.apply(placement.http)
+        except OSError as e:
+            return CliError(f"cannot bind the server to CPUs {cpu_placement.format_cpus(placement.http)} "
+                            f"({e.strerror or e}); start it with --cpu-placement off")
     metrics = Metrics()
-    engine = EngineProcess(spec, metrics, max_waiting=max_waiting)
+    engine = EngineProcess(spec, metrics, max_waiting=max_waiting,
+                           engine_cpus=placement.engine if placement is not None else None)
     holder: dict[str, _Server] = {}
 
     def on_failure(reason: str) -> None:
@@ -66,7 +77,7 @@ def run_server(spec: Any, pipeline: Any, model_name: str, *, host: str, port: in
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start(asyncio.get_running_loop())
-        watcher = asyncio.create_task(_watch_load(engine, holder, host, port))
+        watcher = asyncio.create_task(_watch_load(engine, holder, host, port, placement))
         try:
             yield
         finally:
@@ -96,7 +107,8 @@ def run_server(spec: Any, pipeline: Any, model_name: str, *, host: str, port: in
     return None
 
 
-async def _watch_load(engine: EngineProcess, holder: dict, host: str, port: int) -> None:
+async def _watch_load(engine: EngineProcess, holder: dict, host: str, port: int,
+                      placement: cpu_placement.CpuPlacement | None) -> None:
     await asyncio.to_thread(engine.ready.wait)
     server = holder["server"]
     if engine.load_error is not None:
@@ -113,6 +125,23 @@ async def _watch_load(engine: EngineProcess, holder: dict, host: str, port: int)
     for s in getattr(server, "servers", []):
         for sock in s.sockets:
             bound = sock.getsockname()[1]
+    where = placement.describe() if placement is not None else "CPUs as the scheduler places them"
     print(f"nanoqwen serve: {engine.info.description}; context {engine.info.max_model_len} tokens; "
-          f"engine process {engine.engine_pid}; ready on http://{host}:{bound}/v1", file=sys.stderr,
-          flush=True)
+          f"engine process {engine.engine_pid}; {where}; {_http_stack()}; ready on http://{host}:{bound}/v1",
+          file=sys.stderr, flush=True)
+
+
+def _http_stack() -> str:
+    """The event loop and HTTP parser uvicorn runs on ("auto" takes uvloop and httptools when installed:
+    the package depends on both where they build)."""
+    try:
+        import uvloop  # noqa: F401
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    try:
+        import httptools  # noqa: F401
+        http = "httptools"
+    except ImportError:
+        http = "h11"
+    return f"{loop} + {http}"

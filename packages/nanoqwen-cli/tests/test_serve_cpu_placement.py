@@ -1,0 +1,173 @@
+"""CPU placement of the server's processes (server/cpu_placement.py): the plan from a host's topology
+(fake sysfs trees: SMT pairs, no SMT, CPUs missing from the allowed set, unreadable topology), and that
+the engine process and the HTTP process really run where the plan puts them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from nanoqwen_cli.server.cpu_placement import CpuPlacement, format_cpus, parse_cpu_list, physical_cores, plan
+from nanoqwen_cli.server.engine_process import EngineProcess
+from nanoqwen_cli.server.fake_engine import FakeEngineSpec
+from nanoqwen_cli.server.metrics import Metrics
+
+linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
+
+
+def fake_sysfs(root: Path, siblings: dict[int, str]) -> Path:
+    """A /sys/devices/system/cpu tree whose cpuN/topology/thread_siblings_list is siblings[N]."""
+    for cpu, text in siblings.items():
+        d = root / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(text + "\n")
+    return root
+
+
+def smt_host(root: Path, cores: int) -> Path:
+    """`cores` physical cores with two hardware threads each, numbered like most x86 hosts: core c has
+    CPUs c and c + cores."""
+    return fake_sysfs(root, {c: f"{c % cores},{c % cores + cores}" for c in range(2 * cores)})
+
+
+@pytest.mark.parametrize(("text", "cpus"), [("0", [0]), ("0-3", [0, 1, 2, 3]), ("0,8", [0, 8]),
+                                            ("0-1,4,6-7\n", [0, 1, 4, 6, 7]), ("3,1", [1, 3])])
+def test_parse_and_format_cpu_lists(text, cpus):
+    assert parse_cpu_list(text) == cpus
+    assert parse_cpu_list(format_cpus(cpus)) == cpus
+
+
+@pytest.mark.parametrize("bad", ["a", "3-1", "-1", "1-x"])
+def test_parse_cpu_list_refuses_malformed_text(bad):
+    with pytest.raises(ValueError):
+        parse_cpu_list(bad)
+
+
+def test_format_cpus_folds_runs():
+    assert format_cpus([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert format_cpus([]) == ""
+
+
+def test_physical_cores_groups_smt_siblings(tmp_path):
+    root = smt_host(tmp_path, 4)
+    assert physical_cores(range(8), root) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    # a sibling outside the allowed set is left out; its partner is still one core
+    assert physical_cores([0, 1, 5, 6], root) == [(0,), (1, 5), (6,)]
+
+
+def test_physical_cores_without_topology_counts_each_cpu(tmp_path):
+    root = fake_sysfs(tmp_path, {0: "0-1", 1: "0-1"})  # cpu2, cpu3 have no topology folder
+    assert physical_cores([0, 1, 2, 3], root) == [(0, 1), (2,), (3,)]
+    (tmp_path / "cpu0" / "topology" / "thread_siblings_list").write_text("garbage")
+    assert physical_cores([0, 1], root) == [(0,), (1,)]  # inconsistent: each CPU in one core only
+
+
+def test_plan_gives_the_last_core_with_its_siblings_to_the_engine(tmp_path):
+    root = smt_host(tmp_path, 8)  # 8 cores x 2 hardware threads
+    p = plan("auto", range(16), root)
+    assert p == CpuPlacement(engine=(7, 15), http=(0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14))
+    assert set(p.engine).isdisjoint(p.http) and set(p.engine) | set(p.http) == set(range(16))
+    assert p.describe() == "engine process on CPUs 7,15, HTTP on 0-6,8-14"
+
+
+def test_plan_without_smt_takes_two_cores(tmp_path):
+    """The H200 host of the device tool: 16 vCPUs, each its own core in sysfs."""
+    root = fake_sysfs(tmp_path, {c: str(c) for c in range(16)})
+    assert plan("auto", range(16), root) == CpuPlacement(engine=(14, 15), http=tuple(range(14)))
+    small = fake_sysfs(tmp_path / "four", {c: str(c) for c in range(4)})
+    assert plan("auto", range(4), small) == CpuPlacement(engine=(2, 3), http=(0, 1))
+
+
+def test_plan_leaves_the_http_process_two_cpus(tmp_path):
+    root = smt_host(tmp_path, 2)  # 4 CPUs = 2 cores: the engine's whole core leaves 2
+    assert plan("auto", range(4), root) == CpuPlacement(engine=(1, 3), http=(0, 2))
+    three = fake_sysfs(tmp_path / "three", {c: str(c) for c in range(3)})
+    assert plan("auto", range(3), three) is None
+    assert plan("auto", [0, 1], fake_sysfs(tmp_path / "b", {0: "0", 1: "1"})) is None  # CI's 2 vCPUs
+
+
+def test_plan_off_and_bad_mode(tmp_path):
+    root = smt_host(tmp_path, 8)
+    assert plan("off", range(16), root) is None
+    with pytest.raises(ValueError, match="auto' or 'off"):
+        plan("on", range(16), root)
+
+
+@linux_only
+def test_apply_binds_every_thread_of_a_process():
+    """In a child process: a thread started before `apply` and one started after both end up on the
+    CPUs given."""
+    cpu = min(os.sched_getaffinity(0))
+    code = f"""
+import os, threading
+from nanoqwen_cli.server import cpu_placement
+seen = {{}}
+ev = threading.Event()
+def early():
+    ev.wait(); seen["early"] = os.sched_getaffinity(0)
+t = threading.Thread(target=early); t.start()
+cpu_placement.apply(({cpu},))
+ev.set(); t.join()
+late = threading.Thread(target=lambda: seen.__setitem__("late", os.sched_getaffinity(0)))
+late.start(); late.join()
+print(sorted(seen["early"]), sorted(seen["late"]), sorted(os.sched_getaffinity(0)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split("\n")[0] == f"[{cpu}] [{cpu}] [{cpu}]"
+
+
+@linux_only
+def test_engine_process_runs_on_its_cpus():
+    """EngineProcess(engine_cpus=...) spawns an engine process bound to those CPUs (before it loads),
+    while this process keeps its own mask."""
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+
+    async def main():
+        loop = EngineProcess(FakeEngineSpec(busy_s=0.0, sleep_s=0.001), Metrics(), max_waiting=4,
+                             engine_cpus=(cpu,))
+        loop.start(asyncio.get_running_loop())
+        await asyncio.to_thread(loop.ready.wait, 120)
+        assert loop.load_error is None, loop.load_error
+        try:
+            assert os.sched_getaffinity(loop.engine_pid) == {cpu}
+            tasks = os.listdir(f"/proc/{loop.engine_pid}/task")
+            assert len(tasks) >= 2  # its sender thread too
+            assert all(os.sched_getaffinity(int(t)) == {cpu} for t in tasks)
+        finally:
+            await loop.drain(0.0)
+
+    asyncio.run(main())
+    assert os.sched_getaffinity(0) == before
+
+
+@linux_only
+def test_engine_process_refused_cpus_is_a_load_error():
+    """A CPU the kernel will not give (outside the host) ends the load with one clear line."""
+    bad = 4095
+
+    async def main():
+        loop = EngineProcess(FakeEngineSpec(busy_s=0.0, sleep_s=0.001), Metrics(), max_waiting=4,
+                             engine_cpus=(bad,))
+        loop.start(asyncio.get_running_loop())
+        await asyncio.to_thread(loop.ready.wait, 120)
+        assert loop.load_error is not None
+        assert "cannot bind the engine process to CPUs 4095" in loop.load_error
+        assert "--cpu-placement off" in loop.load_error
+        await asyncio.to_thread(loop.join, 30.0)
+
+    asyncio.run(main())
+
+
+def test_serve_refuses_a_bad_cpu_placement(tmp_path):
+    from nanoqwen_runtime.testing import write_tiny_container
+
+    model = write_tiny_container(tmp_path / "tiny.nanoqwen")
+    out = subprocess.run([sys.executable, "-m", "nanoqwen_cli.main", "serve", str(model), "--cpu-placement",
+                          "sometimes"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--cpu-placement must be auto or off" in out.stderr
