@@ -311,13 +311,27 @@ def test_readme_documents_every_option():
 
 
 # --------------------------------------------------------------------------------- the default recipe
-def test_pack_without_method_is_gptq_asym_g128_and_warns_once_on_cpu(tiny_hf, calib_dir, tmp_path):
-    """No --method on a float source: GPTQ asym g128 (PackOptions' defaults). On the CPU one notice,
-    printed before the calibrated loop starts, names its cost and --method rtn; the pack still runs
-    GPTQ as asked (no fallback). --method rtn prints no such notice."""
+def test_pack_without_method_is_rtn_asym_g128(tiny_hf, tmp_path):
+    """No --method on a float source: RTN asym g128 (PackOptions' defaults): no calibration, no notice."""
+    out = tmp_path / "d.nanoqwen"
+    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "note:" not in res.stderr and "calibrat" not in res.stderr
+    with nqf.open(out) as f:
+        q = f.metadata["quantization"]
+        assert (q["method"], q["symmetric"], q["group_size"]) == ("rtn", False, 128)
+        assert "gptq" not in q and "calibration" not in q
+        assert f.records["layers.0.qkv"].layout == "int4-g128-tile8x128-v1"
+
+
+def test_pack_gptq_warns_once_on_cpu(tiny_hf, calib_dir, tmp_path):
+    """--method gptq (asym g128 by default) on the CPU: one notice, printed before the calibrated loop
+    starts, names its cost and --method rtn; the pack still runs GPTQ as asked (no fallback). --method
+    rtn prints no such notice."""
     out = tmp_path / "m.nanoqwen"
     small = ["--calib", str(calib_dir), "--calib-tokens", "512", "--calib-seq-len", "64"]  # tiny model: cheap
-    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out), "--device", "cpu", *small])
+    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out), "--device", "cpu", "--method",
+                                   "gptq", *small])
     assert res.exit_code == 0, res.output
     lines = res.stderr.splitlines()
     notices = [i for i, line in enumerate(lines) if line.startswith("note: GPTQ calibrates on the CPU")]

@@ -12,10 +12,10 @@ and write the held-out evaluation text.
     nanoqwen-quant heldout -o FILE [--chars N]     held-out stdlib code, disjoint from calibration
 
 SRC is a GGUF file, a local HF folder (safetensors + config.json + tokenizer.json), or an HF hub id.
-Without --method: GPTQ asym g128 with 65,536 stdlib calibration tokens (`PackOptions`' defaults, chosen by
+Without --method: RTN asym g128, no calibration (`PackOptions`' defaults, chosen by the pass rate in
 bench/quality/README.md), or `import` for an already-quantized GPTQ/AWQ checkpoint or a GGUF whose
-decoder linears are all Q4_0. A calibrated pack on
-the CPU prints one notice first (its cost, and `--method rtn`, the calibration-free recipe).
+decoder linears are all Q4_0. A calibrated pack (`--method gptq`, or `--awq`) on the CPU prints one
+notice first (its cost, and `--method rtn`, the calibration-free recipe).
 
 Errors: one line on stderr, `error: ...`, and exit code 2 for a bad command line (an option value or
 combination, `-o` naming a directory: `UsageError` and click's own parse errors) or 1 for everything
@@ -127,7 +127,7 @@ def pack(
                              "a directory refused"),
     method: str = typer.Option(None, help="gptq | rtn (no calibration) | none (bf16 linears) | import (a "
                                "GPTQ/AWQ checkpoint or an all-Q4_0 GGUF, exactly); default: import for "
-                               "those, else gptq"),
+                               "those, else rtn"),
     group_size: int = typer.Option(_D.group_size, help="INT4 group size: 32, 64 or 128 (also the int8/int4 "
                                    "lm_head's)"),
     sym: bool = typer.Option(_D.symmetric, "--sym/--asym",
