@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", type=Path, help="a container of the model (for its chat template)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--conversations", type=int, default=2000,
-                    help="at most this many (2,000: 557K tokens of the Qwen tokenizer, 8x --calib-tokens' default)")
+                    help="at most this many (2,000: 557K tokens of the Qwen tokenizer, 8x the default "
+                         "--calib-tokens)")
     args = ap.parse_args(argv)
     from nanoqwen_quant.calib import stdlib_files
     from nanoqwen_runtime.generate import Pipeline
