@@ -156,3 +156,24 @@ def test_reads_the_calibration_split_only(monkeypatch, tmp_path):
     assert len(got) == 20
     assert read and not heldout & set(read)
     assert read == calib_files[:len(read)]  # in the split's hash order
+
+
+def test_run_quality_chat_recipe_builds_its_calibration_from_the_none_pack(tmp_path, monkeypatch):
+    """run_quality.py's gptq-asym-chat recipe: GPTQ asym with calib_paths = the folder chat_calib
+    writes from the model's `none` pack (its template), written once and reused."""
+    from nanoqwen_quant.options import PackOptions
+    from nanoqwen_runtime.testing import write_tiny_container
+
+    rq = _load("run_quality", ROOT / "bench" / "quality" / "run_quality.py")
+    kw = dict(rq.RECIPES["gptq-asym-chat"])
+    assert kw.pop("calib") == "chat"
+    opts = PackOptions(**kw)
+    assert (opts.method, opts.symmetric, opts.group_size, opts.calibrated) == ("gptq", False, 128, True)
+    write_tiny_container(tmp_path / "tiny-none.nanoqwen")
+    monkeypatch.setattr(rq, "CHAT_CONVERSATIONS", 5)
+    folder = rq.chat_calibration(tmp_path, "tiny")
+    assert folder == tmp_path / "tiny-chat-calib"
+    files = sorted(folder.iterdir())
+    assert len(files) == 5 and all("<|im_start|>assistant\n```python\n" in f.read_text() for f in files)
+    (tmp_path / "tiny-none.nanoqwen").unlink()  # a second call reuses the folder, needs no container
+    assert rq.chat_calibration(tmp_path, "tiny") == folder and sorted(folder.iterdir()) == files

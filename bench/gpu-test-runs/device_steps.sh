@@ -226,7 +226,13 @@ PY
     # calls (a model already answered is only re-scored) in /tmp/humaneval/MODEL, or MODEL-ARGS
     # (1.5b-samples-20) with ARGS.
     # Back: humaneval.md, humaneval.json and every per-model file in humaneval-files.tgz (8 files at most)
+    # HE_SEED_TGZ=FILE: a committed humaneval-files.tgz of the same settings, unpacked first, so that its
+    # models are only scored again (e.g. the 2026-12-04 sampled run's none / gptq-asym / rtn-asym beside a
+    # new recipe: HE_SEED_TGZ=bench/quality/results/humaneval-h200-2026-12-04-sampled/humaneval-files.tgz
+    # ... humaneval 1.5b none,gptq-asym-chat "--samples 20 --temperature 0.2", after `quality 1.5b
+    # none,gptq-asym-chat`)
     H=/tmp/humaneval/$2$(printf %s "${4:+-$4}" | tr -cs 'A-Za-z0-9.' -); M=()
+    if [ -n "${HE_SEED_TGZ:-}" ]; then mkdir -p "$H" && tar xzf "$HE_SEED_TGZ" -C "$H"; fi
     for r in $(tr , ' ' <<<"${3:-none,gptq-asym}"); do M+=(--model "$r=/tmp/quality/$2/$2-$r.nanoqwen"); done
     # shellcheck disable=SC2086  # ARGS split into words on purpose
     PYTHONPATH=$SRC:/tmp/site timeout 570 python3 bench/quality/humaneval.py run "${M[@]}" ${4:-} \
