@@ -266,7 +266,7 @@ class EngineBaseline:
         return time.perf_counter() - t0, t0, tokens
 
 
-def baseline_cpus(mode: str) -> tuple[int, ...] | None:
+def baseline_cpus(mode: str, device: str) -> tuple[int, ...] | None:
     """The CPUs the server's engine process takes under `--cpu-placement mode` (the same plan, made from
     this process's affinity, which the server inherits), for the baseline's runs: the engine alone gets
     the same CPUs the server's engine process has. None: no placement."""
@@ -274,7 +274,7 @@ def baseline_cpus(mode: str) -> tuple[int, ...] | None:
         return None
     from nanoqwen_cli.server import cpu_placement
 
-    p = cpu_placement.plan(mode)
+    p = cpu_placement.plan(mode, slot=cpu_placement.device_slot(device))
     return p.engine if p is not None else None
 
 
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         report["load"] = load
         if args.overhead_clients:
             baseline = EngineBaseline(args.model, args.kv_memory, args.device,
-                                      engine_cpus=baseline_cpus(args.cpu_placement))
+                                      engine_cpus=baseline_cpus(args.cpu_placement, args.device))
             report["baseline_cpus"] = list(baseline.engine_cpus) if baseline.engine_cpus else None
             report["overhead_http"] = overhead_phase(srv, name, args, baseline)
             del baseline

@@ -171,3 +171,33 @@ def test_serve_refuses_a_bad_cpu_placement(tmp_path):
                           "sometimes"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "--cpu-placement must be auto or off" in out.stderr
+
+
+def test_one_server_per_gpu_takes_the_pair_of_its_gpu(tmp_path):
+    """Servers on cuda:0 and cuda:1 of one host take different pairs (slots 0 and 1 from the end); a
+    slot past the host's CPUs is no placement."""
+    root = fake_sysfs(tmp_path, {c: str(c) for c in range(16)})
+    p0, p1 = plan("auto", range(16), root, slot=0), plan("auto", range(16), root, slot=1)
+    assert p0.engine == (14, 15) and p1.engine == (12, 13)
+    assert p1.http == tuple(c for c in range(16) if c not in (12, 13))
+    assert plan("auto", range(16), root, slot=6).engine == (2, 3)
+    assert plan("auto", range(16), root, slot=7).engine == (0, 1)  # the first pair: HTTP on 2-15
+    assert plan("auto", range(16), root, slot=8) is None  # no ninth pair
+    four = fake_sysfs(tmp_path / "four", {c: str(c) for c in range(4)})
+    assert plan("auto", range(4), four, slot=1) == CpuPlacement(engine=(0, 1), http=(2, 3))
+    assert plan("auto", range(4), four, slot=2) is None
+
+    smt = smt_host(tmp_path / "smt", 8)
+    assert plan("auto", range(16), smt, slot=1).engine == (6, 14)  # whole cores, SMT pairs
+    with pytest.raises(ValueError, match="slot"):
+        plan("auto", range(16), root, slot=-1)
+
+
+@pytest.mark.parametrize(("device", "visible", "slot"), [
+    ("cuda", None, 0), ("cuda:0", None, 0), ("cuda:3", None, 3), ("cuda", "2", 2), ("cuda:1", "4,6", 6),
+    ("cuda:0", "GPU-5e3f", 0), ("cuda:2", "1", 2), ("cpu", None, 0)])
+def test_device_slot_reads_the_gpu_number(device, visible, slot):
+    from nanoqwen_cli.server.cpu_placement import device_slot
+
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    assert device_slot(device, env) == slot

@@ -13,8 +13,9 @@ The engine runs in a process of its own (server/engine_process.py), built from a
 --threads sets torch's threads there. If that process dies (crash, OOM kill), its requests end with an
 error, the server stops and the command exits 1 with one line saying how it died. On cuda with 4 or
 more CPUs the engine process runs on two hardware threads of its own and the HTTP process on the others
-(`--cpu-placement auto`, server/cpu_placement.py); `off` leaves both to the scheduler, as does
-`--device cpu` (the reference engine computes on every core).
+(`--cpu-placement auto`, server/cpu_placement.py; one server per GPU: each takes the pair of its GPU's
+number); `off` leaves both to the scheduler, as does `--device cpu` (the reference engine computes on
+every core).
 Binds 127.0.0.1 unless --host says otherwise. `--api-key` (or NANOQWEN_API_KEY) makes /v1/* require
 `Authorization: Bearer KEY`. SIGTERM (or Ctrl-C) drains: no new requests (503), running ones get up
 to --drain-timeout seconds to finish, the rest are aborted; then the command exits 0 (130 for Ctrl-C).
@@ -143,6 +144,7 @@ def serve(
     error = run_server(engine, pipeline, name, host=host, port=port, api_key=api_key,
                        max_body_bytes=body_limit, max_waiting=max_waiting, drain_timeout_s=drain_timeout,
                        log_level=log_level,
-                       placement=placement.plan(cpu_placement) if device.startswith("cuda") else None)
+                       placement=placement.plan(cpu_placement, slot=placement.device_slot(device))
+                       if device.startswith("cuda") else None)
     if error is not None:
         raise error

@@ -18,8 +18,12 @@ SMT siblings visible), the time between two decode steps went from 6 us to 64 us
 process on one CPU.
 
 The last cores are taken rather than the first because the first CPUs of a host usually take the
-most interrupts. Placement is advisory: other processes of the machine may still run on the engine's
-CPUs (affinity binds our threads, it does not reserve a core).
+most interrupts. One server per GPU on a host: each engine process takes the slot of its GPU (`slot`
+k = the k-th group of ENGINE_CPUS hardware threads from the end; `device_slot` maps cuda:N, through
+CUDA_VISIBLE_DEVICES when that lists GPU numbers, to the GPU's number), so that two servers do not
+share one pair. Each HTTP process still takes every CPU outside its own engine's. Placement is
+advisory: other processes of the machine may still run on the engine's CPUs (affinity binds our
+threads, it does not reserve a core).
 
 Linux only (sched_setaffinity, sysfs); elsewhere `plan` returns None. A CPU whose topology cannot be
 read counts as a core of its own.
@@ -32,8 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ENGINE_CPUS", "MIN_HTTP_CPUS", "CpuPlacement", "apply", "format_cpus", "parse_cpu_list",
-           "physical_cores", "plan"]
+__all__ = ["ENGINE_CPUS", "MIN_HTTP_CPUS", "CpuPlacement", "apply", "device_slot", "format_cpus",
+           "parse_cpu_list", "physical_cores", "plan"]
 
 ENGINE_CPUS = 2     # hardware threads for the engine process: its stepping thread and its sender thread
 MIN_HTTP_CPUS = 2   # fewer left for the HTTP process (and a client on the same host): no placement
@@ -102,24 +106,45 @@ def physical_cores(cpus: Iterable[int], sys_cpu: Path = SYS_CPU) -> list[tuple[i
     return cores
 
 
-def plan(mode: str, allowed: Iterable[int] | None = None, sys_cpu: Path = SYS_CPU) -> CpuPlacement | None:
+def plan(mode: str, allowed: Iterable[int] | None = None, sys_cpu: Path = SYS_CPU,
+         slot: int = 0) -> CpuPlacement | None:
     """The placement for `mode` ("auto" or "off") on the CPUs this process may use (default: its
-    affinity mask). None: no placement (off, not Linux, or too few CPUs to leave the HTTP process
-    MIN_HTTP_CPUS once the engine has its whole cores)."""
+    affinity mask), the engine taking group `slot` (0: the last cores; see the module header). None:
+    no placement (off, not Linux, no such group, or too few CPUs left for the HTTP process)."""
     if mode not in ("auto", "off"):
         raise ValueError(f"CPU placement must be 'auto' or 'off', got {mode!r}")
+    if slot < 0:
+        raise ValueError(f"slot must be >= 0, got {slot}")
     if mode == "off" or not hasattr(os, "sched_getaffinity"):
         return None
     cpus = sorted(os.sched_getaffinity(0) if allowed is None else set(allowed))
-    engine: list[int] = []
+    groups: list[list[int]] = [[]]
     for core in reversed(physical_cores(cpus, sys_cpu)):
-        if len(engine) >= ENGINE_CPUS:
-            break
-        engine.extend(core)
+        if len(groups[-1]) >= ENGINE_CPUS:
+            if len(groups) > slot:
+                break
+            groups.append([])
+        groups[-1].extend(core)
+    if len(groups) <= slot or len(groups[slot]) < ENGINE_CPUS:
+        return None
+    engine = groups[slot]
     http = tuple(c for c in cpus if c not in engine)
     if len(http) < MIN_HTTP_CPUS:
         return None
     return CpuPlacement(engine=tuple(sorted(engine)), http=http)
+
+
+def device_slot(device: str, environ: dict[str, str] | None = None) -> int:
+    """The placement slot of a server on `device` ("cuda", "cuda:N"): the GPU's number, read through
+    CUDA_VISIBLE_DEVICES when that is a list of numbers (CUDA_VISIBLE_DEVICES=3 and cuda:0 -> 3), else
+    N. 0 for anything else."""
+    env = os.environ if environ is None else environ
+    _, _, index = device.partition(":")
+    n = int(index) if index.isdigit() else 0
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if n < len(visible) and visible[n].isdigit():
+        return int(visible[n])
+    return n
 
 
 def apply(cpus: Iterable[int]) -> None:
