@@ -75,15 +75,19 @@ PY
     gzip -f $OUT/server/engine-trace.jsonl || true ;;
   serve-variants)  # the load test + overhead phase for several servers in one call (same engine, model,
     # machine): old = HEAD's server code (.v1, first on PYTHONPATH) on h11; off = this tree's with httptools
-    # and --cpu-placement off; auto = the same with --cpu-placement auto (engine baseline pinned alike).
-    # "$2": extra loadtest.py options; SERVE_SIDES picks and orders the sides
+    # and --cpu-placement off; auto = the same with --cpu-placement auto (engine baseline pinned alike);
+    # v2 = auto with a patched copy of this tree's nanoqwen-cli first on PYTHONPATH (.v2, made here with
+    # `mkdir .v2 && git archive HEAD packages/nanoqwen-cli | tar -x -C .v2 && (cd .v2 && git apply ../PATCH)`, e.g.
+    # bench/server/attempts/2026-12-04-session15-admission-batch.patch; carry .v2).
+    # "$2": extra loadtest.py options; SERVE_SIDES picks and orders the sides (e.g. "auto v2 auto2 v22")
     P=/tmp/q05-rtn.nanoqwen; V1=$PWD/.v1/packages/nanoqwen-cli/src
     [ -f $P ] || PYTHONPATH=$SRC:/tmp/site python3 -m nanoqwen_quant.cli pack \
       $CACHE/qwen2.5-coder-0.5b-instruct.gguf -o $P --method rtn 2>&1 | tail -1
     nproc; cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list || true
     for side in ${SERVE_SIDES:-old off auto}; do
       case $side in old) pp=$V1:$SRC:/tmp/site; pl=unset ;; off) pp=/tmp/site-fast:$SRC:/tmp/site; pl=off ;;
-        auto) pp=/tmp/site-fast:$SRC:/tmp/site; pl=auto ;; esac
+        auto*) pp=/tmp/site-fast:$SRC:/tmp/site; pl=auto ;;
+        v2*) pp=$PWD/.v2/packages/nanoqwen-cli/src:/tmp/site-fast:$SRC:/tmp/site; pl=auto ;; esac
       # shellcheck disable=SC2086  # "$2": extra loadtest.py options, split into words on purpose
       PYTHONPATH=$pp timeout 200 python3 bench/server/loadtest.py $P --out $OUT/server-$side \
         --cpu-placement $pl ${2:-} 2>&1 | grep -A3 "^Server\|^Overhead\|^| completed" || true
