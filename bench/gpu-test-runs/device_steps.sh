@@ -77,7 +77,7 @@ PY
     # machine): old = HEAD's server code (.v1, first on PYTHONPATH) on h11; off = this tree's with httptools
     # and --cpu-placement off; auto = the same with --cpu-placement auto (engine baseline pinned alike);
     # v2 = auto with a patched copy of this tree's nanoqwen-cli first on PYTHONPATH (.v2, made here with
-    # `mkdir .v2 && git archive HEAD packages/nanoqwen-cli | tar -x -C .v2 && (cd .v2 && git apply ../PATCH)`, e.g.
+    # `mkdir .v2 && git archive HEAD packages/nanoqwen-cli | tar -x -C .v2 && patch -p1 -d .v2 < PATCH`, e.g.
     # bench/server/attempts/2026-12-04-session15-admission-batch.patch; carry .v2).
     # "$2": extra loadtest.py options; SERVE_SIDES picks and orders the sides (e.g. "auto v2 auto2 v22")
     P=/tmp/q05-rtn.nanoqwen; V1=$PWD/.v1/packages/nanoqwen-cli/src
