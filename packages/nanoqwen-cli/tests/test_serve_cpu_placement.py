@@ -201,3 +201,20 @@ def test_device_slot_reads_the_gpu_number(device, visible, slot):
 
     env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     assert device_slot(device, env) == slot
+
+
+@linux_only
+def test_server_refused_cpus_is_one_clear_error():
+    """run_server with HTTP CPUs the kernel will not give returns the error before anything starts (in
+    a child process: a refusal changes no thread's mask, but the test process's own stays untouched)."""
+    code = """
+from nanoqwen_cli.server.cpu_placement import CpuPlacement
+from nanoqwen_cli.server.fake_engine import FakeEngineSpec
+from nanoqwen_cli.server.runner import run_server
+err = run_server(FakeEngineSpec(), None, "m", host="127.0.0.1", port=0, api_key=None, max_body_bytes=1,
+                 max_waiting=1, drain_timeout_s=1.0, placement=CpuPlacement(engine=(0,), http=(4095,)))
+print(err)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert "cannot bind the server to CPUs 4095" in out.stdout and "--cpu-placement off" in out.stdout
