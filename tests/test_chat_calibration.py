@@ -1,16 +1,22 @@
-"""CPU: bench/quality/chat_calib.py, the chat-formatted GPTQ calibration set of issue 16's next test
-(why GPTQ loses pass rate). Function extraction on hand-written sources (documented functions kept,
-undocumented, decorated, too short and docstring-only ones left out, methods dedented), the rendered
-conversation with the tiny container's Qwen template, the split it reads (calibration only, never the
-held-out files), and that `build_calibration` reads the written folder with the template's special
-tokens as single ids. Here, not under one package's tests: the script uses nanoqwen-quant's calibration
-split and nanoqwen-runtime's chat template."""
+"""CPU: the chat calibration text, `nanoqwen-quant pack`'s default since 2026-12-04
+(nanoqwen_quant/calib_chat.py), and bench/quality/chat_calib.py, which writes the same conversations to
+files (the set the H200 measurement that chose the default was calibrated on). Function extraction on
+hand-written sources (documented functions kept, undocumented, decorated, too short and docstring-only
+ones left out, methods dedented), the rendered conversation with the tiny container's Qwen template, the
+split it reads (calibration only, never the held-out files), that `build_calibration` keeps the
+template's special tokens as single ids, and that the package's text (rendered by transformers from the
+source) tokenizes to the same ids as the script's files (rendered by the runtime's `ChatTemplate`): on
+the tiny container, and on the real 0.5B. Here, not under one package's tests: the script uses
+nanoqwen-runtime's chat template."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,6 +30,7 @@ def _load(name: str, path: Path):
 
 
 CC = _load("chat_calib", ROOT / "bench" / "quality" / "chat_calib.py")
+CHAT = importlib.import_module("nanoqwen_quant.calib_chat")
 
 SOURCE = '''
 import functools
@@ -84,7 +91,7 @@ class Box:
 
 
 def test_documented_functions_keeps_documented_bodies_and_dedents_methods():
-    found = list(CC.documented_functions(SOURCE))
+    found = list(CHAT.documented_functions(SOURCE))
     names = [head.split("(")[0] for head, _ in found]
     assert names == ["def top", "def area"]
     head, whole = found[1]
@@ -93,19 +100,19 @@ def test_documented_functions_keeps_documented_bodies_and_dedents_methods():
     assert whole.startswith(head) and whole.endswith("return w * h")
     assert all(not line.startswith(" " * 8 + "def") for line in whole.splitlines())  # dedented
     compile(whole, "<area>", "exec")  # the answer is valid Python on its own
-    assert list(CC.documented_functions("def broken(:\n")) == []
+    assert list(CHAT.documented_functions("def broken(:\n")) == []
 
 
 def test_conversation_asks_with_one_of_the_instructions_and_answers_with_the_function():
-    head, whole = next(CC.documented_functions(SOURCE))
-    user, assistant = CC.conversation(head, whole)
+    head, whole = next(CHAT.documented_functions(SOURCE))
+    user, assistant = CHAT.conversation(head, whole)
     assert user["role"] == "user" and assistant["role"] == "assistant"
     instruction, _, rest = user["content"].partition("\n\n")
-    assert instruction in CC.INSTRUCTIONS
+    assert instruction in CHAT.INSTRUCTIONS
     assert "Complete the following Python function" not in user["content"]  # not the harness's wording
     assert rest == f"```python\n{head}\n```"
     assert assistant["content"] == f"```python\n{whole}\n```"
-    assert CC.conversation(head, whole) == [user, assistant]  # the same function, the same instruction
+    assert CHAT.conversation(head, whole) == [user, assistant]  # the same function, the same instruction
 
 
 def test_written_set_renders_the_template_and_tokenizes_special_tokens(tmp_path):
@@ -152,28 +159,58 @@ def test_reads_the_calibration_split_only(monkeypatch, tmp_path):
         return real(self, *a, **k)
 
     monkeypatch.setattr(Path, "read_text", spy)
-    got = list(CC.conversations(calib_files, 20))
+    got = list(CHAT.conversations(calib_files, 20))
     assert len(got) == 20
     assert read and not heldout & set(read)
     assert read == calib_files[:len(read)]  # in the split's hash order
 
 
-def test_run_quality_chat_recipe_builds_its_calibration_from_the_none_pack(tmp_path, monkeypatch):
-    """run_quality.py's gptq-asym-chat recipe: GPTQ asym with calib_paths = the folder chat_calib
-    writes from the model's `none` pack (its template), written once and reused."""
-    from nanoqwen_quant.options import PackOptions
+def _same_ids_through_files_and_in_memory(container: Path, tmp_path: Path, n_tokens: int, seq_len: int):
+    """The calibration ids of the chat text two ways: bench/quality/chat_calib.py's files (the runtime's
+    ChatTemplate of `container`) read as --calib, and `pack`'s default (transformers' rendering)."""
+    import nanoqwen_format as nqf
+    from nanoqwen_quant.calib import build_calibration, stdlib_files
+    from nanoqwen_runtime.generate import Pipeline
+
+    pipe = Pipeline.from_container(container, backend=None)
+    files = tmp_path / "chat-files"
+    CC.write_calibration(pipe.template, stdlib_files("calib"), files, limit=400)
+    with nqf.open(container) as f:
+        template, tokenizer_json, config = f.chat_template, f.tokenizer_json, f.config
+    eos = config.get("eos_token_id")
+    renderer = CHAT.ChatRenderer(template, tokenizer_json, config.get("bos_token_id"),
+                                 eos[0] if isinstance(eos, list) else eos)
+    through_files = build_calibration(tokenizer_json, n_tokens, seq_len, [files])
+    in_memory = build_calibration(tokenizer_json, n_tokens, seq_len, None, renderer)
+    assert in_memory.source.startswith("chat:python-stdlib ")
+    assert in_memory.files == through_files.files > 1  # the same conversations, in the same order
+    assert in_memory.sha256 == through_files.sha256
+    assert (in_memory.ids == through_files.ids).all()
+
+
+def test_pack_default_text_equals_the_written_files_tiny(tmp_path):
     from nanoqwen_runtime.testing import write_tiny_container
 
+    model = write_tiny_container(tmp_path / "tiny.nanoqwen")
+    _same_ids_through_files_and_in_memory(model, tmp_path, 8192, 512)
+
+
+@pytest.mark.model
+def test_pack_default_text_equals_the_written_files_real_05b(qwen05b_packed, tmp_path):
+    """The real Qwen template and tokenizer: the default's 65,536 tokens (~240 conversations)."""
+    _same_ids_through_files_and_in_memory(qwen05b_packed("none"), tmp_path, 65536, 2048)
+
+
+def test_run_quality_recipes_name_their_calibration_text():
+    """run_quality.py's gptq-asym-chat recipe is the default (`PackOptions()` with asym explicit); every
+    other calibrated recipe keeps the text it was measured on, the stdlib code."""
+    from nanoqwen_quant.options import PackOptions
+
     rq = _load("run_quality", ROOT / "bench" / "quality" / "run_quality.py")
-    kw = dict(rq.RECIPES["gptq-asym-chat"])
-    assert kw.pop("calib") == "chat"
-    opts = PackOptions(**kw)
-    assert (opts.method, opts.symmetric, opts.group_size, opts.calibrated) == ("gptq", False, 128, True)
-    write_tiny_container(tmp_path / "tiny-none.nanoqwen")
-    monkeypatch.setattr(rq, "CHAT_CONVERSATIONS", 5)
-    folder = rq.chat_calibration(tmp_path, "tiny")
-    assert folder == tmp_path / "tiny-chat-calib"
-    files = sorted(folder.iterdir())
-    assert len(files) == 5 and all("<|im_start|>assistant\n```python\n" in f.read_text() for f in files)
-    (tmp_path / "tiny-none.nanoqwen").unlink()  # a second call reuses the folder, needs no container
-    assert rq.chat_calibration(tmp_path, "tiny") == folder and sorted(folder.iterdir()) == files
+    chat = PackOptions(**rq.RECIPES["gptq-asym-chat"])
+    assert chat.chat_calibration and chat.method == PackOptions().method
+    assert (chat.method, chat.symmetric, chat.group_size) == ("gptq", False, 128)
+    for name in ("gptq", "gptq-asym", "awq-clipact-asym", "gptq-awq-clip"):
+        opts = PackOptions(**rq.RECIPES[name])
+        assert opts.calibrated and opts.calib_text == "code" and not opts.chat_calibration, name
+    assert "calib_text" not in rq.RECIPES["rtn-asym"]

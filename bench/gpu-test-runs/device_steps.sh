@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The steps of an H200 session (device tool: one warm machine, calls back to back; /tmp lives while warm).
 #   device_steps.sh setup            install the carried wheels (.whl: nox, gguf; .whl-serve: the server) to /tmp/site
-#   device_steps.sh piece FILE       keep one carried 60 MiB piece of a GGUF in /tmp/carry
+#   device_steps.sh piece FILE       keep one carried piece of a GGUF in /tmp/carry (48 MiB since session 16:
+#                                    the working tree is ~10.5 MB, and tree + piece must stay under 64 MiB)
 #   device_steps.sh assemble         cat the pieces, check the pinned sha256, stamp them into the model cache
 #   device_steps.sh STEP             run one step below; everything it writes goes under $OUT
 set -euo pipefail

@@ -38,6 +38,7 @@ RECIPES: dict[str, dict] = {
     "rtn-asym": {"method": "rtn", "symmetric": False},
     "rtn-g64": {"method": "rtn", "group_size": 64, "symmetric": True},
     "rtn-asym-g32": {"method": "rtn", "symmetric": False, "group_size": 32},
+    "rtn-asym-g64": {"method": "rtn", "symmetric": False, "group_size": 64},
     "rtn-clip": {"method": "rtn", "clip": True, "symmetric": True},
     "awq-clip": {"method": "rtn", "awq": True, "clip": True, "symmetric": True},
     "awq-clipact": {"method": "rtn", "awq": True, "clip": True, "clip_act": True, "symmetric": True},
@@ -49,11 +50,15 @@ RECIPES: dict[str, dict] = {
     "gptq-clip-asym": {"method": "gptq", "clip": True, "symmetric": False},
     "gptq-clip-g64": {"method": "gptq", "clip": True, "group_size": 64, "symmetric": True},
     "gptq-awq-clip": {"method": "gptq", "awq": True, "clip": True, "symmetric": True},
-    # GPTQ calibrated on chat-formatted conversations (chat_calib.py, rendered with the model's own
-    # template from its `none` pack) instead of raw stdlib code: the test of why GPTQ asym loses pass rate
-    "gptq-asym-chat": {"method": "gptq", "symmetric": False, "calib": "chat"},
+    # GPTQ calibrated on chat conversations in the model's own template (nanoqwen_quant/calib_chat.py):
+    # the default recipe since 2026-12-04 (`PackOptions()`)
+    "gptq-asym-chat": {"method": "gptq", "symmetric": False, "calib_text": "chat"},
 }
-CHAT_CONVERSATIONS = 2000  # chat_calib.py's default: 557K tokens, more than any --calib-tokens used here
+# Every other calibrated recipe (GPTQ, AWQ) was measured on the stdlib code as it is, the only built-in
+# calibration text before 2026-12-04: keep that meaning (`calib_text="code"` unless the recipe names one).
+for _kw in RECIPES.values():
+    if _kw["method"] == "gptq" or _kw.get("awq"):
+        _kw.setdefault("calib_text", "code")
 
 
 class CachedSource(Source):
@@ -159,8 +164,6 @@ def main() -> int:
             kw = dict(RECIPES[name])
             if kw["method"] == "gptq" or kw.get("awq"):
                 kw["calib_tokens"] = a.calib_tokens
-            if kw.pop("calib", None) == "chat":
-                kw["calib_paths"] = [str(chat_calibration(a.out, model))]
             opts = PackOptions(device=a.device, **kw)
             if not out.exists():
                 summary = pack(src, out, opts, log=lambda m: None)
@@ -190,23 +193,6 @@ def main() -> int:
         if not a.keep:
             (a.out / f"{model}-none.nanoqwen").unlink(missing_ok=True)
     return 0
-
-
-def chat_calibration(out: Path, model: str) -> Path:
-    """OUT/MODEL-chat-calib: chat_calib.py's conversations, rendered with the template of MODEL's `none`
-    pack (made first: `none` leads every recipe list); written once, reused by later runs."""
-    folder = out / f"{model}-chat-calib"
-    if not (folder.is_dir() and any(folder.iterdir())):
-        from nanoqwen_quant.calib import stdlib_files
-        from nanoqwen_runtime.generate import Pipeline
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from chat_calib import write_calibration
-
-        template = Pipeline.from_container(out / f"{model}-none.nanoqwen", backend=None).template
-        n = write_calibration(template, stdlib_files("calib"), folder, CHAT_CONVERSATIONS)
-        print(f"[{model}] chat calibration: {n} conversations -> {folder}", flush=True)
-    return folder
 
 
 if __name__ == "__main__":

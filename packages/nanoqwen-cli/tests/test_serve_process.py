@@ -325,3 +325,28 @@ def test_fake_engine_prefill_is_a_step_of_its_own():
     legacy = FakeEngineSpec(busy_s=0.0, sleep_s=0.0).build()
     legacy.submit(request("a", 3))
     assert step(legacy) == [("a", 0)] and legacy.num_steps == {"prefill": 0, "decode": 1}
+
+
+def test_writer_sends_what_is_queued_as_one_batch():
+    """Commands queued while the writer thread waited go out as one ("batch", [...]) message, in order,
+    and the worker reads it back as those commands; a lone command goes as itself; None ends it."""
+    import multiprocessing
+    import pickle
+
+    from nanoqwen_cli.server import engine_worker as ew
+
+    here, there = multiprocessing.Pipe(duplex=True)
+    loop = EngineProcess(FakeEngineSpec(), Metrics(), max_waiting=8)
+    loop._conn = here
+    cmds = [("submit", i) for i in range(5)] + [("abort", "r1")]
+    for c in cmds:
+        loop._outbox.put(c)
+    loop._outbox.put(None)
+    loop._write()  # runs until the None: everything before it in one message
+    msg = pickle.loads(there.recv_bytes())
+    assert msg == ("batch", cmds)
+    assert not there.poll(0.1)
+    there.send_bytes(pickle.dumps(msg))
+    assert ew._recv(here) == cmds
+    there.send_bytes(pickle.dumps(("stop",)))
+    assert ew._recv(here) == [("stop",)]

@@ -244,9 +244,9 @@ def test_method_must_fit_the_source(gptq_folder, tiny_hf, tmp_path):
 
 def test_cli_default_method_and_a_leftover_checkpoint_folder(gptq_folder, tiny_hf, tmp_path):
     """No --method and an OUT.ckpt folder left by an interrupted GPTQ pack: a GPTQ source is imported
-    (import keeps no checkpoint; the folder is left as it was), and so is a float source packed with the
-    default RTN (no checkpoint either); with --method gptq a float source is refused until --resume is
-    passed."""
+    (import keeps no checkpoint; the folder is left as it was); a float source gets the default recipe,
+    GPTQ, so it is refused until --resume is passed, with --method gptq or without --method alike; with
+    --method rtn (no checkpoint) it packs and leaves the folder alone."""
     out = tmp_path / "m.nanoqwen"
     ckpt = tmp_path / "m.nanoqwen.ckpt"
     ckpt.mkdir()
@@ -259,11 +259,12 @@ def test_cli_default_method_and_a_leftover_checkpoint_folder(gptq_folder, tiny_h
     out2 = tmp_path / "f.nanoqwen"
     (tmp_path / "f.nanoqwen.ckpt").mkdir()
     (tmp_path / "f.nanoqwen.ckpt" / "keep").write_text("y")
+    for method in (["--method", "gptq"], []):
+        res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out2), "--device", "cpu", *method])
+        assert res.exit_code == 1 and "exists: pass --resume" in " ".join(res.output.split()), res.output
+        assert not out2.exists()
     res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out2), "--device", "cpu",
-                                   "--method", "gptq"])
-    assert res.exit_code == 1 and "exists: pass --resume" in " ".join(res.output.split()), res.output
-    assert not out2.exists()
-    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out2), "--device", "cpu"])
+                                   "--method", "rtn"])
     assert res.exit_code == 0, res.output
     with nqf.open(out2) as f:
         assert f.metadata["quantization"]["method"] == "rtn"

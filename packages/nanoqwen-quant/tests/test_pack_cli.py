@@ -311,17 +311,46 @@ def test_readme_documents_every_option():
 
 
 # --------------------------------------------------------------------------------- the default recipe
-def test_pack_without_method_is_rtn_asym_g128(tiny_hf, tmp_path):
-    """No --method on a float source: RTN asym g128 (PackOptions' defaults): no calibration, no notice."""
+def test_pack_without_method_is_gptq_asym_g128_on_chat_text(tiny_hf, tmp_path):
+    """No --method on a float source: PackOptions' defaults, GPTQ asym g128 calibrated on the chat text
+    (the stdlib's functions as conversations in the source's own template); on the CPU with the notice.
+    The calibrated path ran: GPTQ metadata, a chat calibration of the asked size."""
     out = tmp_path / "d.nanoqwen"
-    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out), "--device", "cpu"])
+    small = ["--calib-tokens", "1024", "--calib-seq-len", "256"]  # tiny model: a cheap calibration
+    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out), "--device", "cpu", *small])
     assert res.exit_code == 0, res.output
-    assert "note:" not in res.stderr and "calibrat" not in res.stderr
+    assert "note: GPTQ calibrates on the CPU" in res.stderr
     with nqf.open(out) as f:
         q = f.metadata["quantization"]
-        assert (q["method"], q["symmetric"], q["group_size"]) == ("rtn", False, 128)
-        assert "gptq" not in q and "calibration" not in q
+        assert (q["method"], q["symmetric"], q["group_size"]) == ("gptq", False, 128)
+        assert "gptq" in q and q["calibration"]["tokens"] == 1024
+        assert q["calibration"]["source"].startswith("chat:python-stdlib ")
         assert f.records["layers.0.qkv"].layout == "int4-g128-tile8x128-v1"
+
+
+@pytest.mark.parametrize("text, prefix", [("chat", "chat:python-stdlib "), ("code", "python-stdlib ")])
+def test_calib_text_picks_the_built_in_text(tiny_hf, tmp_path, text, prefix):
+    """--calib-text chat | code: the text the calibration came from, recorded in the metadata."""
+    out = tmp_path / "m.nanoqwen"
+    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out), "--device", "cpu", "--method",
+                                   "gptq", "--calib-text", text, "--calib-tokens", "512", "--calib-seq-len",
+                                   "128"])
+    assert res.exit_code == 0, res.output
+    with nqf.open(out) as f:
+        assert f.metadata["quantization"]["calibration"]["source"].startswith(prefix)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--calib-text", "prose"], "calib_text (--calib-text) must be one of chat, code, got 'prose'"),
+    (["--calib-text", "code", "--calib", "CALIB"], "calib_paths (--calib) replaces it: give one of them"),
+    (["--method", "rtn", "--calib-text", "code"],
+     "calib_text (--calib-text) applies to method gptq or --awq"),
+])
+def test_calib_text_refused(tiny_hf, calib_dir, tmp_path, args, match):
+    args = [str(calib_dir) if a == "CALIB" else a for a in args]
+    res = CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(tmp_path / "m.nanoqwen"), *args])
+    assert res.exit_code == 2 and match in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "m.nanoqwen").exists()
 
 
 def test_pack_gptq_warns_once_on_cpu(tiny_hf, calib_dir, tmp_path):

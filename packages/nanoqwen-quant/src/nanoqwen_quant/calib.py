@@ -1,16 +1,19 @@
 """Calibration and held-out evaluation text, tokenized with the model's own tokenizer.
 
-Default corpus: the `.py` sources of the running Python's standard library (present on any machine,
-real code, deterministic for a given Python version). Each file goes to exactly one of two splits,
-fixed by the sha256 of its path relative to the stdlib root:
+Corpus: the `.py` sources of the running Python's standard library (present on any machine, real code,
+deterministic for a given Python version). Each file goes to exactly one of two splits, fixed by the
+sha256 of its path relative to the stdlib root:
 
     first byte of sha256(relpath) <  HELDOUT_BYTE  -> "heldout" (about 10% of files; eval text)
-    first byte of sha256(relpath) >= HELDOUT_BYTE  -> "calib"   (GPTQ calibration)
+    first byte of sha256(relpath) >= HELDOUT_BYTE  -> "calib"   (GPTQ / AWQ calibration)
 
 so calibration and evaluation text never share a file. Inside a split, files are taken in order of
-that hash (a deterministic shuffle across packages), joined by a blank line, until enough tokens are
-collected. `--calib PATH` replaces the default with user files/folders (every file, recursively, in
-sorted path order; files that are not UTF-8 text are refused).
+that hash (a deterministic shuffle across packages). The calibration text made of the "calib" split is
+either its documented functions as chat conversations in the model's template (`calib_chat.py`: the
+default of a pack, `--calib-text chat`) or its files as they are (`--calib-text code`); documents are
+joined by a blank line until enough tokens are collected. `--calib PATH` replaces both with user
+files/folders (every file, recursively, in sorted path order; files that are not UTF-8 text are
+refused).
 
 Calibration sequences are `n_tokens // seq_len` non-overlapping windows of `seq_len` tokens of the
 concatenated token stream; the sha256 of the int32 token ids goes into the container metadata.
@@ -21,11 +24,14 @@ from __future__ import annotations
 import hashlib
 import sys
 import sysconfig
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .calib_chat import ChatRenderer, chat_texts
 
 HELDOUT_BYTE = 26  # 26/256 ~ 10% of the stdlib files are held out for evaluation
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -106,8 +112,8 @@ class CalibrationSet:
     """Token windows for GPTQ. ids: int64 [n_seqs, seq_len]."""
 
     ids: torch.Tensor
-    source: str  # "python-stdlib" or the user paths
-    files: int
+    source: str  # "python-stdlib X.Y.Z", "chat:python-stdlib X.Y.Z" or "files:" + the user paths
+    files: int  # documents used: files, or conversations for the chat text
     sha256: str  # of the int32 token ids, row-major
 
     @property
@@ -124,26 +130,34 @@ def heldout_rule() -> str:
     return f"stdlib file held out iff sha256(relpath)[0] < {HELDOUT_BYTE}"
 
 
-def build_calibration(tokenizer_json: str, n_tokens: int, seq_len: int,
-                      paths: list[str | Path] | None = None) -> CalibrationSet:
-    """Tokenize calibration text into `n_tokens // seq_len` windows of `seq_len` tokens."""
+def build_calibration(tokenizer_json: str, n_tokens: int, seq_len: int, paths: list[str | Path] | None = None,
+                      chat: ChatRenderer | None = None) -> CalibrationSet:
+    """Tokenize calibration text into `n_tokens // seq_len` windows of `seq_len` tokens.
+
+    The text, in order of precedence: the files under `paths` (user text); the conversations of
+    `calib_chat` rendered by `chat` (the default of a pack: stdlib functions asked for and answered in
+    the model's chat template); else the stdlib calibration split's code as it is. Each document (a file
+    or a conversation) is followed by a blank line."""
     from tokenizers import Tokenizer
 
     if seq_len < 16 or n_tokens < seq_len:
         raise CalibrationError(f"need seq_len >= 16 and tokens >= seq_len, got {n_tokens} / {seq_len}")
     tok = Tokenizer.from_str(tokenizer_json)
+    stdlib = f"python-stdlib {sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
     if paths:
-        files, strict = user_files(paths), True
+        texts: Iterable[str | None] = (_read_text(p, True) for p in user_files(paths))
         source = "files:" + ",".join(str(p) for p in paths)
+    elif chat is not None:
+        texts = chat_texts(chat, stdlib_files("calib"))
+        source = f"chat:{stdlib}"
     else:
-        files, strict = stdlib_files("calib"), False
-        source = f"python-stdlib {sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+        texts = (_read_text(p, False) for p in stdlib_files("calib"))
+        source = stdlib
     want = (n_tokens // seq_len) * seq_len
     ids: list[int] = []
     used = 0
     sep = tok.encode("\n\n", add_special_tokens=False).ids
-    for p in files:
-        text = _read_text(p, strict)
+    for text in texts:
         if not text:
             continue
         ids += tok.encode(text, add_special_tokens=False).ids + sep

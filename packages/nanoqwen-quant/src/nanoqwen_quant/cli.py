@@ -3,7 +3,8 @@ and write the held-out evaluation text.
 
     nanoqwen-quant pack SRC -o OUT.nanoqwen --method gptq|rtn|none|import --group-size 128 [--sym|--asym]
                         [--clip|--no-clip] [--clip-act] [--awq|--no-awq]
-                        [--lm-head bf16|int8|int4] [--calib PATH ...] [--calib-tokens N]
+                        [--lm-head bf16|int8|int4] [--calib PATH ... | --calib-text chat|code]
+                        [--calib-tokens N]
                         [--calib-seq-len N] [--calib-batch N] [--damp F] [--act-order|--no-act-order]
                         [--static-groups|--dynamic-groups]
                         [--device D] [--resume] [--checkpoint-dir DIR] [--debug]
@@ -12,10 +13,11 @@ and write the held-out evaluation text.
     nanoqwen-quant heldout -o FILE [--chars N]     held-out stdlib code, disjoint from calibration
 
 SRC is a GGUF file, a local HF folder (safetensors + config.json + tokenizer.json), or an HF hub id.
-Without --method: RTN asym g128, no calibration (`PackOptions`' defaults, chosen by the pass rate in
-bench/quality/README.md), or `import` for an already-quantized GPTQ/AWQ checkpoint or a GGUF whose
-decoder linears are all Q4_0. A calibrated pack (`--method gptq`, or `--awq`) on the CPU prints one
-notice first (its cost, and `--method rtn`, the calibration-free recipe).
+Without --method: GPTQ asym g128 calibrated on chat conversations in the model's own template
+(`PackOptions`' defaults, chosen by the pass rate in bench/quality/README.md), or `import` for an
+already-quantized GPTQ/AWQ checkpoint or a GGUF whose decoder linears are all Q4_0. A calibrated pack
+(GPTQ, or `--awq`) on the CPU prints one notice first (its cost, and `--method rtn`, the
+calibration-free recipe).
 
 Errors: one line on stderr, `error: ...`, and exit code 2 for a bad command line (an option value or
 combination, `-o` naming a directory: `UsageError` and click's own parse errors) or 1 for everything
@@ -125,9 +127,9 @@ def pack(
     out: Path = typer.Option(..., "-o", "--out", help="output .nanoqwen path: written to "
                              "OUT.partial-PID-RANDOM beside it, then renamed; an existing file is replaced, "
                              "a directory refused"),
-    method: str = typer.Option(None, help="gptq | rtn (no calibration) | none (bf16 linears) | import (a "
-                               "GPTQ/AWQ checkpoint or an all-Q4_0 GGUF, exactly); default: import for "
-                               "those, else rtn"),
+    method: str = typer.Option(None, help="gptq (calibrated) | rtn (no calibration) | none (bf16 linears) "
+                               "| import (a GPTQ/AWQ checkpoint or an all-Q4_0 GGUF, exactly); default: "
+                               "import for those, else gptq"),
     group_size: int = typer.Option(_D.group_size, help="INT4 group size: 32, 64 or 128 (also the int8/int4 "
                                    "lm_head's)"),
     sym: bool = typer.Option(_D.symmetric, "--sym/--asym",
@@ -140,7 +142,10 @@ def pack(
                              "calibration set, folded into the norms / up rows (calibrated layer loop)"),
     lm_head: str = typer.Option("bf16", help="bf16 | int8 | int4 (RTN, group size as above)"),
     calib: list[str] = typer.Option(None, help="GPTQ/AWQ: calibration files/folders, repeatable "
-                                    "(default: Python stdlib sources)"),
+                                    "(replaces the built-in text of --calib-text)"),
+    calib_text: str = typer.Option(None, help="GPTQ/AWQ: the built-in calibration text: chat (the default: "
+                                   "stdlib functions asked for and answered in the model's chat template) "
+                                   "| code (the stdlib files as they are)"),
     calib_tokens: int = typer.Option(65536, help="GPTQ/AWQ: calibration tokens (whole windows of "
                                      "--calib-seq-len)"),
     calib_seq_len: int = typer.Option(2048, help="GPTQ/AWQ: tokens per calibration window (>= 16)"),
@@ -163,7 +168,8 @@ def pack(
     with _errors(debug):
         opts = PackOptions(method=method or _D.method, group_size=group_size, symmetric=sym, clip=clip,
                            clip_act=clip_act, awq=awq, lm_head=lm_head,
-                           device=device, calib_paths=calib or None, calib_tokens=calib_tokens,
+                           device=device, calib_paths=calib or None, calib_text=calib_text,
+                           calib_tokens=calib_tokens,
                            calib_seq_len=calib_seq_len, calib_batch=calib_batch,
                            gptq=GPTQConfig(damp_percent=damp, act_order=act_order,
                                            static_groups=static_groups),

@@ -39,6 +39,7 @@ import nanoqwen_format as nqf
 import torch
 
 from .calib import CalibrationSet, build_calibration
+from .calib_chat import ChatRenderer
 from .clip import quantize_rtn_clipped
 from .gptq_layers import run_gptq
 from .io import Checkpoint, container_metadata, write_container
@@ -112,7 +113,8 @@ def pack(source: Source, out: str | Path, opts: PackOptions, progress: Progress 
     `opts.check_model(source.config)`, `check_output_path`), before any tensor is read or hashed;
     removed stale temp files are reported to `log`.
     `calibration`: pre-tokenized GPTQ calibration windows; by default they are built from
-    `opts.calib_paths` (or the stdlib) with the source's tokenizer."""
+    `opts.calib_paths`, or the stdlib's chat conversations in the source's template (`opts.calib_text`),
+    with the source's tokenizer."""
     opts.validate()
     opts.check_model(source.config)
     check_import_options(source, opts)  # a GPTQ/AWQ source is imported, never requantized
@@ -167,9 +169,9 @@ def _pack_gptq(source: Source, out: Path, opts: PackOptions, dev: torch.device, 
     """Method gptq, or rtn with AWQ: the layer loop into the checkpoint, then the container from it."""
     ckpt = checkpoint_folder(out, opts)
     calib = calibration or build_calibration(source.tokenizer_json, opts.calib_tokens, opts.calib_seq_len,
-                                             opts.calib_paths)
+                                             opts.calib_paths, chat_renderer(source, opts))
     log(f"calibration: {calib.tokens} tokens ({calib.ids.shape[0]} x {calib.ids.shape[1]}) from "
-        f"{calib.files} files of {calib.source}; device {dev}")
+        f"{calib.files} documents of {calib.source}; device {dev}")
     fingerprint = _fingerprint(source_sha, opts, calib.sha256, source.config.to_metadata(), dev)
     run_gptq(source, calib, opts, dev, ckpt, fingerprint, progress, log)
     layer_errors: list[dict] = []
@@ -194,6 +196,16 @@ def _pack_gptq(source: Source, out: Path, opts: PackOptions, dev: torch.device, 
     write_container(source, opts, out, quantized_layer, meta, progress, log)
     ckpt.remove()
     return layer_errors, notes
+
+
+def chat_renderer(source: Source, opts: PackOptions) -> ChatRenderer | None:
+    """The renderer of the chat calibration text (the source's own chat template), or None when the
+    calibration text is code or user files (`opts.chat_calibration`)."""
+    if not opts.chat_calibration:
+        return None
+    eos = source.config.eos_token_id
+    return ChatRenderer(source.chat_template, source.tokenizer_json, source.config.bos_token_id,
+                        eos[0] if eos else None)
 
 
 def _fingerprint(source_sha: str, opts: PackOptions, tokens_sha: str, config: dict, dev: torch.device) -> str:

@@ -226,15 +226,27 @@ class EngineProcess:
 
     # ---- reader and writer threads ----------------------------------------------------------------
     def _write(self) -> None:
+        """Send the outbox's commands, everything queued at once as one message ("batch", [cmd, ...]):
+        after each send this thread must take the GIL back from a busy event loop (up to a switch
+        interval), so one message per command paced a burst of submits at ~0.5 ms each."""
         conn = self._conn
         while True:
-            msg = self._outbox.get()
-            if msg is None:
-                return
+            batch = [self._outbox.get()]
+            while True:
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            last = batch.index(None) if None in batch else None
+            cmds = batch[:last]
             try:
-                conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+                if cmds:
+                    msg = cmds[0] if len(cmds) == 1 else ("batch", cmds)
+                    conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
             except OSError:
                 return  # the engine process is gone; the reader reports it
+            if last is not None:
+                return
 
     def _read(self) -> None:
         conn = self._conn

@@ -8,6 +8,7 @@ HTTP process's GIL. `conn` is one end of a `multiprocessing.Pipe`; the messages,
         ("submit", Request)               an engine `Request` (prompt ids, SamplingParams, request_id)
         ("abort", request_id)             end it at the next step, free its KV blocks
         ("stop",)                         abort every live request, send their events, exit
+        ("batch", [command, ...])         the commands the writer thread found queued at once, in order
     engine process -> HTTP process
         ("ready", EngineInfo, EngineStats)          once, after loading (and CUDA graph capture)
         ("load_error", message)                     instead, one line; then the process exits
@@ -62,8 +63,13 @@ from .engine_spec import EngineInfo
 __all__ = ["Finish", "StepTrace", "TRACE_ENV", "worker_main"]
 
 TRACE_ENV = "NANOQWEN_ENGINE_TRACE"
-ADMIT_QUIET_S = 0.0005  # an idle engine woken by a submit takes commands while they come this close...
-ADMIT_MAX_S = 0.010     # ...for at most this long, then steps (see the module header)
+# An idle engine woken by a submit takes commands while they come ADMIT_QUIET_S apart or closer, for at
+# most ADMIT_MAX_S, then steps. The HTTP process hands a burst's requests over ~0.45 ms apart (H200
+# host: 32 in 14-17 ms, bench/server/NOTES.md session 15); a burst split in two costs a second
+# prefill (12-30 ms, host-bound at the 0.5B) and a decode step. So: a lone request pays 2 ms of TTFT,
+# the first of a 32-request burst up to ~17 ms, and the other 31 no longer wait behind its prefill.
+ADMIT_QUIET_S = 0.002
+ADMIT_MAX_S = 0.020
 
 
 class Finish(NamedTuple):
@@ -155,8 +161,10 @@ def _send(conn: Connection, msg: tuple) -> bool:
         return False
 
 
-def _recv(conn: Connection) -> tuple:
-    return pickle.loads(conn.recv_bytes())
+def _recv(conn: Connection) -> list[tuple]:
+    """The commands of one message: a command, or ("batch", [command, ...]) from the writer thread."""
+    msg = pickle.loads(conn.recv_bytes())
+    return msg[1] if msg[0] == "batch" else [msg]
 
 
 def _one_line(e: BaseException) -> str:
@@ -221,11 +229,11 @@ class _Worker:
                 if eng.has_work:
                     cmds = []
                 else:  # idle: wait for a command
-                    cmds = [_recv(conn)]
-                    if cmds[0][0] == "submit":
+                    cmds = _recv(conn)
+                    if any(c[0] == "submit" for c in cmds):
                         self._admit_burst(cmds)
                 while readable.poll(0):
-                    cmds.append(_recv(conn))
+                    cmds += _recv(conn)
             except (EOFError, OSError):
                 return  # the HTTP process is gone
             t_wake = time.perf_counter() if trace is not None else 0.0
@@ -260,7 +268,7 @@ class _Worker:
         while (left := deadline - time.perf_counter()) > 0:
             if not select.select([fd], [], [], min(ADMIT_QUIET_S, left))[0]:
                 return
-            cmds.append(_recv(self.conn))
+            cmds += _recv(self.conn)
 
     def _apply(self, cmds: list[tuple], finishes: list[Finish]) -> tuple[int, bool]:
         n_submits, stop = 0, False
