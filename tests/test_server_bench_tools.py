@@ -96,3 +96,21 @@ def test_loadtest_pairs_each_round_with_its_own_engine_run():
     assert ratios == [0.9, 1.0, 0.8]
     # the medians of all runs would pair 9000 with 10000: 0.9 too, but from runs of different rounds
     assert sorted(ratios)[1] == 0.9
+
+
+def test_loadtest_keeps_its_clients_off_the_engine_processs_cpus(monkeypatch):
+    """With `--cpu-placement auto` the client runs of the load test are bound to the server's HTTP CPUs
+    (the engine process and the engine baseline have their two CPUs to themselves); `--client-cpus any`
+    and a server without placement leave them unbound."""
+    from nanoqwen_cli.server import cpu_placement
+
+    loadtest = _load("loadtest", ROOT / "bench" / "server" / "loadtest.py")
+    plan = cpu_placement.CpuPlacement(engine=(14, 15), http=tuple(range(14)))
+    monkeypatch.setattr(cpu_placement, "plan", lambda mode, slot=0: plan if mode == "auto" else None)
+    assert loadtest.client_cpus("auto", "cuda", "http") == tuple(range(14))
+    assert loadtest.client_cpus("auto", "cuda", "both") == tuple(range(14))
+    assert loadtest.client_cpus("auto", "cuda", "any") is None
+    assert loadtest.client_cpus("off", "cuda", "http") is None
+    assert loadtest.baseline_cpus("auto", "cuda") == (14, 15)
+    engine_cpus = loadtest.baseline_cpus("auto", "cuda")
+    assert set(loadtest.client_cpus("auto", "cuda", "http")).isdisjoint(engine_cpus)

@@ -22,6 +22,14 @@ Phases (one server subprocess, `--device cuda`, started by this script on a free
    Ratio = the median over the rounds of (HTTP tokens/s / engine tokens/s of the same round) (goal
    >= 0.95); the ratio of the medians of all runs, the figure before session 7, is kept beside it.
    The server runs its engine in a child process (server/engine_process.py).
+   Where the clients run (`--client-cpus`): with `--cpu-placement auto` the server's engine process has
+   two CPUs of its own and the engine baseline runs alone on the same two; the load generator (this
+   process) is a client, which on a real deployment runs on another host or, on the same host, among
+   the HTTP process's CPUs (server/cpu_placement.py). So by default ("http") every client run of this
+   process is bound to the HTTP process's CPUs; "any" leaves it where the scheduler puts it (before
+   session 17: also on the engine's two CPUs, beside its stepping and sender threads); "both" runs the
+   lean clients both ways in every round ("lean" bound, "lean-any" not, each paired with the round's
+   engine run) to measure what the binding changes.
    Where the time goes: the engine process records its steps (`NANOQWEN_ENGINE_TRACE`, see
    engine_worker.py) and `step_trace.breakdown` splits each timed run's wall time into the engine's
    prefill and decode steps, the work around them (commands, the step message) and idle waits; the
@@ -53,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules,
 from lean_client import LeanClient  # noqa: E402
 from step_trace import breakdown, read_trace  # noqa: E402
 
-LEAN_OFFSET, HTTPX_OFFSET = 10_000, 20_000  # prompt ids of the overhead runs (distinct: no prefix hits)
+# prompt ids of the overhead runs (distinct: no prefix hits)
+LEAN_OFFSET, HTTPX_OFFSET, LEAN_ANY_OFFSET = 10_000, 20_000, 30_000
 PROMPT = '# Python utilities, file {i}\nimport math\n\ndef function_{i}(values):\n    """'
 
 
@@ -266,16 +275,28 @@ class EngineBaseline:
         return time.perf_counter() - t0, t0, tokens
 
 
-def baseline_cpus(mode: str, device: str) -> tuple[int, ...] | None:
-    """The CPUs the server's engine process takes under `--cpu-placement mode` (the same plan, made from
-    this process's affinity, which the server inherits), for the baseline's runs: the engine alone gets
-    the same CPUs the server's engine process has. None: no placement."""
+def placement(mode: str, device: str):
+    """The server's `CpuPlacement` under `--cpu-placement mode` (the same plan, made from this process's
+    affinity, which the server inherits); None: no placement."""
     if mode != "auto":
         return None
     from nanoqwen_cli.server import cpu_placement
 
-    p = cpu_placement.plan(mode, slot=cpu_placement.device_slot(device))
+    return cpu_placement.plan(mode, slot=cpu_placement.device_slot(device))
+
+
+def baseline_cpus(mode: str, device: str) -> tuple[int, ...] | None:
+    """The CPUs of the server's engine process, for the baseline's runs: the engine alone gets the same
+    CPUs the server's engine process has. None: no placement."""
+    p = placement(mode, device)
     return p.engine if p is not None else None
+
+
+def client_cpus(mode: str, device: str, clients: str) -> tuple[int, ...] | None:
+    """The CPUs of the client runs: the server's HTTP CPUs unless `clients` is "any" (or there is no
+    placement); None: unbound."""
+    p = placement(mode, device)
+    return p.http if p is not None and clients != "any" else None
 
 
 @contextlib.contextmanager
@@ -336,25 +357,36 @@ async def lean_run(url: str, model: str, n: int, max_tokens: int, time_limit: fl
     return results, wall, t0
 
 
-def overhead_phase(srv, name: str, args: argparse.Namespace, baseline: EngineBaseline) -> dict:
+def overhead_phase(srv, name: str, args: argparse.Namespace, baseline: EngineBaseline,
+                   client_cpus: tuple[int, ...] | None) -> dict:
     """The timed runs of the overhead phase, `--overhead-repeats` rounds of: the lean HTTP run, the
-    engine baseline on the same requests, the httpx HTTP run. Each round's HTTP/engine ratio is taken
-    from runs seconds apart, so host drift between rounds cancels; the headline ratio is their median."""
-    runs: dict[str, list[dict]] = {"lean": [], "httpx": [], "engine": []}
+    engine baseline on the same requests, (with `--client-cpus both`: the lean HTTP run with the clients
+    unbound,) the httpx HTTP run. The client runs are bound to `client_cpus` (None: unbound). Each
+    round's HTTP/engine ratio is taken from runs seconds apart, so host drift between rounds cancels;
+    the headline ratio is their median."""
+    kinds = ("lean", "lean-any", "httpx") if args.client_cpus == "both" else ("lean", "httpx")
+    runs: dict[str, list[dict]] = {kind: [] for kind in (*kinds, "engine")}
+
+    def lean(offset: int, cpus: tuple[int, ...] | None) -> dict:
+        with pinned(cpus):
+            res, wall, t0 = asyncio.run(lean_run(srv.url, name, args.overhead_clients,
+                                                 args.overhead_max_tokens, args.time_limit, offset))
+        return {**summarize(res, wall), "window": [t0, t0 + wall]}
+
     for rep in range(args.overhead_repeats):
         offset = LEAN_OFFSET + 1000 * rep
-        res, wall, t0 = asyncio.run(lean_run(srv.url, name, args.overhead_clients, args.overhead_max_tokens,
-                                             args.time_limit, offset))
-        runs["lean"].append({**summarize(res, wall), "window": [t0, t0 + wall]})
+        runs["lean"].append(lean(offset, client_cpus))
         runs["engine"].append(baseline.run(args.overhead_clients, args.overhead_max_tokens, offset))
-        res, wall, t0 = asyncio.run(
-            run_clients(srv.url, name, args.overhead_clients, args.overhead_max_tokens, args.time_limit,
-                        offset=HTTPX_OFFSET + 1000 * rep, warm=True)
-        )
+        if "lean-any" in runs:
+            runs["lean-any"].append(lean(LEAN_ANY_OFFSET + 1000 * rep, None))
+        with pinned(client_cpus):
+            res, wall, t0 = asyncio.run(
+                run_clients(srv.url, name, args.overhead_clients, args.overhead_max_tokens, args.time_limit,
+                            offset=HTTPX_OFFSET + 1000 * rep, warm=True)
+            )
         runs["httpx"].append({**summarize(res, wall), "window": [t0, t0 + wall]})
-    out = {kind: {**median_run(runs[kind]), "windows": [r["window"] for r in runs[kind]]}
-           for kind in ("lean", "httpx")}  # fmt: skip
-    out["paired_ratios"] = {kind: paired_ratios(runs[kind], runs["engine"]) for kind in ("lean", "httpx")}
+    out = {kind: {**median_run(runs[kind]), "windows": [r["window"] for r in runs[kind]]} for kind in kinds}
+    out["paired_ratios"] = {kind: paired_ratios(runs[kind], runs["engine"]) for kind in kinds}
     out["engine"] = {**median_run(runs["engine"]), "engine": baseline.description}
     return out
 
@@ -376,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-placement", choices=("auto", "off", "unset"), default="auto",
                     help="the server's --cpu-placement; with auto the engine baseline runs on the engine "
                          "process's CPUs too (unset: the flag is not passed, for servers older than it)")
+    ap.add_argument("--client-cpus", choices=("http", "any", "both"), default="http",
+                    help="where the client runs go with --cpu-placement auto: on the server's HTTP CPUs "
+                         "(the default), unbound, or both ways in every overhead round (lean-any)")
     args = ap.parse_args(argv)
     if not 1 <= args.clients <= 1024:
         ap.error("--clients must be in 1..1024")
@@ -393,7 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_clients": args.overhead_clients,
         "overhead_max_tokens": args.overhead_max_tokens,
         "cpu_placement": args.cpu_placement,
+        "client_cpus_mode": args.client_cpus,
     }
+    clients_on = client_cpus(args.cpu_placement, args.device, args.client_cpus)
+    report["client_cpus"] = list(clients_on) if clients_on else None
     args.out.mkdir(parents=True, exist_ok=True)
     trace_path = args.out / "engine-trace.jsonl"
     srv = ServerProcess(
@@ -411,10 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     srv.start()
     try:
-        asyncio.run(run_clients(srv.url, name, 4, 8, args.time_limit, offset=90_000))  # warm the HTTP path
-        results, wall, _ = asyncio.run(
-            run_clients(srv.url, name, args.clients, args.max_tokens, args.time_limit)
-        )
+        with pinned(clients_on):  # warm the HTTP path, then the load phase
+            asyncio.run(run_clients(srv.url, name, 4, 8, args.time_limit, offset=90_000))
+            results, wall, _ = asyncio.run(
+                run_clients(srv.url, name, args.clients, args.max_tokens, args.time_limit)
+            )
         load = summarize(results, wall)
         load["kv_blocks_used_after"] = srv.wait_metric("nanoqwen_kv_blocks_used", 0.0, timeout_s=30)
         m = srv.metrics()
@@ -424,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             baseline = EngineBaseline(args.model, args.kv_memory, args.device,
                                       engine_cpus=baseline_cpus(args.cpu_placement, args.device))
             report["baseline_cpus"] = list(baseline.engine_cpus) if baseline.engine_cpus else None
-            report["overhead_http"] = overhead_phase(srv, name, args, baseline)
+            report["overhead_http"] = overhead_phase(srv, name, args, baseline, clients_on)
             del baseline
     finally:
         report["server_exit_code"] = srv.terminate()
@@ -449,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         report["overhead_paired_ratios"] = paired
         report["overhead_ratio"] = statistics.median(paired["lean"])
         report["overhead_ratio_httpx"] = statistics.median(paired["httpx"])
+        if "lean-any" in paired:
+            report["overhead_ratio_lean_any"] = statistics.median(paired["lean-any"])
         engine_tok_s = report["overhead_engine"]["throughput_tok_s"]
         report["overhead_ratio_of_medians"] = round(
             report["overhead_http"]["lean"]["throughput_tok_s"] / engine_tok_s, 4)
@@ -479,7 +520,8 @@ def markdown(r: dict) -> str:
         f"{ld['requests']} concurrent streaming clients, {r['max_tokens']} tokens each (ignore_eos, greedy)",
         "",
         f"Server: `{(r.get('server_line') or '').strip()}` (`--cpu-placement {r.get('cpu_placement')}`; the "
-        f"engine baseline on CPUs {r.get('baseline_cpus') or 'as the scheduler places it'})",
+        f"engine baseline on CPUs {r.get('baseline_cpus') or 'as the scheduler places it'}; the clients "
+        f"on CPUs {r.get('client_cpus') or 'as the scheduler places them'})",
         "",
         "| completed | 429 | lost | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | KV blocks after |",
         "|---|---|---|---|---|---|---|",
@@ -497,7 +539,11 @@ def markdown(r: dict) -> str:
             f"**{r['overhead_ratio']}** with the lean client (goal >= 0.95), {r['overhead_ratio_httpx']} "
             "with httpx clients. Rounds (lean): "
             f"{', '.join(str(x) for x in r.get('overhead_paired_ratios', {}).get('lean', []))}; "
-            f"ratio of the medians of all runs: {r.get('overhead_ratio_of_medians')}.",
+            f"ratio of the medians of all runs: {r.get('overhead_ratio_of_medians')}."
+            + (f" With the lean clients unbound (`--client-cpus both`, run after the engine in each round): "
+               f"**{r['overhead_ratio_lean_any']}**; rounds: "
+               f"{', '.join(str(x) for x in r['overhead_paired_ratios']['lean-any'])}."
+               if "overhead_ratio_lean_any" in r else ""),
             "",
             "| run | tok/s (runs) | wall s | TTFT p50 / p99 ms | read gap p50 / p99 ms | decode steps | "
             "decode step ms | prefill steps | prefill ms | around steps ms | idle ms |",

@@ -190,7 +190,7 @@ def test_load_error_is_one_line_and_exit_1(model, tmp_path):
     assert "Traceback" not in r.stderr
 
 
-# ---- the engine process's loop: step trace, admission window, sender thread -----------------------------
+# ---- the engine process's loop: step trace, admission window, sends inside the next step -------------
 def test_step_trace_rows_account_for_every_submit_and_token(tmp_path, monkeypatch):
     """With NANOQWEN_ENGINE_TRACE set, the child writes one row per loop iteration when it stops: the
     submits and tokens in the rows add up to what was sent and generated, and each row's times are in
@@ -284,25 +284,59 @@ def test_admission_window_closes_at_its_maximum_while_commands_keep_coming(monke
     assert cmds == [("submit", i) for i in range(len(cmds))]
 
 
-def test_sender_keeps_order_and_reports_a_closed_pipe():
-    """The sender thread delivers messages in the order put; once the other end is closed a send fails
-    and `broken` turns True (the worker's loop then returns)."""
-    import multiprocessing
+def test_worker_sends_each_step_message_during_the_next_step(monkeypatch):
+    """The engine process's loop sends a step's message from inside the next step (`side_work`: after
+    a decode step's host work, before its device wait), in order, and the last one at once when the
+    engine goes idle: every token arrives, each message once, the last before the loop waits for
+    commands."""
+    import pickle
+    import threading
+
+    ew, worker, there = _pipe_worker()
+    engine = FakeEngineSpec(busy_s=0.0, sleep_s=0.002).build()
+    worker.engine = engine
+    sent = []  # (engine steps begun when the message was sent, message kind, tokens in it)
+    real_send = ew._send
+
+    def send(conn, msg):
+        sent.append((engine.steps, msg[0], len(msg[2]) if msg[0] == "step" else None))
+        return real_send(conn, msg)
+
+    monkeypatch.setattr(ew, "_send", send)
+    loop = threading.Thread(target=worker.run)
+    there.send_bytes(pickle.dumps(("batch", [("submit", request("a", 4)), ("submit", request("b", 6))]),
+                                  pickle.HIGHEST_PROTOCOL))
+    loop.start()
+    msgs, finished = [], set()
+    while finished != {"a", "b"}:
+        msgs.append(pickle.loads(there.recv_bytes()))
+        finished |= {f.request_id for f in msgs[-1][3]}
+    there.send_bytes(pickle.dumps(("stop",), pickle.HIGHEST_PROTOCOL))
+    msgs.append(pickle.loads(there.recv_bytes()))
+    loop.join(30)
+    assert not loop.is_alive()
+    steps = [m for m in msgs if m[0] == "step"]
+    assert sum(len(m[2]) for m in steps) == 4 + 6
+    assert [rid for m in steps for rid, _ in m[2]].count("a") == 4
+    assert msgs[0][1] == 2  # the two submits, counted in the first step's message
+    # message k (of step k) went out while step k + 1 ran; the last step's as soon as nothing followed
+    step_msgs = [s for s in sent if s[1] == "step" and s[2]]
+    assert [s[0] for s in step_msgs] == list(range(2, engine.steps + 1)) + [engine.steps]
+
+
+def test_worker_stops_when_the_pipe_is_closed():
+    """The HTTP process gone (its end of the pipe closed): the loop returns, and a send that fails marks
+    the worker broken (the loop checks it before every iteration) and drops the message."""
     import pickle
 
-    from nanoqwen_cli.server.engine_worker import _Sender
-
-    here, there = multiprocessing.Pipe(duplex=True)
-    sender = _Sender(here)
-    msgs = [("step", i, [(f"r{i}", "x" * i)], [], None) for i in range(200)]
-    for m in msgs:
-        sender.put(m)
-    assert [pickle.loads(there.recv_bytes()) for _ in msgs] == msgs
+    ew, worker, there = _pipe_worker()
+    worker.engine = FakeEngineSpec(busy_s=0.0, sleep_s=0.0).build()
+    there.send_bytes(pickle.dumps(("submit", request("a", 50)), pickle.HIGHEST_PROTOCOL))
     there.close()
-    for m in msgs[:3]:
-        sender.put(m)
-    sender.close()
-    assert sender.broken
+    worker.run()  # returns: the pipe's end of file
+    worker.pending = ("step", 0, [("a", "x")], [], None)
+    worker.flush()
+    assert worker.broken and worker.pending is None
 
 
 def test_fake_engine_prefill_is_a_step_of_its_own():

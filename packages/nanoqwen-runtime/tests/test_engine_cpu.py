@@ -246,7 +246,12 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
         assert engine.submit(r) is None
     per_step, rows = [], []
     real_run = engine.runner.run
-    engine.runner.run = lambda inputs: rows.append(inputs.num_rows) or real_run(inputs)
+
+    def counting_run(inputs, side_work=None):
+        rows.append(inputs.num_rows)
+        return real_run(inputs, side_work)
+
+    engine.runner.run = counting_run
     while engine.has_work:
         launched.clear()
         engine.step()

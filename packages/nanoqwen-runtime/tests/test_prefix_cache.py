@@ -233,10 +233,10 @@ def _count_prefill(engine):
     counted = {"prefill": 0}
     run = engine._run
 
-    def counting(plan):
+    def counting(plan, side_work=None):
         if plan.kind == "prefill":
             counted["prefill"] += plan.num_tokens
-        return run(plan)
+        return run(plan, side_work)
 
     engine._run = counting
     return counted

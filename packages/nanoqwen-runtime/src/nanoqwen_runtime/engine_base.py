@@ -18,7 +18,7 @@ A subclass sets, before any request: `geom` (Qwen2Config), `tokenizer` (or None)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from .engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from .request_stream import Event, FinishEvent, RequestStream
@@ -74,8 +74,11 @@ class EngineBase(ABC):
 
     # ---- stepping ---------------------------------------------------------------------------------
     @abstractmethod
-    def step(self) -> list[Event]:
-        """Run one engine step; its events."""
+    def step(self, side_work: Callable[[], None] | None = None) -> list[Event]:
+        """Run one engine step; its events. `side_work()`, when given, is called once per step that
+        runs, where the caller's host work costs the step least: after a captured graph's launch (the
+        host only waits for the device there), else before the forward pass (host-bound: the caller's
+        work should not wait for it)."""
 
     def _emit(self, seq: Sequence) -> list[Event]:
         """Events of the tokens the last `scheduler.commit` appended to `seq` (RequestStream rules), and

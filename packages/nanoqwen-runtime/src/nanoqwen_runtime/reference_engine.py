@@ -23,6 +23,7 @@ exactly. A request whose logits hold NaN/Inf ends with `FinishEvent(reason=ERROR
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from os import PathLike
 
@@ -129,14 +130,17 @@ class ReferenceEngine(EngineBase):
         return cls(model, config, tokenizer=Tokenizer.from_json(tok_json) if tok_json else None)
 
     # ---- stepping ---------------------------------------------------------------------------------
-    def step(self) -> list[Event]:
+    def step(self, side_work: Callable[[], None] | None = None) -> list[Event]:
         """Run one step (prefill chunks, or a decode step: one token per decoding sequence, or for a
-        sequence carrying drafts one greedy token after each of its verify rows); its events."""
+        sequence carrying drafts one greedy token after each of its verify rows); its events.
+        `side_work()` runs before the forward pass (host-bound on the CPU; EngineBase.step)."""
         plan = self.scheduler.schedule()
         if plan is None:
             return []
         self.num_steps[plan.kind] += 1
         tokens, meta, rows = self._step_inputs(plan)
+        if side_work is not None:
+            side_work()
         logits = self.model.forward(tokens, meta, self.cache)  # f32 [rows, vocab]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         sampled: dict[int, int | list[int]] = {}

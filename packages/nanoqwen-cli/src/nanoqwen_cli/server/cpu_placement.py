@@ -11,11 +11,12 @@ Why: the engine's step is host-bound on small models (Python scheduling, graph r
 every token (SSE framing, socket writes: ~0.3-0.5 of a core at 32 streams) and wakes on every step
 message; when the scheduler runs it where the engine's thread was, or migrates that thread, the
 engine's steps slow down (bench/server/NOTES.md: the server's decode steps ran 0.13-0.21 ms slower
-than the same engine's alone). The engine process gets two hardware threads because two of its
-threads work every step: the stepping thread, and the sender thread that pickles and sends the step's
-message while the next step runs. On one CPU they take turns: measured on the H200 host (16 vCPUs, no
-SMT siblings visible), the time between two decode steps went from 6 us to 64 us with the engine
-process on one CPU.
+than the same engine's alone). The engine process gets two hardware threads: until session 17 two of
+its threads worked every step (the stepping thread, and a sender thread that pickled and sent the
+step's message), and on one CPU they took turns (H200 host, 16 vCPUs, no SMT siblings visible: 64 us
+between two decode steps instead of 6). Since then the stepping thread sends the message itself,
+inside the next step (engine_worker.py); two CPUs stay, the configuration every overhead figure was
+measured with (torch's own threads and the kernel's work on the process's behalf run beside it).
 
 The last cores are taken rather than the first because the first CPUs of a host usually take the
 most interrupts. One server per GPU on a host: each engine process takes the slot of its GPU (`slot`
@@ -39,7 +40,7 @@ from pathlib import Path
 __all__ = ["ENGINE_CPUS", "MIN_HTTP_CPUS", "CpuPlacement", "apply", "device_slot", "format_cpus",
            "parse_cpu_list", "physical_cores", "plan"]
 
-ENGINE_CPUS = 2     # hardware threads for the engine process: its stepping thread and its sender thread
+ENGINE_CPUS = 2     # hardware threads for the engine process (see the module header)
 MIN_HTTP_CPUS = 2   # fewer left for the HTTP process (and a client on the same host): no placement
 SYS_CPU = Path("/sys/devices/system/cpu")
 

@@ -28,14 +28,22 @@ idle, block in `recv`. A submit that wakes an idle engine opens a short admissio
 taken as long as the next arrives within ADMIT_QUIET_S, for at most ADMIT_MAX_S, so that a burst of
 requests (32 clients at once reach the engine over ~10 ms, one HTTP request after another) starts in
 one prefill instead of a small prefill followed by a large one; a lone request waits ADMIT_QUIET_S.
-Step messages are pickled and sent by a sender thread (`_Sender`), in order, so the next step starts
-while the last one's message is on its way (the thread runs while the engine waits for the GPU, with
-the GIL released). The process ignores SIGINT and SIGTERM (the HTTP process owns shutdown and drains
+A step's message is sent during the next step: `engine.step(side_work=...)` calls back right after
+a captured decode graph is launched, and the loop's own thread pickles and sends the message there,
+while the host would otherwise wait for the read-back (~3 ms per decode step of the 0.5B at batch 32;
+pickling and sending a 32-token message takes tens of microseconds); before an eager step (a prefill
+chunk), whose host-bound launches would delay the message, it is sent first. When no step follows (the
+engine goes idle, or the step had nothing to run) the message is sent at once. One thread does
+everything, so nothing competes with the step for the GIL: until session 17 a sender thread sent the
+message while the next step's host work ran, and each hand-over of the GIL between the two threads
+(one CPU waking the other) landed on that step's critical path (bench/server/NOTES.md, session 17).
+Tokens reach the HTTP process one step's host preparation later (about 0.1-0.3 ms), the last ones of
+a burst at once. The process ignores SIGINT and SIGTERM (the HTTP process owns shutdown and drains
 first) and exits when told to stop or when its pipe closes (the HTTP process died).
 
 With `NANOQWEN_ENGINE_TRACE=PATH` in its environment the process records one row per loop iteration
 (`StepTrace`: when it woke, the commands and submits it applied, when the step started and ended, the
-step's kind and tokens, when its message was handed to the sender thread; `time.perf_counter`, which
+step's kind and tokens, when the iteration ended; `time.perf_counter`, which
 is CLOCK_MONOTONIC and so comparable with other processes' on the host) and writes them to PATH as
 JSON lines when it exits. The load test reads them to split the server's overhead between the
 engine's steps and what lies around them (bench/server/loadtest.py).
@@ -47,10 +55,8 @@ import gc
 import json
 import os
 import pickle
-import queue
 import select
 import signal
-import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
@@ -90,8 +96,8 @@ class StepTrace:
 
     Row keys: t_wake (the commands were received), n_cmds, n_submits, t_step (the step started; None
     when the iteration did not step), t_done (it ended), kind ("prefill"/"decode", from the engine's
-    `num_steps` counters; None when the engine has none), n_tokens, t_sent (its message was handed to
-    the sender thread)."""
+    `num_steps` counters; None when the engine has none), n_tokens, t_sent (the iteration ended: its
+    message sent, or kept for the next step's device time)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -180,55 +186,39 @@ def _finish(ev: Any) -> Finish:
     return Finish(ev.request_id, str(ev.reason), ev.detail, ev.text, ev.num_prompt_tokens, ev.num_generated)
 
 
-class _Sender:
-    """Pickles and sends messages on a thread of its own, in the order given. `broken` turns True
-    when a send fails (the HTTP process is gone); `close` sends what is queued and joins."""
-
-    def __init__(self, conn: Connection):
-        self.conn = conn
-        self.broken = False
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="nanoqwen-engine-sender", daemon=True)
-        self._thread.start()
-
-    def put(self, msg: tuple) -> None:
-        self._queue.put(msg)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (msg := self._queue.get()) is not None:
-            if not self.broken and not _send(self.conn, msg):
-                self.broken = True
-
-
 class _Worker:
     def __init__(self, engine: Any, conn: Connection, trace: StepTrace | None = None):
         self.engine = engine
         self.conn = conn
         self.trace = trace
         self.live: dict[str, list[int]] = {}  # request_id -> [prompt tokens, generated tokens]
+        self.pending: tuple | None = None     # the last step's message, not sent yet
+        self.broken = False                   # a send failed: the HTTP process is gone
 
     def run(self) -> None:
-        sender = _Sender(self.conn)
         try:
-            self._loop(sender)
+            self._loop()
         finally:
-            sender.close()
+            self.flush()
 
-    def _loop(self, sender: _Sender) -> None:
+    def flush(self) -> None:
+        """Send the pending message, if any (in order: there is at most one)."""
+        msg, self.pending = self.pending, None
+        if msg is not None and not self.broken and not _send(self.conn, msg):
+            self.broken = True
+
+    def _loop(self) -> None:
         eng, conn, trace = self.engine, self.conn, self.trace
         readable = select.poll()  # a registered poll object: ~10x cheaper per check than conn.poll(0)
         readable.register(conn.fileno(), select.POLLIN)
         while True:
-            if sender.broken:
+            if self.broken:
                 return  # the HTTP process is gone
             try:
                 if eng.has_work:
                     cmds = []
                 else:  # idle: wait for a command
+                    self.flush()
                     cmds = _recv(conn)
                     if any(c[0] == "submit" for c in cmds):
                         self._admit_burst(cmds)
@@ -242,20 +232,24 @@ class _Worker:
             n_submits, stop = self._apply(cmds, finishes)
             if stop:
                 self._abort_all(finishes)
-                sender.put(("step", n_submits, tokens, finishes, eng.stats()))
+                self.flush()
+                self.pending = ("step", n_submits, tokens, finishes, eng.stats())
                 return
             stepped = eng.has_work
             t_step = kind = None
             if stepped:
                 if trace is not None:
                     t_step, before = time.perf_counter(), dict(getattr(eng, "num_steps", {}))
-                self._step(tokens, finishes)
+                self._step(tokens, finishes)  # sends the pending message during the step
                 if trace is not None:
                     kind = next((k for k, v in getattr(eng, "num_steps", {}).items() if v != before.get(k)),
                                 None)
             t_done = time.perf_counter() if trace is not None else 0.0
+            self.flush()  # still pending when the step launched nothing (or failed)
             if cmds or stepped:
-                sender.put(("step", n_submits, tokens, finishes, eng.stats()))
+                self.pending = ("step", n_submits, tokens, finishes, eng.stats())
+                if not eng.has_work:
+                    self.flush()  # no step follows to carry it
             if trace is not None:
                 trace.rows.append({"t_wake": t_wake, "n_cmds": len(cmds), "n_submits": n_submits,
                                    "t_step": t_step, "t_done": t_done, "kind": kind,
@@ -304,7 +298,7 @@ class _Worker:
     def _step(self, tokens: list[tuple[str, str]], finishes: list[Finish]) -> None:
         live = self.live
         try:
-            events = self.engine.step()
+            events = self.engine.step(side_work=self.flush)
         except Exception as e:  # noqa: BLE001 - an engine bug: end every request, keep serving
             detail = " ".join(f"engine step failed: {e!r}".split())
             for rid, (n_prompt, n_gen) in list(live.items()):

@@ -114,20 +114,26 @@ class FakeEngine:
         return FinishEvent(request_id, FinishReason.ABORTED, num_prompt_tokens=len(seq.request.prompt_tokens),
                            num_generated=seq.generated)
 
-    def step(self) -> list:
+    def step(self, side_work=None) -> list:
         """One prefill step (separate prefills, requests waiting, after a decode or with none running)
-        or one decode step; the events of its tokens and of the requests that ended."""
+        or one decode step; the events of its tokens and of the requests that ended. `side_work()` runs
+        where the CUDA engine runs it (EngineBase.step): before a prefill's host work, and between a
+        decode step's host work and its device wait."""
         self.steps += 1
         spec = self.spec
         can_admit = self._waiting and len(self._running) < spec.max_batch
         if spec.prefill_s > 0 and can_admit and (self._last_kind == "decode" or not self._running):
             self._last_kind = "prefill"
             self.num_steps["prefill"] += 1
+            if side_work is not None:
+                side_work()
             _spin(self._prefill_spins)  # a prefill's fixed host cost
             return self._emit(self._admit())
         self._last_kind = "decode"
         self.num_steps["decode"] += 1
-        _spin(self._spins)             # host work that holds the GIL
+        _spin(self._spins)             # host work that holds the GIL (up to the graph's launch)
+        if side_work is not None:
+            side_work()
         time.sleep(spec.sleep_s)       # a device sync: the GIL is free
         if spec.prefill_s <= 0:
             self._admit()

@@ -95,8 +95,8 @@ def teacher_forced(engine: Engine, prompts: Sequence[Sequence[int]], forced: Seq
     run_step = engine._run
     decode_before = engine.num_steps["decode"]
 
-    def forced_step(plan):
-        step = run_step(plan)
+    def forced_step(plan, side_work=None):
+        step = run_step(plan, side_work)
         tokens = np.array(step.tokens, copy=True)
         for row, (seq, samples) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
             if samples:

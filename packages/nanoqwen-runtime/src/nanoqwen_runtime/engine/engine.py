@@ -125,13 +125,19 @@ class Engine(EngineBase):
         return int(min(n, cfg.max_batch * self.max_pages + 1))
 
     # ---- stepping --------------------------------------------------------------------------------
-    def step(self) -> list[Event]:
+    def step(self, side_work: Callable[[], None] | None = None) -> list[Event]:
         """Run one engine step (a prefill chunk, or a decode step: one token per sequence, or for a
-        sequence carrying drafts its verify rows); its events."""
+        sequence carrying drafts its verify rows); its events.
+
+        `side_work`, when given, is called once during a step that runs (not at all when there is
+        nothing to run), where the caller's own host work costs the step least (ModelRunner.run): right
+        after a captured decode graph is launched, while the host would only wait for the device; or
+        before an eager forward, whose host work is the step's pace anyway (the server's engine process
+        sends the previous step's tokens there)."""
         plan = self.scheduler.schedule()
         if plan is None:
             return []
-        out = self._run(plan)
+        out = self._run(plan, side_work)
         rows: dict[int, list[int]] = {}  # plan index -> its rows of the step output
         for r, (i, _, _) in enumerate(plan_rows(plan)):
             rows.setdefault(i, []).append(r)
@@ -154,14 +160,14 @@ class Engine(EngineBase):
             events.extend(self._emit(seq))
         return events
 
-    def _run(self, plan: StepPlan):
+    def _run(self, plan: StepPlan, side_work: Callable[[], None] | None = None):
         pad_to = None
         if plan.kind == "decode" and self.config.mode == "graph":
             pad_to = self.config.bucket_for(plan.num_tokens)
         inputs = build_step_inputs(plan, block_size=self.config.block_size, max_pages=self.max_pages,
                                    padding_block=self.blocks.padding_block, pad_to=pad_to)
         self.num_steps[plan.kind] += 1
-        return self.runner.run(inputs)
+        return self.runner.run(inputs, side_work)
 
     # ---- introspection ---------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

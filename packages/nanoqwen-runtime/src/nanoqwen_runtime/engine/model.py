@@ -32,6 +32,7 @@ addresses. The workspace memory is counted before the KV pool is sized.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,8 +173,12 @@ class ModelRunner:
 
     # ---- steps -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> StepOutput:
-        """Run one step; returns the sampled tokens and finite-logits flags of the real rows."""
+    def run(self, inputs: StepInputs, side_work: Callable[[], None] | None = None) -> StepOutput:
+        """Run one step; returns the sampled tokens and finite-logits flags of the real rows.
+        `side_work()`, when given, runs once: right after a captured graph is launched (the host then
+        only waits for the device until the read-back), or before an eager forward (prefill chunks,
+        uncaptured decode), whose launches are host-bound: a caller's work there would delay them
+        all, and its output (the server's previous tokens) would wait for the whole forward."""
         views = self.buffers.load(inputs)
         B, T = inputs.num_rows, inputs.num_tokens
         cls = self.context_class(inputs.max_context_len)
@@ -181,7 +186,11 @@ class ModelRunner:
         if graph is not None:
             graph.replay()
             self.replays[(B, cls)] += 1
+            if side_work is not None:
+                side_work()
         else:
+            if side_work is not None:
+                side_work()
             self._forward(views, T, B, inputs.kind, cls)
         return self._read_back(inputs.num_real)
 
