@@ -217,7 +217,7 @@ class _Worker:
             try:
                 if eng.has_work:
                     cmds = []
-                else:  # idle: wait for a command
+                else:  # idle: send the last step's message (no step follows to carry it), wait for a command
                     self.flush()
                     cmds = _recv(conn)
                     if any(c[0] == "submit" for c in cmds):
@@ -248,8 +248,6 @@ class _Worker:
             self.flush()  # still pending when the step launched nothing (or failed)
             if cmds or stepped:
                 self.pending = ("step", n_submits, tokens, finishes, eng.stats())
-                if not eng.has_work:
-                    self.flush()  # no step follows to carry it
             if trace is not None:
                 trace.rows.append({"t_wake": t_wake, "n_cmds": len(cmds), "n_submits": n_submits,
                                    "t_step": t_step, "t_done": t_done, "kind": kind,
