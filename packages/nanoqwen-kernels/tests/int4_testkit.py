@@ -33,3 +33,19 @@ def reference_out(x, w, bias, silu=False):
     dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
     xin = R.silu_mul(x).to(torch.bfloat16) if silu else x
     return R.linear(xin, dense, bias)
+
+
+def run_gemm(x, w, bias, plan=None, silu=False):
+    """Launch into a NaN-poisoned output followed by a poisoned guard of 2 rows; check the guard is
+    untouched and the split-K counters are back at zero; return out [M, N]."""
+    from nanoqwen_kernels.gemm import allocate_workspace, gemm_int4, plan_gemm
+
+    m = x.shape[0]
+    plan = plan or plan_gemm(w.n, w.k, m, w.group_size, x.device, silu_input=silu)
+    ws = allocate_workspace([plan], x.device)
+    buf = torch.full(((m + 2) * w.n,), float("nan"), dtype=torch.bfloat16, device=x.device)
+    out = buf[: m * w.n].view(m, w.n)
+    gemm_int4(x, w, out, bias=bias, workspace=ws, plan=plan, silu_mul_input=silu)
+    assert torch.isnan(buf[m * w.n :].float()).all(), "GEMM wrote past row M - 1"
+    assert int(ws.counters.abs().sum()) == 0, "split-K counters not reset"
+    return out

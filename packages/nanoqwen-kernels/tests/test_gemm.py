@@ -19,7 +19,7 @@ import dataclasses
 
 import pytest
 import torch
-from int4_testkit import random_int4, reference_out
+from int4_testkit import random_int4, reference_out, run_gemm
 from nanoqwen_kernels import reference as R
 from nanoqwen_kernels.gemm import MEASURED_MULTI_BLOCK
 
@@ -35,22 +35,6 @@ CASES_7B = [
     for m in M_ALL
     if not (name in ("gate_up", "down") and m > 1000)
 ]
-
-
-def run_gemm(x, w, bias, plan=None, silu=False):
-    """Launch into a NaN-poisoned output followed by a poisoned guard of 2 rows; check the guard is
-    untouched and the split-K counters are back at zero; return out [M, N]."""
-    from nanoqwen_kernels.gemm import allocate_workspace, gemm_int4, plan_gemm
-
-    m = x.shape[0]
-    plan = plan or plan_gemm(w.n, w.k, m, w.group_size, x.device)
-    ws = allocate_workspace([plan], x.device)
-    buf = torch.full(((m + 2) * w.n,), float("nan"), dtype=torch.bfloat16, device=x.device)
-    out = buf[: m * w.n].view(m, w.n)
-    gemm_int4(x, w, out, bias=bias, workspace=ws, plan=plan, silu_mul_input=silu)
-    assert torch.isnan(buf[m * w.n :].float()).all(), "GEMM wrote past row M - 1"
-    assert int(ws.counters.abs().sum()) == 0, "split-K counters not reset"
-    return out
 
 
 @pytest.mark.parametrize("name,n,k,m", CASES_7B)

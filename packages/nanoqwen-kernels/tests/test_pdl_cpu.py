@@ -7,7 +7,8 @@ nothing else (no environment variable, no global switch, no context manager).
   or through `pdl_enter`) — a kernel launched with the attribute but without the wait would race its
   predecessor.
 - Every public launcher takes a keyword-only `pdl=False` and hands it to each of its launches;
-  `launch.launch` takes the cuLaunchKernelEx path exactly when pdl is True; arguments that are not
+  `launch.launch` takes the cuLaunchKernelEx path when pdl is True (or a CUtensorMap is passed by
+  value, without the attribute then); arguments that are not
   numpy scalars are refused before anything reaches the driver.
 """
 
@@ -102,14 +103,16 @@ def test_every_kernel_entry_waits_before_touching_dependent_memory():
             for name, body in _kernel_bodies((CSRC / source).read_text()):
                 seen += 1
                 first = body.replace("\\", " ").split(";")[0].strip()
-                if first.startswith(("gemv_int4<", "nq_gemv8::gemv_int8<", "gemm_int4<")):
+                if first.startswith(("gemv_int4<", "nq_gemv8::gemv_int8<", "gemm_int4<", "gemm_int4_ws<")):
                     # the decode GEMVs prefetch weights first; their wait is inside (checked below)
                     continue
                 assert first in ("pdl_enter()", "pdl_wait()"), f"{source}:{name} starts with {first!r}"
     assert seen >= 10
     for header, fn, first_x in (("gemv_int4.cuh", "NQ_DEVICE void gemv_int4(", "stage_x<XMODE>(xs"),
                                 ("gemv_int8.cuh", "NQ_DEVICE void gemv_int8(", "ld_v4(x + "),
-                                ("gemm_int4.cuh", "NQ_DEVICE void gemm_int4(", "issue(0);")):
+                                ("gemm_int4.cuh", "NQ_DEVICE void gemm_int4(", "issue(0);"),
+                                # the producer warp waits; the consumers store only what it delivered after
+                                ("gemm_int4_ws.cuh", "NQ_DEVICE void gemm_int4_ws(", "tma_load_2d(slot")):
         src = (CSRC / header).read_text()
         body = src[src.index(fn):]
         wait, stage, first_store = body.index("pdl_wait();"), body.index(first_x), body.index("out[")
@@ -225,8 +228,9 @@ def test_launchers_pass_pdl_to_every_launch(pdl, monkeypatch):
 
 
 def test_launch_takes_the_pdl_path_only_when_asked(monkeypatch):
-    """launch.launch: pdl=True -> cuda_driver.launch_pdl on the current torch stream; otherwise the
-    plain CuPy launch. (CuPy, the module and the stream are stand-ins: no GPU here.)"""
+    """launch.launch: pdl=True -> cuda_driver.launch_pdl on the current torch stream; a by-value
+    CUtensorMap argument -> the same, with pdl=False; otherwise the plain CuPy launch. (CuPy, the
+    module and the stream are stand-ins: no GPU here.)"""
     calls = []
 
     class Kernel:
@@ -242,16 +246,18 @@ def test_launch_takes_the_pdl_path_only_when_asked(monkeypatch):
     monkeypatch.setattr(launch, "get_function", lambda family, kernel, index: Kernel())
     monkeypatch.setattr(launch, "current_stream", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: types.SimpleNamespace(cuda_stream=77))
-    def launch_pdl(function_ptr, grid, block, args, shared_mem, stream_ptr):
-        calls.append(("pdl", function_ptr, shared_mem, stream_ptr))
+    def launch_pdl(function_ptr, grid, block, args, shared_mem, stream_ptr, *, pdl=True):
+        calls.append(("driver", function_ptr, shared_mem, stream_ptr, pdl))
 
     monkeypatch.setattr(cuda_driver, "launch_pdl", launch_pdl)
     args = (np.int32(1),)
     launch.launch("gemv", "k", 0, (2, 1, 1), (32, 1, 1), args)
     launch.launch("gemv", "k", 0, (2, 1, 1), (32, 1, 1), args, 64, pdl=False)
     launch.launch("gemv", "k", 0, (2, 1, 1), (32, 1, 1), args, 64, pdl=True)
+    # a CUtensorMap by value (np.void) needs the driver path, without the PDL attribute unless asked
+    launch.launch("gemm_ws", "k", 0, (2, 1, 1), (32, 1, 1), args + (np.void(bytes(128)),), 64)
     assert calls == [("plain", (2, 1, 1), (32, 1, 1), 0), ("plain", (2, 1, 1), (32, 1, 1), 64),
-                     ("pdl", 1234, 64, 77)]  # fmt: skip
+                     ("driver", 1234, 64, 77, True), ("driver", 1234, 64, 77, False)]  # fmt: skip
 
 
 def test_launch_pdl_refuses_python_ints():

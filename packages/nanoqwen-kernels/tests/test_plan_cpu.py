@@ -96,6 +96,12 @@ def test_gemm_plan_covers_k_and_fits(n, k, max_m, group_size):
     assert plan.splits * plan.kc >= kt and (plan.splits - 1) * plan.kc < kt
     assert plan.blocks_n == -(-n // gemm.ROWS_PER_BLOCK)
     multi = gemm.MEASURED_MULTI_BLOCK.get((132, n, k, group_size, max_m))
+    wgmma = gemm.MEASURED_WGMMA.get((132, n, k, group_size, max_m))
+    assert plan.kernel == ("wgmma" if wgmma is not None else "mma")
+    if wgmma is not None:  # measured: the wgmma kernel, one M block of max_m rows, the measured splits
+        assert (plan.rows_per_mblock, plan.splits, plan.threads) == (max_m, wgmma, 384)
+        assert plan.shared_bytes(False) <= gemm.MAX_SHARED_BYTES
+        return
     if max_m is None:  # many M blocks: never split K (the M blocks give the CTAs; no [S, M, N] scratch)
         assert plan.splits == 1 and plan.n_tiles == 8 and plan.counters == 0
     elif multi is not None:  # measured: M blocks of 8 NT rows with the measured K splits
@@ -117,19 +123,32 @@ def test_gemm_plan_covers_k_and_fits(n, k, max_m, group_size):
         assert plan.shared_bytes(silu) <= 227 * 1024 // gemm.blocks_per_sm(group_size, plan.n_tiles)
 
 
+def test_gemm_wgmma_plans():
+    """The wgmma kernel serves the M classes 16..64 only, takes a plain input, and its shared memory
+    (ring + the block's scale table) grows with the K range: g32 down unsplit does not fit."""
+    with pytest.raises(ValueError, match="M <= 64"):
+        gemm.GemmPlan(4608, 3584, 128, 8, 1, 28, None, kernel="wgmma")
+    with pytest.raises(ValueError, match="kernel"):
+        gemm.GemmPlan(4608, 3584, 128, 8, 1, 28, 64, kernel="tma")
+    assert gemm.ws_shared_bytes(64, 148, 32, True) > gemm.MAX_SHARED_BYTES
+    assert gemm.ws_shared_bytes(64, 37, 128, True) <= gemm.MAX_SHARED_BYTES
+    assert gemm.kernel_name("g128_asym", False, 8, "wgmma") == "gemm_ws_int4_g128_asym_n8"
+
+
 def test_gemm_split_plans_of_the_7b_shapes():
     """Wave quantization: down at M <= 64 (28 row blocks, 1 block per SM at NT = 8) splits into one
-    wave (<= 132 blocks), not into 5 x 28 = 140 (two waves); qkv at M = 16 fills its 264 slots."""
-    down = gemm.plan_gemm_shape(3584, 18944, 128, 64, 132)
+    wave (<= 132 blocks), not into 5 x 28 = 140 (two waves); qkv at M = 16 fills its 264 slots. (The
+    mma.sync kernel's plans: the SiLU-input ones, where MEASURED_WGMMA has the plain input's.)"""
+    down = gemm.plan_gemm_shape(3584, 18944, 128, 64, 132, True)
     assert down.splits > 1 and down.blocks_n * down.splits <= 132
-    qkv = gemm.plan_gemm_shape(4608, 3584, 128, 16, 132)
+    qkv = gemm.plan_gemm_shape(4608, 3584, 128, 16, 132, True)
     assert 132 < qkv.blocks_n * qkv.splits <= 264
     assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).splits == 1  # 296 row blocks: partials cost more
 
 
 def test_gemm_measured_splits_are_the_7b_g128_plans_on_132_sms():
     for (sms, n, k, g, max_m), splits in gemm.MEASURED_SPLITS.items():
-        plan = gemm.plan_gemm_shape(n, k, g, max_m, sms)
+        plan = gemm.plan_gemm_shape(n, k, g, max_m, sms, (sms, n, k, g, max_m) in gemm.MEASURED_WGMMA)
         assert plan.splits == splits and plan.splits * plan.kc >= k // 128 > (plan.splits - 1) * plan.kc
     # the same shapes at another SM count are the model's (an argmin, checked above at 132 SMs)
     assert gemm.plan_gemm_shape(4608, 3584, 128, 16, 114).splits != 4
@@ -140,14 +159,17 @@ def test_gemm_measured_multi_block_plans_on_132_sms_only():
     M), the measured K splits, one arrival counter per (M block, row block) tile when split; gate_up
     at class 64 unsplit; 114 SMs keep the model's one M block of the class's rows."""
     for (sms, n, k, g, max_m), (nt, splits) in gemm.MEASURED_MULTI_BLOCK.items():
-        plan = gemm.plan_gemm_shape(n, k, g, max_m, sms)
+        # where the wgmma kernel is measured faster, the multi-block plan stays the SiLU-input one's
+        superseded = (sms, n, k, g, max_m) in gemm.MEASURED_WGMMA
+        plan = gemm.plan_gemm_shape(n, k, g, max_m, sms, superseded)
         rows = 8 * nt
         assert (plan.n_tiles, plan.splits, plan.max_m) == (nt, splits, max_m) and max_m == 2 * rows
         assert plan.grid(max_m) == (2, plan.blocks_n, splits) == plan.grid(rows + 1)
         assert plan.grid(rows) == (1, plan.blocks_n, splits)
         assert plan.counters == (2 * plan.blocks_n if splits > 1 else 0)
-    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).n_tiles == 4
-    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).splits == 1
+    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132, True).n_tiles == 4
+    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132, True).splits == 1
+    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).kernel == "wgmma"
     assert gemm.plan_gemm_shape(3584, 18944, 128, 32, 132).n_tiles == 4  # down at class 32: one M block
     for n, k in [(37888, 3584), (3584, 18944), (4608, 3584)]:
         assert gemm.plan_gemm_shape(n, k, 128, 64, 114).n_tiles == 8

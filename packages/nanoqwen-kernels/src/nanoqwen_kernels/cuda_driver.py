@@ -1,4 +1,5 @@
-"""ctypes binding of the one CUDA driver call CuPy does not expose: `cuLaunchKernelEx`.
+"""ctypes bindings of the CUDA driver calls CuPy does not expose: `cuLaunchKernelEx` and
+`cuTensorMapEncodeTiled`.
 
 It is used for programmatic dependent launch (PDL): the launch attribute
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION lets a kernel's blocks start while the previous
@@ -47,6 +48,12 @@ def _libcuda() -> ctypes.CDLL:
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(CUlaunchConfig), ctypes.c_void_p,
                                      ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuTensorMapEncodeTiled.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return lib
@@ -68,20 +75,59 @@ def _pdl_attribute() -> CUlaunchAttribute:
     return attr
 
 
-def launch_pdl(function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
-    """cuLaunchKernelEx of the CUfunction `function_ptr` on `stream_ptr` with programmatic stream
-    serialization allowed. `args`: numpy scalars in the kernel's parameter order (their dtype gives
-    each parameter's size). Raises CudaDriverError when the driver refuses the launch."""
+def launch_pdl(function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int, *,
+               pdl: bool = True) -> None:
+    """cuLaunchKernelEx of the CUfunction `function_ptr` on `stream_ptr`, with programmatic stream
+    serialization allowed when `pdl`. `args`: numpy scalars in the kernel's parameter order (their
+    dtype gives each parameter's size; a 128-byte `np.void` is a CUtensorMap passed by value). Raises
+    CudaDriverError when the driver refuses the launch."""
     if not all(isinstance(a, np.generic) for a in args):
         raise TypeError("launch_pdl: every argument must be a numpy scalar (its dtype gives the size)")
     lib = _libcuda()
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
     cfg = CUlaunchConfig(gx, gy, gz, bx, by, bz, shared_mem, stream_ptr,
-                         ctypes.pointer(_pdl_attribute()), 1)
+                         ctypes.pointer(_pdl_attribute()) if pdl else None, 1 if pdl else 0)
     holders = [np.asarray(a) for a in args]  # 0-d arrays own the parameter bytes during the call
     params = (ctypes.c_void_p * max(1, len(holders)))(*[h.ctypes.data for h in holders])
     code = lib.cuLaunchKernelEx(ctypes.byref(cfg), function_ptr, params, None)
     if code != 0:
         raise CudaDriverError(f"cuLaunchKernelEx (grid {grid}, block {block}, {shared_mem} B shared): "
                               + _error_text(lib, code))
+
+
+# cuda.h enums of cuTensorMapEncodeTiled
+CU_TENSOR_MAP_DATA_TYPE_UINT64 = 4
+CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
+CU_TENSOR_MAP_SWIZZLE_NONE = 0
+CU_TENSOR_MAP_SWIZZLE_128B = 3
+CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
+_ELEMENT_BYTES = {CU_TENSOR_MAP_DATA_TYPE_UINT64: 8, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16: 2}
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_map_2d(address: int, rows: int, cols: int, box_rows: int, box_cols: int, dtype: int,
+                  swizzle: int) -> np.void:
+    """A CUtensorMap (128 bytes, as an `np.void` kernel argument) of a row-major matrix [rows, cols] of
+    `dtype` (a CU_TENSOR_MAP_DATA_TYPE_*) at `address`, tiled in boxes of [box_rows, box_cols],
+    out-of-range elements read as zeros. Cached: the engine's buffers and weights keep their addresses.
+    Raises CudaDriverError when the driver refuses it (alignment: address and row pitch multiples of
+    16; with the 128-byte swizzle a box row must be 128 bytes)."""
+    lib = _libcuda()
+    buf = (ctypes.c_ubyte * 128)()
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(cols * _ELEMENT_BYTES[dtype])
+    box = (ctypes.c_uint * 2)(box_cols, box_rows)
+    elem = (ctypes.c_uint * 2)(1, 1)
+    code = lib.cuTensorMapEncodeTiled(buf, dtype, 2, ctypes.c_void_p(address), dims, strides, box, elem, 0,
+                                      swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, 0)
+    if code != 0:
+        raise CudaDriverError(f"cuTensorMapEncodeTiled ([{rows}, {cols}] of type {dtype} at {address:#x}, "
+                              f"box [{box_rows}, {box_cols}]): " + _error_text(lib, code))
+    return np.void(bytes(buf))
+
+
+def tensor_map_2d_bf16(address: int, rows: int, cols: int, box_rows: int, box_cols: int) -> np.void:
+    """`tensor_map_2d` of a bf16 matrix with the 128-byte swizzle (box_cols * 2 must be 128)."""
+    return tensor_map_2d(address, rows, cols, box_rows, box_cols, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                         CU_TENSOR_MAP_SWIZZLE_128B)

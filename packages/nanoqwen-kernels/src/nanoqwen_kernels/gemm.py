@@ -2,7 +2,9 @@
 
 Same weights (`gemv.Int4Weight`, layout `int4-g{G}-tile8x128-v1`), same exact dequantisation and fp32
 accumulation as the decode GEMV (`gemv.gemv_int4`); each dequantised weight fragment is multiplied by
-the activation rows of a whole M block (csrc/gemm_int4.cuh explains the kernel).
+the activation rows of a whole M block. Two kernels: the mma.sync one (csrc/gemm_int4.cuh, any M, also
+with a fused SiLU*mul input) and, for M <= 64 where measured faster (`MEASURED_WGMMA`), a
+warp-specialised one on Hopper's wgmma fed by TMA (csrc/gemm_int4_ws.cuh; `GemmPlan.kernel`).
 
     y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
 
@@ -24,11 +26,26 @@ import functools
 import numpy as np
 import torch
 
+from . import cuda_driver
 from . import gemv as _gemv
 from .gemv import GemvWorkspace, Int4Weight
 from .launch import check, i32, launch, ptr, require_sm90
 
 FAMILY = "gemm"
+# plan.kernel -> (kernel family, threads per block)
+KERNELS = {"mma": ("gemm", 256), "wgmma": ("gemm_ws", 384)}
+
+
+MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
+
+
+def ws_shared_bytes(rows: int, kc: int, group_size: int, asym: bool) -> int:
+    """Dynamic shared memory of the wgmma kernel (nq_gemm_ws::WsRing): 128 bytes of mbarriers, the
+    scale (and zero) table of 128 rows x kc tile-columns, up to 1023 bytes to the next 1024-byte
+    boundary, then NBUF slots of x (rows x 128 bf16) and 16 weight tiles (8 KB)."""
+    nbuf = 6 if rows >= 64 else 8
+    table = 128 * kc * (128 // group_size) * (3 if asym else 2)
+    return 128 + table + 1023 + nbuf * (rows * 256 + 16 * 512)
 MBLOCK = 64  # rows of x per M block at NT = 8 (the largest kernel)
 ROWS_PER_BLOCK = 128  # nq_gemm::ROWS_PER_BLOCK: 8 warps x 16 weight rows
 THREADS = 256
@@ -63,9 +80,14 @@ class GemmPlan:
     splits: int
     kc: int
     max_m: int | None
+    kernel: str = "mma"  # "mma": gemm_int4.cuh (mma.sync); "wgmma": gemm_int4_ws.cuh (M <= 64 only)
 
     def __post_init__(self) -> None:
         kt = self.k // 128
+        if self.kernel not in KERNELS:
+            raise ValueError(f"GemmPlan: kernel {self.kernel!r} is not one of {sorted(KERNELS)}")
+        if self.kernel == "wgmma" and self.max_m is None:
+            raise ValueError("GemmPlan: the wgmma kernel serves M <= 64 (max_m 16, 32 or 64)")
         if self.n_tiles not in (2, 4, 8) or (self.max_m is not None and self.max_m not in (16, 32, 64)):
             raise ValueError(f"GemmPlan: n_tiles {self.n_tiles} does not serve max_m {self.max_m}")
         if self.max_m is not None and self.max_m < 8 * self.n_tiles:
@@ -99,9 +121,16 @@ class GemmPlan:
         return -(-m // self.rows_per_mblock)
 
     def shared_bytes(self, silu: bool) -> int:
-        """Dynamic shared memory: two activation chunk buffers (plain input), or one + the raw gate
-        and up rows of the next chunk (silu input)."""
+        """Dynamic shared memory. mma: two activation chunk buffers (plain input), or one + the raw gate
+        and up rows of the next chunk (silu input). wgmma: the mbarriers and the slot ring
+        (nq_gemm_ws::WsRing)."""
+        if self.kernel == "wgmma":  # the table's zero points counted: the launcher has the exact figure
+            return ws_shared_bytes(self.rows_per_mblock, self.kc, self.group_size, True)
         return (3 if silu else 2) * self.rows_per_mblock * (CHUNK_COLS + XPAD) * 2
+
+    @property
+    def threads(self) -> int:
+        return KERNELS[self.kernel][1]
 
     def workspace_floats(self, m: int) -> int:
         return self.splits * m * self.n if self.splits > 1 else 0
@@ -180,10 +209,29 @@ MEASURED_MULTI_BLOCK = {
 }
 
 
+# Shapes whose M class runs faster on the wgmma kernel (csrc/gemm_int4_ws.cuh), one M block of the
+# class's rows split this many ways along K. Measured on the H200 (`bench/kernels/gemm_ws_ab.py --ms
+# 16,32,64 --splits 1,2,3,4,6`, g128 asym, 2026-12-04, bench/kernels/results/gemm-ws-h200-2026-12-04/
+# gemm_ws_ab.md; us, the mma.sync plan -> wgmma), kept where it wins by more than 3%:
+#   class 16: qkv 14.3 -> 13.6 (3 splits), o 12.3 -> 11.1 (4), gate_up 57.1 -> 52.9 (1);
+#   class 32: gate_up 73.2 -> 59.0 (1), down 40.2 -> 33.5 (4);
+#   class 64: qkv 26.5 -> 23.8 (1), gate_up 106.8 -> 71.1 (1), down 63.0 -> 45.2 (4).
+# Not taken: down at class 16 (28.6 -> 27.8), qkv and o at class 32 (18.1 / 14.0 -> 19.1 / 14.9), o at
+# class 64 (20.3 -> 23.3). Key as MEASURED_SPLITS; value: K splits.
+MEASURED_WGMMA = {
+    (132, 4608, 3584, 128, 16): 3, (132, 3584, 3584, 128, 16): 4, (132, 37888, 3584, 128, 16): 1,
+    (132, 37888, 3584, 128, 32): 1, (132, 3584, 18944, 128, 32): 4,
+    (132, 4608, 3584, 128, 64): 1, (132, 37888, 3584, 128, 64): 1, (132, 3584, 18944, 128, 64): 4,
+}  # fmt: skip
+
+
 @functools.cache
-def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count: int) -> GemmPlan:
+def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count: int,
+                    silu_input: bool = False) -> GemmPlan:
     """The plan of an M class (`max_m` 16, 32, 64, or None for M > 64: unsplit 64-row M blocks). A
-    shape in MEASURED_MULTI_BLOCK gets, for its M class, M blocks of that NT with that many K splits.
+    shape in MEASURED_WGMMA gets the wgmma kernel with that many K splits (not for a SiLU*mul input,
+    which only the mma.sync kernel takes). A shape in
+    MEASURED_MULTI_BLOCK gets, for its M class, M blocks of that NT with that many K splits.
     Otherwise one M block of `max_m` rows, split along K by the measured split count where
     MEASURED_SPLITS has one, else by the split count with the least `split_cost` on `sm_count` x
     `blocks_per_sm` resident blocks (ties: fewer splits)."""
@@ -192,6 +240,10 @@ def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count
     kt = k // 128
     if max_m is None:
         return GemmPlan.of(n, k, group_size, 8, None)
+    wgmma_splits = None if silu_input else MEASURED_WGMMA.get((sm_count, n, k, group_size, max_m))
+    if wgmma_splits is not None:
+        plan = GemmPlan.of(n, k, group_size, max_m // 8, max_m, wgmma_splits)
+        return dataclasses.replace(plan, kernel="wgmma")
     multi = MEASURED_MULTI_BLOCK.get((sm_count, n, k, group_size, max_m))
     if multi is not None:  # M blocks of 8 NT rows, as many as M needs, each split `splits` ways
         multi_nt, splits = multi
@@ -205,15 +257,19 @@ def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count
     return GemmPlan.of(n, k, group_size, nt, max_m, best)
 
 
-def plan_gemm(n: int, k: int, m: int, group_size: int = 128, device: torch.device | None = None) -> GemmPlan:
-    """The plan for an M-row product on `device` (default: the current CUDA device)."""
+def plan_gemm(n: int, k: int, m: int, group_size: int = 128, device: torch.device | None = None, *,
+              silu_input: bool = False) -> GemmPlan:
+    """The plan for an M-row product on `device` (default: the current CUDA device); `silu_input`: for
+    the fused SiLU*mul input."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    return plan_gemm_shape(n, k, group_size, m_class(m), _gemv._sm_count(require_sm90(device)))
+    return plan_gemm_shape(n, k, group_size, m_class(m), _gemv._sm_count(require_sm90(device)), silu_input)
 
 
 def plans_for_shapes(shapes, group_size: int, sm_count: int) -> list[GemmPlan]:
-    """Every plan (all M classes) of the given (N, K) shapes: what `allocate_workspace` sizes from."""
-    return [plan_gemm_shape(n, k, group_size, c, sm_count) for n, k in shapes for c in (16, 32, 64, None)]
+    """Every plan (all M classes, plain and SiLU input) of the given (N, K) shapes: what
+    `allocate_workspace` sizes from."""
+    return [plan_gemm_shape(n, k, group_size, c, sm_count, silu)
+            for n, k in shapes for c in (16, 32, 64, None) for silu in (False, True)]
 
 
 def allocate_workspace(plans, device: torch.device) -> GemvWorkspace:
@@ -229,7 +285,7 @@ def gemm_int4(
     workspace: GemvWorkspace | None = None,
     plan: GemmPlan | None = None,
     silu_mul_input: bool = False,
-    family: str = FAMILY,
+    family: str | None = None,
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -239,8 +295,8 @@ def gemm_int4(
     multiplies silu(gate) * up, rounded to bf16, as it stages it). weight: Int4Weight [N, K]; bias:
     bf16 [N] or None; out: bf16 [M, N], written completely (nothing outside it). plan: from
     `plan_gemm` for this M (default: made here); workspace: required when the plan splits K.
-    family: the registry entry to launch from (benchmarks may register variants). pdl: launch with
-    programmatic dependent launch. Returns out.
+    family: the registry entry to launch from (default: the plan's kernel's; benchmarks may register
+    variants). pdl: launch with programmatic dependent launch. Returns out.
     """
     n, k = weight.n, weight.k
     dev = weight.qweight.device
@@ -252,13 +308,15 @@ def gemm_int4(
     check(out, "out", torch.bfloat16, (m, n), dev, align=2)
     if bias is not None:
         check(bias, "bias", torch.bfloat16, (n,), dev, align=2)
-    plan = plan or plan_gemm(n, k, m, weight.group_size, dev)
+    plan = plan or plan_gemm(n, k, m, weight.group_size, dev, silu_input=silu_mul_input)
     if (plan.n, plan.k, plan.group_size) != (n, k, weight.group_size):
         raise ValueError(
             f"plan is for [{plan.n}, {plan.k}] g{plan.group_size}, weight is [{n}, {k}] g{weight.group_size}"
         )
     if plan.max_m is not None and m > plan.max_m:
         raise ValueError(f"plan serves M <= {plan.max_m}, got M = {m}: use plan_gemm(N, K, M)")
+    if plan.kernel == "wgmma" and silu_mul_input:
+        raise ValueError("the wgmma GEMM takes a plain input: run silu_mul first")
     ws_ptr = cnt_ptr = np.uint64(0)
     if plan.splits > 1:
         if workspace is None:
@@ -269,19 +327,34 @@ def gemm_int4(
         if workspace.partials.device != dev:
             raise ValueError("GEMM workspace is on another device")
         ws_ptr, cnt_ptr = ptr(workspace.partials), ptr(workspace.counters)
-    name = kernel_name(weight.kernel_suffix(), silu_mul_input, plan.n_tiles)
+    name = kernel_name(weight.kernel_suffix(), silu_mul_input, plan.n_tiles, plan.kernel)
     args = (
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
         ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc),
     )  # fmt: skip
-    launch(
-        family, name, index, plan.grid(m), (THREADS, 1, 1), args, plan.shared_bytes(silu_mul_input), pdl=pdl
-    )
+    shared = plan.shared_bytes(silu_mul_input)
+    if plan.kernel == "wgmma":  # tensor maps of x and of the weights (by value, the last arguments)
+        shared = ws_shared_bytes(plan.rows_per_mblock, plan.kc, plan.group_size, weight.zeros is not None)
+        if shared > MAX_SHARED_BYTES:
+            raise ValueError(f"wgmma GEMM plan needs {shared} B of shared memory (> {MAX_SHARED_BYTES}): "
+                             "split K more")
+        if x.data_ptr() % 16:
+            raise ValueError("x: the wgmma GEMM needs a 16-byte-aligned x (TMA)")
+        # x: boxes of [8 NT rows, 64 columns], 128-byte swizzle; the packed weights as [N / 8 row-tiles,
+        # K / 128 * 512 bytes] of u64: boxes of the block's 16 tiles of one tile-column (512 bytes each)
+        args += (cuda_driver.tensor_map_2d_bf16(x.data_ptr(), m, k, plan.rows_per_mblock, 64),
+                 cuda_driver.tensor_map_2d(weight.qweight.data_ptr(), n // 8, k // 128 * 64, 16, 64,
+                                           cuda_driver.CU_TENSOR_MAP_DATA_TYPE_UINT64,
+                                           cuda_driver.CU_TENSOR_MAP_SWIZZLE_NONE))
+    launch(family or KERNELS[plan.kernel][0], name, index, plan.grid(m), (plan.threads, 1, 1), args, shared,
+           pdl=pdl)
     return out
 
 
-def kernel_name(suffix: str, silu: bool, n_tiles: int) -> str:
+def kernel_name(suffix: str, silu: bool, n_tiles: int, kernel: str = "mma") -> str:
     """Entry point for an `Int4Weight.kernel_suffix()` (e.g. "g128_sym", "g128_asym_f16s")."""
+    if kernel == "wgmma":
+        return f"gemm_ws_int4_{suffix}_n{n_tiles}"
     return f"gemm_int4_{suffix}{'_silu' if silu else ''}_n{n_tiles}"
 
 

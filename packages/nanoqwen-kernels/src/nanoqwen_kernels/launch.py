@@ -108,9 +108,9 @@ def launch(family: str, kernel: str, device_index: int, grid, block, args, share
     import cupy
 
     with cupy.cuda.Device(device_index):
-        if pdl:
+        if pdl or any(isinstance(a, np.void) for a in args):  # PDL, or a CUtensorMap by value
             stream = torch.cuda.current_stream(device_index).cuda_stream
-            cuda_driver.launch_pdl(fn.kernel.ptr, grid, block, args, shared_mem, stream)
+            cuda_driver.launch_pdl(fn.kernel.ptr, grid, block, args, shared_mem, stream, pdl=pdl)
             return
         with current_stream(device_index):
             fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)

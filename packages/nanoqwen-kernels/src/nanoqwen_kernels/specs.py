@@ -59,6 +59,18 @@ SPECS: dict[str, KernelSpec] = {
             if not (g == 32 and nt == 8)
         ),
     ),
+    # INT4 GEMM on wgmma with a producer warp, M <= 64 (gemm.py, plan.kernel "wgmma")
+    "gemm_ws": KernelSpec(
+        name="gemm_ws",
+        sources=("gemm_ws.cu",),
+        hot_kernels=tuple(
+            f"gemm_ws_int4_g{g}_{kind}{scale}_n{nt}"
+            for g in (32, 64, 128)
+            for kind in ("sym", "asym")
+            for scale in ("", "_f16s")
+            for nt in (2, 4, 8)
+        ),
+    ),
     "sampling": KernelSpec(
         name="sampling",
         sources=("sampling.cu",),

@@ -158,6 +158,60 @@ NQ_DEVICE void reduce_splits(const float* __restrict__ ws, const bf16_t* __restr
   }
 }
 
+// The end of one (M block, row block, K split) tile. (gemm_int4 below keeps its own copy of this
+// epilogue, inline, until a GPU measurement says moving it here leaves its speed alone: ptxas allocates
+// its registers differently through the call.) acc: this thread's
+// 4 NT fp32 sums, acc[4i + 0, 1] = y[m0 + 8i + 2t, +1][row0] and acc[4i + 2, 3] the same m for row1
+// (mma.m16n8k16's and wgmma's D layout). S == 1: + bias, bf16, stored. Else the fp32 partials go to
+// ws [S, M, N], and the tile's last block to arrive (its counter) sums them in split order. The 256
+// threads that hold accumulators synchronise: the whole block (CONSUMERS_ONLY false) or named barrier 1
+// (the wgmma kernel, whose producer warps have left).
+template <int NT, bool CONSUMERS_ONLY>
+NQ_DEVICE void finish_tile(const float* acc, const bf16_t* __restrict__ bias, bf16_t* __restrict__ out,
+                           float* __restrict__ ws, int* __restrict__ counters, int M, int N, int S, int split,
+                           int m0, int rows_valid, int row_base, int row0, int row1, bool has0, bool has1,
+                           int t) {
+  auto sync = [] {
+    if constexpr (CONSUMERS_ONLY) asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+    else __syncthreads();
+  };
+  if (S == 1) {
+    if (!has0) return;
+    const float b0 = bias ? bf16_to_f32(bias[row0]) : 0.f;
+    const float b1 = (bias && has1) ? bf16_to_f32(bias[row1]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const int ma = m0 + 8 * i + 2 * t, mb = ma + 1;
+      if (ma < M) out[(i64)ma * N + row0] = f32_to_bf16(acc[4 * i + 0] + b0);
+      if (mb < M) out[(i64)mb * N + row0] = f32_to_bf16(acc[4 * i + 1] + b0);
+      if (has1 && ma < M) out[(i64)ma * N + row1] = f32_to_bf16(acc[4 * i + 2] + b1);
+      if (has1 && mb < M) out[(i64)mb * N + row1] = f32_to_bf16(acc[4 * i + 3] + b1);
+    }
+    return;
+  }
+  float* part = ws + (i64)split * M * N;  // [S, M, N]: this M block's rows are m0..
+  if (has0) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const int ma = m0 + 8 * i + 2 * t, mb = ma + 1;
+      if (ma < M) part[(i64)ma * N + row0] = acc[4 * i + 0];
+      if (mb < M) part[(i64)mb * N + row0] = acc[4 * i + 1];
+      if (has1 && ma < M) part[(i64)ma * N + row1] = acc[4 * i + 2];
+      if (has1 && mb < M) part[(i64)mb * N + row1] = acc[4 * i + 3];
+    }
+  }
+  __threadfence();
+  sync();
+  __shared__ int is_last;
+  int* counter = counters + blockIdx.x * gridDim.y + blockIdx.y;  // one per (M block, row block) tile
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == S - 1;
+  sync();
+  if (!is_last) return;
+  __threadfence();
+  reduce_splits(ws, bias, out, M, N, S, row_base, m0, rows_valid);
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
+}
+
 // scales: the raw 16-bit scale words, bf16 or fp16 as ST (nq_gemv::ScaleBF16 / ScaleF16) says.
 template <int G, bool ASYM, int XMODE, int NT, typename ST>
 NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,

@@ -1,0 +1,117 @@
+"""GPU: the wgmma INT4 GEMM (csrc/gemm_int4_ws.cuh, plan.kernel "wgmma", M <= 64) against the fp32
+reference on fresh random weights: the 7B shapes at M = 9..64, odd shapes (N % 128 != 0, K / 128 odd)
+at every group size, symmetric and asymmetric, bf16 and fp16 scales, several K splits, graph replay.
+Outputs are NaN-poisoned with a poisoned guard after row M - 1 (int4_testkit.run_gemm).
+
+Tolerance: reference.TOLERANCES[bfloat16], as test_gemm.py's, for the same reason: each output element
+is the sum of exact fp32 products of the exact bf16 (q - z) weights and bf16 activations, one fresh fp32
+fragment per quantization group (wgmma sums a group's k16 steps in fp32 as the mma.sync chain does),
+scaled into an fp32 accumulator (<= K / 16 accumulator adds: the atol's derivation), rounded once to
+bf16 (the rtol's). What differs from the mma.sync kernel is only who moves the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from int4_testkit import random_int4, reference_out, run_gemm
+from nanoqwen_kernels import reference as R
+
+pytestmark = pytest.mark.gpu
+
+SHAPES_7B = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
+ODD_SHAPES = [(24, 384), (200, 640), (136, 4096), (1000, 1152)]
+
+
+def wgmma_plan(n, k, m, group_size, splits):
+    from nanoqwen_kernels.gemm import GemmPlan, m_class
+
+    mc = m_class(m)
+    return dataclasses.replace(GemmPlan.of(n, k, group_size, mc // 8, mc, splits), kernel="wgmma")
+
+
+@pytest.mark.parametrize("m", [9, 16, 17, 32, 33, 48, 63, 64])
+@pytest.mark.parametrize("name,n,k", SHAPES_7B)
+def test_wgmma_7b_shapes(name, n, k, m, gen, device):
+    w = random_int4(n, k, 128, False, gen, device)
+    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16) if name == "qkv" else None
+    splits = 4 if name in ("o", "down") else 1
+    got = run_gemm(x, w, bias, wgmma_plan(n, k, m, 128, splits))
+    R.assert_close(got, reference_out(x, w, bias), f"wgmma gemm {name} M={m}")
+
+
+@pytest.mark.parametrize("name,n,k", [s for s in SHAPES_7B if s[0] in ("gate_up", "down")])
+@pytest.mark.parametrize("m", [33, 64])
+def test_planner_runs_wgmma_where_measured(name, n, k, m, gen, device):
+    """The engine's plan for these shapes at M = 33..64 is the wgmma kernel (MEASURED_WGMMA): assert the
+    path, then the output."""
+    from nanoqwen_kernels.gemm import plan_gemm
+
+    plan = plan_gemm(n, k, m, 128, device)
+    assert plan.kernel == "wgmma"
+    w = random_int4(n, k, 128, False, gen, device)
+    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    R.assert_close(run_gemm(x, w, None, plan), reference_out(x, w, None), f"planned wgmma {name} M={m}")
+
+
+@pytest.mark.parametrize("n,k", ODD_SHAPES)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("m,splits", [(13, 1), (40, 2), (64, 3)])
+def test_wgmma_odd_shapes(n, k, group_size, symmetric, m, splits, gen, device):
+    w = random_int4(n, k, group_size, symmetric, gen, device)
+    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
+    got = run_gemm(x, w, bias, wgmma_plan(n, k, m, group_size, splits))
+    R.assert_close(got, reference_out(x, w, bias), f"wgmma [{n}, {k}] g{group_size} M={m} S={splits}")
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_wgmma_fp16_scales(group_size, symmetric, gen, device):
+    n, k, m = 1000, 1152, 50
+    w = random_int4(n, k, group_size, symmetric, gen, device, scale_dtype=torch.float16)
+    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    got = run_gemm(x, w, None, wgmma_plan(n, k, m, group_size, 2))
+    R.assert_close(got, reference_out(x, w, None), f"wgmma f16s g{group_size}")
+
+
+def test_wgmma_graph_replay(gen, device):
+    """Captured once, replayed on new inputs written into the captured x: the tensor map captured with the
+    launch names x's buffer, so the replay reads the new values; split-K counters reset every replay."""
+    from nanoqwen_kernels.gemm import allocate_workspace, gemm_int4
+
+    n, k, m = 3584, 18944, 57
+    w = random_int4(n, k, 128, False, gen, device)
+    plan = wgmma_plan(n, k, m, 128, 4)
+    ws = allocate_workspace([plan], device)
+    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+    gemm_int4(x, w, out, workspace=ws, plan=plan)  # first use: compile and load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm_int4(x, w, out, workspace=ws, plan=plan)
+    for _ in range(3):
+        x.copy_(torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        R.assert_close(out, reference_out(x, w, None), "wgmma graph replay")
+        assert int(ws.counters.abs().sum()) == 0
+
+
+def test_wgmma_rejects_what_it_cannot_run(gen, device):
+    from nanoqwen_kernels.gemm import gemm_int4
+
+    w = random_int4(3584, 18944, 32, False, gen, device)
+    x = torch.randn(64, 18944, generator=gen, device=device).to(torch.bfloat16)
+    out = torch.empty(64, 3584, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="shared memory"):  # g32, K unsplit: the scale table is too big
+        gemm_int4(x, w, out, plan=wgmma_plan(3584, 18944, 64, 32, 1))
+    gate_up = torch.randn(64, 2 * 18944, generator=gen, device=device).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="plain input"):
+        gemm_int4(gate_up, w, out, plan=wgmma_plan(3584, 18944, 64, 32, 4), silu_mul_input=True)
