@@ -108,14 +108,16 @@ def test_every_kernel_entry_waits_before_touching_dependent_memory():
                     continue
                 assert first in ("pdl_enter()", "pdl_wait()"), f"{source}:{name} starts with {first!r}"
     assert seen >= 10
-    for header, fn, first_x in (("gemv_int4.cuh", "NQ_DEVICE void gemv_int4(", "stage_x<XMODE>(xs"),
-                                ("gemv_int8.cuh", "NQ_DEVICE void gemv_int8(", "ld_v4(x + "),
-                                ("gemm_int4.cuh", "NQ_DEVICE void gemm_int4(", "issue(0);"),
-                                # the producer warp waits; the consumers store only what it delivered after
-                                ("gemm_int4_ws.cuh", "NQ_DEVICE void gemm_int4_ws(", "tma_load_2d(slot")):
+    for header, fn, first_x, store in (
+        ("gemv_int4.cuh", "NQ_DEVICE void gemv_int4(", "stage_x<XMODE>(xs", "out["),
+        ("gemv_int8.cuh", "NQ_DEVICE void gemv_int8(", "ld_v4(x + ", "out["),
+        ("gemm_int4.cuh", "NQ_DEVICE void gemm_int4(", "issue(0);", "out["),
+        # the producer warp waits; the consumers store (finish_tile) only what it delivered after
+        ("gemm_int4_ws.cuh", "NQ_DEVICE void gemm_int4_ws(", "tma_load_2d(slot", "finish_tile<"),
+    ):
         src = (CSRC / header).read_text()
         body = src[src.index(fn):]
-        wait, stage, first_store = body.index("pdl_wait();"), body.index(first_x), body.index("out[")
+        wait, stage, first_store = body.index("pdl_wait();"), body.index(first_x), body.index(store)
         assert wait < stage < first_store, header
         # before the wait only the weight prefetch: no x, workspace, counter or output access
         assert re.findall(r"\b(stage_x|ws|counters|out|x)\[", body[:wait]) == [], header
