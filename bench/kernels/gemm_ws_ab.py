@@ -14,7 +14,6 @@ median of 15 replays. Writes gemm_ws_ab.json and gemm_ws_ab.md under --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -73,7 +72,7 @@ def main(argv=None) -> int:
             cands = [("mma", head, "gemm")]
             seen = set()
             for s in split_set:
-                p = dataclasses.replace(gemm.GemmPlan.of(n, k, 128, mc // 8, mc, s), kernel="wgmma")
+                p = gemm.GemmPlan.of(n, k, 128, mc // 8, mc, s, kernel="wgmma")
                 if p.splits in seen:
                     continue
                 seen.add(p.splits)

@@ -12,8 +12,6 @@ bf16 (the rtol's). What differs from the mma.sync kernel is only who moves the d
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from int4_testkit import random_int4, reference_out, run_gemm
@@ -29,7 +27,7 @@ def wgmma_plan(n, k, m, group_size, splits):
     from nanoqwen_kernels.gemm import GemmPlan, m_class
 
     mc = m_class(m)
-    return dataclasses.replace(GemmPlan.of(n, k, group_size, mc // 8, mc, splits), kernel="wgmma")
+    return GemmPlan.of(n, k, group_size, mc // 8, mc, splits, kernel="wgmma")
 
 
 @pytest.mark.parametrize("m", [9, 16, 17, 32, 33, 48, 63, 64])

@@ -31,11 +31,12 @@ from . import gemv as _gemv
 from .gemv import GemvWorkspace, Int4Weight
 from .launch import check, i32, launch, ptr, require_sm90
 
-FAMILY = "gemm"
-# plan.kernel -> (kernel family, threads per block)
+# plan.kernel -> (kernel family, threads per block: nq_gemm::THREADS, nq_gemm_ws::THREADS)
 KERNELS = {"mma": ("gemm", 256), "wgmma": ("gemm_ws", 384)}
-
-
+MBLOCK = 64  # rows of x per M block at NT = 8 (the largest kernel)
+ROWS_PER_BLOCK = 128  # nq_gemm::ROWS_PER_BLOCK: 8 warps x 16 weight rows
+CHUNK_COLS = 2 * 128  # nq_gemm::CH tile-columns of activations staged per chunk
+XPAD = 8  # nq_gemm::XPAD
 MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
 
 
@@ -46,11 +47,6 @@ def ws_shared_bytes(rows: int, kc: int, group_size: int, asym: bool) -> int:
     nbuf = 6 if rows >= 64 else 8
     table = 128 * kc * (128 // group_size) * (3 if asym else 2)
     return 128 + table + 1023 + nbuf * (rows * 256 + 16 * 512)
-MBLOCK = 64  # rows of x per M block at NT = 8 (the largest kernel)
-ROWS_PER_BLOCK = 128  # nq_gemm::ROWS_PER_BLOCK: 8 warps x 16 weight rows
-THREADS = 256
-CHUNK_COLS = 2 * 128  # nq_gemm::CH tile-columns of activations staged per chunk
-XPAD = 8  # nq_gemm::XPAD
 
 
 def blocks_per_sm(group_size: int, n_tiles: int) -> int:
@@ -104,10 +100,10 @@ class GemmPlan:
 
     @classmethod
     def of(cls, n: int, k: int, group_size: int, n_tiles: int, max_m: int | None,
-           splits: int = 1) -> GemmPlan:
+           splits: int = 1, kernel: str = "mma") -> GemmPlan:
         """M blocks of 8 `n_tiles` rows for the class `max_m`, split about `splits` ways along K
-        (`with_splits`; 1: unsplit)."""
-        return cls(n, k, group_size, n_tiles, 1, k // 128, max_m).with_splits(splits)
+        (`with_splits`; 1: unsplit), on `kernel`."""
+        return cls(n, k, group_size, n_tiles, 1, k // 128, max_m, kernel).with_splits(splits)
 
     @property
     def blocks_n(self) -> int:
@@ -242,8 +238,7 @@ def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count
         return GemmPlan.of(n, k, group_size, 8, None)
     wgmma_splits = None if silu_input else MEASURED_WGMMA.get((sm_count, n, k, group_size, max_m))
     if wgmma_splits is not None:
-        plan = GemmPlan.of(n, k, group_size, max_m // 8, max_m, wgmma_splits)
-        return dataclasses.replace(plan, kernel="wgmma")
+        return GemmPlan.of(n, k, group_size, max_m // 8, max_m, wgmma_splits, kernel="wgmma")
     multi = MEASURED_MULTI_BLOCK.get((sm_count, n, k, group_size, max_m))
     if multi is not None:  # M blocks of 8 NT rows, as many as M needs, each split `splits` ways
         multi_nt, splits = multi
@@ -334,7 +329,8 @@ def gemm_int4(
     )  # fmt: skip
     shared = plan.shared_bytes(silu_mul_input)
     if plan.kernel == "wgmma":  # tensor maps of x and of the weights (by value, the last arguments)
-        shared = ws_shared_bytes(plan.rows_per_mblock, plan.kc, plan.group_size, weight.zeros is not None)
+        if weight.zeros is None:  # plan.shared_bytes counts a zero-point table; symmetric weights have none
+            shared = ws_shared_bytes(plan.rows_per_mblock, plan.kc, plan.group_size, False)
         if shared > MAX_SHARED_BYTES:
             raise ValueError(f"wgmma GEMM plan needs {shared} B of shared memory (> {MAX_SHARED_BYTES}): "
                              "split K more")

@@ -40,7 +40,8 @@
 // 1 (256 threads), the producer having left.
 //
 // Launch (gemm.py, kernel family "gemm_ws"): grid (ceil(M / R), ceil(N / 128), S), 384 threads,
-// dynamic shared memory `WsRing<R>::bytes(kc, G, ASYM)` (gemm.ws_shared_bytes), x's tensor map last.
+// dynamic shared memory gemm.ws_shared_bytes (the layout WsRing names), then the tensor maps of x and of
+// the packed weights as the last two arguments.
 #pragma once
 #include "gemm_int4.cuh"
 #include "mbarrier.cuh"
@@ -75,7 +76,7 @@ struct WsRing {
   static NQ_DEVICE int table_bytes(int kgb, bool asym) { return ROWS_PER_BLOCK * kgb * (asym ? 3 : 2); }
 };
 
-// By-value kernel parameter: a CUtensorMap (cuda_driver.tensor_map_2d_bf16).
+// By-value kernel parameter: a CUtensorMap (cuda_driver.tensor_map_2d).
 struct alignas(64) TmaMap {
   unsigned char bytes[128];
 };
@@ -110,8 +111,6 @@ NQ_DEVICE u32 lds16(u32 a) {
   asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(a));
   return v;
 }
-static_assert(CONSUMERS == nq_gemm::THREADS, "finish_tile's named barrier counts the consumers");
-NQ_DEVICE void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
 NQ_DEVICE u32 lds8(u32 a) {
   u32 v;
   asm volatile("ld.shared.u8 %0, [%1];" : "=r"(v) : "r"(a));
@@ -128,6 +127,10 @@ NQ_DEVICE u32 ldg_nc_u8(const u8* p) {
   asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
+
+// The consumer warpgroups' barrier (named barrier 1; nq_gemm::finish_tile uses the same one).
+static_assert(CONSUMERS == nq_gemm::THREADS, "finish_tile's named barrier counts the consumers");
+NQ_DEVICE void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
 
 // The consumer warps' state and steps (a struct, not lambdas: the fragment buffer index must be a
 // template parameter, and NVRTC takes no generic lambdas).
