@@ -15,8 +15,6 @@ input is rounded to bf16 as the GEMV's is (same formula, __expf), and so is the 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from int4_testkit import random_int4, reference_out, run_gemm
@@ -67,12 +65,15 @@ MULTI_BLOCK_CASES = [
 def test_gemm_measured_multi_block_plan(name, n, k, m, symmetric, gen, device):
     """The 7B shapes of gemm.MEASURED_MULTI_BLOCK on a 132-SM GPU run its plan (asserted, not
     assumed): two M blocks of 8 NT rows, the second partial below the class's top M, each with the
-    table's K splits."""
+    table's K splits. Where MEASURED_WGMMA takes the plain input to the wgmma kernel, the table's plan
+    is the SiLU-input one (the mma.sync kernel's), run here on a plain input."""
     from nanoqwen_kernels import gemm
 
     if torch.cuda.get_device_properties(device).multi_processor_count != 132:
         pytest.skip("MEASURED_MULTI_BLOCK lists 132-SM plans (H100 SXM / H200); this GPU plans by the model")
-    plan = gemm.plan_gemm(n, k, m, 128, device)
+    shadowed = (132, n, k, 128, gemm.m_class(m)) in gemm.MEASURED_WGMMA
+    plan = gemm.plan_gemm(n, k, m, 128, device, silu_input=shadowed)
+    assert plan.kernel == "mma"
     nt, splits = MEASURED_MULTI_BLOCK[(132, n, k, 128, gemm.m_class(m))]
     assert (plan.n_tiles, plan.splits, plan.grid(m)[0]) == (nt, splits, 2)
     w = random_int4(n, k, 128, symmetric, gen, device)
@@ -196,14 +197,17 @@ def test_gemm_repeated_launches_and_graph_replay(pdl, m, multi_block, gen, devic
 
 def test_gemm_matches_gemv_bitwise_per_row(gen, device):
     """Same arithmetic per element as the GEMV (the tolerance argument above): with the same split-K
-    plan shape the 9-row GEMM equals the GEMV run on rows 0..7 and row 8, bit for bit."""
-    from nanoqwen_kernels.gemm import plan_gemm
+    plan shape the mma.sync kernel's 9-row GEMM equals the GEMV run on rows 0..7 and row 8, bit for bit.
+    (Not the wgmma kernel: its two consumer sets sum the even and the odd tile-columns apart, then add,
+    as a 2-way K split does; test_gemm_wgmma.py holds it to the same tolerance.)"""
+    from nanoqwen_kernels.gemm import GemmPlan
     from nanoqwen_kernels.gemv import GemvPlan, GemvWorkspace, gemv_int4
 
     n, k = 4608, 3584
     w = random_int4(n, k, 128, False, gen, device)
     x = torch.randn(9, k, generator=gen, device=device).to(torch.bfloat16)
-    plan = dataclasses.replace(plan_gemm(n, k, 9, 128, device), splits=1, kc=k // 128)
+    plan = GemmPlan.of(n, k, 128, 2, 16, 1)
+    assert (plan.kernel, plan.splits, plan.kc) == ("mma", 1, k // 128)
     got = run_gemm(x, w, None, plan)
     gplan = GemvPlan(n, k, 1, k // 128)
     want = torch.empty(9, n, dtype=torch.bfloat16, device=device)

@@ -99,7 +99,7 @@ def test_gemm_plan_covers_k_and_fits(n, k, max_m, group_size):
     wgmma = gemm.MEASURED_WGMMA.get((132, n, k, group_size, max_m))
     assert plan.kernel == ("wgmma" if wgmma is not None else "mma")
     if wgmma is not None:  # measured: the wgmma kernel, one M block of max_m rows, the measured splits
-        assert (plan.rows_per_mblock, plan.splits, plan.threads) == (max_m, wgmma, 384)
+        assert (plan.rows_per_mblock, plan.splits, plan.threads) == (max_m, wgmma, 640)
         assert plan.shared_bytes(False) <= gemm.MAX_SHARED_BYTES
         return
     if max_m is None:  # many M blocks: never split K (the M blocks give the CTAs; no [S, M, N] scratch)

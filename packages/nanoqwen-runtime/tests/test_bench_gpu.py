@@ -56,14 +56,23 @@ def test_profile_of_eager_decode_steps(weights):
 @pytest.mark.parametrize("batch", [16, 33])
 def test_profile_of_batched_eager_decode_steps_runs_the_int4_gemm(weights, batch):
     """A batched profile times decode steps of `batch` rows, and its kernel list says which path ran:
-    the INT4 GEMM for the layer linears (M > 8), no decode GEMV; the engine is left idle."""
+    the INT4 GEMM for the layer linears (M > 8), on the kernel the planner picks for each shape (the
+    mma.sync family `gemm`, or `gemm_ws` where gemm.MEASURED_WGMMA has it), no decode GEMV; the engine
+    is left idle."""
+    from nanoqwen_kernels.gemm import KERNELS, plan_gemm
+
     eng = Engine(GEOM, weights, EngineConfig(kv_memory_bytes=1 << 30, max_model_len=2048, mode="eager",
                                              dense_weight_cache=False))
     p = profile_decode_ops(eng, steps=3, prompt=64, batch=batch)
     assert p["batch"] == batch and eng.kv_blocks_used() == 0 and not eng.has_work
     kernels = {k["kernel"]: k for k in p["kernels"]}
-    gemm = [k for k in kernels if k.startswith("gemm_int4_")]
+    gemm = [k for k in kernels if k.startswith(("gemm_int4_", "gemm_ws_int4_"))]
     assert gemm and not any(k.startswith("gemv_int4_") for k in kernels), sorted(kernels)
+    h, hd = GEOM.hidden_size, GEOM.head_dim
+    q, kv, inter = GEOM.num_attention_heads * hd, GEOM.num_key_value_heads * hd, GEOM.intermediate_size
+    shapes = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]  # qkv, o, gate_up, down
+    families = {KERNELS[plan_gemm(n, k, batch, 128).kernel][0] for n, k in shapes}
+    assert {k.split("_int4_")[0] for k in gemm} == families, (sorted(gemm), families)
     # 2 layers x (qkv, o, gate_up, down), one launch each
     assert sum(kernels[k]["launches_per_step"] for k in gemm) == 4 * GEOM.num_hidden_layers
     ops = {o["op"]: o for o in p["ops"]}

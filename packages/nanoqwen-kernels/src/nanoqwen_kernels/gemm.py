@@ -32,7 +32,7 @@ from .gemv import GemvWorkspace, Int4Weight
 from .launch import check, i32, launch, ptr, require_sm90
 
 # plan.kernel -> (kernel family, threads per block: nq_gemm::THREADS, nq_gemm_ws::THREADS)
-KERNELS = {"mma": ("gemm", 256), "wgmma": ("gemm_ws", 384)}
+KERNELS = {"mma": ("gemm", 256), "wgmma": ("gemm_ws", 640)}
 MBLOCK = 64  # rows of x per M block at NT = 8 (the largest kernel)
 ROWS_PER_BLOCK = 128  # nq_gemm::ROWS_PER_BLOCK: 8 warps x 16 weight rows
 CHUNK_COLS = 2 * 128  # nq_gemm::CH tile-columns of activations staged per chunk
@@ -207,17 +207,20 @@ MEASURED_MULTI_BLOCK = {
 
 # Shapes whose M class runs faster on the wgmma kernel (csrc/gemm_int4_ws.cuh), one M block of the
 # class's rows split this many ways along K. Measured on the H200 (`bench/kernels/gemm_ws_ab.py --ms
-# 16,32,64 --splits 1,2,3,4,6`, g128 asym, 2026-12-04, bench/kernels/results/gemm-ws-h200-2026-12-04/
-# gemm_ws_ab.md; us, the mma.sync plan -> wgmma), kept where it wins by more than 3%:
-#   class 16: qkv 14.3 -> 13.6 (3 splits), o 12.3 -> 11.1 (4), gate_up 57.1 -> 52.9 (1);
-#   class 32: gate_up 73.2 -> 59.0 (1), down 40.2 -> 33.5 (4);
-#   class 64: qkv 26.5 -> 23.8 (1), gate_up 106.8 -> 71.1 (1), down 63.0 -> 45.2 (4).
-# Not taken: down at class 16 (28.6 -> 27.8), qkv and o at class 32 (18.1 / 14.0 -> 19.1 / 14.9), o at
-# class 64 (20.3 -> 23.3). Key as MEASURED_SPLITS; value: K splits.
+# 16,32,64 --splits 1,2,3,4,6`, g128 asym, 2026-12-04, session 19: the two-consumer-set kernel, then a
+# build option; bench/kernels/results/gemm-ws-h200-2026-12-04-s19/gemm_ws_ab-ksets.md; us, the mma.sync
+# plan -> wgmma), kept where it wins by more than 3%:
+#   class 16: qkv 14.4 -> 13.5 (3 splits), o 12.3 -> 11.3 (4), gate_up 57.5 -> 44.8 (1),
+#             down 28.4 -> 24.9 (4);
+#   class 32: qkv 18.6 -> 15.8 (1), gate_up 73.0 -> 47.4 (1), down 40.6 -> 29.5 (4);
+#   class 64: qkv 27.1 -> 19.5 (1), o 20.3 -> 19.5 (1), gate_up 106.2 -> 58.6 (1), down 63.1 -> 41.1 (4).
+# Not taken: o at class 32 (13.9 -> 14.6). Key as MEASURED_SPLITS; value: K splits.
 MEASURED_WGMMA = {
     (132, 4608, 3584, 128, 16): 3, (132, 3584, 3584, 128, 16): 4, (132, 37888, 3584, 128, 16): 1,
-    (132, 37888, 3584, 128, 32): 1, (132, 3584, 18944, 128, 32): 4,
-    (132, 4608, 3584, 128, 64): 1, (132, 37888, 3584, 128, 64): 1, (132, 3584, 18944, 128, 64): 4,
+    (132, 3584, 18944, 128, 16): 4,
+    (132, 4608, 3584, 128, 32): 1, (132, 37888, 3584, 128, 32): 1, (132, 3584, 18944, 128, 32): 4,
+    (132, 4608, 3584, 128, 64): 1, (132, 3584, 3584, 128, 64): 1, (132, 37888, 3584, 128, 64): 1,
+    (132, 3584, 18944, 128, 64): 4,
 }  # fmt: skip
 
 

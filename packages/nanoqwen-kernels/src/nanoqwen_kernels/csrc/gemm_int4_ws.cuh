@@ -1,45 +1,49 @@
 // gemm_int4_ws.cuh: the INT4 GEMM of decode batches (M = 9..64) on Hopper's warpgroup MMA, with a
 // producer warp: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in `int4-g{G}-tile8x128-v1` (docs/DESIGN.md),
-// bf16 activations, fp32 accumulation (ST: bf16 or fp16 scales, as the GEMV). Same arithmetic per
-// output element as gemm_int4.cuh (each group's (q - z) products summed unscaled in fp32, then added
-// to the accumulator times the fp32 scale); what differs is who moves the data and who waits for whom.
+// bf16 activations, fp32 accumulation (ST: bf16 or fp16 scales, as the GEMV). Each group's (q - z)
+// products are summed unscaled in fp32, then added to an accumulator times the fp32 scale, as in
+// gemm_int4.cuh; the two consumer sets (below) keep one accumulator each, over the even and the odd
+// tile-columns, added at the end: the order of a 2-way K split, within the same tolerance.
 //
 // Why (kernels NOTES.md, sessions 8-13): the mma.sync GEMM is latency-bound at M = 64 -- one block of
 // 8 warps per SM, ~380 instructions per warp per tile-column of which half are addresses, guards and
 // the activation staging, a block barrier per chunk -- and session 8's wgmma version waited for each
 // group's wgmmas before dequantising the next and had every thread issue the ring's copies.
 //
-// Block: 12 warps. Warps 0..7 are two consumer warpgroups; warp 8 is the producer (warps 9..11 only
-// complete its warpgroup, which gives its registers to the consumers: setmaxnreg).
+// Block: 20 warps. Warps 0..15 are four consumer warpgroups in two sets of 8 warps (set p = warps 8p..
+// 8p + 7); warp 16 is the producer (warps 17..19 only complete its warpgroup, which gives registers to
+// the consumers: setmaxnreg).
 //   Producer: walks the block's tile-columns and fills a ring of NBUF shared-memory slots with the
 //     copy engine, one slot per tile-column, completing on the slot's `full` mbarrier (lane 0 posts
 //     the bytes to expect): x by two 2D TMA copies (a CUtensorMap of x [M, K], boxes of R rows x 64
 //     columns, 128-byte swizzle; rows >= M read as zeros), the 16 weight tiles by one 2D TMA copy (a
 //     CUtensorMap of the packed weights as [N / 8 row-tiles, K / 128 x 512 bytes]; row-tiles >= N / 8
-//     read as zeros). It waits on the slot's `empty` mbarrier (8 arrivals: one per consumer warp)
-//     before refilling it. (Measured before, 7B gate_up at M = 64: 16-byte cp.async from the producer
-//     warp for everything, scales included, took 134 of the kernel's 179 us in copies alone; 16 bulk
-//     copies of one 512-byte tile each per stage, ~0.65 us per stage at every M.) Slot contents:
+//     read as zeros). It waits on the slot's `empty` mbarrier (8 arrivals: one per warp of the set that
+//     reads it) before refilling it. (Measured before, 7B gate_up at M = 64: 16-byte cp.async from the
+//     producer warp for everything, scales included, took 134 of the kernel's 179 us in copies alone;
+//     16 bulk copies of one 512-byte tile each per stage, ~0.65 us per stage at every M.) Slot contents:
 //       X  R rows x 128 columns of x as two [R, 64] boxes in wgmma's K-major 128-byte-swizzle layout
 //          (row r's 128 bytes at 128 r, 16-byte chunk c at position c ^ (r % 8); each box 1024-aligned).
 //       W  the block's 16 weight tiles of the tile-column, 512 bytes each, as in global memory.
 //   Scales and zero points of the block's rows and K range are loaded once, by the consumers, into a
 //   [128, kc * G / 128] table before the main loop (they are weights: read before the PDL wait).
-//   Consumers: warp w owns tile pair w (16 rows: rows g and g + 8 of tiles 2w, 2w + 1), so warpgroup
-//     h's 64 rows are the A operand of `wgmma.m64nRk16` in registers (the GEMV's dequantised words,
-//     unchanged), B is the slot's X. Per quantization group: dequantise its KS = G / 16 k16 steps,
-//     issue KS wgmmas into a fresh fragment f[b] (the first overwrites it), commit, and only then wait
-//     for the *previous* group (wait_group 1) and fold its fragment into acc with its rows' scales.
-//     Two fragments and two A register sets alternate (b = group parity, static: the stage loop is
-//     unrolled by two). A slot is released (empty arrive) when the last group that reads it is folded.
-//     (ptxas still reports the wgmmas serialised, C7513: it does not follow the A registers through
-//     wait_group 1.)
+//   Consumers: set p takes the tile-columns rel = p (mod 2). In a set, warp w owns tile pair w (16
+//     rows: rows g and g + 8 of tiles 2w, 2w + 1), so each warpgroup's 64 rows are the A operand of
+//     `wgmma.m64nRk16` in registers (the GEMV's dequantised words, unchanged), B is the slot's X. Per
+//     quantization group: dequantise its KS = G / 16 k16 steps, issue KS wgmmas into a fresh fragment
+//     (the first overwrites it), commit, wait for them (wait_group 0), fold the fragment into acc with
+//     its rows' scales, and release the slot (empty arrive) after its last group. Waiting before the
+//     next group's dequantisation is what keeps ptxas from serialising every wgmma (C7513: it does not
+//     follow the A registers through a wait_group 1 -- measured, the four 7B linears at M = 64: 163 us
+//     with wait_group 1, 140 with wait_group 0); the two sets
+//     (four warpgroups) overlap one another's dequantisation and tensor work instead. At the end set 1
+//     adds its sums into set 0's through the drained ring, and set 0 stores.
 //
 // Split-K: as gemm_int4.cuh (fp32 partials [S, M, N], an arrival counter per (M block, row block),
-// the last block sums in split order); the consumers synchronise among themselves with named barrier
-// 1 (256 threads), the producer having left.
+// the last block sums in split order); set 0 synchronises with named barrier 1 (256 threads), all the
+// consumers with named barrier 2 (512), the producer having left.
 //
-// Launch (gemm.py, kernel family "gemm_ws"): grid (ceil(M / R), ceil(N / 128), S), 384 threads,
+// Launch (gemm.py, kernel family "gemm_ws"): grid (ceil(M / R), ceil(N / 128), S), 640 threads,
 // dynamic shared memory gemm.ws_shared_bytes (the layout WsRing names), then the tensor maps of x and of
 // the packed weights as the last two arguments.
 #pragma once
@@ -49,17 +53,34 @@
 
 namespace nq_gemm_ws {
 
+
 using nq_gemm::smem_addr;
 using nq_gemv::dq;
 using nq_gemv::neg_zero_pair;
 
-constexpr int CONSUMER_WARPS = 8;
+// Two sets of 8 consumer warps on the same 128 rows (measured against one set, kernels NOTES.md session
+// 19: 4-9% faster at M = 16..64: twice the warps to hide one another's latencies).
+constexpr int KSETS = 2;
+constexpr int SET_WARPS = 8;  // one set: 8 warps x 16 rows = ROWS_PER_BLOCK
+constexpr int CONSUMER_WARPS = SET_WARPS * KSETS;
 constexpr int CONSUMERS = CONSUMER_WARPS * 32;
-// A whole producer warpgroup (setmaxnreg works per warpgroup), of which one warp copies: with 9 warps
-// one SM sub-partition holds 3 and every thread gets at most 168 registers; with 12, the producer
-// warpgroup gives registers back (40 each) and the consumers take 232.
+// A whole producer warpgroup (setmaxnreg works per warpgroup), of which one warp copies.
 constexpr int THREADS = CONSUMERS + 128;
-constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+// setmaxnreg.inc only takes registers that a setmaxnreg.dec of the block gave back: the block is
+// launched with 65536 / THREADS per thread, rounded down to 8 (96 at 640 threads), and a consumer
+// asking for more than the producer warpgroup returned waits forever (measured: a hang at 120). 128 x
+// (96 - 24) returned, 512 x (112 - 96) taken. (ptxas compiles the whole kernel within the launch's 96.)
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 112;
+static_assert(CONSUMERS * (CONSUMER_REGS - 65536 / THREADS / 8 * 8) <= 128 * (65536 / THREADS / 8 * 8 - PRODUCER_REGS),
+              "setmaxnreg: the consumers take more registers than the producer gives back");
+// Quantization groups per consumer step: one (measured, kernels NOTES.md session 19: with one consumer
+// set, 2 was faster at M = 16 and 32; with two sets, ptxas fits 2 in the registers only with spills).
+// NQ_GEMM_WS_BATCH overrides it (experiments).
+#ifdef NQ_GEMM_WS_BATCH
+constexpr int GROUPS_PER_STEP = NQ_GEMM_WS_BATCH;
+#else
+constexpr int GROUPS_PER_STEP = 1;
+#endif
 constexpr int ROWS_PER_BLOCK = 128;
 
 // Shared memory: the 2 NBUF mbarriers (full, then empty), the scale table (u16 [128, KGB]) and the
@@ -128,22 +149,24 @@ NQ_DEVICE u32 ldg_nc_u8(const u8* p) {
   return v;
 }
 
-// The consumer warpgroups' barrier (named barrier 1; nq_gemm::finish_tile uses the same one).
-static_assert(CONSUMERS == nq_gemm::THREADS, "finish_tile's named barrier counts the consumers");
-NQ_DEVICE void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
+// All the consumers' barrier (named barrier 2; set 0 alone: barrier 1, nq_gemm::finish_tile's).
+static_assert(SET_WARPS * 32 == nq_gemm::THREADS, "finish_tile's named barrier counts one consumer set");
+NQ_DEVICE void consumer_sync() { asm volatile("bar.sync 2, %0;" ::"n"(CONSUMERS) : "memory"); }
 
-// The consumer warps' state and steps (a struct, not lambdas: the fragment buffer index must be a
-// template parameter, and NVRTC takes no generic lambdas).
-template <int G, bool ASYM, int NT, typename ST>
+// The consumer warps' state and steps: P quantization groups per step, each step self-contained --
+// dequantise the P groups into P A register sets, issue their wgmmas into P fresh fragments, commit,
+// wait for all of them (wait_group 0: no register of an in-flight wgmma is written, so ptxas does not
+// serialise the wgmmas, C7513), fold them into acc with their rows' scales and release the slots whose
+// last group they were. A consumer set's groups are numbered li = 0, 1, ... over its tile-columns rel =
+// first + stride i (gi = li % GPT), so with G = 128 a step spans P slots.
+template <int G, bool ASYM, int NT, typename ST, int P>
 struct WsConsumer {
   static constexpr int R = 8 * NT, GPT = 128 / G, KS = G / 16;
   using RG = WsRing<R>;
   float acc[R / 2];
-  float f[2][R / 2];  // fresh per-group fragments, alternating (group parity)
-  u32 a[2][KS][4];    // their A registers (a group's dequantised weights)
-  float prev_s0, prev_s1;  // the group issued last, folded once the next one is issued
-  int prev_release;        // slot to release after folding it (-1: none)
-  u32 ring, stab, ztab;  // shared addresses: slot 0, scale table, zero table
+  float f[P][R / 2];
+  u32 a[P][KS][4];
+  u32 ring, stab, ztab;
   unsigned long long *full, *empty;
   int kgb, lane, warp, lr0, lr1;
 
@@ -153,143 +176,108 @@ struct WsConsumer {
     lr0 = lr0_, lr1 = lr1_;
 #pragma unroll
     for (int i = 0; i < R / 2; ++i) acc[i] = 0.f;
-    // f[1] starts as zeros with zero scales: the first group's fold of "the previous one" adds
-    // nothing, so every group waits and folds unconditionally (a conditional wait_group made ptxas
-    // serialise every wgmma: C7513-C7515).
-#pragma unroll
-    for (int i = 0; i < R / 2; ++i) f[1][i] = 0.f;
-    prev_s0 = prev_s1 = 0.f;
-    prev_release = -1;
   }
 
-  // Fold fragment f[B] (complete) into acc with scales (s0, s1), then release slot `release` if >= 0.
-  template <int B>
-  NQ_DEVICE void fold(float s0, float s1, int release) {
+  int first = 0, stride = 1;  // the tile-columns rel = first + stride i are this consumer set's
+  // Local groups li0 .. li0 + Q - 1 (Q <= P).
+  template <int Q>
+  NQ_DEVICE void step(int li0) {
+    u64 desc[Q][KS];
+    float s0[Q], s1[Q];
 #pragma unroll
-    for (int i = 0; i < R / 2; ++i) nq_wgmma::fence_operand(f[B][i]);
+    for (int p = 0; p < Q; ++p) {
+      const int li = li0 + p, rel = first + stride * (li / GPT), gi = li % GPT, gg = rel * GPT + gi;
+      const int s = rel % RG::NBUF;
+      if (gi == 0 || p == 0) mbar_wait(&full[s], (rel / RG::NBUF) & 1);
+      const u32 slot = ring + (u32)(s * RG::SLOT);
+      // the group's 2 x KS / 2 words of the lane's two tiles
+      u32 w0[KS / 2], w1[KS / 2];
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      acc[4 * i + 0] = fmaf(f[B][4 * i + 0], s0, acc[4 * i + 0]);
-      acc[4 * i + 1] = fmaf(f[B][4 * i + 1], s0, acc[4 * i + 1]);
-      acc[4 * i + 2] = fmaf(f[B][4 * i + 2], s1, acc[4 * i + 2]);
-      acc[4 * i + 3] = fmaf(f[B][4 * i + 3], s1, acc[4 * i + 3]);
-    }
-    if (release >= 0) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[release]);
-    }
-  }
-
-  // Group gi of the tile-column in slot s into buffer B: dequantise, issue its wgmmas, then wait for
-  // and fold the previous group.
-  template <int B>
-  NQ_DEVICE void group(const u32 (&w0)[4], const u32 (&w1)[4], u32 zw0, u32 zw1, u64 sw0, u64 sw1, u32 x_addr,
-                       int gi, int s) {
-    u32 nz0, nz1;
-    if constexpr (ASYM) {
-      nz0 = neg_zero_pair((zw0 >> (8 * gi)) & 0xffu);
-      nz1 = neg_zero_pair((zw1 >> (8 * gi)) & 0xffu);
-    } else {
-      nz0 = nz1 = neg_zero_pair(8u);
-    }
+      for (int wi = 0; wi < KS / 2; ++wi) {
+        w0[wi] = lds32(slot + RG::W + (2 * warp) * 512 + lane * 16 + 4 * (gi * (KS / 2) + wi));
+        w1[wi] = lds32(slot + RG::W + (2 * warp + 1) * 512 + lane * 16 + 4 * (gi * (KS / 2) + wi));
+      }
+      const u32 e0 = (u32)(lr0 * kgb + gg), e1 = (u32)(lr1 * kgb + gg);
+      s0[p] = ST::to_f32((u16)lds16(stab + 2 * e0));
+      s1[p] = ST::to_f32((u16)lds16(stab + 2 * e1));
+      u32 nz0, nz1;
+      if constexpr (ASYM) {
+        nz0 = neg_zero_pair(lds8(ztab + e0));
+        nz1 = neg_zero_pair(lds8(ztab + e1));
+      } else {
+        nz0 = nz1 = neg_zero_pair(8u);
+      }
 #pragma unroll
-    for (int wi = 0; wi < KS / 2; ++wi) {
-      const int w = gi * (KS / 2) + wi;
-      a[B][2 * wi][0] = dq(w0[w], 0, nz0);
-      a[B][2 * wi][1] = dq(w1[w], 0, nz1);
-      a[B][2 * wi][2] = dq(w0[w], 1, nz0);
-      a[B][2 * wi][3] = dq(w1[w], 1, nz1);
-      a[B][2 * wi + 1][0] = dq(w0[w], 2, nz0);
-      a[B][2 * wi + 1][1] = dq(w1[w], 2, nz1);
-      a[B][2 * wi + 1][2] = dq(w0[w], 3, nz0);
-      a[B][2 * wi + 1][3] = dq(w1[w], 3, nz1);
-    }
-    // K-major, 128-byte swizzle: stride between 8-row groups (SBO) 1024 bytes, swizzle mode 1 (bits
-    // 62-63); the k16 step j of the tile-column starts 32 (j % 4) bytes into box j / 4 (the hardware
-    // applies the swizzle to the address it forms, as for CUTLASS's and DeepGEMM's K-major operands).
-    constexpr u32 desc_hi = (1024 >> 4) | (1u << 30);
-    u64 desc[KS];  // every input of the wgmmas defined before their fence
+      for (int wi = 0; wi < KS / 2; ++wi) {
+        a[p][2 * wi][0] = dq(w0[wi], 0, nz0);
+        a[p][2 * wi][1] = dq(w1[wi], 0, nz1);
+        a[p][2 * wi][2] = dq(w0[wi], 1, nz0);
+        a[p][2 * wi][3] = dq(w1[wi], 1, nz1);
+        a[p][2 * wi + 1][0] = dq(w0[wi], 2, nz0);
+        a[p][2 * wi + 1][1] = dq(w1[wi], 2, nz1);
+        a[p][2 * wi + 1][2] = dq(w0[wi], 3, nz0);
+        a[p][2 * wi + 1][3] = dq(w1[wi], 3, nz1);
+      }
+      constexpr u32 desc_hi = (1024 >> 4) | (1u << 30);
+      const u32 x_addr = slot + RG::X;
 #pragma unroll
-    for (int k = 0; k < KS; ++k) {
-      const int j = gi * KS + k;
-      const u32 start = x_addr + (u32)((j >> 2) * RG::XBOX + (j & 3) * 32);
-      desc[k] = ((u64)desc_hi << 32) | ((start >> 4) & 0x3FFFu) | (1u << 16);
+      for (int k = 0; k < KS; ++k) {
+        const int j = gi * KS + k;
+        const u32 start = x_addr + (u32)((j >> 2) * RG::XBOX + (j & 3) * 32);
+        desc[p][k] = ((u64)desc_hi << 32) | ((start >> 4) & 0x3FFFu) | (1u << 16);
+      }
     }
 #ifdef NQ_GEMM_WS_PROBE_NO_MMA  // timing probe (wrong outputs): everything but the tensor-core work
 #pragma unroll
-    for (int k = 0; k < KS; ++k) f[B][k % (R / 2)] += __uint_as_float(a[B][k][0] ^ a[B][k][1] ^ a[B][k][2] ^ a[B][k][3] ^ (u32)desc[k]);
+    for (int p = 0; p < Q; ++p)
+#pragma unroll
+      for (int k = 0; k < KS; ++k)
+        f[p][k % (R / 2)] += __uint_as_float(a[p][k][0] ^ a[p][k][1] ^ a[p][k][2] ^ a[p][k][3] ^ (u32)desc[p][k]);
 #else
     nq_wgmma::wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < KS; ++k) nq_wgmma::Wgmma<R>::mma(f[B], a[B][k], desc[k], k);
+    for (int p = 0; p < Q; ++p)
+#pragma unroll
+      for (int k = 0; k < KS; ++k) nq_wgmma::Wgmma<R>::mma(f[p], a[p][k], desc[p][k], k);
     nq_wgmma::wgmma_commit();
-#endif
-#ifdef NQ_GEMM_WS_PROBE_NO_MMA
-#elif defined(NQ_GEMM_WS_WAIT0)  // experiment: no overlap of a group's wgmmas with the next dequantisation
     nq_wgmma::wgmma_wait<0>();
-#else
-    nq_wgmma::wgmma_wait<1>();
 #endif
-    // the previous group's A registers stay allocated until its wgmmas are known done (here)
 #pragma unroll
-    for (int k = 0; k < KS; ++k)
+    for (int p = 0; p < Q; ++p) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[B ^ 1][k][r])::"memory");
-    fold<B ^ 1>(prev_s0, prev_s1, prev_release);
-    prev_s0 = ST::to_f32((u16)(sw0 >> (16 * gi)));
-    prev_s1 = ST::to_f32((u16)(sw1 >> (16 * gi)));
-    prev_release = gi == GPT - 1 ? s : -1;
-  }
-
-  // Tile-column rel (slot rel % NBUF); its groups use buffers (B0 * GPT + gi) & 1, B0 = rel's parity.
-  template <int B0>
-  NQ_DEVICE void stage(int rel) {
-    const int s = rel % RG::NBUF;
-    mbar_wait(&full[s], (rel / RG::NBUF) & 1);
-#ifdef NQ_GEMM_WS_PROBE_COPY_ONLY  // timing probe (wrong outputs): the ring's copies and barriers only
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[s]);
-    if (rel < 0) group<B0>({}, {}, 0, 0, 0, 0, 0, 0, s);  // never: keeps the code compiled
-    return;
-#endif
-    const u32 slot = ring + (u32)(s * RG::SLOT);
-    const uint4 q0 = lds128(slot + RG::W + (2 * warp) * 512 + lane * 16);
-    const uint4 q1 = lds128(slot + RG::W + (2 * warp + 1) * 512 + lane * 16);
-    // this tile-column's GPT scales / zero points of rows lr0, lr1 from the tables
-    u64 sw0, sw1;
-    u32 zw0 = 0, zw1 = 0;
-    const u32 e0 = (u32)(lr0 * kgb + rel * GPT), e1 = (u32)(lr1 * kgb + rel * GPT);
-    if constexpr (GPT == 1) {
-      sw0 = lds16(stab + 2 * e0), sw1 = lds16(stab + 2 * e1);
-    } else if constexpr (GPT == 2) {
-      sw0 = lds32(stab + 2 * e0), sw1 = lds32(stab + 2 * e1);
-    } else {
-      sw0 = lds64(stab + 2 * e0), sw1 = lds64(stab + 2 * e1);
-    }
-    if constexpr (ASYM) {
-      if constexpr (GPT == 1) {
-        zw0 = lds8(ztab + e0), zw1 = lds8(ztab + e1);
-      } else if constexpr (GPT == 2) {
-        zw0 = lds16(ztab + e0), zw1 = lds16(ztab + e1);
-      } else {
-        zw0 = lds32(ztab + e0), zw1 = lds32(ztab + e1);
+      for (int i = 0; i < R / 2; ++i) nq_wgmma::fence_operand(f[p][i]);
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        acc[4 * i + 0] = fmaf(f[p][4 * i + 0], s0[p], acc[4 * i + 0]);
+        acc[4 * i + 1] = fmaf(f[p][4 * i + 1], s0[p], acc[4 * i + 1]);
+        acc[4 * i + 2] = fmaf(f[p][4 * i + 2], s1[p], acc[4 * i + 2]);
+        acc[4 * i + 3] = fmaf(f[p][4 * i + 3], s1[p], acc[4 * i + 3]);
       }
     }
-    const u32 w0[4] = {q0.x, q0.y, q0.z, q0.w};
-    const u32 w1[4] = {q1.x, q1.y, q1.z, q1.w};
-    const u32 x_addr = slot + RG::X;
+    __syncwarp();
+    if (lane == 0) {
 #pragma unroll
-    for (int gi = 0; gi < GPT; ++gi) {
-      if (((B0 * GPT + gi) & 1) == 0) group<0>(w0, w1, zw0, zw1, sw0, sw1, x_addr, gi, s);
-      else group<1>(w0, w1, zw0, zw1, sw0, sw1, x_addr, gi, s);
+      for (int p = 0; p < Q; ++p) {
+        const int li = li0 + p;
+        if (li % GPT == GPT - 1) mbar_arrive(&empty[(first + stride * (li / GPT)) % RG::NBUF]);
+      }
     }
   }
 
-  // After the last group (in buffer `last`): wait for it and fold it.
-  NQ_DEVICE void finish(int last) {
-    nq_wgmma::wgmma_wait<0>();
-    if (last == 0) fold<0>(prev_s0, prev_s1, -1);
-    else fold<1>(prev_s0, prev_s1, -1);
+  NQ_DEVICE void run(int ntc, int first_, int stride_) {
+    first = first_, stride = stride_;
+#ifdef NQ_GEMM_WS_PROBE_COPY_ONLY  // timing probe (wrong outputs): the ring's copies and barriers only
+    for (int rel = first; rel < ntc; rel += stride) {
+      mbar_wait(&full[rel % RG::NBUF], (rel / RG::NBUF) & 1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[rel % RG::NBUF]);
+    }
+    if (ntc >= 0) return;  // always: the code below stays compiled
+#endif
+    const int ngroups = (ntc - first + stride - 1) / stride * GPT;
+    int li = 0;
+    for (; li + P <= ngroups; li += P) step<P>(li);
+    for (; li < ngroups; ++li) step<1>(li);
   }
 };
 
@@ -321,7 +309,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   if (threadIdx.x == 0) {
     for (int s = 0; s < NBUF; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], CONSUMER_WARPS);
+      mbar_init(&empty[s], SET_WARPS);
     }
     mbar_fence_init();
   }
@@ -382,18 +370,29 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   }
   consumer_sync();
   const int g = lane >> 2, t = lane & 3;
-  const int tr0 = tile_base + 2 * warp, tr1 = tr0 + 1;
+  const int kset = warp / SET_WARPS, wq = warp % SET_WARPS;  // consumer set, tile pair
+  const int tr0 = tile_base + 2 * wq, tr1 = tr0 + 1;
   const bool has0 = tr0 < NTL, has1 = tr1 < NTL;
   const int row0 = 8 * tr0 + g, row1 = 8 * tr1 + g;
-  const int lr0 = 16 * warp + g, lr1 = lr0 + 8;  // local rows (table rows)
+  const int lr0 = 16 * wq + g, lr1 = lr0 + 8;  // local rows (table rows)
 
-  WsConsumer<G, ASYM, NT, ST> c;
-  c.init(ring, stab, ztab, full, empty, kgb, lane, warp, lr0, lr1);
-  for (int rel = 0; rel < ntc; rel += 2) {
-    c.template stage<0>(rel);
-    if (rel + 1 < ntc) c.template stage<1>(rel + 1);
+  WsConsumer<G, ASYM, NT, ST, GROUPS_PER_STEP> c;
+  c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
+  c.run(ntc, kset, KSETS);
+  static_assert(KSETS == 2, "the sets' sums are added pairwise");
+  {  // set 1's sums into set 0's, through the ring (drained: every slot's copies were waited for)
+    constexpr int NA = R / 2;
+    consumer_sync();
+    float* red = reinterpret_cast<float*>(smem_raw + (ring - base));
+    if (kset == 1) {
+#pragma unroll
+      for (int i = 0; i < NA; ++i) red[(wq * NA + i) * 32 + lane] = c.acc[i];
+    }
+    consumer_sync();
+    if (kset == 1) return;
+#pragma unroll
+    for (int i = 0; i < NA; ++i) c.acc[i] += red[(wq * NA + i) * 32 + lane];
   }
-  c.finish((ntc * GPT - 1) & 1);
   pdl_launch_dependents();
   nq_gemm::finish_tile<NT, true>(c.acc, bias, out, ws, counters, M, N, gridDim.z, split, m0, rows_valid, row_base,
                                  row0, row1, has0, has1, t);

@@ -5,8 +5,8 @@
 //       NT = 2, 4, 8 n-tiles of 8 activation rows per M block (the wgmma's N = 16, 32, 64);
 //       `_f16s`: fp16 scales (layout int4-g{G}-tile8x128-f16s-v1), else bf16 (as the GEMV's names).
 //
-// Launch (nanoqwen_kernels/gemm.py): grid (ceil(M / (8 NT)), ceil(N / 128), S), 384 threads (8 consumer
-// warps + a producer warpgroup), dynamic shared memory gemm.ws_shared_bytes(plan). Arguments: x, qweight, scales,
+// Launch (nanoqwen_kernels/gemm.py): grid (ceil(M / (8 NT)), ceil(N / 128), S), 640 threads (16 consumer
+// warps in two sets + a producer warpgroup), dynamic shared memory gemm.ws_shared_bytes(plan). Arguments: x, qweight, scales,
 // zeros|0, bias|0, out, ws|0, counters|0, M, N, K, kc, the CUtensorMaps of x and
 // of the packed weights (by value: gemm.gemm_int4 makes them).
 #include "gemm_int4_ws.cuh"
