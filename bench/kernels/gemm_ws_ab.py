@@ -64,6 +64,7 @@ def main(argv=None) -> int:
                     help="a timing-probe build (wrong outputs, not checked): NAME[+NAME2] (repeatable)")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down")
     ap.add_argument("--no-time", action="store_true", help="launch each kernel once (under ncu)")
+    ap.add_argument("--no-mma", action="store_true", help="leave out the mma.sync kernel (its compile)")
     ap.add_argument("--sym", action="store_true",
                     help="symmetric weights (default: asymmetric, the default recipe)")
     args = ap.parse_args(argv)
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
         for m in ms:
             head = gemm.plan_gemm(n, k, m, silu_input=True)  # the mma.sync kernel's plan (no wgmma table)
             mc = gemm.m_class(m)
-            cands = [("mma", head, "gemm")]
+            cands = [] if args.no_mma else [("mma", head, "gemm")]
             seen = set()
             for s in split_set:
                 p = gemm.GemmPlan.of(n, k, 128, mc // 8, mc, s, kernel="wgmma")
