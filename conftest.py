@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import filelock
 import pytest
 
 ROOT = Path(__file__).parent
@@ -98,15 +99,17 @@ def packed_path(method: str) -> Path:
 def _packed_container(gguf: Path, method: str) -> Path:
     """Pack the GGUF with `nanoqwen-quant pack --method METHOD` once; later calls reuse the file."""
     out = packed_path(method)
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        for stale in out.parent.glob(f"qwen05b-{method}-*.nanoqwen"):  # packed by an older packer
-            stale.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "nanoqwen_quant.cli", "pack", str(gguf), "-o", str(out),
-               "--method", method, "--device", "cpu"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one packer at a time per method (pytest-xdist workers share the cache)
+    with filelock.FileLock(str(out.parent / f"qwen05b-{method}.lock")):
+        if not out.exists():
+            for stale in out.parent.glob(f"qwen05b-{method}-*.nanoqwen"):  # packed by an older packer
+                stale.unlink(missing_ok=True)
+            cmd = [sys.executable, "-m", "nanoqwen_quant.cli", "pack", str(gguf), "-o", str(out),
+                   "--method", method, "--device", "cpu"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
     return out
 
 
