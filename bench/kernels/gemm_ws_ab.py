@@ -3,7 +3,8 @@ against the warp-specialised wgmma kernel (csrc/gemm_int4_ws.cuh) at several K s
 its build variants (`--define`), on the four Qwen2.5-Coder-7B layer linears, one GPU.
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python bench/kernels/gemm_ws_ab.py --out DIR \
-        [--ms 16,32,48,64] [--splits 1,2,4] [--define NQ_GEMM_WS_WAIT0] [--sym]
+        [--ms 16,32,48,64] [--splits 1,2,4] [--define NQ_GEMM_WS_BATCH=2] \
+        [--probe NQ_GEMM_WS_PROBE_NO_MMA] [--shapes gate_up] [--no-mma] [--no-time] [--sym]
 
 Every kernel's output is checked against the fp32 reference (gemv_ab.check_output) before it is
 timed; the timing is bench_gemm's: launches on rotating weight copies (> 4x the L2) in one CUDA graph,
@@ -14,7 +15,6 @@ median of 15 replays. Writes gemm_ws_ab.json and gemm_ws_ab.md under --out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import math
@@ -39,18 +39,6 @@ def variant_family(define: str | None) -> str:
     family = "gemm_ws-" + hashlib.sha256("|".join(options).encode()).hexdigest()[:10]
     SPECS[family] = build.KernelSpec(family, ("gemm_ws.cu",), options)
     return family
-
-
-@contextlib.contextmanager
-def block_threads(threads: int | None):
-    """Launch the wgmma kernel with `threads` per block inside the block (a variant build's count)."""
-    saved = gemm.KERNELS["wgmma"]
-    if threads:
-        gemm.KERNELS["wgmma"] = (saved[0], threads)
-    try:
-        yield
-    finally:
-        gemm.KERNELS["wgmma"] = saved
 
 
 def main(argv=None) -> int:
@@ -96,20 +84,15 @@ def main(argv=None) -> int:
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             nbytes = w0.nbytes() + 2 * m * (n + k)
             for label, plan, fam in cands:
-                # a build with two consumer sets (NQ_GEMM_WS_KPAIRS) launches 4 more warps
-                threads = 640 if "KPAIRS" in label else None
                 out.fill_(float("nan"))
-                with block_threads(threads):
-                    gemm.gemm_int4(x, w0, out, None, ws, plan, family=fam)
+                gemm.gemm_int4(x, w0, out, None, ws, plan, family=fam)
                 torch.cuda.synchronize()
                 if not any(label.endswith("/" + p) for p in args.probe):
                     check_output(out, x, w0)
                 if args.no_time:
                     continue
-                with block_threads(threads):
-                    t = time_graph(
-                        lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, plan, family=fam),
-                        copies)
+                t = time_graph(
+                    lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, plan, family=fam), copies)
                 row = {"shape": name, "m": m, "kernel": label, "splits": plan.splits, "nt": plan.n_tiles,
                        "us": t * 1e6, "tflops": 2 * m * n * k / t / 1e12,
                        "frac_read_bw": nbytes / t / read_bw}
