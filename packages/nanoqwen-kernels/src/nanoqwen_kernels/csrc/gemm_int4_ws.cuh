@@ -53,7 +53,6 @@
 
 namespace nq_gemm_ws {
 
-
 using nq_gemm::smem_addr;
 using nq_gemv::dq;
 using nq_gemv::neg_zero_pair;
@@ -112,16 +111,6 @@ NQ_DEVICE void tma_load_2d(u32 dst, const TmaMap* map, int c0, int c1, unsigned 
       : "memory");
 }
 
-NQ_DEVICE uint4 lds128(u32 a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
-NQ_DEVICE u64 lds64(u32 a) {
-  u64 v;
-  asm volatile("ld.shared.u64 %0, [%1];" : "=l"(v) : "r"(a));
-  return v;
-}
 NQ_DEVICE u32 lds32(u32 a) {
   u32 v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
