@@ -65,7 +65,7 @@ MS = (16, 32, 64, 128, 512, 2048)
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
-def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=False, splits=None, asym=False,
+def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False, splits=None, asym=False,
                 check=True, multi_nt=None):
     w0 = random_weight(n, k, gen, symmetric=not asym)
     copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
@@ -107,7 +107,8 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family="gemm", int4_only=Fal
             row = {"shape": name, "n": n, "k": k, "m": m, "path": path, "us": t * 1e6,
                    "tflops": 2 * m * n * k / t / 1e12, "bytes": nbytes, "frac_read_bw": nbytes / t / read_bw}
             if path == "int4_gemm":
-                row["plan"] = f"NT={plan.n_tiles} S={plan.splits} kc={plan.kc} grid={plan.grid(m)}"
+                row["plan"] = (f"{plan.kernel} NT={plan.n_tiles} S={plan.splits} kc={plan.kc} "
+                               f"grid={plan.grid(m)}")
             rows.append(row)
             print(f"{name:8s} M={m:5d} {path:13s} {t * 1e6:9.1f} us {row['tflops']:7.1f} TFLOP/s "
                   f"{row['frac_read_bw']:6.1%} of read BW  {row.get('plan', '')}", flush=True)
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
                     help="asymmetric weights (zero points), the default recipe's")
     ap.add_argument("--model", choices=sorted(MODEL_SHAPES), default="7b", help="whose layer shapes (7b)")
     args = ap.parse_args(argv)
-    family = "gemm"
+    family = None  # the plan's kernel family (mma.sync "gemm" or wgmma "gemm_ws", gemm.KERNELS)
     if args.define:
         from nanoqwen_kernels import build
         from nanoqwen_kernels.specs import SPECS

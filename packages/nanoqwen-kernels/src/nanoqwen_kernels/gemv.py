@@ -470,14 +470,18 @@ def gemv_int8(
     return out
 
 
-def dequantize_int4(weight: Int4Weight, out: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+def dequantize_int4(weight: Int4Weight, out: torch.Tensor, *, pdl: bool = False,
+                    max_blocks: int | None = None) -> torch.Tensor:
     """out[N, K] (bf16, preallocated) = bf16((q - z) * s): the dense weight, rounded once. pdl: as in
-    gemv_int4."""
+    gemv_int4. max_blocks: at most this many blocks of 256 threads (the kernel strides over the tiles),
+    e.g. to leave most SMs to a GEMM on another stream; default 16 per SM."""
     dev = weight.qweight.device
     index = require_sm90(dev)
     check(out, "out", torch.bfloat16, (weight.n, weight.k), dev)
+    if max_blocks is not None and max_blocks < 1:
+        raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
     tiles = (weight.n // 8) * (weight.k // 128)
-    blocks = min(-(-tiles // 8), _sm_count(index) * 16)
+    blocks = min(-(-tiles // 8), _sm_count(index) * 16, max_blocks or tiles)
     args = (
         ptr(weight.qweight),
         ptr(weight.scales),
