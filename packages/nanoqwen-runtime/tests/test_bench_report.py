@@ -425,7 +425,7 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     assert set(rep["errors"]) == {"decode_ctx4096", "prefill512", "prefill4096", "ttft_2k"}, rep["errors"]
     assert [r["context"] for r in rep["decode_batch1"]] == [128]
     assert rep["decode_batch1"][0]["roofline_frac_read"] > 0
-    assert [r["batch"] for r in rep["decode_batched"]] == [1, 8, 32, 64]
+    assert [r["batch"] for r in rep["decode_batched"]] == [1, 8, 16, 32, 64]
     assert rep["prefill"] == [] and rep["ttft_2k_ms"] is None
     assert [r["batch"] for r in rep["eager"]] == [1, 8]
     assert rep["memory"]["kv_pool_bytes"] == 2048 * TINY.kv_bytes_per_token() * 16

@@ -207,19 +207,21 @@ MEASURED_MULTI_BLOCK = {
 
 # Shapes whose M class runs faster on the wgmma kernel (csrc/gemm_int4_ws.cuh), one M block of the
 # class's rows split this many ways along K. Measured on the H200 (`bench/kernels/gemm_ws_ab.py --ms
-# 16,32,64 --splits 1,2,3,4,6`, g128 asym, 2026-12-04, session 19: the two-consumer-set kernel, then a
-# build option; bench/kernels/results/gemm-ws-h200-2026-12-04-s19/gemm_ws_ab-ksets.md; us, the mma.sync
-# plan -> wgmma), kept where it wins by more than 3%:
-#   class 16: qkv 14.4 -> 13.5 (3 splits), o 12.3 -> 11.3 (4), gate_up 57.5 -> 44.8 (1),
-#             down 28.4 -> 24.9 (4);
-#   class 32: qkv 18.6 -> 15.8 (1), gate_up 73.0 -> 47.4 (1), down 40.6 -> 29.5 (4);
-#   class 64: qkv 27.1 -> 19.5 (1), o 20.3 -> 19.5 (1), gate_up 106.2 -> 58.6 (1), down 63.1 -> 41.1 (4).
-# Not taken: o at class 32 (13.9 -> 14.6). Key as MEASURED_SPLITS; value: K splits.
+# 16,32,64 --splits 1,2,3,4,6`, g128 asym, 2026-12-04, session 20: the split-K reduction with its loads
+# in flight; bench/kernels/results/gemm-ws-h200-2026-12-04-s20/new.md; us, the mma.sync plan -> wgmma),
+# kept where it wins by more than 3%:
+#   class 16: qkv 13.7 -> 10.8 (3 splits), o 11.6 -> 9.9 (4), gate_up 55.6 -> 45.3 (1),
+#             down 28.9 -> 23.8 (4);
+#   class 32: qkv 16.4 -> 13.5 (3), gate_up 73.6 -> 48.1 (1), down 41.1 -> 27.8 (4);
+#   class 64: qkv 22.8 -> 19.9 (1; 3 splits 19.4, within 3% of 1), gate_up 108.9 -> 59.9 (1),
+#             down 61.9 -> 37.0 (4).
+# Not taken: o at class 32 (mma 13.2, wgmma 13.1 at 4 splits) and at class 64 (mma 18.7, wgmma 18.8 at 4:
+# the faster reduction brought the mma.sync plan level). Key as MEASURED_SPLITS; value: K splits.
 MEASURED_WGMMA = {
     (132, 4608, 3584, 128, 16): 3, (132, 3584, 3584, 128, 16): 4, (132, 37888, 3584, 128, 16): 1,
     (132, 3584, 18944, 128, 16): 4,
-    (132, 4608, 3584, 128, 32): 1, (132, 37888, 3584, 128, 32): 1, (132, 3584, 18944, 128, 32): 4,
-    (132, 4608, 3584, 128, 64): 1, (132, 3584, 3584, 128, 64): 1, (132, 37888, 3584, 128, 64): 1,
+    (132, 4608, 3584, 128, 32): 3, (132, 37888, 3584, 128, 32): 1, (132, 3584, 18944, 128, 32): 4,
+    (132, 4608, 3584, 128, 64): 1, (132, 37888, 3584, 128, 64): 1,
     (132, 3584, 18944, 128, 64): 4,
 }  # fmt: skip
 

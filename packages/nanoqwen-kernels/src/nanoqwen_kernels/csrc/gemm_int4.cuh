@@ -136,25 +136,51 @@ NQ_DEVICE void silu_mul_rows(bf16_t* xs, const bf16_t* raw) {
 
 // Sum the S fp32 partials of weight rows [row_base, row_base + ROWS_PER_BLOCK) x activation rows
 // [m0, m0 + rows) in split order, add the bias, write bf16: the last block of a tile to finish runs
-// this (deterministic order).
+// this (deterministic order). It is the launch's tail, so its L2 round trips must overlap: a thread
+// takes RE elements at a time (THREADS apart: a warp's loads stay coalesced) and keeps RS splits of all
+// of them in flight, ceil(S / RS) round trips per RE elements. (Before session 20: one element and one
+// split at a time, S round trips per element and 32 elements per thread at M = 64 -- ~10 us at S = 2,
+// which made every K split of the 7B qkv at M = 64 slower than none; kernels NOTES.md, session 20. RE = 4,
+// RS = 4: the widest batch with no spill in any GEMM entry.) Each element's sum is ((0 + p_0) + p_1) +
+// ..., as before: the output is bitwise the same.
 NQ_DEVICE void reduce_splits(const float* __restrict__ ws, const bf16_t* __restrict__ bias,
                              bf16_t* __restrict__ out, int M, int N, int S, int row_base, int m0, int rows) {
+  constexpr int RE = 4, RS = 4;
   const i64 split_stride = (i64)M * N;
-  for (int idx = threadIdx.x; idx < rows * ROWS_PER_BLOCK; idx += THREADS) {
-    const int mr = idx / ROWS_PER_BLOCK, m = m0 + mr, n = row_base + (idx - mr * ROWS_PER_BLOCK);
-    if (n >= N) continue;
-    const float* p = ws + (i64)m * N + n;
-    float sum = 0.f;
-    int s = 0;
-    for (; s + 8 <= S; s += 8) {  // 8 loads in flight: this block is on the launch's critical path
-      float part[8];
+  const int total = rows * ROWS_PER_BLOCK;
+  // element e of the tile: activation row m0 + e / ROWS_PER_BLOCK, weight row row_base + e % ROWS_PER_BLOCK
+  auto offset = [&](int e, bool& ok) {
+    const int mr = e / ROWS_PER_BLOCK, n = row_base + (e - mr * ROWS_PER_BLOCK);
+    ok = e < total && n < N;
+    return (i64)(m0 + mr) * N + n;
+  };
+  for (int e0 = threadIdx.x; e0 < total; e0 += THREADS * RE) {
+    float sum[RE];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) part[i] = ld_cg_f32(p + (s + i) * split_stride);
+    for (int b = 0; b < RE; ++b) sum[b] = 0.f;
+    for (int s = 0; s < S; s += RS) {
+      float v[RS][RE];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum += part[i];
+      for (int u = 0; u < RS; ++u)
+#pragma unroll
+        for (int b = 0; b < RE; ++b) {
+          bool ok;
+          const i64 off = offset(e0 + b * THREADS, ok);
+          if (ok && s + u < S) v[u][b] = ld_cg_f32(ws + (s + u) * split_stride + off);
+        }
+#pragma unroll
+      for (int u = 0; u < RS; ++u)
+#pragma unroll
+        for (int b = 0; b < RE; ++b)
+          if (s + u < S) sum[b] += v[u][b];  // v[u][b] unset only where the element is not stored
     }
-    for (; s < S; ++s) sum += ld_cg_f32(p + s * split_stride);
-    out[(i64)m * N + n] = f32_to_bf16(sum + (bias ? bf16_to_f32(bias[n]) : 0.f));
+#pragma unroll
+    for (int b = 0; b < RE; ++b) {
+      bool ok;
+      const i64 off = offset(e0 + b * THREADS, ok);
+      const int n = (int)(off % N);
+      if (ok) out[off] = f32_to_bf16(sum[b] + (bias ? bf16_to_f32(bias[n]) : 0.f));
+    }
   }
 }
 

@@ -185,6 +185,8 @@ def prefix_cache_ttft(engine: Engine, prefix: int = 4096, tail: int = 64, reps: 
 
 FEATURES_BATCHES = (1, 8, 32, 64)
 PROFILE_BATCHES = (16, 32, 64)  # per-kernel decode profiles beside batch 1's: the INT4 GEMM's classes
+# aggregate decode rows of the report: batch 1, the GEMV's largest batch, and the INT4 GEMM's classes
+DECODE_BATCHES = (1, 8, 16, 32, 64)
 # A/B verdicts are judged against the run's own noise, not a fitted margin: with `reps` alternating
 # repeats per side, A is called slower than B only when every one of its repeats is slower than every
 # repeat of B (a one-sided rank test with U = 0: under "no difference" that ordering has probability
@@ -402,7 +404,7 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
         log(f"batch 1 ctx {ctx}: graph {r['graph_tok_s']:.0f} tok/s, engine {r['engine_tok_s']:.0f} tok/s, "
             f"{total / 1e9:.3f} GB/token, {frac}")
     run.save(plots=False)
-    for batch in (1, 8, 32, 64):
+    for batch in DECODE_BATCHES:
         r = run.section(f"batch{batch}", decode_at_context, engine, 128, 128, batch=batch, seed=100 * batch,
                         into="decode_batched")
         if r is not None:
