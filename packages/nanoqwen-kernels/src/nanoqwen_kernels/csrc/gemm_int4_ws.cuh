@@ -39,6 +39,11 @@
 //     (four warpgroups) overlap one another's dequantisation and tensor work instead. At the end set 1
 //     adds its sums into set 0's through the drained ring, and set 0 stores.
 //
+// Timing probes (wrong outputs; tests never build them), each a -D option: NQ_GEMM_WS_PROBE_NO_MMA (the
+// consumers' steps without the wgmmas), NQ_GEMM_WS_PROBE_COPY_ONLY (the ring's copies and barriers
+// only), NQ_GEMM_WS_PROBE_NO_MAINLOOP (no copies and no consumer steps: the per-block prologue -- barrier
+// init, setmaxnreg, the scale / zero table -- and epilogue alone; kernels NOTES.md, session 20).
+//
 // Split-K: as gemm_int4.cuh (fp32 partials [S, M, N], an arrival counter per (M block, row block),
 // the last block sums in split order); set 0 synchronises with named barrier 1 (256 threads), all the
 // consumers with named barrier 2 (512), the producer having left.
@@ -309,6 +314,9 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
     if (warp != CONSUMER_WARPS) return;
     constexpr u32 bytes = 2 * RG::XBOX + 16 * 512;  // whole boxes: rows past M or N arrive as zeros
     pdl_wait();  // x is the previous kernel's output
+#ifdef NQ_GEMM_WS_PROBE_NO_MAINLOOP  // timing probe (wrong outputs): no copies, no main loop
+    if (ntc >= 0) return;
+#endif
     if (lane == 0) {
       for (int rel = 0; rel < ntc; ++rel) {
         const int s = rel % NBUF;
@@ -367,7 +375,9 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 
   WsConsumer<G, ASYM, NT, ST, GROUPS_PER_STEP> c;
   c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
+#ifndef NQ_GEMM_WS_PROBE_NO_MAINLOOP
   c.run(ntc, kset, KSETS);
+#endif
   static_assert(KSETS == 2, "the sets' sums are added pairwise");
   {  // set 1's sums into set 0's, through the ring (drained: every slot's copies were waited for)
     constexpr int NA = R / 2;
