@@ -148,6 +148,19 @@ def test_dequantize_is_exact(n, k, group_size, symmetric, scale_dtype, gen, devi
     assert torch.equal(out, ref)  # (q - z) * s is exact in fp32: one rounding, same as torch's
 
 
+@pytest.mark.parametrize("max_blocks", [1, 7])
+def test_dequantize_on_few_blocks_is_exact(max_blocks, gen, device):
+    """`max_blocks` (prefill_overlap.py's side-stream dequantisation): the blocks stride over every tile."""
+    from nanoqwen_kernels.gemv import dequantize_int4
+
+    w = random_int4(200, 640, 32, False, gen, device)
+    out = torch.full((200, 640), float("nan"), dtype=torch.bfloat16, device=device)
+    dequantize_int4(w, out, max_blocks=max_blocks)
+    assert torch.equal(out, R.dequantize_int4(w.qweight, w.scales, w.zeros, 32).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="max_blocks"):
+        dequantize_int4(w, out, max_blocks=0)
+
+
 @pytest.mark.parametrize("t", [1, 17, 512])
 @SCALES
 def test_linear_int4_prefill(t, scale_dtype, gen, device):
