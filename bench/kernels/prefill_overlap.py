@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 from nanoqwen_kernels import gemv
+from nanoqwen_kernels.bench import event_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm import SHAPES  # noqa: E402
@@ -49,17 +51,8 @@ def set_carveout(c: int) -> None:
 
 
 def median_ms(fn, runs: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+    """Median GPU ms of `runs` calls of fn() after one untimed call."""
+    return statistics.median(event_seconds(fn, runs, warm=1)) * 1e3
 
 
 def overlapped_fn(lins, pieces, xs, outs, bufs, side, carve: int, blocks: int):

@@ -27,7 +27,13 @@ import torch
 from nanoqwen_kernels import build
 from nanoqwen_kernels import gemv as kgemv
 from nanoqwen_kernels import launch as klaunch
-from nanoqwen_kernels.bench import READ_BLOCKS_PER_SM, capture_graph, median_replay_seconds, read_xor
+from nanoqwen_kernels.bench import (
+    READ_BLOCKS_PER_SM,
+    capture_graph,
+    event_seconds,
+    median_replay_seconds,
+    read_xor,
+)
 
 CU_FILE = Path(__file__).parent / "ceilings.cu"
 CU_HEADERS = (Path(__file__).parent / "gemv_loop_v2.cuh",)  # included by ceilings.cu (its own -I)
@@ -120,21 +126,6 @@ class CeilingKernels:
 
 def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def event_seconds(fn, reps: int, warm: int = 3) -> list[float]:
-    """GPU seconds of each of `reps` eager calls of fn(), CUDA events around each."""
-    for _ in range(warm):
-        fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -68,9 +68,8 @@ def test_profile_of_batched_eager_decode_steps_runs_the_int4_gemm(weights, batch
     kernels = {k["kernel"]: k for k in p["kernels"]}
     gemm = [k for k in kernels if k.startswith(("gemm_int4_", "gemm_ws_int4_"))]
     assert gemm and not any(k.startswith("gemv_int4_") for k in kernels), sorted(kernels)
-    h, hd = GEOM.hidden_size, GEOM.head_dim
-    q, kv, inter = GEOM.num_attention_heads * hd, GEOM.num_key_value_heads * hd, GEOM.intermediate_size
-    shapes = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]  # qkv, o, gate_up, down
+    h, inter = GEOM.hidden_size, GEOM.intermediate_size
+    shapes = [(GEOM.qkv_dim, h), (h, GEOM.q_dim), (2 * inter, h), (h, inter)]  # qkv, o, gate_up, down
     families = {KERNELS[plan_gemm(n, k, batch, 128).kernel][0] for n, k in shapes}
     assert {k.split("_int4_")[0] for k in gemm} == families, (sorted(gemm), families)
     # 2 layers x (qkv, o, gate_up, down), one launch each

@@ -23,22 +23,13 @@ import statistics
 import torch
 from nanoqwen_kernels import attention, build, launch, specs
 from nanoqwen_kernels.attention import AttentionGeometry, plan_decode, plan_prefill
+from nanoqwen_kernels.bench import event_seconds
 
 GEOM = AttentionGeometry(n_heads=28, n_kv_heads=4, head_dim=128, block_size=16)
 
 
 def _median_ms(fn, iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(event_seconds(fn, iters, warmup)) * 1e3
 
 
 def copy_bandwidth() -> float:

@@ -7,6 +7,7 @@
     t = time_graph(lambda i: op(bufs[i % 2]), reps=20)  # s per call, from one CUDA graph of 20 calls
     g = capture_graph(lambda i: op(bufs[i % 2]), 20)   # that graph itself, warmed and replayed 3 times
     t = median_replay_seconds(graph, replays=50)       # s per replay of an existing graph
+    ts = event_seconds(lambda: op(buf), reps=10)       # s of each of 10 eager calls (after 3 untimed)
 
 A decode step reads weights and KV and writes almost nothing, so its ceiling is the rate at which the
 GPU can only read, not a device-to-device copy (half reads, half writes). `read_bandwidth` measures
@@ -106,18 +107,26 @@ def _xor_reduce(words: torch.Tensor) -> int:
     return int(np.bitwise_xor.reduce(words.cpu().numpy().view(np.uint32)).view(np.int32))
 
 
-def median_replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Median GPU time (s) of one `graph.replay()` over `replays` replays, each timed with CUDA events
-    on the current stream."""
+def event_seconds(fn, reps: int, warm: int = 3) -> list[float]:
+    """GPU seconds of each of `reps` eager calls of fn(), after `warm` untimed ones: CUDA events on the
+    current stream around each call, waited for before the next."""
+    for _ in range(warm):
+        fn()
     times = []
-    for _ in range(replays):
+    for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        graph.replay()
+        fn()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    return times
+
+
+def median_replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Median GPU time (s) of one `graph.replay()` over `replays` replays, each timed with CUDA events
+    on the current stream."""
+    return statistics.median(event_seconds(graph.replay, replays, warm=0))
 
 
 def capture_graph(fn, n: int) -> torch.cuda.CUDAGraph:
