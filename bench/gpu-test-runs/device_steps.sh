@@ -146,6 +146,11 @@ PY
         --out "$OUT/attn-ab/$side.json" 2>&1 | tee "$OUT/attn-ab/$side.md" | grep "decode B=\|copy"
     done
     tar czf $OUT/attn-ab.tgz -C $OUT attn-ab && rm -rf $OUT/attn-ab ;;
+  block)  # the post-attention block kernel (issue 13): its GPU tests, then block_ab.py with builds "$2"
+    timeout 300 python3 -m nox -s gpu_tests -- packages/nanoqwen-kernels/tests/test_block.py -x \
+      -p no:cacheprovider -rs -q 2>&1 | tee $OUT/test-block.log | tail -25 || true
+    PYTHONPATH=$SRC:/tmp/site timeout 270 python3 bench/kernels/block_ab.py --out $OUT --builds ${2:-default} 2>&1 \
+      | tee $OUT/block_ab.log | tail -40 ;;
   engine-ab)  # `nanoqwen-cli bench --quick` with HEAD's kernels, runtime and cli (.v1), then with this tree's
     V1=$(ls -d $PWD/.v1/packages/*/src | paste -sd:)
     for side in ${ENGINE_SIDES:-head new head2}; do

@@ -156,6 +156,23 @@ def test_partial_report_has_every_key():
     assert rep["decode_batch1"][0]["roofline_frac_read"] is None and "| 128 | 422 |" in markdown(rep)
 
 
+def test_post_attention_ab_is_reported():
+    """The synthetic run's post_attention_kernel on/off section reaches bench.json and bench.md."""
+    row = {"batch": 1, "a_tok_s": 520.0, "b_tok_s": 450.0, "a_over_b": 520 / 450, "spread_a": 0.01,
+           "spread_b": 0.02, "a_all": [520.0] * 4, "b_all": [450.0] * 4, "a_slower": False,
+           "a_graph_tok_s": 560.0, "b_graph_tok_s": 462.0}
+    raw = fake_raw()
+    raw["post_attention_ab"] = {"rows": [row, dict(row, batch=2, a_slower=True, a_graph_tok_s=None)],
+                                "reps": 4, "a": "post_attention_kernel", "b": "three GEMVs",
+                                "graph_paths_a": {"post_attention_block": 28}, "graph_paths_b": {}}
+    rep = build_report(raw)
+    assert rep["post_attention_ab"]["rows"][0]["a_graph_tok_s"] == 560.0
+    md = markdown(rep)
+    assert "## o_proj + gate_up + down as one persistent launch" in md
+    assert "| 1 | 520 | 450 | 1.156 | 1.0% / 2.0% | ok |" in md and "| 1 | 560 | 462 | 1.212 |" in md
+    assert "| 2 | 520 | 450 | 1.156 | 1.0% / 2.0% | slower |" in md and "| 2 | - | 462 | - |" in md
+
+
 # ---------------------------------------------------------------------------------------------------
 # the measuring sections on a tiny model (torch op backend, CPU)
 # ---------------------------------------------------------------------------------------------------

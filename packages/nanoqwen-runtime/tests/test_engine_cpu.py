@@ -360,6 +360,8 @@ def test_config_validation_and_helpers():
         EngineConfig(device="cpu", backend="torch", mode="graph")
     with pytest.raises(ValueError, match="power of two"):
         cpu_config(block_size=12)
+    with pytest.raises(ValueError, match="post_attention_kernel needs backend='kernels'"):
+        cpu_config(post_attention_kernel=True)
 
 
 def test_pipeline_stream_closed_early_frees_the_engine(tmp_path):

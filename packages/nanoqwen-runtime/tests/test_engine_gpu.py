@@ -146,6 +146,27 @@ def test_teacher_forced_decode_matches_reference(container, mode, batch):
     assert engine.kv_blocks_used() == 0
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_post_attention_kernel_matches_reference(container, batch):
+    """EngineConfig.post_attention_kernel: at 1 and 2 rows each layer's o_proj, gate_up and down are one
+    persistent launch (nanoqwen_kernels.block); teacher-forced decode within the reference bound, and
+    the graph of the batch's bucket ran it once per layer, with only qkv left on the GEMV."""
+    name, path = container
+    prompts = prompts_of(LENGTHS, seed=3)
+    ref, bound = oracle(path, prompts)
+    engine = Engine.from_file(path, gpu_config(post_attention_kernel=True))
+    run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
+    worst, decided = check_against_reference(f"{name}/post-attention-kernel/b{batch}", run, ref, bound)
+    print(f"\n[{name} post_attention_kernel batch {batch}] worst position at {worst:.2f} of its bound; "
+          f"{decided} clear positions decided")
+    assert decided >= len(prompts) * STEPS // 4
+    layers = engine.geom.num_hidden_layers
+    graph = engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
+    assert graph.get("post_attention_block") == layers and graph.get("gemv_int4") == layers, graph
+    assert "residual_epilogue" not in graph, graph
+    assert engine.kv_blocks_used() == 0
+
+
 @pytest.mark.parametrize("container", ["0.5b"], indirect=True)  # once, on the 24-layer 0.5B geometry
 def test_reliability_1000_requests(container):
     """1000 requests, random lengths and sampling, some too large; a small pool forces preemption.

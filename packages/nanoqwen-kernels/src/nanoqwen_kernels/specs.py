@@ -71,6 +71,15 @@ SPECS: dict[str, KernelSpec] = {
             for nt in (2, 4, 8)
         ),
     ),
+    # the post-attention block of a decode layer (o_proj, gate_up, down) as one persistent launch, M <= 2
+    # (block.py)
+    "block": KernelSpec(
+        name="block",
+        sources=("block.cu",),
+        hot_kernels=tuple(
+            f"post_attention_block_g128_{kind}{scale}" for kind in ("sym", "asym") for scale in ("", "_f16s")
+        ),
+    ),
     "sampling": KernelSpec(
         name="sampling",
         sources=("sampling.cu",),

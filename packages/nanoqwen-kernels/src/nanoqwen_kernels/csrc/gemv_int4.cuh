@@ -187,6 +187,45 @@ NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, 
   }
 }
 
+// One tile-column of a warp's tile pair: dequantize the lane's words (w0v: tile 0, w1v: tile 1), multiply
+// them by the staged x (xt: the tile-column's 128 staged columns of the lane's x row), scale each group
+// and add into acc (the C fragment, header). s0 / s1, z0 / z1: the raw scale bits and zero points of the
+// lane's rows g of tile 0 and tile 1; c3: neg_zero_pair_byte's per-lane register. The inner step of the
+// GEMV and of the post-attention block kernel (block_int4.cuh).
+template <int G, bool ASYM, typename ST>
+NQ_DEVICE void mma_tile_column(float (&acc)[4], const uint4& w0v, const uint4& w1v, typename ScaleBits<G>::type s0,
+                               typename ScaleBits<G>::type s1, u32 z0, u32 z1, const bf16_t* xt, u32 c3) {
+  constexpr int GPT = 128 / G;
+  const u32 w0[4] = {w0v.x, w0v.y, w0v.z, w0v.w};
+  const u32 w1[4] = {w1v.x, w1v.y, w1v.z, w1v.w};
+#pragma unroll
+  for (int gi = 0; gi < GPT; ++gi) {
+    u32 nz0, nz1;
+    if constexpr (ASYM) {
+      nz0 = gi == 0 ? neg_zero_pair_byte<0>(z0, c3) : gi == 1 ? neg_zero_pair_byte<1>(z0, c3)
+          : gi == 2 ? neg_zero_pair_byte<2>(z0, c3) : neg_zero_pair_byte<3>(z0, c3);
+      nz1 = gi == 0 ? neg_zero_pair_byte<0>(z1, c3) : gi == 1 ? neg_zero_pair_byte<1>(z1, c3)
+          : gi == 2 ? neg_zero_pair_byte<2>(z1, c3) : neg_zero_pair_byte<3>(z1, c3);
+    } else {
+      nz0 = nz1 = neg_zero_pair(8u);
+    }
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int wi = 0; wi < 4 / GPT; ++wi) {
+      const int w = gi * (4 / GPT) + wi;
+      const uint4 b = *reinterpret_cast<const uint4*>(xt + 32 * w);
+      mma_bf16(c, dq(w0[w], 0, nz0), dq(w1[w], 0, nz1), dq(w0[w], 1, nz0), dq(w1[w], 1, nz1), b.x, b.y);
+      mma_bf16(c, dq(w0[w], 2, nz0), dq(w1[w], 2, nz1), dq(w0[w], 3, nz0), dq(w1[w], 3, nz1), b.z, b.w);
+    }
+    const float sc0 = ST::to_f32((u16)(s0 >> (16 * gi)));
+    const float sc1 = ST::to_f32((u16)(s1 >> (16 * gi)));
+    acc[0] = fmaf(c[0], sc0, acc[0]);
+    acc[1] = fmaf(c[1], sc0, acc[1]);
+    acc[2] = fmaf(c[2], sc1, acc[2]);
+    acc[3] = fmaf(c[3], sc1, acc[3]);
+  }
+}
+
 // One tile-column of one warp's tile pair in registers: a pipeline stage of the GEMV and the GEMM.
 template <int G>
 struct TileColumn {
@@ -228,9 +267,10 @@ struct RopeKV {
 // The norm prologue's arguments (NORM; header).
 struct NormIn {
   const bf16_t* weight;  // [K]
-  const float* stats;    // [M, stat_blocks]: sums of squares of x per 128 columns
+  const float* stats;    // [M, stat_blocks]: sums of squares of x per 128 columns (a GEMV's residual
+                         // epilogue) or per 16 (the post-attention block kernel's, block_int4.cuh)
   float eps;
-  int stat_blocks;       // ceil(K / 128)
+  int stat_blocks;       // ceil(K / 128) or K / 16
 };
 
 // The residual epilogue's arguments (EPI = 2; header).
@@ -245,7 +285,7 @@ NQ_DEVICE void norm_scales(const NormIn& ni, int M, int K, float* rs) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp >= M) return;
   float s = 0.f;
-#pragma unroll 1  // one or two trips (K <= 8192); unrolled, ptxas kept 16 loads live and spilled
+#pragma unroll 1  // 1-2 trips (per 128 columns, K <= 8192), 7-16 per 16; unrolled, ptxas spilled
   for (int b = lane; b < ni.stat_blocks; b += 32) s += ni.stats[warp * ni.stat_blocks + b];
   s = warp_sum(s);
   if (lane == 0) rs[warp] = rsqrtf(s / (float)K + ni.eps);
@@ -296,7 +336,6 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
                          const NormIn& ni = {}, const ResidOut& ro = {}) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
-  constexpr int GPT = 128 / G;
   const int KT = K / 128, NT = N / 8, KG = K / G;
   const int split = blockIdx.y;
   const int tc_begin = split * kc;
@@ -326,38 +365,9 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // keeps it in a vector register (a literal would turn the PRMT selectors into registers instead)
   const u32 c3 = 0xC3u | ((u32)(M + lane) << 8);
   using ScaleT = typename ScaleBits<G>::type;
-  // One tile-column of the warp's tile pair: dequantize, multiply, scale into acc. xt: its 128 staged
-  // columns of the lane's x row.
   auto compute_col = [&](const uint4& w0v, const uint4& w1v, ScaleT s0, ScaleT s1, u32 z0, u32 z1,
                          const bf16_t* xt) {
-    const u32 w0[4] = {w0v.x, w0v.y, w0v.z, w0v.w};
-    const u32 w1[4] = {w1v.x, w1v.y, w1v.z, w1v.w};
-#pragma unroll
-    for (int gi = 0; gi < GPT; ++gi) {
-      u32 nz0, nz1;
-      if constexpr (ASYM) {
-        nz0 = gi == 0 ? neg_zero_pair_byte<0>(z0, c3) : gi == 1 ? neg_zero_pair_byte<1>(z0, c3)
-            : gi == 2 ? neg_zero_pair_byte<2>(z0, c3) : neg_zero_pair_byte<3>(z0, c3);
-        nz1 = gi == 0 ? neg_zero_pair_byte<0>(z1, c3) : gi == 1 ? neg_zero_pair_byte<1>(z1, c3)
-            : gi == 2 ? neg_zero_pair_byte<2>(z1, c3) : neg_zero_pair_byte<3>(z1, c3);
-      } else {
-        nz0 = nz1 = neg_zero_pair(8u);
-      }
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int wi = 0; wi < 4 / GPT; ++wi) {
-        const int w = gi * (4 / GPT) + wi;
-        const uint4 b = *reinterpret_cast<const uint4*>(xt + 32 * w);
-        mma_bf16(c, dq(w0[w], 0, nz0), dq(w1[w], 0, nz1), dq(w0[w], 1, nz0), dq(w1[w], 1, nz1), b.x, b.y);
-        mma_bf16(c, dq(w0[w], 2, nz0), dq(w1[w], 2, nz1), dq(w0[w], 3, nz0), dq(w1[w], 3, nz1), b.z, b.w);
-      }
-      const float sc0 = ST::to_f32((u16)(s0 >> (16 * gi)));
-      const float sc1 = ST::to_f32((u16)(s1 >> (16 * gi)));
-      acc[0] = fmaf(c[0], sc0, acc[0]);
-      acc[1] = fmaf(c[1], sc0, acc[1]);
-      acc[2] = fmaf(c[2], sc1, acc[2]);
-      acc[3] = fmaf(c[3], sc1, acc[3]);
-    }
+    mma_tile_column<G, ASYM, ST>(acc, w0v, w1v, s0, s1, z0, z1, xt, c3);
   };
 
   // Tile-column tc's loads: addresses from the row bases and tc alone (running pointers, tried, pushed

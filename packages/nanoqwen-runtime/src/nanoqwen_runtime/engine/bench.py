@@ -203,17 +203,23 @@ def ab_decode(a: Engine, b: Engine, *, batches: tuple[int, ...], reps: int = AB_
     rows = []
     for batch in batches:
         rates: dict[str, list[float]] = {"a": [], "b": []}
+        graph: dict[str, list[float]] = {"a": [], "b": []}
         for rep in range(reps):
             for side in (("a", "b") if rep % 2 == 0 else ("b", "a")):
                 r = decode_at_context(a if side == "a" else b, ctx, new, batch=batch,
                                       seed=seed + 10_000 * rep + 100 * batch)
                 rates[side].append(r["engine_tok_s"])
+                if "graph_tok_s" in r:
+                    graph[side].append(r["graph_tok_s"])
         med = {k: statistics.median(v) for k, v in rates.items()}
         rows.append({"batch": batch, "a_tok_s": med["a"], "b_tok_s": med["b"],
                      "a_over_b": med["a"] / med["b"],
                      "spread_a": (max(rates["a"]) - min(rates["a"])) / med["a"],
                      "spread_b": (max(rates["b"]) - min(rates["b"])) / med["b"],
-                     "a_all": rates["a"], "b_all": rates["b"], "a_slower": max(rates["a"]) < min(rates["b"])})
+                     "a_all": rates["a"], "b_all": rates["b"], "a_slower": max(rates["a"]) < min(rates["b"]),
+                     # graph replay of each repeat's last step (None in eager mode)
+                     "a_graph_tok_s": statistics.median(graph["a"]) if graph["a"] else None,
+                     "b_graph_tok_s": statistics.median(graph["b"]) if graph["b"] else None})
     return rows
 
 
@@ -252,6 +258,24 @@ def layout_speed(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 8
            "weight_bytes_a": sum(weights.decode_bytes().values()),
            "weight_bytes_b": sum(sym.decode_bytes().values())}
     del ea, eb, sym
+    torch.cuda.empty_cache()
+    return out
+
+
+def post_attention_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2),
+                      reps: int = AB_REPS) -> dict:
+    """Issue 13: `EngineConfig.post_attention_kernel` (each layer's o_proj, gate_up and down as one
+    persistent launch at 1..2 rows) on (a) against off (b, the three GEMVs), same weights, features off
+    on both, `ab_decode` (engine tok/s, and each side's graph replay); plus the launches of each side's
+    batch-1 graph."""
+    on = _ab_engine(geom, weights, prefix_caching=False, speculation=None, post_attention_kernel=True)
+    off = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
+    rows = ab_decode(on, off, batches=batches, reps=reps)
+    cls = on.runner.context_classes[0]
+    out = {"rows": rows, "reps": reps, "a": "post_attention_kernel", "b": "three GEMVs",
+           "graph_paths_a": dict(on.runner.graph_paths[(1, cls)]),
+           "graph_paths_b": dict(off.runner.graph_paths[(1, cls)])}
+    del on, off
     torch.cuda.empty_cache()
     return out
 
@@ -467,6 +491,11 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
         for r in (ls or {}).get("rows", []):
             log(f"g128 asym/sym batch {r['batch']}: {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s = "
                 f"{r['a_over_b']:.3f}")
+        pa = run.section("post_attention_ab", post_attention_ab, geom, weights_ref)
+        for r in (pa or {}).get("rows", []):
+            log(f"post_attention_kernel on/off batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
+                f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
+                f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
     del weights_ref
     if load_test_dir is not None and run.section("load_test", load_time, geometry, load_test_dir):
         ld = raw["load_test"]

@@ -50,7 +50,7 @@ LIBRARY = "<torch/cuBLAS>"
 # the op calls of ModelRunner._forward; anything else on the backend (plans, setup) passes through
 TIMED_OPS = ("embed", "rms_norm", "add_rms_norm", "norm", "linear", "linear_residual", "qkv_projection",
              "mlp_down", "silu_mul", "qkv_rope_kv_write", "attention_run", "attention", "logits_range",
-             "sample")
+             "sample", "post_attention_block")
 
 
 class Timeline:
@@ -260,6 +260,8 @@ def op_accounting(engine, context: int):
             return f"linear {names.get(id(args[1]), '?')} + rope/KV write{norm_form(args[0], args[1])}"
         if op == "norm":  # the final norm
             return "add_rms_norm" if args[0].update.pending is not None else "rms_norm"
+        if op == "post_attention_block":
+            return "post_attention_block (o_proj + gate_up + down, one launch)"
         return op
 
     def nbytes(op, args, kw):
@@ -283,6 +285,11 @@ def op_accounting(engine, context: int):
             return b(args[0]) + act + args[2].nbytes + residual_bytes(args[2], args[3], args[4])
         if op == "silu_mul":
             return b(args[0]) + b(args[1])
+        if op == "post_attention_block":  # args: attn, layer, residual, gate_up: the three weights, the
+            # residual read and written twice, gate_up written and read
+            lw = args[1]
+            return (b(args[0]) + lw.o_proj.nbytes + lw.gate_up.nbytes + lw.down.nbytes + 4 * b(args[2])
+                    + 2 * b(args[3]))
         if op == "qkv_projection":  # x, the weight (+ bias) read; q and one token's K/V per row written;
             # the unfused form also writes and reads qkv (args: x, w, bias, qkv, .., q_out at 8)
             x, qkv, q_out = args[0], args[3], args[8]

@@ -30,6 +30,8 @@ raw = {
   "prefix_cache": bench.prefix_cache_ttft(...) result, "engine_stats": EngineStats as a dict,
   "features_cost": bench.features_cost(...) result (features on vs off, same run),
   "layout_speed": bench.layout_speed(...) result (g128 asym vs sym, synthetic model only),
+  "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel on vs off,
+                       synthetic model only),
   "errors": {section: message},
 }
 """
@@ -123,7 +125,7 @@ def build_report(raw: dict) -> dict:
     rep["prefix_caching"] = meta.get("prefix_caching")
     rep["speculation"] = meta.get("speculation")
     for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
-              "prefix_cache", "engine_stats", "features_cost", "layout_speed"):
+              "prefix_cache", "engine_stats", "features_cost", "layout_speed", "post_attention_ab"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -213,6 +215,7 @@ def markdown(rep: dict) -> str:
                   f"accepted {es['spec_accepted_tokens']} in {es['spec_steps']} verify steps"]
     lines += _features_md(rep.get("features_cost"))
     lines += _layout_md(rep.get("layout_speed"))
+    lines += _post_attention_md(rep.get("post_attention_ab"))
     lines += ["", "## Graph vs eager (context 128, engine wall time)", "",
               "| batch | graph-mode tok/s | eager tok/s |",
               "| --- | --- | --- |"]
@@ -264,6 +267,22 @@ def _layout_md(ls: dict | None) -> list[str]:
                   f"Weight bytes read per token: asym {ls['weight_bytes_a'] / 1e9:.3f} GB, sym "
                   f"{ls['weight_bytes_b'] / 1e9:.3f} GB. Medians of {ls['reps']} alternating repeats.",
                   "asym", "sym", ls["rows"], "slower")
+
+
+def _post_attention_md(pa: dict | None) -> list[str]:
+    if not pa:
+        return []
+    lines = _ab_md("## o_proj + gate_up + down as one persistent launch (EngineConfig.post_attention_kernel) "
+                   "vs three GEMVs (same run, context 128 + 128)",
+                   f"Engine tok/s, medians of {pa['reps']} alternating repeats per side; 'slower' is every "
+                   "'on' repeat slower than every 'off' repeat (rank test, U = 0).", "on", "off", pa["rows"],
+                   "slower")
+    lines += ["", "| batch | graph replay on tok/s | off tok/s | on/off |", "| --- | --- | --- | --- |"]
+    for r in pa["rows"]:
+        a, b = r.get("a_graph_tok_s"), r.get("b_graph_tok_s")
+        lines.append(f"| {r['batch']} | {_f(a, '.0f')} | {_f(b, '.0f')} | "
+                     f"{_f(a / b if a and b else None, '.3f')} |")
+    return lines
 
 
 def profile_markdown(p: dict | None) -> list[str]:

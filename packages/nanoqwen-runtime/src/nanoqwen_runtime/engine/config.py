@@ -62,6 +62,13 @@ class EngineConfig:
     # on, the driver never starts a dependent grid early (nanoqwen-kernels NOTES.md, session 2);
     # `nanoqwen-cli bench` measures both beside each other.
     pdl: bool = False
+    # Kernel backend, explicit option, off: at 1 or 2 rows, run each layer's o_proj, gate_up and down
+    # as ONE persistent launch (nanoqwen_kernels.block: the weights stream through per-warp rings of
+    # bulk copies that run ahead across the three ops) instead of three GEMVs. Same math, other
+    # summation order: the logits stay within the agreement bound, not bitwise. Off until it is
+    # measured faster on the GPU (bench/engine/NOTES.md, session 21). Needs INT4 g128 o_proj / gate_up /
+    # down of one layout; the engine refuses other weights with it on.
+    post_attention_kernel: bool = False
     seed: int = 0
     graph_buckets: tuple[int, ...] = GRAPH_BUCKETS
     # Decode graphs are captured per (bucket, context class): a step uses the smallest class holding
@@ -103,6 +110,8 @@ class EngineConfig:
         if self.prefill_chunk < self.block_size:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be >= block_size "
                              f"({self.block_size})")
+        if self.post_attention_kernel and self.backend != "kernels":
+            raise ValueError("EngineConfig.post_attention_kernel needs backend='kernels'")
         if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
             raise ValueError(f"EngineConfig.speculation must be a SpeculationConfig or None, "
                              f"got {self.speculation!r}")

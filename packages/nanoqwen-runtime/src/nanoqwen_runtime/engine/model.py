@@ -12,6 +12,8 @@ rows; ops_kernels.py says what runs above that):
     linear_residual o_proj GEMV, its output added into the residual by the GEMV's epilogue
     linear          RMSNorm(residual) (post-attention norm) -> gate_up GEMV: one GEMV, norm prologue
     mlp_down        SiLU * mul -> down GEMV -> added into the residual: one GEMV
+    (or, where `ops.fuses_post_attention`: the last three as `post_attention_block`, one persistent
+    launch at 1..2 rows, EngineConfig.post_attention_kernel)
 
 plus, per step: embedding gather, final norm, row gather, lm_head GEMV, the logits' range per row,
 sampling. The residual stream and the norms between the linears travel as `residual.ResidualUpdate`
@@ -153,9 +155,12 @@ class ModelRunner:
                 ops.attention_run(attn_meta, q, kc, vc, attn)
             else:
                 ops.attention(q, kc, vc, v["query_start"], v["context_lens"], v["page_table"], attn, B)
-            update = ops.linear_residual(attn, lw.o_proj, proj, resid)
-            ops.linear(NormedInput(resid, update, lw.post_attn_norm, eps, normed), lw.gate_up, gu)
-            update = ops.mlp_down(gu, act, lw.down, proj, resid)
+            if ops.fuses_post_attention(T):  # the three below as one launch (kernel backend, opt-in)
+                update = ops.post_attention_block(attn, lw, resid, gu, eps)
+            else:
+                update = ops.linear_residual(attn, lw.o_proj, proj, resid)
+                ops.linear(NormedInput(resid, update, lw.post_attn_norm, eps, normed), lw.gate_up, gu)
+                update = ops.mlp_down(gu, act, lw.down, proj, resid)
         ops.norm(NormedInput(resid, update, w.final_norm, eps, normed))
         if kind == "decode":
             last = normed  # one token per row: every row is sampled

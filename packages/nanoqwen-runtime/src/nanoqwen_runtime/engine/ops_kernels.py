@@ -26,7 +26,9 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   residual in their epilogue and leave its sums of squares in a small fp32 buffer of this backend
   (`ResidualEpilogue`, path counter "residual_epilogue"); the next qkv / gate_up GEMV makes RMSNorm of
   the residual as its input prologue from them (`NormPrologue`, "norm_prologue"). So a decode layer
-  launches no add + RMSNorm: six launches, the four GEMVs and attention's two. Otherwise (more rows,
+  launches no add + RMSNorm: six launches, the four GEMVs and attention's two (four with
+  `EngineConfig.post_attention_kernel` at 1..2 rows: o_proj, gate_up and down are then one persistent
+  launch, `post_attention_block`, path counter "post_attention_block"). Otherwise (more rows,
   or a linear that is not INT4) the add stays pending and the norm is one fused_add_rms_norm launch;
   layer 0's input norm and the final norm are plain `rms_norm` launches (nothing fused made their
   statistics, or nothing consumes them fused).
@@ -43,6 +45,7 @@ import collections
 
 import torch
 from nanoqwen_kernels import attention as kattn
+from nanoqwen_kernels import block as kblock
 from nanoqwen_kernels import gemm as kgemm
 from nanoqwen_kernels import gemv as kgemv
 from nanoqwen_kernels import launch as klaunch
@@ -60,7 +63,7 @@ from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 # M = 128 int4_gemm 540 us vs dequant_gemm 339 us.
 INT4_GEMM_MAX_ROWS = 64
 PREFILL_PATH = "dequant_gemm"  # above INT4_GEMM_MAX_ROWS: "dequant_gemm" or "int4_gemm"
-FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")
+FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")  # + "block" with post_attention_kernel
 
 
 def _linears(weights) -> list[Linear]:
@@ -96,6 +99,14 @@ class KernelOps:
         # buffer (each producer runs after the previous consumer on the stream)
         self._norm_stats = torch.empty(kgemv.MAX_M * kgemv.norm_stats_shape(1, H)[1], dtype=torch.float32,
                                        device=device)
+        # EngineConfig.post_attention_kernel: the block kernel's plan, scratch and statistics (per 16
+        # columns: kblock.stats_shape), read by the next layer's qkv norm prologue
+        self.block_plan: kblock.BlockPlan | None = None
+        if cfg.post_attention_kernel:
+            self.block_plan = kblock.plan_post_attention(H, I, geom.q_dim, device)
+            self.block_workspace = kblock.BlockWorkspace.allocate(self.block_plan, device)
+            self._block_stats = torch.empty(kblock.MAX_M * kblock.stats_shape(1, H)[1], dtype=torch.float32,
+                                            device=device)
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
@@ -142,7 +153,7 @@ class KernelOps:
         return 0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size()
 
     def warm_up(self) -> None:
-        klaunch.warm_up(FAMILIES, self.device)
+        klaunch.warm_up(FAMILIES + (("block",) if self.block_plan is not None else ()), self.device)
 
     def check_weights(self, weights) -> None:
         """Refuse what the kernels cannot run; build the bf16 weight cache when configured."""
@@ -150,6 +161,12 @@ class KernelOps:
         for lin in lins:
             if isinstance(lin, Int8Linear):
                 self._int8(lin)  # refuses a layout the INT8 GEMV cannot run (G = 32), before any work
+        if self.block_plan is not None:
+            for lw in weights.layers:
+                trio = (lw.o_proj, lw.gate_up, lw.down)
+                if not all(isinstance(lin, Int4Linear) for lin in trio):
+                    raise ValueError("post_attention_kernel=True needs INT4 o_proj, gate_up and down weights")
+                kblock.check_layout(tuple(self._int4(lin) for lin in trio))  # g128, one layout
         if self.cfg.dense_weight_cache:
             print(f"nanoqwen engine: dense_weight_cache=True keeps a bf16 copy of every quantized linear: "
                   f"{self.dense_cache_bytes(weights) / 1e9:.2f} GB more on the GPU (taken from the KV pool)")
@@ -322,6 +339,24 @@ class KernelOps:
             return update
         kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
         return self.linear_residual(act, down, out, residual)
+
+    def fuses_post_attention(self, m: int) -> bool:
+        """Whether a step of m rows runs o_proj, gate_up and down as one `post_attention_block` launch
+        (EngineConfig.post_attention_kernel, 1..kblock.MAX_M rows; the weights were checked at start)."""
+        return self.block_plan is not None and 1 <= m <= kblock.MAX_M
+
+    def post_attention_block(self, attn: torch.Tensor, lw, residual: torch.Tensor, gate_up: torch.Tensor,
+                             eps: float) -> ResidualUpdate:
+        """residual += o_proj(attn); gate_up = gate_up(RMSNorm(residual) * w); residual +=
+        down(silu(gate) * up): one launch (path "post_attention_block"); gate_up [M, 2I] is its scratch.
+        Returns the update with the new residual's statistics (per 16 columns) for the next norm."""
+        shape = kblock.stats_shape(attn.shape[0], self.g.hidden_size)
+        stats = self._block_stats[: shape[0] * shape[1]].view(shape)
+        self.paths["post_attention_block"] += 1
+        w_o, w_gu, w_d = self._int4(lw.o_proj), self._int4(lw.gate_up), self._int4(lw.down)
+        kblock.post_attention_block(attn, w_o, lw.post_attn_norm, eps, w_gu, w_d, residual, gate_up, stats,
+                                    self.block_workspace, self.block_plan, pdl=self.cfg.pdl)
+        return ResidualUpdate(stats=stats)
 
     def fuses_silu_down(self, down: Linear, m: int) -> bool:
         """Whether `mlp_down` of m rows applies SiLU*mul inside the down GEMV's input staging (an INT4

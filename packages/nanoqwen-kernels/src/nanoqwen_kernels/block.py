@@ -1,0 +1,246 @@
+"""The post-attention half of a decoder layer at M = 1..2 decode rows, in one persistent launch.
+
+    resid   += attn @ Wo^T                          (o_proj; the GEMV's residual epilogue)
+    gate_up  = (RMSNorm(resid) * w_norm) @ Wgu^T    (gate_up; the GEMV's norm prologue)
+    resid   += (silu(gate) * up) @ Wdown^T          (down; SiLU input and the residual epilogue)
+
+The three GEMVs of `gemv.py` do the same in three launches; this kernel (csrc/block_int4.cuh) runs
+them as one, one CTA per SM, each warp streaming its share of all three weights through a ring of bulk
+copies that runs ahead across the ops' boundaries, and CTAs waiting for an op's last output on
+counters in global memory (so every CTA must be resident at once: `post_attention_block` checks the
+occupancy before it launches). It leaves the new residual's sums of squares per row and 16 columns,
+fp32 [M, H / 16] (`stats_shape`), which the next qkv GEMV's norm prologue takes as it takes the GEMV's
+per-128-column ones.
+
+Plan, then run: `plan_post_attention(H, I, Kq, device)` fixes the grid and each op's share of the
+warps; `BlockWorkspace` holds the partial sums of pairs that two warps share and the counters, which
+return to zero at the end of every launch. The launch allocates nothing and never synchronises: it is
+CUDA-graph capturable. G = 128 only (bf16 or fp16 scales, symmetric or not); no bias.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .gemv import XPAD, Int4Weight
+from .launch import check, f32, get_function, i32, launch, ptr, require_sm90
+
+FAMILY = "block"
+MAX_M = 2  # nq_block::MAX_M
+TILE_BYTES = 512
+PAIR_ROWS = 16  # a warp's output rows (two 8-row tiles)
+NOPS = 3
+PAIR_COUNTERS = NOPS + 1  # nq_block: op_done[3], the exit count, then one counter per pair
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockBuild:
+    """A build of the kernel (its compile-time shape, block_int4.cuh): warps per CTA, tile-columns per
+    ring slot, slots per warp."""
+
+    warps: int = 16
+    chunk: int = 3
+    ring: int = 3
+    extra_options: tuple[str, ...] = ()  # e.g. ("-DNQ_BLOCK_STRESS_DELAY_NS=4000",): the tests' stress build
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return (f"-DNQ_BLOCK_WARPS={self.warps}", f"-DNQ_BLOCK_CHUNK={self.chunk}",
+                f"-DNQ_BLOCK_RING={self.ring}", *self.extra_options)
+
+    def shared_bytes(self, m: int, k_max: int) -> int:
+        """Dynamic shared memory: the warps' rings, then x staged as M rows of k_max + XPAD bf16."""
+        return self.warps * self.ring * 2 * self.chunk * TILE_BYTES + m * (k_max + XPAD) * 2
+
+
+# family name -> its build; "block" is specs.py's (the header's defaults). Benchmarks add variants with
+# `register_build`.
+BUILDS: dict[str, BlockBuild] = {FAMILY: BlockBuild()}
+
+
+def register_build(family: str, build: BlockBuild) -> None:
+    """Register a compile-option build of the kernel as op family `family` (benchmarks)."""
+    from . import specs
+    from .build import KernelSpec
+
+    specs.SPECS[family] = KernelSpec(family, ("block.cu",), build.options)
+    BUILDS[family] = build
+
+
+def stats_shape(m: int, h: int) -> tuple[int, int]:
+    """The residual statistics the kernel writes: fp32 [m, h / 16] (one sum of squares per 16 columns)."""
+    return (m, h // PAIR_ROWS)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """hidden: H; intermediate: I; q_dim: o_proj's K (Hq * D); grid: CTAs (one per SM); warps: how
+    many warps share each op's work (o_proj, gate_up, down): min(warps in the grid, the op's pair
+    count x tile-columns); family: the build that runs (`BUILDS`)."""
+
+    hidden: int
+    intermediate: int
+    q_dim: int
+    grid: int
+    warps: tuple[int, int, int]
+    family: str = FAMILY
+
+    @property
+    def build(self) -> BlockBuild:
+        return BUILDS[self.family]
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """(N, K) of o_proj, gate_up, down."""
+        h, i = self.hidden, self.intermediate
+        return ((h, self.q_dim), (2 * i, h), (h, i))
+
+    @property
+    def k_max(self) -> int:
+        return max(k for _, k in self.shapes)
+
+    @property
+    def max_pairs(self) -> int:
+        return max(n // PAIR_ROWS for n, _ in self.shapes)
+
+    def shared_bytes(self, m: int) -> int:
+        return self.build.shared_bytes(m, self.k_max)
+
+
+def plan_post_attention(hidden: int, intermediate: int, q_dim: int, device: torch.device,
+                        sms: int | None = None, family: str = FAMILY) -> BlockPlan:
+    """The plan for a layer of this geometry on `device` (one CTA per SM; `sms` overrides the count;
+    family: which build, `BUILDS`)."""
+    if sms is None:
+        sms = _sm_count(require_sm90(device))
+    for name, v in (("hidden", hidden), ("intermediate", intermediate), ("q_dim", q_dim)):
+        if v <= 0 or v % 128:
+            raise ValueError(f"{name} must be a positive multiple of 128, got {v}")
+    if (2 * intermediate) % PAIR_ROWS or hidden % PAIR_ROWS:
+        raise ValueError("the output rows of every op must be a multiple of 16")
+    total = sms * BUILDS[family].warps
+    shapes = ((hidden, q_dim), (2 * intermediate, hidden), (hidden, intermediate))
+    warps = tuple(min(total, (n // PAIR_ROWS) * (k // 128)) for n, k in shapes)
+    for n, k in shapes:
+        if (n // PAIR_ROWS) * (k // 128) * total >= 2**62:
+            raise ValueError("shape too large for the kernel's work partition")
+    return BlockPlan(hidden, intermediate, q_dim, sms, warps, family)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWorkspace:
+    """partials: fp32 [grid x warps per CTA x 2 x 32] (the pieces of pairs two warps share); counters:
+    int32 [PAIR_COUNTERS + max pairs], zero between launches (each launch leaves them at zero)."""
+
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def allocate(cls, plan: BlockPlan, device: torch.device) -> BlockWorkspace:
+        return cls(torch.empty(plan.grid * plan.build.warps * 64, dtype=torch.float32, device=device),
+                   torch.zeros(PAIR_COUNTERS + plan.max_pairs, dtype=torch.int32, device=device))
+
+
+def check_layout(weights: tuple[Int4Weight, ...]) -> str:
+    """The kernel that runs o_proj, gate_up and down of these layouts; refuses a group size other than
+    128 and three weights that do not share one layout (symmetry, scale dtype)."""
+    w0 = weights[0]
+    for w in weights:
+        if w.group_size != 128:
+            raise ValueError(f"the post-attention block kernel takes group size 128 only, got {w.group_size}")
+        if (w.symmetric, w.f16_scales) != (w0.symmetric, w0.f16_scales):
+            raise ValueError("o_proj, gate_up and down must share one INT4 layout (symmetry and scale dtype)")
+    return f"post_attention_block_g128_{'sym' if w0.symmetric else 'asym'}{'_f16s' if w0.f16_scales else ''}"
+
+
+@functools.cache
+def _resident_blocks(family: str, kernel: str, index: int, shared: int) -> int:
+    """CTAs of `kernel` one SM holds at once with `shared` bytes of dynamic shared memory."""
+    import cupy
+
+    fn = get_function(family, kernel, index)
+    if fn.max_dynamic_shared_size_bytes < shared:
+        fn.max_dynamic_shared_size_bytes = shared
+    with cupy.cuda.Device(index):
+        threads = BUILDS[family].threads
+        return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, shared)
+
+
+def post_attention_block(
+    attn: torch.Tensor,
+    o_proj: Int4Weight,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_w: Int4Weight,
+    down: Int4Weight,
+    residual: torch.Tensor,
+    gate_up: torch.Tensor,
+    stats: torch.Tensor,
+    workspace: BlockWorkspace,
+    plan: BlockPlan,
+    *,
+    pdl: bool = False,
+) -> None:
+    """One launch of the post-attention block on the current stream.
+
+    attn: bf16 [M, Kq] (M = 1..2), the attention output; o_proj: Int4Weight [H, Kq]; norm_weight: bf16
+    [H] (post-attention RMSNorm) and its eps; gate_up_w: Int4Weight [2I, H] (gate rows, then up rows);
+    down: Int4Weight [H, I]; residual: bf16 [M, H], updated in place (o_proj's and down's outputs added);
+    gate_up: bf16 [M, 2I], written (gate_up's output, down's input); stats: fp32 `stats_shape(M, H)`,
+    written (the final residual's sums of squares per 16 columns). workspace / plan: from this plan.
+    pdl: launch with programmatic dependent launch (the ring's first weight copies go out before the
+    kernel waits for the previous one).
+    """
+    dev = attn.device
+    index = require_sm90(dev)
+    h, i, kq = plan.hidden, plan.intermediate, plan.q_dim
+    named = (("o_proj", o_proj, (h, kq)), ("gate_up", gate_up_w, (2 * i, h)), ("down", down, (h, i)))
+    for name, w, shape in named:
+        if (w.n, w.k) != shape:
+            raise ValueError(f"{name}: weight is [{w.n}, {w.k}], the plan needs {list(shape)}")
+    kernel = check_layout((o_proj, gate_up_w, down))
+    check(attn, "attn", torch.bfloat16, (None, kq), dev)
+    m = attn.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"attn: the post-attention block kernel takes 1..{MAX_M} rows, got {m}")
+    check(norm_weight, "norm_weight", torch.bfloat16, (h,), dev)
+    check(residual, "residual", torch.bfloat16, (m, h), dev)
+    check(gate_up, "gate_up", torch.bfloat16, (m, 2 * i), dev)
+    check(stats, "stats", torch.float32, stats_shape(m, h), dev, align=4)
+    build = plan.build
+    if (workspace.partials.numel() < plan.grid * build.warps * 64
+            or workspace.counters.numel() < PAIR_COUNTERS + plan.max_pairs):
+        raise ValueError("BlockWorkspace too small for this plan; allocate it from the plan")
+    shared = plan.shared_bytes(m)
+    resident = _resident_blocks(plan.family, kernel, index, shared)
+    if resident * _sm_count(index) < plan.grid:
+        raise RuntimeError(f"{kernel}: {plan.grid} CTAs must be resident at once, the GPU holds "
+                           f"{resident} per SM x {_sm_count(index)} SMs")
+    weight_args = []
+    for w, warps in zip((o_proj, gate_up_w, down), plan.warps, strict=True):
+        weight_args += [ptr(w.qweight), ptr(w.scales), ptr(w.zeros), i32(warps)]
+    args = (
+        ptr(attn), ptr(residual), ptr(gate_up), ptr(stats), ptr(norm_weight), f32(eps), *weight_args,
+        ptr(workspace.partials), ptr(workspace.counters), i32(m), i32(h), i32(i), i32(kq),
+    )  # fmt: skip
+    launch(plan.family, kernel, index, (plan.grid, 1, 1), (build.threads, 1, 1), args, shared, pdl=pdl)
+
+
+def reference_stats(residual: torch.Tensor) -> torch.Tensor:
+    """fp64 sums of squares of a bf16 residual [M, H] per 16 columns: [M, H / 16] (tests)."""
+    r = residual.double()
+    return (r * r).view(r.shape[0], -1, PAIR_ROWS).sum(-1)
+
+

@@ -1,0 +1,359 @@
+// block_int4.cuh: the post-attention half of a decoder layer at M = 1..MAX_M decode rows, as ONE
+// persistent launch instead of three GEMVs (issue 13: a first step of the persistent decode kernel):
+//
+//   op 0  resid   += attn @ Wo^T                          o_proj, the residual epilogue
+//   op 1  gate_up  = (RMSNorm(resid) * w_norm) @ Wgu^T    gate_up, the norm prologue
+//   op 2  resid   += (silu(gate) * up) @ Wdown^T          down, SiLU input, the residual epilogue
+//
+// INT4 layout `int4-g128-tile8x128-v1` (or its fp16-scale variant), the GEMV's (gemv_int4.cuh, which
+// also has the fragment math: `mma_tile_column` is this kernel's inner step too).
+//
+// Why one launch. A batch-1 GEMV launch pays a fixed ~4 us of ramp-up and drain (bench/kernels/
+// CEILINGS.md, section 4) on top of its bytes; o_proj (6.4 MB) is more fixed cost than bytes. Here the
+// weights of the three ops are one stream that never waits for an activation: each warp copies its
+// next chunks of weights into its own shared-memory ring with bulk copies (1D TMA) as soon as a slot is
+// free, whichever op they belong to, so while the warps wait for an op's last output (the dependency
+// of the next op's input) the next op's first weights are already on their way.
+//
+// Work. Grid = one CTA per SM (co-resident: the launcher checks the occupancy; CTAs wait on each
+// other), WARPS warps each. An op's work is its NP = N / 16 tile pairs (16 output rows, the GEMV's
+// warp unit) x KT = K / 128 tile-columns: T = NP * KT "pair-columns" in pair-major order, cut into W
+// equal contiguous ranges (W = min(warps in the grid, T); warp gw < W takes [T gw / W, T (gw + 1) / W)).
+// So every warp streams the same number of bytes per op (no partial wave), and a range covers whole
+// pairs in its middle and at most a partial pair at each end: a "piece". A pair done by one piece is
+// finished by its warp directly; a pair cut into pieces has each piece's fp32 partial written to ws
+// (slot 0: the piece that starts its warp's range, 1: the one that ends it), and the last of its
+// pieces to arrive (an atomic counter per pair, reset by that warp) adds the partials in k order:
+// deterministic, bitwise the same from run to run.
+//
+// Ring. Warp w owns RING slots of SLOT_BYTES: one slot holds up to CHUNK tile-columns of the pair's two
+// tile rows (2 x CHUNK x 512 B; the tile row's tile-columns are contiguous in the layout, so one bulk
+// copy per tile row). Lane 0 issues the copies and posts the bytes on the slot's mbarrier; the warp
+// waits on its parity, computes, then refills the slot with the chunk RING ahead. The scales and zero
+// points (1/32 of the bytes, strided by row) are ordinary loads, issued one chunk ahead into registers.
+//
+// Dependencies, with counters in global memory: op_done[op] counts finished pairs. Before op 1 (op 2)
+// stages its input, thread 0 of every CTA waits until op_done[0] (op_done[1]) reaches that op's NP;
+// the input is staged whole into shared memory (the GEMV's stage_x), as each op needs all of it. The
+// last CTA to leave resets op_done. Data another CTA wrote in this launch is read past L1 (ld.cg) or
+// only after the wait, by an SM that had not cached it.
+//
+// Epilogues. o_proj and down add y into the residual as the GEMV's residual epilogue does (bf16(bf16(y)
+// + resid)) and write the new residual's sum of squares per row and PAIR (16 columns): stats [M, N / 16]
+// (the GEMV writes them per 128 columns; the norm prologue, here and in the qkv GEMV, sums whichever it
+// is given). gate_up stores bf16(y). No bias (Qwen2's o_proj, gate_up and down have none).
+#pragma once
+#include "gemv_int4.cuh"
+#include "mbarrier.cuh"
+
+namespace nq_block {
+using namespace nq_gemv;
+
+#ifndef NQ_BLOCK_WARPS
+#define NQ_BLOCK_WARPS 16
+#endif
+#ifndef NQ_BLOCK_CHUNK
+#define NQ_BLOCK_CHUNK 3
+#endif
+#ifndef NQ_BLOCK_RING
+#define NQ_BLOCK_RING 3
+#endif
+constexpr int WARPS = NQ_BLOCK_WARPS;
+constexpr int THREADS = WARPS * 32;
+constexpr int CHUNK = NQ_BLOCK_CHUNK;  // tile-columns per ring slot
+constexpr int RING = NQ_BLOCK_RING;    // slots per warp
+constexpr int TILE_BYTES = 512;
+constexpr int SLOT_BYTES = 2 * CHUNK * TILE_BYTES;
+constexpr int MAX_M = 2;  // a pair's outputs, 16 rows x M, are one value per lane
+constexpr int NOPS = 3;
+// counters [COUNTERS_FIXED + max NP]: op_done[NOPS], the exit count, then one arrival count per pair
+constexpr int EXIT_COUNTER = NOPS;
+constexpr int PAIR_COUNTERS = NOPS + 1;
+
+struct Op {
+  const uint4* qweight;
+  const u16* scales;
+  const u8* zeros;
+  int N, K, KT, NP;  // NP = N / 16 tile pairs, KT = K / 128 tile-columns
+  int T, W;          // T = NP * KT pair-columns, shared by warps 0 .. W - 1 of the grid
+};
+
+NQ_DEVICE Op make_op(const uint4* qw, const u16* s, const u8* z, int N, int K, int W) {
+  return {qw, s, z, N, K, K / 128, N / 16, (N / 16) * (K / 128), W};
+}
+
+// First pair-column of warp gw's range (gw <= W; gw == W gives T).
+NQ_DEVICE int range_start(const Op& o, int gw) { return (int)(((i64)o.T * gw) / o.W); }
+// The warp whose range holds pair-column c.
+NQ_DEVICE int range_owner(const Op& o, int c) { return (int)(((i64)(c + 1) * o.W - 1) / o.T); }
+// The ws slot of warp gw's piece of pair p: 0 if its range starts inside p, else 1 (the range's end).
+NQ_DEVICE int piece_slot(const Op& o, int gw, int p) { return range_start(o, gw) >= p * o.KT ? 0 : 1; }
+
+// A warp's position in its stream of chunks over the three ops: op (NOPS: past the end) and the
+// pair-column range [pos, end) left of it in that op.
+struct Cursor {
+  int op, pos, end;
+};
+
+// Move c to its first op from c.op on with a non-empty range for warp gw.
+NQ_DEVICE void enter_op(Cursor& c, const Op* ops, int gw) {
+  for (; c.op < NOPS; ++c.op) {
+    const Op& o = ops[c.op];
+    if (gw < o.W) {
+      c.pos = range_start(o, gw);
+      c.end = range_start(o, gw + 1);
+      if (c.pos < c.end) return;
+    }
+  }
+}
+
+// The chunk at c: pair p, first tile-column tc, returns its tile-columns (<= CHUNK; it stays in one pair).
+NQ_DEVICE int chunk_at(const Cursor& c, const Op& o, int& p, int& tc) {
+  p = c.pos / o.KT;
+  tc = c.pos - p * o.KT;
+  return min(min(CHUNK, o.KT - tc), c.end - c.pos);
+}
+
+NQ_DEVICE void advance(Cursor& c, const Op* ops, int gw, int nc) {
+  c.pos += nc;
+  if (c.pos == c.end) {
+    ++c.op;
+    enter_op(c, ops, gw);
+  }
+}
+
+// Lane 0: the chunk at c into ring slot `slot` (2 bulk copies, one per tile row; bytes posted on bar).
+// A slot the warp has read from: every lane's fence_proxy_async_shared, then __syncwarp, first.
+NQ_DEVICE void issue_chunk(const Cursor& c, const Op* ops, unsigned char* slot, unsigned long long* bar) {
+  const Op& o = ops[c.op];
+  int p, tc;
+  const int nc = chunk_at(c, o, p, tc);
+  const unsigned char* src =
+      reinterpret_cast<const unsigned char*>(o.qweight) + ((i64)(2 * p) * o.KT + tc) * TILE_BYTES;
+  mbar_arrive_expect_tx(bar, 2 * nc * TILE_BYTES);
+  bulk_copy_g2s(mbar_smem_addr(slot), src, nc * TILE_BYTES, bar);
+  bulk_copy_g2s(mbar_smem_addr(slot + CHUNK * TILE_BYTES), src + (i64)o.KT * TILE_BYTES, nc * TILE_BYTES, bar);
+}
+
+// The scales (raw 16 bits, bf16 or fp16) and zero points of a chunk's tile-columns for the lane's rows
+// g of tile 0 and tile 1 (G = 128: one group per tile-column).
+struct ChunkScales {
+  u32 s0[CHUNK], s1[CHUNK], z0[CHUNK], z1[CHUNK];
+};
+
+template <bool ASYM>
+NQ_DEVICE void load_chunk_scales(ChunkScales& cs, const Cursor& c, const Op* ops, int g) {
+  const Op& o = ops[c.op];
+  int p, tc;
+  const int nc = chunk_at(c, o, p, tc);
+  const i64 r0 = (i64)(16 * p + g) * o.KT + tc, r1 = r0 + 8 * (i64)o.KT;
+#pragma unroll
+  for (int j = 0; j < CHUNK; ++j) {
+    if (j < nc) {
+      cs.s0[j] = o.scales[r0 + j];
+      cs.s1[j] = o.scales[r1 + j];
+      if constexpr (ASYM) {
+        cs.z0[j] = o.zeros[r0 + j];
+        cs.z1[j] = o.zeros[r1 + j];
+      } else {
+        cs.z0[j] = cs.z1[j] = 0u;
+      }
+    }
+  }
+}
+
+NQ_DEVICE bf16_t ld_cg_bf16(const bf16_t* p) {
+  bf16_t v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+NQ_DEVICE int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+struct BlockArgs {
+  const bf16_t* attn;    // [M, Kq] (op 0's input)
+  bf16_t* resid;         // [M, H], updated in place by ops 0 and 2
+  bf16_t* gate_up;       // [M, 2I] (op 1's output, op 2's input)
+  float* stats;          // [M, H / 16]: sums of squares of the new residual per pair (ops 0 and 2)
+  const bf16_t* norm_w;  // [H] the post-attention norm's weight
+  float eps;
+  float* ws;             // [warps in the grid, 2, 32] fp32 partials of cut pairs
+  int* counters;         // [PAIR_COUNTERS + max NP], zero between launches
+  int M;
+};
+
+// A finished piece of pair p of op `op` (acc: the warp's C fragment over the piece's tile-columns;
+// whole: the piece is the whole pair). Adds the partials when the pair was cut, then the epilogue.
+template <bool ASYM>
+NQ_DEVICE void finish_piece(const BlockArgs& a, const Op* ops, int op, int gw, int p, bool whole,
+                            const float (&acc)[4]) {
+  const Op& o = ops[op];
+  const int lane = threadIdx.x & 31, m = lane >> 4, r = lane & 15;
+  // lane (m, r) takes y[m][16 p + r]: lane 4 (r % 8) holds it in acc[(r >= 8) * 2 + m] (C fragment, t = 0)
+  const int src = 4 * (r & 7);
+  const float v0 = __shfl_sync(0xffffffffu, acc[0], src), v1 = __shfl_sync(0xffffffffu, acc[1], src);
+  const float v2 = __shfl_sync(0xffffffffu, acc[2], src), v3 = __shfl_sync(0xffffffffu, acc[3], src);
+  float y = r < 8 ? (m == 0 ? v0 : v1) : (m == 0 ? v2 : v3);
+  const bool mine = m < a.M;
+  if (!whole) {
+    a.ws[((i64)gw * 2 + piece_slot(o, gw, p)) * 32 + lane] = y;
+    __threadfence();
+    __syncwarp();
+    const int first = range_owner(o, p * o.KT), pieces = range_owner(o, (p + 1) * o.KT - 1) - first + 1;
+    int last = 0;
+    if (lane == 0) last = atomicAdd(&a.counters[PAIR_COUNTERS + p], 1) == pieces - 1;
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    // the partials in k order, 8 loads in flight
+    y = 0.f;
+    for (int j0 = 0; j0 < pieces; j0 += 8) {
+      float part[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int gj = first + j0 + j;
+        part[j] = j0 + j < pieces ? ld_cg_f32(a.ws + ((i64)gj * 2 + piece_slot(o, gj, p)) * 32 + lane) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j0 + j < pieces) y += part[j];
+    }
+    if (lane == 0) a.counters[PAIR_COUNTERS + p] = 0;  // ready for the next launch
+  }
+  const int n = 16 * p + r;
+  if (op == 1) {
+    if (mine) a.gate_up[(i64)m * o.N + n] = f32_to_bf16(y);
+  } else {
+    float sq = 0.f;
+    if (mine) {
+      bf16_t* q = a.resid + (i64)m * o.N + n;
+      const bf16_t nr = f32_to_bf16(bf16_to_f32(f32_to_bf16(y)) + bf16_to_f32(ld_cg_bf16(q)));
+      *q = nr;
+      sq = bf16_to_f32(nr) * bf16_to_f32(nr);
+    }
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);  // within 16 lanes
+    if (mine && r == 0) a.stats[(i64)m * o.NP + p] = sq;
+  }
+  __threadfence();
+  __syncwarp();
+  if (lane == 0) atomicAdd(&a.counters[op], 1);
+}
+
+template <bool ASYM, typename ST>
+NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ Op ops[NOPS];
+  __shared__ __align__(8) unsigned long long full[WARPS][RING];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int gw = blockIdx.x * WARPS + warp;
+  const int M = a.M;
+  if (threadIdx.x == 0) {
+    ops[0] = op0;
+    ops[1] = op1;
+    ops[2] = op2;
+    for (int i = 0; i < WARPS * RING; ++i) mbar_init(&full[i / RING][i % RING], 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+  unsigned char* ring = smem_raw + warp * RING * SLOT_BYTES;
+  bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw + WARPS * RING * SLOT_BYTES);
+
+  // The weight stream: the first RING chunks now; each later one when its slot frees up.
+  Cursor ic{0, 0, 0};
+  enter_op(ic, ops, gw);
+  Cursor cc = ic;  // the chunk to compute next
+  for (int s = 0; s < RING && ic.op < NOPS; ++s) {
+    int p, tc;
+    const int nc = chunk_at(ic, ops[ic.op], p, tc);
+    if (lane == 0) issue_chunk(ic, ops, ring + s * SLOT_BYTES, &full[warp][s]);
+    advance(ic, ops, gw, nc);
+  }
+  ChunkScales next;
+  if (cc.op < NOPS) load_chunk_scales<ASYM>(next, cc, ops, g);
+  // Only weights so far. Under PDL (common.cuh) this ran under the previous kernel's tail; from here on
+  // the kernel reads what that kernel wrote (attn, the residual) and writes.
+  pdl_wait();
+  const u32 c3 = 0xC3u | ((u32)(M + lane) << 8);  // neg_zero_pair_byte's register (gemv_int4)
+  int chunk = 0;  // chunks computed by this warp
+
+  for (int op = 0; op < NOPS; ++op) {
+    const Op& o = ops[op];
+    // The op's input, whole, into xs (after every warp is done with the previous op's).
+    __syncthreads();
+    if (op > 0) {
+      if (threadIdx.x == 0) {
+        const int need = ops[op - 1].NP;
+        while (ld_acquire(&a.counters[op - 1]) < need) __nanosleep(32);
+      }
+      __syncthreads();
+    }
+    const int xs_stride = o.K + XPAD;
+    if (op == 0) stage_x<0>(xs, xs_stride, a.attn, M, o.K, 0, o.K);
+    else if (op == 1) stage_x_normed(xs, xs_stride, a.resid, M, o.K, 0, o.K, NormIn{a.norm_w, a.stats, a.eps, ops[0].NP});
+    else stage_x<1>(xs, xs_stride, a.gate_up, M, o.K, 0, o.K);
+    __syncthreads();
+
+    const bf16_t* xsl = xs + min(g, M - 1) * xs_stride + 8 * t;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    int piece_tc = -1;  // first tile-column of the current piece
+    while (cc.op == op) {
+      int p, tc;
+      const int nc = chunk_at(cc, o, p, tc);
+      if (piece_tc < 0) piece_tc = tc;
+      const ChunkScales cur = next;
+      Cursor nx = cc;
+      advance(nx, ops, gw, nc);
+      if (nx.op < NOPS) load_chunk_scales<ASYM>(next, nx, ops, g);
+      const int s = chunk % RING;
+#ifdef NQ_BLOCK_STRESS_DELAY_NS
+      // Test builds (test_block.py): a pseudo-random pause per chunk, so that pieces arrive, counters
+      // fill and CTAs wait in other orders than the natural one. The outputs must not change.
+      __nanosleep(((u32)(gw * 40503 + chunk * 2654435761u) >> 7) % NQ_BLOCK_STRESS_DELAY_NS);
+#endif
+      mbar_wait(&full[warp][s], (chunk / RING) & 1);
+      const unsigned char* slot = ring + s * SLOT_BYTES + lane * 16;
+#pragma unroll
+      for (int j = 0; j < CHUNK; ++j) {
+        if (j < nc) {
+          const uint4 w0 = *reinterpret_cast<const uint4*>(slot + j * TILE_BYTES);
+          const uint4 w1 = *reinterpret_cast<const uint4*>(slot + (CHUNK + j) * TILE_BYTES);
+          mma_tile_column<128, ASYM, ST>(acc, w0, w1, cur.s0[j], cur.s1[j], cur.z0[j], cur.z1[j],
+                                         xsl + (tc + j) * 128, c3);
+        }
+      }
+      fence_proxy_async_shared();  // this lane's reads of the slot before the copy that refills it
+      __syncwarp();
+      if (ic.op < NOPS) {
+        int ip, itc;
+        const int inc = chunk_at(ic, ops[ic.op], ip, itc);
+        if (lane == 0) issue_chunk(ic, ops, ring + s * SLOT_BYTES, &full[warp][s]);
+        advance(ic, ops, gw, inc);
+      }
+      ++chunk;
+      if (tc + nc == o.KT || cc.pos + nc == cc.end) {  // the piece ends: its pair, or the warp's range
+        finish_piece<ASYM>(a, ops, op, gw, p, piece_tc == 0 && tc + nc == o.KT, acc);
+        acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+        piece_tc = -1;
+      }
+      cc = nx;
+    }
+  }
+
+  pdl_launch_dependents();
+  // The last CTA out resets the op counters (every CTA is past its last wait).
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&a.counters[EXIT_COUNTER], 1) == (int)gridDim.x - 1) {
+      for (int i = 0; i < NOPS; ++i) a.counters[i] = 0;
+      a.counters[EXIT_COUNTER] = 0;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace nq_block

@@ -1,0 +1,254 @@
+"""CPU: the post-attention block kernel's work decomposition and addressing, by a host emulation.
+
+`emulate` below transliterates csrc/block_int4.cuh's bookkeeping -- the pair-column ranges of the warps
+(`range_start`, `range_owner`, `piece_slot`), each warp's chunk cursor (`enter_op`, `chunk_at`,
+`advance`) run twice (the ring's issue cursor RING chunks ahead of the compute cursor, across the ops'
+boundaries), the byte offsets of each chunk's two bulk copies, the flat indices of its scales and zero
+points, the pieces' partial slots, the per-pair arrival counters and the last arrival's sum in k order
+-- and runs it on the CPU, warps in a random order within each op (the order in which pieces arrive
+is the GPU's to choose). Each chunk's "slot" is rebuilt from the packed bytes at the kernel's offsets
+and dequantised by nanoqwen_kernels.reference with the scales found at the kernel's indices, in fp64.
+
+Asserted: every chunk a warp computes is the one its ring slot was filled with; every pair-column of
+every op is computed exactly once; no partial slot is written twice within an op, and the last arrival
+reads exactly the partials of its pair's pieces; every pair is finished once; and the outputs (gate_up,
+the residual, the statistics) equal a direct fp64 evaluation of the same three ops with the same bf16
+roundings, bitwise (fp64 sums in another order differ by ~1e-16 relative: no bf16 rounding can tell
+them apart short of a tie, which these seeds do not hit). The GPU tests (test_block.py) check the
+kernel itself.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from nanoqwen_kernels import block
+from nanoqwen_kernels import reference as R
+from nanoqwen_kernels.gemv import Int4Weight
+
+EPS = 1e-6
+TILE = 512
+
+
+def _weight(n, k, symmetric, gen):
+    words = torch.randint(0, 256, (n * k // 2,), generator=gen, dtype=torch.uint8)
+    qweight = words.view(torch.int32).reshape(n // 8, k // 128, 32, 4)
+    scales = ((0.5 + torch.rand(n, k // 128, generator=gen)) / (4.6 * k**0.5)).to(torch.bfloat16)
+    zeros = None if symmetric else torch.randint(0, 16, (n, k // 128), generator=gen, dtype=torch.uint8)
+    return Int4Weight(qweight, scales, zeros, n, k, 128)
+
+
+class Op:
+    def __init__(self, w: Int4Weight, warps: int):
+        self.w, self.N, self.K = w, w.n, w.k
+        self.KT, self.NP = w.k // 128, w.n // 16
+        self.T, self.W = self.NP * self.KT, warps
+
+    # csrc/block_int4.cuh
+    def range_start(self, gw):
+        return (self.T * gw) // self.W
+
+    def range_owner(self, c):
+        return ((c + 1) * self.W - 1) // self.T
+
+    def piece_slot(self, gw, p):
+        return 0 if self.range_start(gw) >= p * self.KT else 1
+
+
+class Cursor:
+    """A warp's cursor over its chunks of the three ops (block_int4.cuh's Cursor, enter_op, advance)."""
+
+    def __init__(self, ops, gw, chunk):
+        self.ops, self.gw, self.chunk_cols = ops, gw, chunk
+        self.op, self.pos, self.end = 0, 0, 0
+        self._enter()
+
+    def _enter(self):
+        while self.op < len(self.ops):
+            o = self.ops[self.op]
+            if self.gw < o.W:
+                self.pos, self.end = o.range_start(self.gw), o.range_start(self.gw + 1)
+                if self.pos < self.end:
+                    return
+            self.op += 1
+
+    def chunk_at(self):
+        o = self.ops[self.op]
+        p = self.pos // o.KT
+        tc = self.pos - p * o.KT
+        return p, tc, min(self.chunk_cols, o.KT - tc, self.end - self.pos)
+
+    def advance(self, nc):
+        self.pos += nc
+        if self.pos == self.end:
+            self.op += 1
+            self._enter()
+
+    def copy(self):
+        c = Cursor.__new__(Cursor)
+        c.__dict__.update(self.__dict__)
+        return c
+
+
+def _slot_dense(o: Op, p: int, tc: int, nc: int, chunk: int) -> torch.Tensor:
+    """The chunk's 16 x (nc * 128) weights as the kernel sees them: two bulk copies of nc * 512 bytes at
+    ((2p) KT + tc) * 512 and that + KT * 512, the scales / zero points of lane g's rows at
+    (16p + g) KT + tc + j and that + 8 KT; dequantised in fp64."""
+    raw = o.w.qweight.contiguous().view(torch.uint8).flatten()
+    src = ((2 * p) * o.KT + tc) * TILE
+    tile0 = raw[src: src + nc * TILE]
+    tile1 = raw[src + o.KT * TILE: src + o.KT * TILE + nc * TILE]
+    q = torch.cat([tile0, tile1]).view(torch.int32).reshape(2, nc, 32, 4)
+    flat_s = o.w.scales.flatten()
+    flat_z = None if o.w.zeros is None else o.w.zeros.flatten()
+    idx = torch.tensor([[(16 * p + g) * o.KT + tc + j + (8 * o.KT if half else 0) for j in range(nc)]
+                        for half in (0, 1) for g in range(8)])
+    scales = flat_s[idx]
+    zeros = None if flat_z is None else flat_z[idx]
+    return R.dequantize_int4(q, scales, zeros, 128).double()
+
+
+def _bf16(x):
+    return x.to(torch.bfloat16).double()
+
+
+def emulate(plan, build, weights, attn, resid0, norm_w, seed):
+    """The kernel's algorithm on the CPU (module docstring). Returns (resid, gate_up, stats)."""
+    ops = [Op(w, wp) for w, wp in zip(weights, plan.warps, strict=True)]
+    total = plan.grid * build.warps
+    m = attn.shape[0]
+    rng = random.Random(seed)
+    resid = resid0.double().clone()
+    gate_up = torch.full((m, ops[1].N), float("nan"), dtype=torch.float64)
+    stats = torch.full((m, ops[0].NP), float("nan"), dtype=torch.float64)
+    # per warp: the ring (what each slot holds), the issue cursor, the compute cursor, chunks computed
+    rings = {}
+    issue, comp, computed = {}, {}, {}
+    for gw in range(total):
+        ic = Cursor(ops, gw, build.chunk)
+        rings[gw] = [None] * build.ring
+        for s in range(build.ring):
+            if ic.op < len(ops):
+                rings[gw][s] = (ic.op, *ic.chunk_at())
+                ic.advance(ic.chunk_at()[2])
+        issue[gw], comp[gw], computed[gw] = ic, Cursor(ops, gw, build.chunk), 0
+    covered = [torch.zeros(o.T, dtype=torch.int32) for o in ops]
+    for k, o in enumerate(ops):
+        if k == 0:
+            x = attn.double()
+        elif k == 1:
+            rs = 1.0 / torch.sqrt(stats.sum(1, keepdim=True) / o.K + EPS)
+            x = _bf16(resid * rs * norm_w.double())
+        else:
+            x = R.silu_mul(_bf16(gate_up).float()).to(torch.bfloat16).double()
+        ws: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        counters = [0] * o.NP
+        finished = [0] * o.NP
+        order = list(range(total))
+        rng.shuffle(order)
+        for gw in order:
+            cc = comp[gw]
+            acc = torch.zeros(16, m, dtype=torch.float64)
+            piece_tc = None
+            while cc.op == k:
+                p, tc, nc = cc.chunk_at()
+                s = computed[gw] % build.ring
+                assert rings[gw][s] == (k, p, tc, nc), f"warp {gw}: slot {s} holds another chunk"
+                piece_tc = tc if piece_tc is None else piece_tc
+                covered[k][cc.pos: cc.pos + nc] += 1
+                acc += _slot_dense(o, p, tc, nc, computed[gw]) @ x[:, tc * 128:(tc + nc) * 128].t()
+                ic = issue[gw]
+                rings[gw][s] = None
+                if ic.op < len(ops):
+                    rings[gw][s] = (ic.op, *ic.chunk_at())
+                    ic.advance(ic.chunk_at()[2])
+                computed[gw] += 1
+                ends = tc + nc == o.KT or cc.pos + nc == cc.end
+                cc.advance(nc)
+                if not ends:
+                    continue
+                y = acc
+                if not (piece_tc == 0 and tc + nc == o.KT):
+                    key = (gw, o.piece_slot(gw, p))
+                    assert key not in ws, f"op {k}: partial slot {key} written twice"
+                    ws[key] = (p, acc.clone())
+                    counters[p] += 1
+                    first = o.range_owner(p * o.KT)
+                    pieces = o.range_owner((p + 1) * o.KT - 1) - first + 1
+                    if counters[p] < pieces:
+                        acc, piece_tc = torch.zeros(16, m, dtype=torch.float64), None
+                        continue
+                    assert counters[p] == pieces
+                    y = torch.zeros(16, m, dtype=torch.float64)
+                    for j in range(pieces):
+                        owner, part = ws[(first + j, o.piece_slot(first + j, p))]
+                        assert owner == p, f"op {k}: pair {p} read a partial of pair {owner}"
+                        y = y + part
+                finished[p] += 1
+                rows = slice(16 * p, 16 * p + 16)
+                if k == 1:
+                    gate_up[:, rows] = _bf16(y.t())
+                else:
+                    resid[:, rows] = _bf16(_bf16(y.t()) + resid[:, rows])
+                    stats[:, p] = (resid[:, rows] ** 2).sum(1)
+                acc, piece_tc = torch.zeros(16, m, dtype=torch.float64), None
+        assert all(c == 1 for c in covered[k].tolist()), f"op {k}: pair-columns not covered exactly once"
+        assert finished == [1] * o.NP, f"op {k}: pairs finished {finished}"
+    assert all(r == [None] * build.ring for r in rings.values()), "chunks issued but never computed"
+    return resid, gate_up, stats
+
+
+def direct(weights, attn, resid0, norm_w):
+    """The three ops with full fp64 products and the kernel's bf16 roundings."""
+    w_o, w_gu, w_d = (R.dequantize_int4(w.qweight, w.scales, w.zeros, 128).double() for w in weights)
+    resid = _bf16(_bf16(attn.double() @ w_o.t()) + resid0.double())
+    h = resid.shape[1]
+    stats = (resid**2).view(resid.shape[0], -1, 16).sum(-1)
+    rs = 1.0 / torch.sqrt(stats.sum(1, keepdim=True) / h + EPS)
+    gate_up = _bf16(_bf16(resid * rs * norm_w.double()) @ w_gu.t())
+    act = R.silu_mul(gate_up.float()).to(torch.bfloat16).double()
+    resid = _bf16(_bf16(act @ w_d.t()) + resid)
+    return resid, gate_up, (resid**2).view(resid.shape[0], -1, 16).sum(-1)
+
+
+# (hidden, intermediate, o_proj's K, SMs): pairs whole and cut, ranges inside one pair and across several,
+# fewer pair-columns than warps (o_proj at 3 SMs), a single CTA
+CASES = [(256, 384, 256, 1), (256, 384, 256, 3), (384, 1152, 640, 7), (384, 1152, 640, 2), (640, 896, 384, 5)]
+BUILDS = [block.BlockBuild(), block.BlockBuild(16, 4, 2), block.BlockBuild(8, 2, 4)]
+
+
+@pytest.mark.parametrize("h,inter,kq,sms", CASES)
+@pytest.mark.parametrize("build", BUILDS, ids=lambda b: f"w{b.warps}c{b.chunk}r{b.ring}")
+@pytest.mark.parametrize("m", [1, 2])
+def test_emulated_kernel_equals_the_three_ops(h, inter, kq, sms, build, m):
+    gen = torch.Generator().manual_seed(h * 7 + sms * 131 + m)
+    weights = (_weight(h, kq, False, gen), _weight(2 * inter, h, False, gen), _weight(h, inter, True, gen))
+    attn = torch.randn(m, kq, generator=gen).to(torch.bfloat16)
+    resid0 = (4 * torch.randn(m, h, generator=gen)).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(h, generator=gen)).to(torch.bfloat16)
+    block.BUILDS["_emulated"] = build
+    try:
+        plan = block.plan_post_attention(h, inter, kq, torch.device("cpu"), sms=sms, family="_emulated")
+    finally:
+        del block.BUILDS["_emulated"]
+    assert plan.warps == tuple(min(sms * build.warps, (n // 16) * (k // 128)) for n, k in plan.shapes)
+    got = emulate(plan, build, weights, attn, resid0, norm_w, seed=sms)
+    want = direct(weights, attn, resid0, norm_w)
+    for name, a, b in zip(("residual", "gate_up"), got[:2], want[:2], strict=True):
+        assert torch.equal(a.to(torch.bfloat16), b.to(torch.bfloat16)), f"{name} differs"
+    assert torch.allclose(got[2], want[2], rtol=1e-12), "statistics differ"
+
+
+def test_plan_refuses_what_the_kernel_cannot_run():
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        block.plan_post_attention(3584, 18944 + 64, 3584, cpu, sms=132)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        block.plan_post_attention(3584, 18944, 3600, cpu, sms=132)
+    plan = block.plan_post_attention(3584, 18944, 3584, cpu, sms=132)
+    assert plan.warps == (2112, 2112, 2112) and plan.max_pairs == 2368
+    # x staged whole: 2 rows of the 18944-column down input + the rings fit the 227 KB an H100/H200 CTA gets
+    assert plan.shared_bytes(2) + 1024 <= 227 * 1024
+    assert block.stats_shape(2, 3584) == (2, 224)
