@@ -151,6 +151,12 @@ PY
       -p no:cacheprovider -rs -q 2>&1 | tee $OUT/test-block.log | tail -25 || true
     PYTHONPATH=$SRC:/tmp/site timeout 270 python3 bench/kernels/block_ab.py --out $OUT --builds ${2:-default} 2>&1 \
       | tee $OUT/block_ab.log | tail -40 ;;
+  block-ncu)  # ncu of the block kernel (7B, asym, M = 1, its 4th launch in block_ab.py): throughput, stalls
+    PYTHONPATH=$SRC:/tmp/site timeout 500 ncu --clock-control none --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+      -k regex:post_attention_block --launch-skip 3 --launch-count 1 -f -o $OUT/ncu-block \
+      python3 bench/kernels/block_ab.py --out $OUT/ab --builds ${2:-default} --layers 2 2>&1 | tail -20
+    ncu -i $OUT/ncu-block.ncu-rep --page details > $OUT/ncu-block.txt 2>&1; tail -60 $OUT/ncu-block.txt ;;
   engine-ab)  # `nanoqwen-cli bench --quick` with HEAD's kernels, runtime and cli (.v1), then with this tree's
     V1=$(ls -d $PWD/.v1/packages/*/src | paste -sd:)
     for side in ${ENGINE_SIDES:-head new head2}; do

@@ -1,10 +1,11 @@
 """CPU: the post-attention block kernel's work decomposition and addressing, by a host emulation.
 
 `emulate` below transliterates csrc/block_int4.cuh's bookkeeping -- the pair-column ranges of the warps
-(`range_start`, `range_owner`, `piece_slot`), each warp's chunk cursor (`enter_op`, `chunk_at`,
+(`range_start`, `range_owner`, `piece_slot`), each warp's chunk cursor (`enter_op`, `chunk_cols`,
 `advance`) run twice (the ring's issue cursor RING chunks ahead of the compute cursor, across the ops'
 boundaries), the byte offsets of each chunk's two bulk copies, the flat indices of its scales and zero
-points, the pieces' partial slots, the per-pair arrival counters and the last arrival's sum in k order
+points, the pieces' partial slots, the per-pair arrival counters and the last arrival's sum in k order,
+the residual statistics per pair and their per-128-column sums by the last pair of each block
 -- and runs it on the CPU, warps in a random order within each op (the order in which pieces arrive
 is the GPU's to choose). Each chunk's "slot" is rebuilt from the packed bytes at the kernel's offsets
 and dequantised by nanoqwen_kernels.reference with the scales found at the kernel's indices, in fp64.
@@ -25,6 +26,7 @@ import random
 import pytest
 import torch
 from nanoqwen_kernels import block
+from nanoqwen_kernels import build as kbuild
 from nanoqwen_kernels import reference as R
 from nanoqwen_kernels.gemv import Int4Weight
 
@@ -58,41 +60,46 @@ class Op:
 
 
 class Cursor:
-    """A warp's cursor over its chunks of the three ops (block_int4.cuh's Cursor, enter_op, advance)."""
+    """A warp's cursor over its chunks of the three ops (block_int4.cuh's Cursor, enter_op, chunk_cols,
+    advance): op, the next chunk's pair p and tile-column tc, the pair-columns left of the range."""
 
     def __init__(self, ops, gw, chunk):
-        self.ops, self.gw, self.chunk_cols = ops, gw, chunk
-        self.op, self.pos, self.end = 0, 0, 0
+        self.ops, self.gw, self.chunk = ops, gw, chunk
+        self.op = self.p = self.tc = self.left = self.kt = 0
         self._enter()
 
     def _enter(self):
         while self.op < len(self.ops):
             o = self.ops[self.op]
             if self.gw < o.W:
-                self.pos, self.end = o.range_start(self.gw), o.range_start(self.gw + 1)
-                if self.pos < self.end:
+                start = o.range_start(self.gw)
+                self.left = o.range_start(self.gw + 1) - start
+                self.kt = o.KT
+                self.p = start // o.KT
+                self.tc = start - self.p * o.KT
+                if self.left > 0:
                     return
             self.op += 1
 
-    def chunk_at(self):
-        o = self.ops[self.op]
-        p = self.pos // o.KT
-        tc = self.pos - p * o.KT
-        return p, tc, min(self.chunk_cols, o.KT - tc, self.end - self.pos)
+    def cols(self):
+        return min(self.chunk, self.kt - self.tc, self.left)
 
     def advance(self, nc):
-        self.pos += nc
-        if self.pos == self.end:
+        self.left -= nc
+        self.tc += nc
+        if self.tc == self.kt:
+            self.tc = 0
+            self.p += 1
+        if self.left == 0:
             self.op += 1
             self._enter()
 
-    def copy(self):
-        c = Cursor.__new__(Cursor)
-        c.__dict__.update(self.__dict__)
-        return c
+    @property
+    def pos(self):  # the pair-column index (for the coverage check)
+        return self.p * self.kt + self.tc
 
 
-def _slot_dense(o: Op, p: int, tc: int, nc: int, chunk: int) -> torch.Tensor:
+def _slot_dense(o: Op, p: int, tc: int, nc: int) -> torch.Tensor:
     """The chunk's 16 x (nc * 128) weights as the kernel sees them: two bulk copies of nc * 512 bytes at
     ((2p) KT + tc) * 512 and that + KT * 512, the scales / zero points of lane g's rows at
     (16p + g) KT + tc + j and that + 8 KT; dequantised in fp64."""
@@ -122,7 +129,9 @@ def emulate(plan, build, weights, attn, resid0, norm_w, seed):
     rng = random.Random(seed)
     resid = resid0.double().clone()
     gate_up = torch.full((m, ops[1].N), float("nan"), dtype=torch.float64)
-    stats = torch.full((m, ops[0].NP), float("nan"), dtype=torch.float64)
+    pair_stats = torch.full((m, ops[0].NP), float("nan"), dtype=torch.float64)
+    stats = torch.full((m, ops[0].N // 128), float("nan"), dtype=torch.float64)
+    block_counters = [0] * (ops[0].N // 128)
     # per warp: the ring (what each slot holds), the issue cursor, the compute cursor, chunks computed
     rings = {}
     issue, comp, computed = {}, {}, {}
@@ -131,15 +140,15 @@ def emulate(plan, build, weights, attn, resid0, norm_w, seed):
         rings[gw] = [None] * build.ring
         for s in range(build.ring):
             if ic.op < len(ops):
-                rings[gw][s] = (ic.op, *ic.chunk_at())
-                ic.advance(ic.chunk_at()[2])
+                rings[gw][s] = (ic.op, ic.p, ic.tc, ic.cols())
+                ic.advance(ic.cols())
         issue[gw], comp[gw], computed[gw] = ic, Cursor(ops, gw, build.chunk), 0
     covered = [torch.zeros(o.T, dtype=torch.int32) for o in ops]
     for k, o in enumerate(ops):
         if k == 0:
             x = attn.double()
         elif k == 1:
-            rs = 1.0 / torch.sqrt(stats.sum(1, keepdim=True) / o.K + EPS)
+            rs = 1.0 / torch.sqrt(stats.sum(1, keepdim=True) / o.K + EPS)  # stat_blocks = H / 128
             x = _bf16(resid * rs * norm_w.double())
         else:
             x = R.silu_mul(_bf16(gate_up).float()).to(torch.bfloat16).double()
@@ -151,26 +160,27 @@ def emulate(plan, build, weights, attn, resid0, norm_w, seed):
         for gw in order:
             cc = comp[gw]
             acc = torch.zeros(16, m, dtype=torch.float64)
-            piece_tc = None
+            piece_from_0 = cc.tc == 0
             while cc.op == k:
-                p, tc, nc = cc.chunk_at()
+                p, tc, nc = cc.p, cc.tc, cc.cols()
+                ends = tc + nc == o.KT or nc == cc.left
                 s = computed[gw] % build.ring
                 assert rings[gw][s] == (k, p, tc, nc), f"warp {gw}: slot {s} holds another chunk"
-                piece_tc = tc if piece_tc is None else piece_tc
                 covered[k][cc.pos: cc.pos + nc] += 1
-                acc += _slot_dense(o, p, tc, nc, computed[gw]) @ x[:, tc * 128:(tc + nc) * 128].t()
+                cc.advance(nc)
+                acc += _slot_dense(o, p, tc, nc) @ x[:, tc * 128:(tc + nc) * 128].t()
                 ic = issue[gw]
                 rings[gw][s] = None
                 if ic.op < len(ops):
-                    rings[gw][s] = (ic.op, *ic.chunk_at())
-                    ic.advance(ic.chunk_at()[2])
+                    rings[gw][s] = (ic.op, ic.p, ic.tc, ic.cols())
+                    ic.advance(ic.cols())
                 computed[gw] += 1
-                ends = tc + nc == o.KT or cc.pos + nc == cc.end
-                cc.advance(nc)
                 if not ends:
                     continue
+                whole = piece_from_0 and tc + nc == o.KT
+                piece_from_0 = True
                 y = acc
-                if not (piece_tc == 0 and tc + nc == o.KT):
+                if not whole:
                     key = (gw, o.piece_slot(gw, p))
                     assert key not in ws, f"op {k}: partial slot {key} written twice"
                     ws[key] = (p, acc.clone())
@@ -178,7 +188,7 @@ def emulate(plan, build, weights, attn, resid0, norm_w, seed):
                     first = o.range_owner(p * o.KT)
                     pieces = o.range_owner((p + 1) * o.KT - 1) - first + 1
                     if counters[p] < pieces:
-                        acc, piece_tc = torch.zeros(16, m, dtype=torch.float64), None
+                        acc = torch.zeros(16, m, dtype=torch.float64)
                         continue
                     assert counters[p] == pieces
                     y = torch.zeros(16, m, dtype=torch.float64)
@@ -192,10 +202,16 @@ def emulate(plan, build, weights, attn, resid0, norm_w, seed):
                     gate_up[:, rows] = _bf16(y.t())
                 else:
                     resid[:, rows] = _bf16(_bf16(y.t()) + resid[:, rows])
-                    stats[:, p] = (resid[:, rows] ** 2).sum(1)
-                acc, piece_tc = torch.zeros(16, m, dtype=torch.float64), None
+                    pair_stats[:, p] = (resid[:, rows] ** 2).sum(1)
+                    b = p >> 3  # the last of the 128-column block's 8 pairs adds them in pair order
+                    block_counters[b] += 1
+                    if block_counters[b] == 8:
+                        stats[:, b] = pair_stats[:, 8 * b: 8 * b + 8].sum(1)
+                        block_counters[b] = 0
+                acc = torch.zeros(16, m, dtype=torch.float64)
         assert all(c == 1 for c in covered[k].tolist()), f"op {k}: pair-columns not covered exactly once"
         assert finished == [1] * o.NP, f"op {k}: pairs finished {finished}"
+        assert block_counters == [0] * len(block_counters), f"op {k}: a statistics block left unfinished"
     assert all(r == [None] * build.ring for r in rings.values()), "chunks issued but never computed"
     return resid, gate_up, stats
 
@@ -205,12 +221,11 @@ def direct(weights, attn, resid0, norm_w):
     w_o, w_gu, w_d = (R.dequantize_int4(w.qweight, w.scales, w.zeros, 128).double() for w in weights)
     resid = _bf16(_bf16(attn.double() @ w_o.t()) + resid0.double())
     h = resid.shape[1]
-    stats = (resid**2).view(resid.shape[0], -1, 16).sum(-1)
-    rs = 1.0 / torch.sqrt(stats.sum(1, keepdim=True) / h + EPS)
+    rs = 1.0 / torch.sqrt((resid**2).sum(1, keepdim=True) / h + EPS)
     gate_up = _bf16(_bf16(resid * rs * norm_w.double()) @ w_gu.t())
     act = R.silu_mul(gate_up.float()).to(torch.bfloat16).double()
     resid = _bf16(_bf16(act @ w_d.t()) + resid)
-    return resid, gate_up, (resid**2).view(resid.shape[0], -1, 16).sum(-1)
+    return resid, gate_up, (resid**2).view(resid.shape[0], -1, 128).sum(-1)
 
 
 # (hidden, intermediate, o_proj's K, SMs): pairs whole and cut, ranges inside one pair and across several,
@@ -251,4 +266,24 @@ def test_plan_refuses_what_the_kernel_cannot_run():
     assert plan.warps == (2112, 2112, 2112) and plan.max_pairs == 2368
     # x staged whole: 2 rows of the 18944-column down input + the rings fit the 227 KB an H100/H200 CTA gets
     assert plan.shared_bytes(2) + 1024 <= 227 * 1024
-    assert block.stats_shape(2, 3584) == (2, 224)
+
+
+@pytest.mark.skipif(kbuild.nvcc_path() is None, reason="nvcc not installed on this machine")
+def test_benchmark_builds_compile_without_local_memory(tmp_path):
+    """Every build bench/kernels/block_ab.py sweeps compiles without a stack frame or spills (a build
+    that spilled would time the spills)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[3] / "bench" / "kernels" / "block_ab.py"
+    module_spec = importlib.util.spec_from_file_location("block_ab", path)
+    block_ab = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(block_ab)
+    for name, shape in block_ab.BUILDS.items():
+        build = block.BlockBuild(*shape)
+        spec = kbuild.KernelSpec(f"block_{name}", ("block.cu",), build.options)
+        _, report = kbuild.compile_nvcc(spec, tmp_path / name)
+        kernels = [k for k in report if k.startswith("post_attention_block_")]
+        assert len(kernels) == 4, (name, sorted(report))
+        bad = {k: report[k] for k in kernels if report[k].uses_local_memory}
+        assert not bad, f"build {name} {shape} uses local memory: {bad}"

@@ -117,7 +117,7 @@ def test_every_kernel_entry_waits_before_touching_dependent_memory():
         # the producer warp waits; the consumers store (finish_tile) only what it delivered after
         ("gemm_int4_ws.cuh", "NQ_DEVICE void gemm_int4_ws(", "tma_load_2d(slot", "finish_tile<"),
         # the ring's first weight copies, then the wait; then op 0 stages attn, the pieces store
-        ("block_int4.cuh", "NQ_DEVICE void post_attention_block(", "stage_x<0>(xs", "finish_piece<"),
+        ("block_int4.cuh", "NQ_DEVICE void post_attention_block(", "stage_x<0>(xs", "finish_piece(ops"),
     ):
         src = (CSRC / header).read_text()
         body = src[src.index(fn):]
@@ -222,7 +222,7 @@ def _call_every_launcher(pdl_kw: dict) -> None:
     bws = block.BlockWorkspace.allocate(bplan, "cpu")
     block.post_attention_block(torch.zeros(2, k, **bf), w(h, k), torch.ones(h, **bf), 1e-6, w(2 * inter, h),
                                w(h, inter), torch.zeros(2, h, **bf), torch.zeros(2, 2 * inter, **bf),
-                               torch.zeros(block.stats_shape(2, h)), bws, bplan, **pdl_kw)  # fmt: skip
+                               torch.zeros(gemv.norm_stats_shape(2, h)), bws, bplan, **pdl_kw)  # fmt: skip
 
 
 @pytest.mark.parametrize("pdl", [None, False, True], ids=["default", "off", "on"])

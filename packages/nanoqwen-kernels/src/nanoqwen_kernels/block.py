@@ -8,9 +8,9 @@ The three GEMVs of `gemv.py` do the same in three launches; this kernel (csrc/bl
 them as one, one CTA per SM, each warp streaming its share of all three weights through a ring of bulk
 copies that runs ahead across the ops' boundaries, and CTAs waiting for an op's last output on
 counters in global memory (so every CTA must be resident at once: `post_attention_block` checks the
-occupancy before it launches). It leaves the new residual's sums of squares per row and 16 columns,
-fp32 [M, H / 16] (`stats_shape`), which the next qkv GEMV's norm prologue takes as it takes the GEMV's
-per-128-column ones.
+occupancy before it launches). It leaves the new residual's sums of squares per row and 128 columns,
+fp32 `gemv.norm_stats_shape(M, H)`, as the GEMV's residual epilogue does: the next qkv GEMV's norm
+prologue reads them.
 
 Plan, then run: `plan_post_attention(H, I, Kq, device)` fixes the grid and each op's share of the
 warps; `BlockWorkspace` holds the partial sums of pairs that two warps share and the counters, which
@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from .gemv import XPAD, Int4Weight
+from .gemv import XPAD, Int4Weight, norm_stats_shape
 from .launch import check, f32, get_function, i32, launch, ptr, require_sm90
 
 FAMILY = "block"
@@ -33,7 +33,9 @@ MAX_M = 2  # nq_block::MAX_M
 TILE_BYTES = 512
 PAIR_ROWS = 16  # a warp's output rows (two 8-row tiles)
 NOPS = 3
-PAIR_COUNTERS = NOPS + 1  # nq_block: op_done[3], the exit count, then one counter per pair
+# nq_block's counters: op_done[3], the exit count, MAX_STAT_BLOCKS per 128-column block, one per pair
+MAX_STAT_BLOCKS = 128
+PAIR_COUNTERS = NOPS + 1 + MAX_STAT_BLOCKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +74,6 @@ def register_build(family: str, build: BlockBuild) -> None:
 
     specs.SPECS[family] = KernelSpec(family, ("block.cu",), build.options)
     BUILDS[family] = build
-
-
-def stats_shape(m: int, h: int) -> tuple[int, int]:
-    """The residual statistics the kernel writes: fp32 [m, h / 16] (one sum of squares per 16 columns)."""
-    return (m, h // PAIR_ROWS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +120,9 @@ def plan_post_attention(hidden: int, intermediate: int, q_dim: int, device: torc
     for name, v in (("hidden", hidden), ("intermediate", intermediate), ("q_dim", q_dim)):
         if v <= 0 or v % 128:
             raise ValueError(f"{name} must be a positive multiple of 128, got {v}")
-    if (2 * intermediate) % PAIR_ROWS or hidden % PAIR_ROWS:
-        raise ValueError("the output rows of every op must be a multiple of 16")
+    if hidden > 128 * MAX_STAT_BLOCKS:
+        raise ValueError(f"hidden {hidden} > {128 * MAX_STAT_BLOCKS}: more statistics blocks than the "
+                         "kernel counts")
     total = sms * BUILDS[family].warps
     shapes = ((hidden, q_dim), (2 * intermediate, hidden), (hidden, intermediate))
     warps = tuple(min(total, (n // PAIR_ROWS) * (k // 128)) for n, k in shapes)
@@ -141,15 +139,18 @@ def _sm_count(index: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BlockWorkspace:
-    """partials: fp32 [grid x warps per CTA x 2 x 32] (the pieces of pairs two warps share); counters:
+    """partials: fp32 [grid x warps per CTA x 2 x 32] (the pieces of pairs two warps share); pair_stats:
+    fp32 [MAX_M x H / 16] (the residual's sums of squares per pair, before their per-128 sums); counters:
     int32 [PAIR_COUNTERS + max pairs], zero between launches (each launch leaves them at zero)."""
 
     partials: torch.Tensor
+    pair_stats: torch.Tensor
     counters: torch.Tensor
 
     @classmethod
     def allocate(cls, plan: BlockPlan, device: torch.device) -> BlockWorkspace:
         return cls(torch.empty(plan.grid * plan.build.warps * 64, dtype=torch.float32, device=device),
+                   torch.empty(MAX_M * plan.hidden // PAIR_ROWS, dtype=torch.float32, device=device),
                    torch.zeros(PAIR_COUNTERS + plan.max_pairs, dtype=torch.int32, device=device))
 
 
@@ -198,8 +199,9 @@ def post_attention_block(
     attn: bf16 [M, Kq] (M = 1..2), the attention output; o_proj: Int4Weight [H, Kq]; norm_weight: bf16
     [H] (post-attention RMSNorm) and its eps; gate_up_w: Int4Weight [2I, H] (gate rows, then up rows);
     down: Int4Weight [H, I]; residual: bf16 [M, H], updated in place (o_proj's and down's outputs added);
-    gate_up: bf16 [M, 2I], written (gate_up's output, down's input); stats: fp32 `stats_shape(M, H)`,
-    written (the final residual's sums of squares per 16 columns). workspace / plan: from this plan.
+    gate_up: bf16 [M, 2I], written (gate_up's output, down's input); stats: fp32
+    `gemv.norm_stats_shape(M, H)`, written (the final residual's sums of squares per 128 columns).
+    workspace / plan: from this plan.
     pdl: launch with programmatic dependent launch (the ring's first weight copies go out before the
     kernel waits for the previous one).
     """
@@ -218,9 +220,10 @@ def post_attention_block(
     check(norm_weight, "norm_weight", torch.bfloat16, (h,), dev)
     check(residual, "residual", torch.bfloat16, (m, h), dev)
     check(gate_up, "gate_up", torch.bfloat16, (m, 2 * i), dev)
-    check(stats, "stats", torch.float32, stats_shape(m, h), dev, align=4)
+    check(stats, "stats", torch.float32, norm_stats_shape(m, h), dev, align=4)
     build = plan.build
     if (workspace.partials.numel() < plan.grid * build.warps * 64
+            or workspace.pair_stats.numel() < MAX_M * h // PAIR_ROWS
             or workspace.counters.numel() < PAIR_COUNTERS + plan.max_pairs):
         raise ValueError("BlockWorkspace too small for this plan; allocate it from the plan")
     shared = plan.shared_bytes(m)
@@ -232,15 +235,8 @@ def post_attention_block(
     for w, warps in zip((o_proj, gate_up_w, down), plan.warps, strict=True):
         weight_args += [ptr(w.qweight), ptr(w.scales), ptr(w.zeros), i32(warps)]
     args = (
-        ptr(attn), ptr(residual), ptr(gate_up), ptr(stats), ptr(norm_weight), f32(eps), *weight_args,
+        ptr(attn), ptr(residual), ptr(gate_up), ptr(stats), ptr(workspace.pair_stats), ptr(norm_weight),
+        f32(eps), *weight_args,
         ptr(workspace.partials), ptr(workspace.counters), i32(m), i32(h), i32(i), i32(kq),
     )  # fmt: skip
     launch(plan.family, kernel, index, (plan.grid, 1, 1), (build.threads, 1, 1), args, shared, pdl=pdl)
-
-
-def reference_stats(residual: torch.Tensor) -> torch.Tensor:
-    """fp64 sums of squares of a bf16 residual [M, H] per 16 columns: [M, H / 16] (tests)."""
-    r = residual.double()
-    return (r * r).view(r.shape[0], -1, PAIR_ROWS).sum(-1)
-
-

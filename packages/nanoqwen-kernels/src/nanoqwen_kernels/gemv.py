@@ -220,8 +220,8 @@ class NormPrologue:
     the residual [M, K], and the GEMV multiplies bf16(x * rsqrt(sum_b stats[m, b] / K + eps) * weight),
     `layer_ops.rms_norm`'s arithmetic on the sums of squares that a `ResidualEpilogue` left behind.
 
-    weight: bf16 [K]; stats: fp32 `norm_stats_shape(M, K)`, or [M, K / 16] as the post-attention block
-    kernel writes them (block.py; the kernel sums whichever blocks it is given); eps: the norm's epsilon."""
+    weight: bf16 [K]; stats: fp32 `norm_stats_shape(M, K)` (a GEMV's residual epilogue, or the
+    post-attention block kernel, block.py); eps: the norm's epsilon."""
 
     weight: torch.Tensor
     stats: torch.Tensor
@@ -242,11 +242,7 @@ class ResidualEpilogue:
 
 def _norm_args(norm: NormPrologue, m: int, k: int, dev: torch.device) -> tuple:
     check(norm.weight, "norm.weight", torch.bfloat16, (k,), dev)
-    check(norm.stats, "norm.stats", torch.float32, (m, None), dev, align=4)
-    if norm.stats.shape[1] not in (norm_stats_shape(m, k)[1], k // 16):
-        raise ValueError(f"norm.stats: expected shape {list(norm_stats_shape(m, k))} (a GEMV's residual "
-                         f"epilogue) or [{m}, {k // 16}] (the post-attention block kernel's), "
-                         f"got {list(norm.stats.shape)}")
+    check(norm.stats, "norm.stats", torch.float32, norm_stats_shape(m, k), dev, align=4)
     return ptr(norm.weight), ptr(norm.stats), np.float32(norm.eps), i32(norm.stats.shape[1])
 
 

@@ -6,21 +6,22 @@
 //       (int4-g128-tile8x128-f16s-v1), else bf16.
 //
 // Launch (nanoqwen_kernels/block.py): grid = one CTA per SM, block.THREADS threads, dynamic shared
-// memory block.shared_bytes(M, max(Kq, H, I)). Arguments: attn, resid, gate_up, stats, norm_w, eps,
-// then (qweight, scales, zeros|0, W) of o_proj, gate_up and down, then ws, counters, M, H, I, Kq.
+// memory block.shared_bytes(M, max(Kq, H, I)). Arguments: attn, resid, gate_up, stats, pair_stats,
+// norm_w, eps, then (qweight, scales, zeros|0, W) of o_proj, gate_up and down, then ws, counters, M, H,
+// I, Kq.
 #include "block_int4.cuh"
 
 using namespace nq_block;
 
 #define NQ_BLOCK_ENTRY(NAME, ASYM, ST)                                                                      \
   extern "C" __global__ void __launch_bounds__(nq_block::THREADS, 1) NAME(                                            \
-      const bf16_t* __restrict__ attn, bf16_t* resid, bf16_t* gate_up, float* stats,                        \
+      const bf16_t* __restrict__ attn, bf16_t* resid, bf16_t* gate_up, float* stats, float* pair_stats,     \
       const bf16_t* __restrict__ norm_w, float eps, const uint4* __restrict__ qw0,                          \
       const u16* __restrict__ sc0, const u8* __restrict__ z0, int w0, const uint4* __restrict__ qw1,        \
       const u16* __restrict__ sc1, const u8* __restrict__ z1, int w1, const uint4* __restrict__ qw2,        \
       const u16* __restrict__ sc2, const u8* __restrict__ z2, int w2, float* ws, int* counters, int M,      \
       int H, int I, int Kq) {                                                                               \
-    post_attention_block<ASYM, ST>(BlockArgs{attn, resid, gate_up, stats, norm_w, eps, ws, counters, M},   \
+    post_attention_block<ASYM, ST>(BlockArgs{attn, resid, gate_up, stats, pair_stats, norm_w, eps, ws, counters, M},   \
                                    make_op(qw0, sc0, z0, H, Kq, w0), make_op(qw1, sc1, z1, 2 * I, H, w1),   \
                                    make_op(qw2, sc2, z2, H, I, w2));                                        \
   }

@@ -39,9 +39,11 @@
 // only after the wait, by an SM that had not cached it.
 //
 // Epilogues. o_proj and down add y into the residual as the GEMV's residual epilogue does (bf16(bf16(y)
-// + resid)) and write the new residual's sum of squares per row and PAIR (16 columns): stats [M, N / 16]
-// (the GEMV writes them per 128 columns; the norm prologue, here and in the qkv GEMV, sums whichever it
-// is given). gate_up stores bf16(y). No bias (Qwen2's o_proj, gate_up and down have none).
+// + resid)) and write the new residual's sums of squares per row and 128 columns, stats [M, H / 128],
+// as the GEMV's residual epilogue does (what the norm prologue of gate_up here, and of the next layer's
+// qkv GEMV, reads: one load per lane): each pair's sum (a 16-lane butterfly) goes to pair_stats, and the
+// last of a 128-column block's 8 pairs to finish (a counter per block) adds the 8 in pair order.
+// gate_up stores bf16(y). No bias (Qwen2's o_proj, gate_up and down have none).
 #pragma once
 #include "gemv_int4.cuh"
 #include "mbarrier.cuh"
@@ -66,9 +68,12 @@ constexpr int TILE_BYTES = 512;
 constexpr int SLOT_BYTES = 2 * CHUNK * TILE_BYTES;
 constexpr int MAX_M = 2;  // a pair's outputs, 16 rows x M, are one value per lane
 constexpr int NOPS = 3;
-// counters [COUNTERS_FIXED + max NP]: op_done[NOPS], the exit count, then one arrival count per pair
+// counters: op_done[NOPS], the exit count, one arrival count per 128-column block of the residual
+// (H <= 128 * MAX_STAT_BLOCKS), then one per pair
 constexpr int EXIT_COUNTER = NOPS;
-constexpr int PAIR_COUNTERS = NOPS + 1;
+constexpr int BLOCK_COUNTERS = NOPS + 1;
+constexpr int MAX_STAT_BLOCKS = 128;
+constexpr int PAIR_COUNTERS = BLOCK_COUNTERS + MAX_STAT_BLOCKS;
 
 struct Op {
   const uint4* qweight;
@@ -89,10 +94,13 @@ NQ_DEVICE int range_owner(const Op& o, int c) { return (int)(((i64)(c + 1) * o.W
 // The ws slot of warp gw's piece of pair p: 0 if its range starts inside p, else 1 (the range's end).
 NQ_DEVICE int piece_slot(const Op& o, int gw, int p) { return range_start(o, gw) >= p * o.KT ? 0 : 1; }
 
-// A warp's position in its stream of chunks over the three ops: op (NOPS: past the end) and the
-// pair-column range [pos, end) left of it in that op.
+// A warp's position in its stream of chunks over the three ops: op (NOPS: past the end), the next
+// chunk's pair p and first tile-column tc, and the pair-columns left of the warp's range in that op.
+// Advanced by additions (a division only when it enters an op): it runs once per chunk, twice (the
+// ring's issue cursor and the compute cursor).
 struct Cursor {
-  int op, pos, end;
+  int op, p, tc, left;
+  int kt;  // the op's K / 128, kept here: ops[] is in shared memory, behind every asm "memory" clobber
 };
 
 // Move c to its first op from c.op on with a non-empty range for warp gw.
@@ -100,23 +108,27 @@ NQ_DEVICE void enter_op(Cursor& c, const Op* ops, int gw) {
   for (; c.op < NOPS; ++c.op) {
     const Op& o = ops[c.op];
     if (gw < o.W) {
-      c.pos = range_start(o, gw);
-      c.end = range_start(o, gw + 1);
-      if (c.pos < c.end) return;
+      const int start = range_start(o, gw);
+      c.left = range_start(o, gw + 1) - start;
+      c.kt = o.KT;
+      c.p = start / o.KT;
+      c.tc = start - c.p * o.KT;
+      if (c.left > 0) return;
     }
   }
 }
 
-// The chunk at c: pair p, first tile-column tc, returns its tile-columns (<= CHUNK; it stays in one pair).
-NQ_DEVICE int chunk_at(const Cursor& c, const Op& o, int& p, int& tc) {
-  p = c.pos / o.KT;
-  tc = c.pos - p * o.KT;
-  return min(min(CHUNK, o.KT - tc), c.end - c.pos);
-}
+// Tile-columns of the chunk at c (<= CHUNK; a chunk stays in one pair).
+NQ_DEVICE int chunk_cols(const Cursor& c) { return min(min(CHUNK, c.kt - c.tc), c.left); }
 
 NQ_DEVICE void advance(Cursor& c, const Op* ops, int gw, int nc) {
-  c.pos += nc;
-  if (c.pos == c.end) {
+  c.left -= nc;
+  c.tc += nc;
+  if (c.tc == c.kt) {
+    c.tc = 0;
+    ++c.p;
+  }
+  if (c.left == 0) {
     ++c.op;
     enter_op(c, ops, gw);
   }
@@ -125,14 +137,12 @@ NQ_DEVICE void advance(Cursor& c, const Op* ops, int gw, int nc) {
 // Lane 0: the chunk at c into ring slot `slot` (2 bulk copies, one per tile row; bytes posted on bar).
 // A slot the warp has read from: every lane's fence_proxy_async_shared, then __syncwarp, first.
 NQ_DEVICE void issue_chunk(const Cursor& c, const Op* ops, unsigned char* slot, unsigned long long* bar) {
-  const Op& o = ops[c.op];
-  int p, tc;
-  const int nc = chunk_at(c, o, p, tc);
-  const unsigned char* src =
-      reinterpret_cast<const unsigned char*>(o.qweight) + ((i64)(2 * p) * o.KT + tc) * TILE_BYTES;
+  const int nc = chunk_cols(c);
+  const unsigned char* src = reinterpret_cast<const unsigned char*>(ops[c.op].qweight) +
+                             ((i64)(2 * c.p) * c.kt + c.tc) * TILE_BYTES;
   mbar_arrive_expect_tx(bar, 2 * nc * TILE_BYTES);
   bulk_copy_g2s(mbar_smem_addr(slot), src, nc * TILE_BYTES, bar);
-  bulk_copy_g2s(mbar_smem_addr(slot + CHUNK * TILE_BYTES), src + (i64)o.KT * TILE_BYTES, nc * TILE_BYTES, bar);
+  bulk_copy_g2s(mbar_smem_addr(slot + CHUNK * TILE_BYTES), src + (i64)c.kt * TILE_BYTES, nc * TILE_BYTES, bar);
 }
 
 // The scales (raw 16 bits, bf16 or fp16) and zero points of a chunk's tile-columns for the lane's rows
@@ -141,20 +151,19 @@ struct ChunkScales {
   u32 s0[CHUNK], s1[CHUNK], z0[CHUNK], z1[CHUNK];
 };
 
+// scales / zeros: the op's tensors (zeros unused unless ASYM).
 template <bool ASYM>
-NQ_DEVICE void load_chunk_scales(ChunkScales& cs, const Cursor& c, const Op* ops, int g) {
-  const Op& o = ops[c.op];
-  int p, tc;
-  const int nc = chunk_at(c, o, p, tc);
-  const i64 r0 = (i64)(16 * p + g) * o.KT + tc, r1 = r0 + 8 * (i64)o.KT;
+NQ_DEVICE void load_chunk_scales(ChunkScales& cs, const Cursor& c, const u16* scales, const u8* zeros, int g) {
+  const int nc = chunk_cols(c);
+  const i64 r0 = (i64)(16 * c.p + g) * c.kt + c.tc, r1 = r0 + 8 * (i64)c.kt;
 #pragma unroll
   for (int j = 0; j < CHUNK; ++j) {
     if (j < nc) {
-      cs.s0[j] = o.scales[r0 + j];
-      cs.s1[j] = o.scales[r1 + j];
+      cs.s0[j] = scales[r0 + j];
+      cs.s1[j] = scales[r1 + j];
       if constexpr (ASYM) {
-        cs.z0[j] = o.zeros[r0 + j];
-        cs.z1[j] = o.zeros[r1 + j];
+        cs.z0[j] = zeros[r0 + j];
+        cs.z1[j] = zeros[r1 + j];
       } else {
         cs.z0[j] = cs.z1[j] = 0u;
       }
@@ -178,7 +187,8 @@ struct BlockArgs {
   const bf16_t* attn;    // [M, Kq] (op 0's input)
   bf16_t* resid;         // [M, H], updated in place by ops 0 and 2
   bf16_t* gate_up;       // [M, 2I] (op 1's output, op 2's input)
-  float* stats;          // [M, H / 16]: sums of squares of the new residual per pair (ops 0 and 2)
+  float* stats;          // [M, H / 128]: sums of squares of the new residual per 128 columns (ops 0, 2)
+  float* pair_stats;     // [M, H / 16]: the same per pair (scratch)
   const bf16_t* norm_w;  // [H] the post-attention norm's weight
   float eps;
   float* ws;             // [warps in the grid, 2, 32] fp32 partials of cut pairs
@@ -186,26 +196,28 @@ struct BlockArgs {
   int M;
 };
 
-// A finished piece of pair p of op `op` (acc: the warp's C fragment over the piece's tile-columns;
-// whole: the piece is the whole pair). Adds the partials when the pair was cut, then the epilogue.
-template <bool ASYM>
-NQ_DEVICE void finish_piece(const BlockArgs& a, const Op* ops, int op, int gw, int p, bool whole,
-                            const float (&acc)[4]) {
+// A finished piece of pair p of op `op` (a0..a3: the warp's C fragment over the piece's tile-columns;
+// whole: the piece is the whole pair). Adds the partials when the pair was cut, then the epilogue. Once
+// per piece: not inlined, so that the chunk loop's code stays small (the arguments are plain values: a
+// reference to the kernel's parameters would put them on a stack frame).
+__device__ __noinline__ void finish_piece(const Op* ops, int op, int gw, int p, bool whole, float a0, float a1,
+                                          float a2, float a3, float* ws, int* counters, bf16_t* resid,
+                                          bf16_t* gate_up, float* stats, float* pair_stats, int M) {
   const Op& o = ops[op];
   const int lane = threadIdx.x & 31, m = lane >> 4, r = lane & 15;
-  // lane (m, r) takes y[m][16 p + r]: lane 4 (r % 8) holds it in acc[(r >= 8) * 2 + m] (C fragment, t = 0)
+  // lane (m, r) takes y[m][16 p + r]: lane 4 (r % 8) holds it in a[(r >= 8) * 2 + m] (C fragment, t = 0)
   const int src = 4 * (r & 7);
-  const float v0 = __shfl_sync(0xffffffffu, acc[0], src), v1 = __shfl_sync(0xffffffffu, acc[1], src);
-  const float v2 = __shfl_sync(0xffffffffu, acc[2], src), v3 = __shfl_sync(0xffffffffu, acc[3], src);
+  const float v0 = __shfl_sync(0xffffffffu, a0, src), v1 = __shfl_sync(0xffffffffu, a1, src);
+  const float v2 = __shfl_sync(0xffffffffu, a2, src), v3 = __shfl_sync(0xffffffffu, a3, src);
   float y = r < 8 ? (m == 0 ? v0 : v1) : (m == 0 ? v2 : v3);
-  const bool mine = m < a.M;
+  const bool mine = m < M;
   if (!whole) {
-    a.ws[((i64)gw * 2 + piece_slot(o, gw, p)) * 32 + lane] = y;
+    ws[((i64)gw * 2 + piece_slot(o, gw, p)) * 32 + lane] = y;
     __threadfence();
     __syncwarp();
     const int first = range_owner(o, p * o.KT), pieces = range_owner(o, (p + 1) * o.KT - 1) - first + 1;
     int last = 0;
-    if (lane == 0) last = atomicAdd(&a.counters[PAIR_COUNTERS + p], 1) == pieces - 1;
+    if (lane == 0) last = atomicAdd(&counters[PAIR_COUNTERS + p], 1) == pieces - 1;
     if (!__shfl_sync(0xffffffffu, last, 0)) return;
     __threadfence();
     // the partials in k order, 8 loads in flight
@@ -215,32 +227,51 @@ NQ_DEVICE void finish_piece(const BlockArgs& a, const Op* ops, int op, int gw, i
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int gj = first + j0 + j;
-        part[j] = j0 + j < pieces ? ld_cg_f32(a.ws + ((i64)gj * 2 + piece_slot(o, gj, p)) * 32 + lane) : 0.f;
+        part[j] = j0 + j < pieces ? ld_cg_f32(ws + ((i64)gj * 2 + piece_slot(o, gj, p)) * 32 + lane) : 0.f;
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         if (j0 + j < pieces) y += part[j];
     }
-    if (lane == 0) a.counters[PAIR_COUNTERS + p] = 0;  // ready for the next launch
+    if (lane == 0) counters[PAIR_COUNTERS + p] = 0;  // ready for the next launch
   }
   const int n = 16 * p + r;
   if (op == 1) {
-    if (mine) a.gate_up[(i64)m * o.N + n] = f32_to_bf16(y);
+    if (mine) gate_up[(i64)m * o.N + n] = f32_to_bf16(y);
   } else {
     float sq = 0.f;
     if (mine) {
-      bf16_t* q = a.resid + (i64)m * o.N + n;
+      bf16_t* q = resid + (i64)m * o.N + n;
       const bf16_t nr = f32_to_bf16(bf16_to_f32(f32_to_bf16(y)) + bf16_to_f32(ld_cg_bf16(q)));
       *q = nr;
       sq = bf16_to_f32(nr) * bf16_to_f32(nr);
     }
 #pragma unroll
     for (int off = 8; off > 0; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);  // within 16 lanes
-    if (mine && r == 0) a.stats[(i64)m * o.NP + p] = sq;
+    if (mine && r == 0) pair_stats[(i64)m * o.NP + p] = sq;
+    __threadfence();
+    __syncwarp();
+    // the 128-column block's 8 pairs (N % 128 == 0 here): the last to finish writes the block's sum
+    const int b = p >> 3;
+    int last = 0;
+    if (lane == 0) last = atomicAdd(&counters[BLOCK_COUNTERS + b], 1) == 7;
+    if (__shfl_sync(0xffffffffu, last, 0)) {
+      __threadfence();
+      if (lane < M) {
+        float part[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) part[i] = ld_cg_f32(pair_stats + (i64)lane * o.NP + 8 * b + i);
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum += part[i];
+        stats[(i64)lane * (o.N / 128) + b] = sum;
+      }
+      if (lane == 0) counters[BLOCK_COUNTERS + b] = 0;  // ready for the next op and launch
+    }
   }
   __threadfence();
   __syncwarp();
-  if (lane == 0) atomicAdd(&a.counters[op], 1);
+  if (lane == 0) atomicAdd(&counters[op], 1);
 }
 
 template <bool ASYM, typename ST>
@@ -263,17 +294,15 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) 
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw + WARPS * RING * SLOT_BYTES);
 
   // The weight stream: the first RING chunks now; each later one when its slot frees up.
-  Cursor ic{0, 0, 0};
+  Cursor ic{0, 0, 0, 0, 0};
   enter_op(ic, ops, gw);
   Cursor cc = ic;  // the chunk to compute next
   for (int s = 0; s < RING && ic.op < NOPS; ++s) {
-    int p, tc;
-    const int nc = chunk_at(ic, ops[ic.op], p, tc);
     if (lane == 0) issue_chunk(ic, ops, ring + s * SLOT_BYTES, &full[warp][s]);
-    advance(ic, ops, gw, nc);
+    advance(ic, ops, gw, chunk_cols(ic));
   }
   ChunkScales next;
-  if (cc.op < NOPS) load_chunk_scales<ASYM>(next, cc, ops, g);
+  if (cc.op < NOPS) load_chunk_scales<ASYM>(next, cc, ops[cc.op].scales, ops[cc.op].zeros, g);
   // Only weights so far. Under PDL (common.cuh) this ran under the previous kernel's tail; from here on
   // the kernel reads what that kernel wrote (attn, the residual) and writes.
   pdl_wait();
@@ -293,21 +322,23 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) 
     }
     const int xs_stride = o.K + XPAD;
     if (op == 0) stage_x<0>(xs, xs_stride, a.attn, M, o.K, 0, o.K);
-    else if (op == 1) stage_x_normed(xs, xs_stride, a.resid, M, o.K, 0, o.K, NormIn{a.norm_w, a.stats, a.eps, ops[0].NP});
+    else if (op == 1) stage_x_normed(xs, xs_stride, a.resid, M, o.K, 0, o.K, NormIn{a.norm_w, a.stats, a.eps, ops[0].N / 128});
     else stage_x<1>(xs, xs_stride, a.gate_up, M, o.K, 0, o.K);
     __syncthreads();
 
     const bf16_t* xsl = xs + min(g, M - 1) * xs_stride + 8 * t;
+    const int kt = o.KT;
+    const u16* scales = o.scales;  // in registers for the op's chunks (ops[] is behind asm clobbers)
+    const u8* zeros = o.zeros;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    int piece_tc = -1;  // first tile-column of the current piece
+    bool piece_from_0 = cc.tc == 0;  // the current piece starts at its pair's first tile-column
     while (cc.op == op) {
-      int p, tc;
-      const int nc = chunk_at(cc, o, p, tc);
-      if (piece_tc < 0) piece_tc = tc;
+      const int p = cc.p, tc = cc.tc, nc = chunk_cols(cc);
+      const bool piece_ends = tc + nc == kt || nc == cc.left;  // its pair, or the warp's range, ends
       const ChunkScales cur = next;
-      Cursor nx = cc;
-      advance(nx, ops, gw, nc);
-      if (nx.op < NOPS) load_chunk_scales<ASYM>(next, nx, ops, g);
+      advance(cc, ops, gw, nc);
+      if (cc.op == op) load_chunk_scales<ASYM>(next, cc, scales, zeros, g);
+      else if (cc.op < NOPS) load_chunk_scales<ASYM>(next, cc, ops[cc.op].scales, ops[cc.op].zeros, g);
       const int s = chunk % RING;
 #ifdef NQ_BLOCK_STRESS_DELAY_NS
       // Test builds (test_block.py): a pseudo-random pause per chunk, so that pieces arrive, counters
@@ -328,18 +359,16 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) 
       fence_proxy_async_shared();  // this lane's reads of the slot before the copy that refills it
       __syncwarp();
       if (ic.op < NOPS) {
-        int ip, itc;
-        const int inc = chunk_at(ic, ops[ic.op], ip, itc);
         if (lane == 0) issue_chunk(ic, ops, ring + s * SLOT_BYTES, &full[warp][s]);
-        advance(ic, ops, gw, inc);
+        advance(ic, ops, gw, chunk_cols(ic));
       }
       ++chunk;
-      if (tc + nc == o.KT || cc.pos + nc == cc.end) {  // the piece ends: its pair, or the warp's range
-        finish_piece<ASYM>(a, ops, op, gw, p, piece_tc == 0 && tc + nc == o.KT, acc);
+      if (piece_ends) {
+        finish_piece(ops, op, gw, p, piece_from_0 && tc + nc == kt, acc[0], acc[1], acc[2], acc[3], a.ws,
+                     a.counters, a.resid, a.gate_up, a.stats, a.pair_stats, M);
         acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
-        piece_tc = -1;
+        piece_from_0 = true;  // the next piece, if any in this op, starts a pair
       }
-      cc = nx;
     }
   }
 

@@ -267,10 +267,9 @@ struct RopeKV {
 // The norm prologue's arguments (NORM; header).
 struct NormIn {
   const bf16_t* weight;  // [K]
-  const float* stats;    // [M, stat_blocks]: sums of squares of x per 128 columns (a GEMV's residual
-                         // epilogue) or per 16 (the post-attention block kernel's, block_int4.cuh)
+  const float* stats;    // [M, stat_blocks]: sums of squares of x per 128 columns
   float eps;
-  int stat_blocks;       // ceil(K / 128) or K / 16
+  int stat_blocks;       // ceil(K / 128)
 };
 
 // The residual epilogue's arguments (EPI = 2; header).
@@ -285,7 +284,7 @@ NQ_DEVICE void norm_scales(const NormIn& ni, int M, int K, float* rs) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp >= M) return;
   float s = 0.f;
-#pragma unroll 1  // 1-2 trips (per 128 columns, K <= 8192), 7-16 per 16; unrolled, ptxas spilled
+#pragma unroll 1  // one or two trips (K <= 8192); unrolled, ptxas kept 16 loads live and spilled
   for (int b = lane; b < ni.stat_blocks; b += 32) s += ni.stats[warp * ni.stat_blocks + b];
   s = warp_sum(s);
   if (lane == 0) rs[warp] = rsqrtf(s / (float)K + ni.eps);

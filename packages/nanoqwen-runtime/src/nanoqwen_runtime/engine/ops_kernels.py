@@ -99,14 +99,12 @@ class KernelOps:
         # buffer (each producer runs after the previous consumer on the stream)
         self._norm_stats = torch.empty(kgemv.MAX_M * kgemv.norm_stats_shape(1, H)[1], dtype=torch.float32,
                                        device=device)
-        # EngineConfig.post_attention_kernel: the block kernel's plan, scratch and statistics (per 16
-        # columns: kblock.stats_shape), read by the next layer's qkv norm prologue
+        # EngineConfig.post_attention_kernel: the block kernel's plan and scratch (its residual statistics
+        # go to _norm_stats, as the GEMV's residual epilogue's do)
         self.block_plan: kblock.BlockPlan | None = None
         if cfg.post_attention_kernel:
             self.block_plan = kblock.plan_post_attention(H, I, geom.q_dim, device)
             self.block_workspace = kblock.BlockWorkspace.allocate(self.block_plan, device)
-            self._block_stats = torch.empty(kblock.MAX_M * kblock.stats_shape(1, H)[1], dtype=torch.float32,
-                                            device=device)
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
@@ -349,9 +347,9 @@ class KernelOps:
                              eps: float) -> ResidualUpdate:
         """residual += o_proj(attn); gate_up = gate_up(RMSNorm(residual) * w); residual +=
         down(silu(gate) * up): one launch (path "post_attention_block"); gate_up [M, 2I] is its scratch.
-        Returns the update with the new residual's statistics (per 16 columns) for the next norm."""
-        shape = kblock.stats_shape(attn.shape[0], self.g.hidden_size)
-        stats = self._block_stats[: shape[0] * shape[1]].view(shape)
+        Returns the update with the new residual's statistics for the next norm prologue."""
+        shape = kgemv.norm_stats_shape(attn.shape[0], self.g.hidden_size)
+        stats = self._norm_stats[: shape[0] * shape[1]].view(shape)
         self.paths["post_attention_block"] += 1
         w_o, w_gu, w_d = self._int4(lw.o_proj), self._int4(lw.gate_up), self._int4(lw.down)
         kblock.post_attention_block(attn, w_o, lw.post_attn_norm, eps, w_gu, w_d, residual, gate_up, stats,

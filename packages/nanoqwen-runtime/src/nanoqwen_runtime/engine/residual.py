@@ -28,8 +28,8 @@ import torch
 class ResidualUpdate:
     """What a linear feeding the residual stream left behind. pending: bf16 [T, H], its output not yet
     added to the residual (None: already added); stats: fp32 [T, ceil(H / 128)], the new residual's
-    sums of squares per 128 columns (only when already added, by a fused epilogue), or [T, H / 16],
-    per 16 columns, from the post-attention block kernel."""
+    sums of squares per 128 columns (only when already added, by a fused epilogue or the post-attention
+    block kernel)."""
 
     pending: torch.Tensor | None = None
     stats: torch.Tensor | None = None
