@@ -1,19 +1,22 @@
-"""The post-attention block kernel (nanoqwen_kernels.block) against the three GEMV launches it replaces.
+"""The post-attention block kernel (nanoqwen_kernels.block) against the GEMV launches it replaces.
 
     python bench/kernels/block_ab.py --out DIR [--builds default,w16c4r2,...] [--layers 8]
 
-At the Qwen2.5-Coder-7B geometry (o_proj 3584 -> 3584, gate_up 3584 -> 2 x 18944, down 18944 -> 3584),
-INT4 g128 sym and asym, M = 1 and 2, this measures in one process:
+At the Qwen2.5-Coder-7B geometry (o_proj 3584 -> 3584, gate_up 3584 -> 2 x 18944, down 18944 -> 3584, the
+next layer's qkv 3584 -> 4608 with 28 / 4 heads of 128), INT4 g128 sym and asym, M = 1 and 2, this
+measures in one process:
 - the read bandwidth (nanoqwen_kernels.bench.read_bandwidth: 4 GiB, median of 30);
 - "gemv": per layer, the engine's decode path at M <= 8 before this kernel: o_proj GEMV with the residual
   epilogue, gate_up GEMV with the norm prologue, down GEMV with the SiLU input and the residual epilogue;
-- "block[:BUILD]": per layer, one `post_attention_block` launch of each build in --builds (BUILDS below:
-  warps per CTA, tile-columns per ring slot, ring slots per warp).
-Each is captured as one CUDA graph over `--layers` layers with their own weights (8 x 108 MB: every
+  "gemv+qkv": the same and the next layer's qkv GEMV (norm prologue, RoPE / paged K/V epilogue);
+- "block[:BUILD]" / "block+qkv[:BUILD]": per layer, one `post_attention_block` launch without / with the
+  next layer's qkv, for each build in --builds (BUILDS below: warps per CTA, tile-columns per ring
+  slot, ring slots per warp).
+Each is captured as one CUDA graph over `--layers` layers with their own weights (8 x 117 MB: every
 replay reads cold weights, as a decode step does), median of 15 replays, divided by the layers.
-Bytes per layer: the three weights' packed words, scales and zeros (Int4Weight.nbytes). Before any
-timing each build's outputs on layer 0 are checked against the GEMV path's (relative L2 error of the
-residual update and of gate_up < 1%: a build that computes something else stops the run).
+Bytes per layer: the weights' packed words, scales and zeros (Int4Weight.nbytes). Before any timing each
+build's outputs on layer 0 are checked against the GEMV path's (relative L2 error of the residual update,
+of gate_up and of q < 1%: a build that computes something else stops the run).
 Writes DIR/block_ab.json and DIR/block_ab.md.
 """
 
@@ -24,6 +27,7 @@ import json
 from pathlib import Path
 
 H, INTER, KQ = 3584, 18944, 3584
+HQ, HKV, D = 28, 4, 128
 EPS = 1e-6
 # name -> (warps per CTA, tile-columns per slot, slots per warp); "default" is the header's build
 BUILDS = {
@@ -50,6 +54,37 @@ def _weight(n, k, symmetric, gen):
     return Int4Weight(qweight, scales, zeros, n, k, 128)
 
 
+class Step:
+    """One decode step's buffers at M rows and the layers' weights (o_proj, gate_up, down, next qkv)."""
+
+    def __init__(self, layers, m, gen):
+        import torch
+        from nanoqwen_kernels import gemv, layer_ops
+
+        bf = dict(dtype=torch.bfloat16, device="cuda")
+        self.layers, self.m = layers, m
+        self.shape = layer_ops.AttentionShape(HQ, HKV, D)
+        self.attn = torch.randn(m, KQ, generator=gen, device="cuda").to(torch.bfloat16)
+        self.resid0 = torch.randn(m, H, generator=gen, device="cuda").to(torch.bfloat16)
+        self.resid = self.resid0.clone()
+        self.gate_up = torch.empty(m, 2 * INTER, **bf)
+        self.stats = torch.empty(gemv.norm_stats_shape(m, H), dtype=torch.float32, device="cuda")
+        self.norm_w = (1 + 0.1 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
+        self.in_norm_w = (1 + 0.1 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
+        self.bias = torch.randn(self.shape.qkv_width, generator=gen, device="cuda").to(torch.bfloat16)
+        self.positions = torch.randint(0, 4096, (m,), generator=gen, device="cuda", dtype=torch.int32)
+        self.slots = torch.arange(m, dtype=torch.int32, device="cuda") * 16 + 16
+        self.inv_freq = layer_ops.rope_inv_freq(D, 1_000_000.0, "cuda")
+        self.q = torch.empty(m, HQ, D, **bf)
+        self.kc = torch.zeros(m + 2, HKV, 16, D, **bf)
+        self.vc = torch.zeros_like(self.kc)
+
+    def reset(self):
+        self.resid.copy_(self.resid0)
+        self.gate_up.fill_(float("nan"))
+        self.q.fill_(float("nan"))
+
+
 def run(out_dir: Path, builds: list[str], layers: int) -> dict:
     import torch
     from nanoqwen_kernels import block, gemv
@@ -62,72 +97,77 @@ def run(out_dir: Path, builds: list[str], layers: int) -> dict:
             block.register_build(f"block_{name}", block.BlockBuild(*BUILDS[name]))
     gen = torch.Generator(device="cuda").manual_seed(0)
     g_plans = (gemv.plan_gemv(H, KQ, dev), gemv.plan_gemv(2 * INTER, H, dev),
-               gemv.plan_gemv(H, INTER, dev, silu_input=True))
+               gemv.plan_gemv(H, INTER, dev, silu_input=True), gemv.plan_gemv(HQ * D + 2 * HKV * D, H, dev))
     g_ws = gemv.GemvWorkspace.allocate(g_plans, dev)
     rows = []
     for symmetric in (False, True):
         kind = "sym" if symmetric else "asym"
-        ws_layers = [(_weight(H, KQ, symmetric, gen), _weight(2 * INTER, H, symmetric, gen),
-                      _weight(H, INTER, symmetric, gen)) for _ in range(layers)]
-        nbytes = sum(w.nbytes() for w in ws_layers[0])
-        norm_w = (1 + 0.1 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
+        shapes = ((H, KQ), (2 * INTER, H), (H, INTER), ((HQ + 2 * HKV) * D, H))
+        weights = [tuple(_weight(n, k, symmetric, gen) for n, k in shapes) for _ in range(layers)]
+        nbytes3 = sum(w.nbytes() for w in weights[0][:3])
+        nbytes4 = nbytes3 + weights[0][3].nbytes()
         for m in (1, 2):
-            attn = torch.randn(m, KQ, generator=gen, device="cuda").to(torch.bfloat16)
-            resid0 = torch.randn(m, H, generator=gen, device="cuda").to(torch.bfloat16)
-            resid = resid0.clone()
-            gate_up = torch.empty(m, 2 * INTER, dtype=torch.bfloat16, device="cuda")
-            stats128 = torch.empty(gemv.norm_stats_shape(m, H), dtype=torch.float32, device="cuda")
+            st = Step(weights, m, gen)
 
-            def gemv_layer(i, attn=attn, resid=resid, gate_up=gate_up, stats=stats128, ws_layers=ws_layers,
-                           norm_w=norm_w):
-                w_o, w_gu, w_d = ws_layers[i % layers]
-                gemv.gemv_int4(attn, w_o, None, None, g_ws, g_plans[0],
-                               residual=gemv.ResidualEpilogue(resid, stats))
-                gemv.gemv_int4(resid, w_gu, gate_up, None, g_ws, g_plans[1],
-                               norm=gemv.NormPrologue(norm_w, stats, EPS))
-                gemv.gemv_int4(gate_up, w_d, None, None, g_ws, g_plans[2], silu_mul_input=True,
-                               residual=gemv.ResidualEpilogue(resid, stats))
+            def gemv_layer(i, st=st, qkv=False):
+                w_o, w_gu, w_d, w_q = st.layers[i % layers]
+                gemv.gemv_int4(st.attn, w_o, None, None, g_ws, g_plans[0],
+                               residual=gemv.ResidualEpilogue(st.resid, st.stats))
+                gemv.gemv_int4(st.resid, w_gu, st.gate_up, None, g_ws, g_plans[1],
+                               norm=gemv.NormPrologue(st.norm_w, st.stats, EPS))
+                gemv.gemv_int4(st.gate_up, w_d, None, None, g_ws, g_plans[2], silu_mul_input=True,
+                               residual=gemv.ResidualEpilogue(st.resid, st.stats))
+                if qkv:
+                    gemv.gemv_int4_qkv_rope(st.resid, w_q, st.bias, st.shape, st.positions, st.slots,
+                                            st.inv_freq, st.q, st.kc, st.vc, g_ws, g_plans[3],
+                                            norm=gemv.NormPrologue(st.in_norm_w, st.stats, EPS))
 
-            resid.copy_(resid0)
-            gemv_layer(0)
-            want_resid, want_gu = resid.clone(), gate_up.clone()
-            t = time_graph(gemv_layer, reps=layers)
-            rows.append({"path": "gemv", "kind": kind, "m": m, "us": t * 1e6,
-                         "frac_read": nbytes / t / read_bps})
-            print(f"gemv        {kind:4s} M={m} {t * 1e6:8.2f} us/layer {rows[-1]['frac_read']:6.1%}",
-                  flush=True)
+            st.reset()
+            gemv_layer(0, qkv=True)
+            want = (st.resid.clone(), st.gate_up.clone(), st.q.clone())
+            for qkv, nbytes in ((False, nbytes3), (True, nbytes4)):
+                t = time_graph(lambda i, qkv=qkv: gemv_layer(i, qkv=qkv), reps=layers)
+                path = "gemv+qkv" if qkv else "gemv"
+                rows.append({"path": path, "kind": kind, "m": m, "us": t * 1e6,
+                             "frac_read": nbytes / t / read_bps})
+                print(f"{path:18s} {kind:4s} M={m} {t * 1e6:8.2f} us/layer {rows[-1]['frac_read']:6.1%}",
+                      flush=True)
             for name in builds:
                 family = "block" if name == "default" else f"block_{name}"
-                plan = block.plan_post_attention(H, INTER, KQ, dev, family=family)
-                b_ws = block.BlockWorkspace.allocate(plan, dev)
-                stats16 = torch.empty(block.stats_shape(m, H), dtype=torch.float32, device="cuda")
+                for qkv, nbytes in ((False, nbytes3), (True, nbytes4)):
+                    plan = block.plan_post_attention(H, INTER, KQ, dev, family=family,
+                                                     qkv_dim=st.shape.qkv_width if qkv else None)
+                    b_ws = block.BlockWorkspace.allocate(plan, dev)
 
-                def block_layer(i, attn=attn, resid=resid, gate_up=gate_up, stats=stats16, plan=plan,
-                                b_ws=b_ws, ws_layers=ws_layers, norm_w=norm_w):
-                    w_o, w_gu, w_d = ws_layers[i % layers]
-                    block.post_attention_block(attn, w_o, norm_w, EPS, w_gu, w_d, resid, gate_up, stats, b_ws,
-                                               plan)
+                    def block_layer(i, st=st, plan=plan, b_ws=b_ws, qkv=qkv):
+                        w_o, w_gu, w_d, w_q = st.layers[i % layers]
+                        nxt = block.NextQkv(w_q, st.bias, st.in_norm_w, st.shape, st.positions, st.slots,
+                                            st.inv_freq, st.q, st.kc, st.vc) if qkv else None
+                        block.post_attention_block(st.attn, w_o, st.norm_w, EPS, w_gu, w_d, st.resid,
+                                                   st.gate_up, st.stats, b_ws, plan, next_qkv=nxt)
 
-                resid.copy_(resid0)
-                gate_up.fill_(float("nan"))
-                block_layer(0)
-                torch.cuda.synchronize()
-                err_r = float((resid.float() - want_resid.float()).norm() /
-                               (want_resid.float() - resid0.float()).norm())
-                err_g = float((gate_up.float() - want_gu.float()).norm() / want_gu.float().norm())
-                if not (err_r < 1e-2 and err_g < 1e-2):
-                    raise SystemExit(f"block {name} {kind} M={m}: wrong outputs (residual update rel. error "
-                                     f"{err_r:.3g}, gate_up {err_g:.3g})")
-                t = time_graph(block_layer, reps=layers)
-                rows.append({"path": f"block:{name}", "build": BUILDS[name], "kind": kind, "m": m,
-                             "us": t * 1e6, "frac_read": nbytes / t / read_bps, "err_resid": err_r,
-                             "err_gate_up": err_g})
-                print(f"block:{name:8s} {kind:4s} M={m} {t * 1e6:8.2f} us/layer {rows[-1]['frac_read']:6.1%}",
-                      flush=True)
-        ws_layers = None
+                    st.reset()
+                    block_layer(0)
+                    torch.cuda.synchronize()
+                    err = {"resid": float((st.resid.float() - want[0].float()).norm()
+                                          / (want[0].float() - st.resid0.float()).norm()),
+                           "gate_up": float((st.gate_up.float() - want[1].float()).norm()
+                                            / want[1].float().norm())}
+                    if qkv:
+                        err["q"] = float((st.q.float() - want[2].float()).norm() / want[2].float().norm())
+                    if not all(e < 1e-2 for e in err.values()):
+                        raise SystemExit(f"block {name} qkv={qkv} {kind} M={m}: wrong outputs, relative "
+                                         f"errors {err}")
+                    t = time_graph(block_layer, reps=layers)
+                    path = f"block{'+qkv' if qkv else ''}:{name}"
+                    rows.append({"path": path, "build": BUILDS[name], "kind": kind, "m": m,
+                                 "us": t * 1e6, "frac_read": nbytes / t / read_bps, "errors": err})
+                    print(f"{path:18s} {kind:4s} M={m} {t * 1e6:8.2f} us/layer {rows[-1]['frac_read']:6.1%}",
+                          flush=True)
+        weights = st = None
         torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "read_bytes_per_s": read_bps, "layers": layers,
-              "bytes_per_layer": nbytes, "rows": rows}
+              "bytes_per_layer": nbytes3, "bytes_per_layer_with_qkv": nbytes4, "rows": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "block_ab.json").write_text(json.dumps(result, indent=1))
     (out_dir / "block_ab.md").write_text(report(result))
@@ -135,14 +175,16 @@ def run(out_dir: Path, builds: list[str], layers: int) -> dict:
 
 
 def report(r: dict) -> str:
-    lines = [f"# Post-attention block: one launch against three GEMVs ({r['device']})\n",
+    lines = [f"# Post-attention block: one launch against the GEMVs ({r['device']})\n",
              f"Read bandwidth {r['read_bytes_per_s'] / 1e9:.0f} GB/s; {r['bytes_per_layer'] / 1e6:.1f} MB of "
-             f"weights per layer; {r['layers']} layers per graph.\n",
-             "| path | kind | M | us / layer | of read BW | vs gemv |", "|---|---|---|---|---|---|"]
-    base = {(x["kind"], x["m"]): x["us"] for x in r["rows"] if x["path"] == "gemv"}
+             f"weights per layer ({r['bytes_per_layer_with_qkv'] / 1e6:.1f} MB with the next qkv); "
+             f"{r['layers']} layers per graph.\n",
+             "| path | kind | M | us / layer | of read BW | vs the GEMVs |", "|---|---|---|---|---|---|"]
+    base = {(x["path"], x["kind"], x["m"]): x["us"] for x in r["rows"] if x["path"].startswith("gemv")}
     for x in r["rows"]:
+        ref = base[("gemv+qkv" if "qkv" in x["path"] else "gemv", x["kind"], x["m"])]
         lines.append(f"| {x['path']} | {x['kind']} | {x['m']} | {x['us']:.2f} | {x['frac_read']:.1%} | "
-                     f"{x['us'] / base[(x['kind'], x['m'])]:.3f} |")
+                     f"{x['us'] / ref:.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -89,7 +89,7 @@ class Layer:
     """One layer's post-attention weights and a decode step's inputs."""
 
     def __init__(self, geom, m, symmetric, scale_dtype, gen, device, zero_down=False):
-        _, h, inter, kq = geom
+        self.name, h, inter, kq = geom
         self.h, self.inter, self.kq, self.m = h, inter, kq, m
         self.w_o = _exact_o_weight(h, kq, symmetric, scale_dtype, gen, device)
         self.w_gu = random_int4(2 * inter, h, 128, symmetric, gen, device, scale_dtype)
@@ -270,6 +270,119 @@ def test_randomised_delays_change_nothing(geom, gen, device):
         assert torch.equal(got[2], want[2]), f"{geom[0]} stress build: statistics"
 
 
+HEADS = {"7b": (28, 4, 128), "0.5b": (14, 2, 64), "odd": (6, 2, 64)}  # (Hq, Hkv, D), Hq D = o_proj's K
+
+
+class NextLayer:
+    """The next layer's qkv projection and a decode step's RoPE / paged-cache inputs (NaN-poisoned q and
+    caches)."""
+
+    def __init__(self, layer, symmetric, scale_dtype, gen, device):
+        from nanoqwen_kernels.layer_ops import AttentionShape, rope_inv_freq
+
+        hq, hkv, d = HEADS[layer.name]
+        self.shape = AttentionShape(hq, hkv, d)
+        n, m = self.shape.qkv_width, layer.m
+        self.w = random_int4(n, layer.h, 128, symmetric, gen, device, scale_dtype)
+        self.bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
+        self.norm_w = (1 + 0.1 * torch.randn(layer.h, generator=gen, device=device)).to(torch.bfloat16)
+        self.positions = torch.randint(0, 32768, (m,), generator=gen, device=device, dtype=torch.int32)
+        self.num_blocks, self.bs = 2 * m + 3, 16
+        slots = torch.randperm(self.num_blocks * self.bs, generator=gen, device=device)
+        self.slots = slots[:m].to(torch.int32)
+        self.inv_freq = rope_inv_freq(d, 1_000_000.0, device)
+
+    def outputs(self, m, device):
+        cache = (self.num_blocks, self.shape.n_kv_heads, self.bs, self.shape.head_dim)
+        q = _poisoned((m, self.shape.n_heads, self.shape.head_dim), device)[0]
+        return q, _poisoned(cache, device)[0], _poisoned(cache, device)[0]
+
+    def spec(self, q, kc, vc):
+        from nanoqwen_kernels.block import NextQkv
+
+        return NextQkv(self.w, self.bias, self.norm_w, self.shape, self.positions, self.slots, self.inv_freq,
+                       q, kc, vc)
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES, ids=[g[0] for g in GEOMETRIES])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("symmetric,scale_dtype", LAYOUTS, ids=LAYOUT_IDS)
+def test_next_qkv_op(geom, m, symmetric, scale_dtype, gen, device):
+    """The `_qkv` kernels: ops 0-2 give the bits of the kernel without the qkv op (the same work
+    partition), and q / the K/V slots are within the qkv GEMV's derived bound (below) of
+    `gemv_int4_qkv_rope` with the norm prologue, run on the kernel's own final residual and statistics
+    (so the normalised input is the same bits); cache slots other than the rows' stay NaN.
+
+    Bound: the qkv sums differ only in grouping (d <= 8 + K / 128 + 16 roundings of <= 2^-23, as for
+    down: < 2^-13 sum |W x|), bf16(y + bias) adds one ulp (2^-7 |v|): delta(v) <= 2^-13 mass + 2^-7 |v|
+    for a v head element; RoPE moves an output by at most delta(a) + delta(b) of its pair (a, b) plus one
+    ulp of the output (2^-7 |out|; both sides use the same sin / cos bits)."""
+    from nanoqwen_kernels.block import BlockWorkspace, plan_post_attention, post_attention_block
+    from nanoqwen_kernels.gemv import (
+        GemvWorkspace,
+        NormPrologue,
+        gemv_int4,
+        gemv_int4_qkv_rope,
+        norm_stats_shape,
+        plan_gemv,
+    )
+    from nanoqwen_kernels.layer_ops import rms_norm
+
+    layer = Layer(geom, m, symmetric, scale_dtype, gen, device)
+    nxt = NextLayer(layer, symmetric, scale_dtype, gen, device)
+    base_plan = layer.plan(device)
+    want = layer.run_block(base_plan, BlockWorkspace.allocate(base_plan, device))
+    plan = plan_post_attention(layer.h, layer.inter, layer.kq, device, qkv_dim=nxt.shape.qkv_width)
+    ws = BlockWorkspace.allocate(plan, device)
+    resid = layer.resid0.clone()
+    gate_up = _poisoned((m, 2 * layer.inter), device)[0]
+    stats = _poisoned(norm_stats_shape(m, layer.h), device, torch.float32)[0]
+    q, kc, vc = nxt.outputs(m, device)
+    post_attention_block(layer.attn, layer.w_o, layer.norm_w, EPS, layer.w_gu, layer.w_d, resid, gate_up,
+                         stats, ws, plan, next_qkv=nxt.spec(q, kc, vc))
+    torch.cuda.synchronize()
+    assert int(ws.counters.abs().sum()) == 0, "counters not back at zero"
+    what = f"{geom[0]} M={m}"
+    _same_bits(resid, want[0], f"{what}: residual with the qkv op")
+    _same_bits(gate_up, want[1], f"{what}: gate_up with the qkv op")
+    assert torch.equal(stats, want[2]), f"{what}: statistics with the qkv op"
+    # the reference: the qkv GEMV with the norm prologue on the kernel's own residual and statistics
+    gplan = plan_gemv(nxt.w.n, nxt.w.k, device)
+    gws = GemvWorkspace.allocate([gplan], device)
+    norm = NormPrologue(nxt.norm_w, stats, EPS)
+    pre = torch.empty(m, nxt.w.n, dtype=torch.bfloat16, device=device)
+    gemv_int4(resid, nxt.w, pre, nxt.bias, gws, gplan, norm=norm)
+    q_ref, kc_ref, vc_ref = nxt.outputs(m, device)
+    gemv_int4_qkv_rope(resid, nxt.w, nxt.bias, nxt.shape, nxt.positions, nxt.slots, nxt.inv_freq, q_ref,
+                       kc_ref, vc_ref, gws, gplan, norm=norm)
+    normed = torch.empty_like(resid)
+    rms_norm(resid, nxt.norm_w, normed, EPS)
+    mass = normed.float().abs() @ _dense(nxt.w).abs().t()  # [M, N]
+    delta = 2**-13 * mass + 2**-7 * pre.float().abs()
+    hq, hkv, d = HEADS[geom[0]]
+    half = d // 2
+    delta_heads = delta.view(m, hq + 2 * hkv, d)
+    pair = delta_heads[..., :half] + delta_heads[..., half:]
+    rope_bound = torch.cat([pair, pair], dim=-1)  # [M, heads, D]: delta(a) + delta(b) per output
+    _assert_close_to(q, q_ref, rope_bound[:, :hq] + 2**-7 * q_ref.float().abs(), f"{what}: q")
+    slots = nxt.slots.long()
+    for name, got, ref, bound in (("k", kc, kc_ref, rope_bound[:, hq:hq + hkv]),
+                                  ("v", vc, vc_ref, delta_heads[:, hq + hkv:])):
+        rows_got = got.permute(0, 2, 1, 3).reshape(-1, hkv, d)  # [slot, Hkv, D]
+        rows_ref = ref.permute(0, 2, 1, 3).reshape(-1, hkv, d)
+        extra = 2**-7 * rows_ref[slots].float().abs() if name == "k" else 0.0
+        _assert_close_to(rows_got[slots], rows_ref[slots], bound + extra, f"{what}: {name} cache")
+        untouched = torch.ones(rows_got.shape[0], dtype=torch.bool, device=device)
+        untouched[slots] = False
+        assert bool(rows_got[untouched].isnan().all()), f"{what}: {name} cache written outside the slots"
+
+
+def _assert_close_to(got, ref, bound, what):
+    assert not bool(got.isnan().any()), f"{what}: NaN (unwritten?)"
+    over = (got.float() - ref.float()).abs() / bound.clamp_min(1e-30)
+    assert bool((over <= 1).all()), f"{what}: off by {float(over.max()):.2f}x the derived bound"
+
+
 def test_graph_replay_on_new_inputs(gen, device):
     """Captured once; each replay on new inputs gives the eager launch's bits."""
     from nanoqwen_kernels.block import BlockWorkspace, post_attention_block
@@ -325,7 +438,7 @@ def test_block_rejects_what_it_cannot_run(gen, device):
     with pytest.raises(ValueError, match="group size 128"):
         post_attention_block(layer.attn, **{**args, "gate_up_w": g64})
     sym = random_int4(layer.h, layer.inter, 128, True, gen, device)
-    with pytest.raises(ValueError, match="one INT4 layout"):
+    with pytest.raises(ValueError, match="share one layout"):
         post_attention_block(layer.attn, **{**args, "down": sym})
     with pytest.raises(ValueError, match="stats"):
         post_attention_block(layer.attn, **{**args, "stats": stats[:, :-1].contiguous()})

@@ -121,8 +121,9 @@ def _bf16(x):
     return x.to(torch.bfloat16).double()
 
 
-def emulate(plan, build, weights, attn, resid0, norm_w, seed):
-    """The kernel's algorithm on the CPU (module docstring). Returns (resid, gate_up, stats)."""
+def emulate(plan, build, weights, attn, resid0, norm_w, seed, qkv=None):
+    """The kernel's algorithm on the CPU (module docstring). qkv: (in_norm_w, bias, head_dim) of the
+    qkv op (weights has its weight as a 4th entry). Returns (resid, gate_up, stats, qkv_out, heads_done)."""
     ops = [Op(w, wp) for w, wp in zip(weights, plan.warps, strict=True)]
     total = plan.grid * build.warps
     m = attn.shape[0]
@@ -132,6 +133,9 @@ def emulate(plan, build, weights, attn, resid0, norm_w, seed):
     pair_stats = torch.full((m, ops[0].NP), float("nan"), dtype=torch.float64)
     stats = torch.full((m, ops[0].N // 128), float("nan"), dtype=torch.float64)
     block_counters = [0] * (ops[0].N // 128)
+    qkv_out = torch.full((m, ops[3].N), float("nan"), dtype=torch.float64) if qkv else None
+    head_counters = [0] * (ops[3].N // qkv[2]) if qkv else []
+    heads_done = [0] * len(head_counters)
     # per warp: the ring (what each slot holds), the issue cursor, the compute cursor, chunks computed
     rings = {}
     issue, comp, computed = {}, {}, {}
@@ -150,8 +154,11 @@ def emulate(plan, build, weights, attn, resid0, norm_w, seed):
         elif k == 1:
             rs = 1.0 / torch.sqrt(stats.sum(1, keepdim=True) / o.K + EPS)  # stat_blocks = H / 128
             x = _bf16(resid * rs * norm_w.double())
-        else:
+        elif k == 2:
             x = R.silu_mul(_bf16(gate_up).float()).to(torch.bfloat16).double()
+        else:  # the next layer's qkv: its input norm of the final residual
+            rs = 1.0 / torch.sqrt(stats.sum(1, keepdim=True) / o.K + EPS)
+            x = _bf16(resid * rs * qkv[0].double())
         ws: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
         counters = [0] * o.NP
         finished = [0] * o.NP
@@ -200,6 +207,16 @@ def emulate(plan, build, weights, attn, resid0, norm_w, seed):
                 rows = slice(16 * p, 16 * p + 16)
                 if k == 1:
                     gate_up[:, rows] = _bf16(y.t())
+                elif k == 3:
+                    bias = qkv[1].double()[rows] if qkv[1] is not None else 0.0
+                    qkv_out[:, rows] = _bf16(y.t() + bias)
+                    d = qkv[2]
+                    hd = 16 * p // d  # the last of the head's d / 16 pairs does RoPE / K/V for it
+                    head_counters[hd] += 1
+                    if head_counters[hd] == d // 16:
+                        assert not torch.isnan(qkv_out[:, hd * d:(hd + 1) * d]).any(), f"head {hd} incomplete"
+                        heads_done[hd] += 1
+                        head_counters[hd] = 0
                 else:
                     resid[:, rows] = _bf16(_bf16(y.t()) + resid[:, rows])
                     pair_stats[:, p] = (resid[:, rows] ** 2).sum(1)
@@ -213,47 +230,67 @@ def emulate(plan, build, weights, attn, resid0, norm_w, seed):
         assert finished == [1] * o.NP, f"op {k}: pairs finished {finished}"
         assert block_counters == [0] * len(block_counters), f"op {k}: a statistics block left unfinished"
     assert all(r == [None] * build.ring for r in rings.values()), "chunks issued but never computed"
-    return resid, gate_up, stats
+    assert head_counters == [0] * len(head_counters) and heads_done == [1] * len(heads_done), heads_done
+    return resid, gate_up, stats, qkv_out
 
 
-def direct(weights, attn, resid0, norm_w):
-    """The three ops with full fp64 products and the kernel's bf16 roundings."""
-    w_o, w_gu, w_d = (R.dequantize_int4(w.qweight, w.scales, w.zeros, 128).double() for w in weights)
+def direct(weights, attn, resid0, norm_w, qkv=None):
+    """The ops with full fp64 products and the kernel's bf16 roundings."""
+    w_o, w_gu, w_d = (R.dequantize_int4(w.qweight, w.scales, w.zeros, 128).double() for w in weights[:3])
     resid = _bf16(_bf16(attn.double() @ w_o.t()) + resid0.double())
     h = resid.shape[1]
     rs = 1.0 / torch.sqrt((resid**2).sum(1, keepdim=True) / h + EPS)
     gate_up = _bf16(_bf16(resid * rs * norm_w.double()) @ w_gu.t())
     act = R.silu_mul(gate_up.float()).to(torch.bfloat16).double()
     resid = _bf16(_bf16(act @ w_d.t()) + resid)
-    return resid, gate_up, (resid**2).view(resid.shape[0], -1, 128).sum(-1)
+    qkv_out = None
+    if qkv:
+        w_q = R.dequantize_int4(weights[3].qweight, weights[3].scales, weights[3].zeros, 128).double()
+        rs = 1.0 / torch.sqrt((resid**2).sum(1, keepdim=True) / h + EPS)
+        bias = qkv[1].double() if qkv[1] is not None else 0.0
+        qkv_out = _bf16(_bf16(resid * rs * qkv[0].double()) @ w_q.t() + bias)
+    return resid, gate_up, (resid**2).view(resid.shape[0], -1, 128).sum(-1), qkv_out
 
 
-# (hidden, intermediate, o_proj's K, SMs): pairs whole and cut, ranges inside one pair and across several,
-# fewer pair-columns than warps (o_proj at 3 SMs), a single CTA
-CASES = [(256, 384, 256, 1), (256, 384, 256, 3), (384, 1152, 640, 7), (384, 1152, 640, 2), (640, 896, 384, 5)]
+# (hidden, intermediate, o_proj's K, SMs, the next qkv's (Hq, Hkv, D) or None): pairs whole and cut,
+# ranges inside one pair and across several, fewer pair-columns than warps (o_proj at 3 SMs), a single
+# CTA; heads of 32, 64 and 128 columns (2, 4, 8 pairs)
+CASES = [(256, 384, 256, 1, None), (256, 384, 256, 3, (4, 2, 64)), (384, 1152, 640, 7, (5, 1, 128)),
+         (384, 1152, 640, 2, None), (640, 896, 384, 5, (12, 4, 32)), (640, 896, 384, 5, None)]
 BUILDS = [block.BlockBuild(), block.BlockBuild(16, 4, 2), block.BlockBuild(8, 2, 4)]
 
 
-@pytest.mark.parametrize("h,inter,kq,sms", CASES)
+@pytest.mark.parametrize("h,inter,kq,sms,heads", CASES)
 @pytest.mark.parametrize("build", BUILDS, ids=lambda b: f"w{b.warps}c{b.chunk}r{b.ring}")
 @pytest.mark.parametrize("m", [1, 2])
-def test_emulated_kernel_equals_the_three_ops(h, inter, kq, sms, build, m):
+def test_emulated_kernel_equals_the_ops(h, inter, kq, sms, heads, build, m):
     gen = torch.Generator().manual_seed(h * 7 + sms * 131 + m)
     weights = (_weight(h, kq, False, gen), _weight(2 * inter, h, False, gen), _weight(h, inter, True, gen))
     attn = torch.randn(m, kq, generator=gen).to(torch.bfloat16)
     resid0 = (4 * torch.randn(m, h, generator=gen)).to(torch.bfloat16)
     norm_w = (1 + 0.1 * torch.randn(h, generator=gen)).to(torch.bfloat16)
+    qkv, qkv_dim = None, None
+    if heads is not None:
+        hq, hkv, d = heads
+        qkv_dim = (hq + 2 * hkv) * d
+        weights += (_weight(qkv_dim, h, False, gen),)
+        qkv = ((1 + 0.1 * torch.randn(h, generator=gen)).to(torch.bfloat16),
+               torch.randn(qkv_dim, generator=gen).to(torch.bfloat16), d)
     block.BUILDS["_emulated"] = build
     try:
-        plan = block.plan_post_attention(h, inter, kq, torch.device("cpu"), sms=sms, family="_emulated")
+        plan = block.plan_post_attention(h, inter, kq, torch.device("cpu"), sms=sms, family="_emulated",
+                                         qkv_dim=qkv_dim)
     finally:
         del block.BUILDS["_emulated"]
     assert plan.warps == tuple(min(sms * build.warps, (n // 16) * (k // 128)) for n, k in plan.shapes)
-    got = emulate(plan, build, weights, attn, resid0, norm_w, seed=sms)
-    want = direct(weights, attn, resid0, norm_w)
-    for name, a, b in zip(("residual", "gate_up"), got[:2], want[:2], strict=True):
-        assert torch.equal(a.to(torch.bfloat16), b.to(torch.bfloat16)), f"{name} differs"
-    assert torch.allclose(got[2], want[2], rtol=1e-12), "statistics differ"
+    got = emulate(plan, build, weights, attn, resid0, norm_w, seed=sms, qkv=qkv)
+    want = direct(weights, attn, resid0, norm_w, qkv=qkv)
+    names = ("residual", "gate_up", "statistics", "qkv")
+    for name, a, b in zip(names, got, want, strict=True):
+        if name == "statistics":
+            assert torch.allclose(a, b, rtol=1e-12), "statistics differ"
+        elif b is not None:
+            assert torch.equal(a.to(torch.bfloat16), b.to(torch.bfloat16)), f"{name} differs"
 
 
 def test_plan_refuses_what_the_kernel_cannot_run():
@@ -284,6 +321,6 @@ def test_benchmark_builds_compile_without_local_memory(tmp_path):
         spec = kbuild.KernelSpec(f"block_{name}", ("block.cu",), build.options)
         _, report = kbuild.compile_nvcc(spec, tmp_path / name)
         kernels = [k for k in report if k.startswith("post_attention_block_")]
-        assert len(kernels) == 4, (name, sorted(report))
+        assert len(kernels) == 8, (name, sorted(report))
         bad = {k: report[k] for k in kernels if report[k].uses_local_memory}
         assert not bad, f"build {name} {shape} uses local memory: {bad}"

@@ -157,18 +157,20 @@ def test_partial_report_has_every_key():
 
 
 def test_post_attention_ab_is_reported():
-    """The synthetic run's post_attention_kernel on/off section reaches bench.json and bench.md."""
+    """The synthetic run's post_attention_kernel variants-vs-off section reaches bench.json and bench.md."""
     row = {"batch": 1, "a_tok_s": 520.0, "b_tok_s": 450.0, "a_over_b": 520 / 450, "spread_a": 0.01,
            "spread_b": 0.02, "a_all": [520.0] * 4, "b_all": [450.0] * 4, "a_slower": False,
            "a_graph_tok_s": 560.0, "b_graph_tok_s": 462.0}
     raw = fake_raw()
-    raw["post_attention_ab"] = {"rows": [row, dict(row, batch=2, a_slower=True, a_graph_tok_s=None)],
-                                "reps": 4, "a": "post_attention_kernel", "b": "three GEMVs",
-                                "graph_paths_a": {"post_attention_block": 28}, "graph_paths_b": {}}
+    rows = [row, dict(row, batch=2, a_slower=True, a_graph_tok_s=None)]
+    raw["post_attention_ab"] = {"reps": 4, "b": "off", "graph_paths_off": {},
+                                "variants": {"block": {"rows": rows, "graph_paths": {}},
+                                             "block+qkv": {"rows": rows[:1], "graph_paths": {}}}}
     rep = build_report(raw)
-    assert rep["post_attention_ab"]["rows"][0]["a_graph_tok_s"] == 560.0
+    assert rep["post_attention_ab"]["variants"]["block"]["rows"][0]["a_graph_tok_s"] == 560.0
     md = markdown(rep)
-    assert "## o_proj + gate_up + down as one persistent launch" in md
+    assert '(EngineConfig.post_attention_kernel="block") vs the GEMVs' in md
+    assert "## o_proj + gate_up + down + the next qkv as one persistent launch" in md
     assert "| 1 | 520 | 450 | 1.156 | 1.0% / 2.0% | ok |" in md and "| 1 | 560 | 462 | 1.212 |" in md
     assert "| 2 | 520 | 450 | 1.156 | 1.0% / 2.0% | slower |" in md and "| 2 | - | 462 | - |" in md
 

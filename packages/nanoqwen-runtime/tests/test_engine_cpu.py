@@ -361,6 +361,8 @@ def test_config_validation_and_helpers():
     with pytest.raises(ValueError, match="power of two"):
         cpu_config(block_size=12)
     with pytest.raises(ValueError, match="post_attention_kernel needs backend='kernels'"):
+        cpu_config(post_attention_kernel="block")
+    with pytest.raises(ValueError, match="post_attention_kernel must be one of"):
         cpu_config(post_attention_kernel=True)
 
 

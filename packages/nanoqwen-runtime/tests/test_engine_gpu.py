@@ -146,23 +146,28 @@ def test_teacher_forced_decode_matches_reference(container, mode, batch):
     assert engine.kv_blocks_used() == 0
 
 
+@pytest.mark.parametrize("variant", ["block", "block+qkv"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_post_attention_kernel_matches_reference(container, batch):
+def test_post_attention_kernel_matches_reference(container, variant, batch):
     """EngineConfig.post_attention_kernel: at 1 and 2 rows each layer's o_proj, gate_up and down are one
-    persistent launch (nanoqwen_kernels.block); teacher-forced decode within the reference bound, and
-    the graph of the batch's bucket ran it once per layer, with only qkv left on the GEMV."""
+    persistent launch (nanoqwen_kernels.block), with "block+qkv" the next layer's qkv projection too;
+    teacher-forced decode within the reference bound, and the graph of the batch's bucket ran it once
+    per layer: the qkv GEMV runs for every layer ("block") or only for layer 0 ("block+qkv")."""
     name, path = container
     prompts = prompts_of(LENGTHS, seed=3)
     ref, bound = oracle(path, prompts)
-    engine = Engine.from_file(path, gpu_config(post_attention_kernel=True))
+    engine = Engine.from_file(path, gpu_config(post_attention_kernel=variant))
     run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
-    worst, decided = check_against_reference(f"{name}/post-attention-kernel/b{batch}", run, ref, bound)
-    print(f"\n[{name} post_attention_kernel batch {batch}] worst position at {worst:.2f} of its bound; "
-          f"{decided} clear positions decided")
+    worst, decided = check_against_reference(f"{name}/{variant}/b{batch}", run, ref, bound)
+    print(f"\n[{name} post_attention_kernel={variant} batch {batch}] worst position at {worst:.2f} of its "
+          f"bound; {decided} clear positions decided")
     assert decided >= len(prompts) * STEPS // 4
     layers = engine.geom.num_hidden_layers
     graph = engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
-    assert graph.get("post_attention_block") == layers and graph.get("gemv_int4") == layers, graph
+    assert graph.get("post_attention_block") == layers, graph
+    qkv_gemvs = layers if variant == "block" else 1
+    assert graph.get("gemv_int4") == qkv_gemvs, graph
+    assert graph.get("post_attention_qkv", 0) == layers - qkv_gemvs, graph
     assert "residual_epilogue" not in graph, graph
     assert engine.kv_blocks_used() == 0
 

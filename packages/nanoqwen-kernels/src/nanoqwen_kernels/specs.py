@@ -71,13 +71,16 @@ SPECS: dict[str, KernelSpec] = {
             for nt in (2, 4, 8)
         ),
     ),
-    # the post-attention block of a decode layer (o_proj, gate_up, down) as one persistent launch, M <= 2
-    # (block.py)
+    # the post-attention block of a decode layer (o_proj, gate_up, down, and the next layer's qkv) as one
+    # persistent launch, M <= 2 (block.py)
     "block": KernelSpec(
         name="block",
         sources=("block.cu",),
         hot_kernels=tuple(
-            f"post_attention_block_g128_{kind}{scale}" for kind in ("sym", "asym") for scale in ("", "_f16s")
+            f"post_attention_block_g128_{kind}{scale}{qkv}"
+            for kind in ("sym", "asym")
+            for scale in ("", "_f16s")
+            for qkv in ("", "_qkv")  # _qkv: the next layer's qkv projection too
         ),
     ),
     "sampling": KernelSpec(

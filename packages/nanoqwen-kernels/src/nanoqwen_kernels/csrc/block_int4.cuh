@@ -67,13 +67,15 @@ constexpr int RING = NQ_BLOCK_RING;    // slots per warp
 constexpr int TILE_BYTES = 512;
 constexpr int SLOT_BYTES = 2 * CHUNK * TILE_BYTES;
 constexpr int MAX_M = 2;  // a pair's outputs, 16 rows x M, are one value per lane
-constexpr int NOPS = 3;
-// counters: op_done[NOPS], the exit count, one arrival count per 128-column block of the residual
-// (H <= 128 * MAX_STAT_BLOCKS), then one per pair
-constexpr int EXIT_COUNTER = NOPS;
-constexpr int BLOCK_COUNTERS = NOPS + 1;
+constexpr int MAX_OPS = 4;  // o_proj, gate_up, down, and the next layer's qkv in the QKV kernels
+// counters: op_done[MAX_OPS], the exit count, one arrival count per 128-column block of the residual
+// (H <= 128 * MAX_STAT_BLOCKS), one per head of the qkv op (<= MAX_HEADS), then one per pair
+constexpr int EXIT_COUNTER = MAX_OPS;
+constexpr int BLOCK_COUNTERS = MAX_OPS + 1;
 constexpr int MAX_STAT_BLOCKS = 128;
-constexpr int PAIR_COUNTERS = BLOCK_COUNTERS + MAX_STAT_BLOCKS;
+constexpr int HEAD_COUNTERS = BLOCK_COUNTERS + MAX_STAT_BLOCKS;
+constexpr int MAX_HEADS = 256;
+constexpr int PAIR_COUNTERS = HEAD_COUNTERS + MAX_HEADS;
 
 struct Op {
   const uint4* qweight;
@@ -94,7 +96,7 @@ NQ_DEVICE int range_owner(const Op& o, int c) { return (int)(((i64)(c + 1) * o.W
 // The ws slot of warp gw's piece of pair p: 0 if its range starts inside p, else 1 (the range's end).
 NQ_DEVICE int piece_slot(const Op& o, int gw, int p) { return range_start(o, gw) >= p * o.KT ? 0 : 1; }
 
-// A warp's position in its stream of chunks over the three ops: op (NOPS: past the end), the next
+// A warp's position in its stream of chunks over the ops: op (NOPS: past the end), the next
 // chunk's pair p and first tile-column tc, and the pair-columns left of the warp's range in that op.
 // Advanced by additions (a division only when it enters an op): it runs once per chunk, twice (the
 // ring's issue cursor and the compute cursor).
@@ -104,6 +106,7 @@ struct Cursor {
 };
 
 // Move c to its first op from c.op on with a non-empty range for warp gw.
+template <int NOPS>
 NQ_DEVICE void enter_op(Cursor& c, const Op* ops, int gw) {
   for (; c.op < NOPS; ++c.op) {
     const Op& o = ops[c.op];
@@ -121,6 +124,7 @@ NQ_DEVICE void enter_op(Cursor& c, const Op* ops, int gw) {
 // Tile-columns of the chunk at c (<= CHUNK; a chunk stays in one pair).
 NQ_DEVICE int chunk_cols(const Cursor& c) { return min(min(CHUNK, c.kt - c.tc), c.left); }
 
+template <int NOPS>
 NQ_DEVICE void advance(Cursor& c, const Op* ops, int gw, int nc) {
   c.left -= nc;
   c.tc += nc;
@@ -130,7 +134,7 @@ NQ_DEVICE void advance(Cursor& c, const Op* ops, int gw, int nc) {
   }
   if (c.left == 0) {
     ++c.op;
-    enter_op(c, ops, gw);
+    enter_op<NOPS>(c, ops, gw);
   }
 }
 
@@ -194,6 +198,12 @@ struct BlockArgs {
   float* ws;             // [warps in the grid, 2, 32] fp32 partials of cut pairs
   int* counters;         // [PAIR_COUNTERS + max NP], zero between launches
   int M;
+  // the QKV kernels' op 3, the next layer's qkv: RMSNorm(resid) * in_norm_w @ Wqkv^T + bias, RoPE,
+  // q to rk.q_out, K/V into the paged cache (the GEMV's qkv epilogue, rope_kv_write_pair)
+  const bf16_t* in_norm_w;  // [H] the next layer's input norm
+  const bf16_t* qkv_bias;   // [Nq] or null
+  bf16_t* qkv_out;          // [M, Nq] bf16(y + bias) (scratch: a head's pairs meet there)
+  RopeKV rk;
 };
 
 // A finished piece of pair p of op `op` (a0..a3: the warp's C fragment over the piece's tile-columns;
@@ -202,7 +212,8 @@ struct BlockArgs {
 // reference to the kernel's parameters would put them on a stack frame).
 __device__ __noinline__ void finish_piece(const Op* ops, int op, int gw, int p, bool whole, float a0, float a1,
                                           float a2, float a3, float* ws, int* counters, bf16_t* resid,
-                                          bf16_t* gate_up, float* stats, float* pair_stats, int M) {
+                                          bf16_t* gate_up, float* stats, float* pair_stats, int M,
+                                          const bf16_t* qkv_bias, bf16_t* qkv_out, RopeKV rk) {
   const Op& o = ops[op];
   const int lane = threadIdx.x & 31, m = lane >> 4, r = lane & 15;
   // lane (m, r) takes y[m][16 p + r]: lane 4 (r % 8) holds it in a[(r >= 8) * 2 + m] (C fragment, t = 0)
@@ -238,6 +249,24 @@ __device__ __noinline__ void finish_piece(const Op* ops, int op, int gw, int p, 
   const int n = 16 * p + r;
   if (op == 1) {
     if (mine) gate_up[(i64)m * o.N + n] = f32_to_bf16(y);
+  } else if (op == 3) {
+    // bf16(y + bias) as the GEMV's qkv epilogue stores it; the last of a head's D / 16 pairs to finish
+    // (a counter per head) applies RoPE / the K/V write to the whole head
+    if (mine) qkv_out[(i64)m * o.N + n] = f32_to_bf16(y + (qkv_bias ? bf16_to_f32(qkv_bias[n]) : 0.f));
+    __threadfence();
+    __syncwarp();
+    const int D = rk.D, half = D / 2, h = 16 * p / D;
+    int last = 0;
+    if (lane == 0) last = atomicAdd(&counters[HEAD_COUNTERS + h], 1) == D / 16 - 1;
+    if (__shfl_sync(0xffffffffu, last, 0)) {
+      __threadfence();
+      for (int idx = lane; idx < M * half; idx += 32) {
+        const int mm = idx / half, c = idx - mm * half;
+        const bf16_t* head = qkv_out + (i64)mm * o.N + h * D;
+        rope_kv_write_pair(rk, mm, h, c, ld_cg_bf16(head + c), ld_cg_bf16(head + c + half));
+      }
+      if (lane == 0) counters[HEAD_COUNTERS + h] = 0;  // ready for the next launch
+    }
   } else {
     float sq = 0.f;
     if (mine) {
@@ -274,10 +303,11 @@ __device__ __noinline__ void finish_piece(const Op* ops, int op, int gw, int p, 
   if (lane == 0) atomicAdd(&counters[op], 1);
 }
 
-template <bool ASYM, typename ST>
-NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) {
+template <bool ASYM, typename ST, bool QKV>
+NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2, Op op3) {
+  constexpr int NOPS = QKV ? 4 : 3;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  __shared__ Op ops[NOPS];
+  __shared__ Op ops[MAX_OPS];
   __shared__ __align__(8) unsigned long long full[WARPS][RING];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int gw = blockIdx.x * WARPS + warp;
@@ -286,6 +316,7 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) 
     ops[0] = op0;
     ops[1] = op1;
     ops[2] = op2;
+    ops[3] = op3;
     for (int i = 0; i < WARPS * RING; ++i) mbar_init(&full[i / RING][i % RING], 1);
     mbar_fence_init();
   }
@@ -295,11 +326,11 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) 
 
   // The weight stream: the first RING chunks now; each later one when its slot frees up.
   Cursor ic{0, 0, 0, 0, 0};
-  enter_op(ic, ops, gw);
+  enter_op<NOPS>(ic, ops, gw);
   Cursor cc = ic;  // the chunk to compute next
   for (int s = 0; s < RING && ic.op < NOPS; ++s) {
     if (lane == 0) issue_chunk(ic, ops, ring + s * SLOT_BYTES, &full[warp][s]);
-    advance(ic, ops, gw, chunk_cols(ic));
+    advance<NOPS>(ic, ops, gw, chunk_cols(ic));
   }
   ChunkScales next;
   if (cc.op < NOPS) load_chunk_scales<ASYM>(next, cc, ops[cc.op].scales, ops[cc.op].zeros, g);
@@ -311,6 +342,9 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) 
 
   for (int op = 0; op < NOPS; ++op) {
     const Op& o = ops[op];
+    // A CTA with no work in this op skips it: it neither waits nor stages. (Staging it late could read
+    // the residual or the statistics after a later op of other CTAs rewrote them.)
+    if (blockIdx.x * WARPS >= o.W) continue;
     // The op's input, whole, into xs (after every warp is done with the previous op's).
     __syncthreads();
     if (op > 0) {
@@ -323,7 +357,8 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) 
     const int xs_stride = o.K + XPAD;
     if (op == 0) stage_x<0>(xs, xs_stride, a.attn, M, o.K, 0, o.K);
     else if (op == 1) stage_x_normed(xs, xs_stride, a.resid, M, o.K, 0, o.K, NormIn{a.norm_w, a.stats, a.eps, ops[0].N / 128});
-    else stage_x<1>(xs, xs_stride, a.gate_up, M, o.K, 0, o.K);
+    else if (op == 2) stage_x<1>(xs, xs_stride, a.gate_up, M, o.K, 0, o.K);
+    else stage_x_normed(xs, xs_stride, a.resid, M, o.K, 0, o.K, NormIn{a.in_norm_w, a.stats, a.eps, ops[0].N / 128});
     __syncthreads();
 
     const bf16_t* xsl = xs + min(g, M - 1) * xs_stride + 8 * t;
@@ -336,7 +371,7 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) 
       const int p = cc.p, tc = cc.tc, nc = chunk_cols(cc);
       const bool piece_ends = tc + nc == kt || nc == cc.left;  // its pair, or the warp's range, ends
       const ChunkScales cur = next;
-      advance(cc, ops, gw, nc);
+      advance<NOPS>(cc, ops, gw, nc);
       if (cc.op == op) load_chunk_scales<ASYM>(next, cc, scales, zeros, g);
       else if (cc.op < NOPS) load_chunk_scales<ASYM>(next, cc, ops[cc.op].scales, ops[cc.op].zeros, g);
       const int s = chunk % RING;
@@ -360,12 +395,12 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) 
       __syncwarp();
       if (ic.op < NOPS) {
         if (lane == 0) issue_chunk(ic, ops, ring + s * SLOT_BYTES, &full[warp][s]);
-        advance(ic, ops, gw, chunk_cols(ic));
+        advance<NOPS>(ic, ops, gw, chunk_cols(ic));
       }
       ++chunk;
       if (piece_ends) {
         finish_piece(ops, op, gw, p, piece_from_0 && tc + nc == kt, acc[0], acc[1], acc[2], acc[3], a.ws,
-                     a.counters, a.resid, a.gate_up, a.stats, a.pair_stats, M);
+                     a.counters, a.resid, a.gate_up, a.stats, a.pair_stats, M, a.qkv_bias, a.qkv_out, a.rk);
         acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
         piece_from_0 = true;  // the next piece, if any in this op, starts a pair
       }
@@ -378,7 +413,7 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2) 
   if (threadIdx.x == 0) {
     __threadfence();
     if (atomicAdd(&a.counters[EXIT_COUNTER], 1) == (int)gridDim.x - 1) {
-      for (int i = 0; i < NOPS; ++i) a.counters[i] = 0;
+      for (int i = 0; i < MAX_OPS; ++i) a.counters[i] = 0;
       a.counters[EXIT_COUNTER] = 0;
       __threadfence();
     }

@@ -264,6 +264,31 @@ struct RopeKV {
   int Hq, Hkv, D, block_size;
 };
 
+// Column pair (c, c + D/2) (c < D/2) of head h of row m, from va, vb = bf16(y + bias) of those columns:
+// RoPE on a q or k head (layer_ops.cu's qkv_rope_kv_write arithmetic, the shared rope_sincos /
+// rope_rotate), q to q_out, k and v into the paged cache at slot_mapping[m] (< 0: not written). The qkv
+// epilogue of the GEMV (EPI = 1) and of the post-attention block kernel (block_int4.cuh).
+NQ_DEVICE void rope_kv_write_pair(const RopeKV& rk, int m, int h, int c, bf16_t va, bf16_t vb) {
+  const int D = rk.D, half = D / 2, Hq = rk.Hq, Hkv = rk.Hkv, bs = rk.block_size;
+  const int slot = rk.slot_mapping[m];
+  const i64 page_base = slot < 0 ? 0 : (i64)(slot / bs) * Hkv * bs * D + (i64)(slot % bs) * D;
+  if (h < Hq + Hkv) {
+    float si, co, ra, rb;
+    nq::rope_sincos((float)rk.positions[m] * rk.inv_freq[c], &si, &co);
+    nq::rope_rotate(bf16_to_f32(va), bf16_to_f32(vb), co, si, &ra, &rb);
+    bf16_t* dst = h < Hq ? rk.q_out + ((i64)m * Hq + h) * D
+                         : (slot >= 0 ? rk.k_cache + page_base + (i64)(h - Hq) * bs * D : nullptr);
+    if (dst) {
+      dst[c] = f32_to_bf16(ra);
+      dst[c + half] = f32_to_bf16(rb);
+    }
+  } else if (slot >= 0) {
+    bf16_t* dst = rk.v_cache + page_base + (i64)(h - Hq - Hkv) * bs * D;
+    dst[c] = va;
+    dst[c + half] = vb;
+  }
+}
+
 // The norm prologue's arguments (NORM; header).
 struct NormIn {
   const bf16_t* weight;  // [K]
@@ -599,30 +624,13 @@ __device__ __noinline__ void store_gemv_rope(float a0, float a1, float a2, float
   }
   __syncthreads();
   // One thread per (row m, column pair (c, c + D/2) of a head of the block): 64 pairs per row.
-  const int D = rk.D, half = D / 2, Hq = rk.Hq, Hkv = rk.Hkv, bs = rk.block_size;
+  const int D = rk.D, half = D / 2;
   for (int idx = threadIdx.x; idx < M * (ROWS_PER_BLOCK / 2); idx += blockDim.x) {
     const int m = idx / (ROWS_PER_BLOCK / 2), p = idx - m * (ROWS_PER_BLOCK / 2);
     const int nl = (p / half) * D + p % half, n = row_base + nl;
     if (n >= N) continue;
-    const int h = n / D, c = n - h * D;
-    const bf16_t va = vals[m * ROWS_PER_BLOCK + nl], vb = vals[m * ROWS_PER_BLOCK + nl + half];
-    const int slot = rk.slot_mapping[m];
-    const i64 page_base = slot < 0 ? 0 : (i64)(slot / bs) * Hkv * bs * D + (i64)(slot % bs) * D;
-    if (h < Hq + Hkv) {
-      float si, co, ra, rb;
-      nq::rope_sincos((float)rk.positions[m] * rk.inv_freq[c], &si, &co);
-      nq::rope_rotate(bf16_to_f32(va), bf16_to_f32(vb), co, si, &ra, &rb);
-      bf16_t* dst = h < Hq ? rk.q_out + ((i64)m * Hq + h) * D
-                           : (slot >= 0 ? rk.k_cache + page_base + (i64)(h - Hq) * bs * D : nullptr);
-      if (dst) {
-        dst[c] = f32_to_bf16(ra);
-        dst[c + half] = f32_to_bf16(rb);
-      }
-    } else if (slot >= 0) {
-      bf16_t* dst = rk.v_cache + page_base + (i64)(h - Hq - Hkv) * bs * D;
-      dst[c] = va;
-      dst[c + half] = vb;
-    }
+    const int h = n / D;
+    rope_kv_write_pair(rk, m, h, n - h * D, vals[m * ROWS_PER_BLOCK + nl], vals[m * ROWS_PER_BLOCK + nl + half]);
   }
 }
 

@@ -264,18 +264,21 @@ def layout_speed(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 8
 
 def post_attention_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2),
                       reps: int = AB_REPS) -> dict:
-    """Issue 13: `EngineConfig.post_attention_kernel` (each layer's o_proj, gate_up and down as one
-    persistent launch at 1..2 rows) on (a) against off (b, the three GEMVs), same weights, features off
-    on both, `ab_decode` (engine tok/s, and each side's graph replay); plus the launches of each side's
-    batch-1 graph."""
-    on = _ab_engine(geom, weights, prefix_caching=False, speculation=None, post_attention_kernel=True)
+    """Issue 13: `EngineConfig.post_attention_kernel` "block" (each layer's o_proj, gate_up and down as
+    one persistent launch at 1..2 rows) and "block+qkv" (the next layer's qkv in it too), each (a)
+    against "off" (b, the GEMVs), same weights, features off, `ab_decode` (engine tok/s, and each side's
+    graph replay); plus the path counts of each engine's batch-1 graph."""
     off = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
-    rows = ab_decode(on, off, batches=batches, reps=reps)
-    cls = on.runner.context_classes[0]
-    out = {"rows": rows, "reps": reps, "a": "post_attention_kernel", "b": "three GEMVs",
-           "graph_paths_a": dict(on.runner.graph_paths[(1, cls)]),
-           "graph_paths_b": dict(off.runner.graph_paths[(1, cls)])}
-    del on, off
+    cls = off.runner.context_classes[0]
+    out = {"reps": reps, "b": "off", "graph_paths_off": dict(off.runner.graph_paths[(1, cls)]),
+           "variants": {}}
+    for variant in ("block", "block+qkv"):
+        on = _ab_engine(geom, weights, prefix_caching=False, speculation=None, post_attention_kernel=variant)
+        out["variants"][variant] = {"rows": ab_decode(on, off, batches=batches, reps=reps),
+                                    "graph_paths": dict(on.runner.graph_paths[(1, cls)])}
+        del on
+        torch.cuda.empty_cache()
+    del off
     torch.cuda.empty_cache()
     return out
 
@@ -492,10 +495,11 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
             log(f"g128 asym/sym batch {r['batch']}: {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s = "
                 f"{r['a_over_b']:.3f}")
         pa = run.section("post_attention_ab", post_attention_ab, geom, weights_ref)
-        for r in (pa or {}).get("rows", []):
-            log(f"post_attention_kernel on/off batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
-                f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
-                f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
+        for variant, res in (pa or {}).get("variants", {}).items():
+            for r in res["rows"]:
+                log(f"post_attention_kernel {variant}/off batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
+                    f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
+                    f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
     del weights_ref
     if load_test_dir is not None and run.section("load_test", load_time, geometry, load_test_dir):
         ld = raw["load_test"]

@@ -30,8 +30,8 @@ raw = {
   "prefix_cache": bench.prefix_cache_ttft(...) result, "engine_stats": EngineStats as a dict,
   "features_cost": bench.features_cost(...) result (features on vs off, same run),
   "layout_speed": bench.layout_speed(...) result (g128 asym vs sym, synthetic model only),
-  "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel on vs off,
-                       synthetic model only),
+  "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel "block" and
+                       "block+qkv" each vs "off", synthetic model only),
   "errors": {section: message},
 }
 """
@@ -272,16 +272,20 @@ def _layout_md(ls: dict | None) -> list[str]:
 def _post_attention_md(pa: dict | None) -> list[str]:
     if not pa:
         return []
-    lines = _ab_md("## o_proj + gate_up + down as one persistent launch (EngineConfig.post_attention_kernel) "
-                   "vs three GEMVs (same run, context 128 + 128)",
-                   f"Engine tok/s, medians of {pa['reps']} alternating repeats per side; 'slower' is every "
-                   "'on' repeat slower than every 'off' repeat (rank test, U = 0).", "on", "off", pa["rows"],
-                   "slower")
-    lines += ["", "| batch | graph replay on tok/s | off tok/s | on/off |", "| --- | --- | --- | --- |"]
-    for r in pa["rows"]:
-        a, b = r.get("a_graph_tok_s"), r.get("b_graph_tok_s")
-        lines.append(f"| {r['batch']} | {_f(a, '.0f')} | {_f(b, '.0f')} | "
-                     f"{_f(a / b if a and b else None, '.3f')} |")
+    lines = []
+    for variant, res in pa.get("variants", {}).items():
+        what = "o_proj + gate_up + down" + (" + the next qkv" if variant == "block+qkv" else "")
+        note = (f"Engine tok/s, medians of {pa['reps']} alternating repeats per side; 'slower' is every "
+                f"'{variant}' repeat slower than every 'off' repeat (rank test, U = 0).")
+        lines += _ab_md(f"## {what} as one persistent launch (EngineConfig.post_attention_kernel="
+                        f"\"{variant}\") vs the GEMVs (same run, context 128 + 128)", note, variant, "off",
+                        res["rows"], "slower")
+        lines += ["", f"| batch | graph replay {variant} tok/s | off tok/s | {variant}/off |",
+                  "| --- | --- | --- | --- |"]
+        for r in res["rows"]:
+            a, b = r.get("a_graph_tok_s"), r.get("b_graph_tok_s")
+            lines.append(f"| {r['batch']} | {_f(a, '.0f')} | {_f(b, '.0f')} | "
+                         f"{_f(a / b if a and b else None, '.3f')} |")
     return lines
 
 

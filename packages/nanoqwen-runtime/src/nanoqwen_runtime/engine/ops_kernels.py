@@ -27,8 +27,10 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   (`ResidualEpilogue`, path counter "residual_epilogue"); the next qkv / gate_up GEMV makes RMSNorm of
   the residual as its input prologue from them (`NormPrologue`, "norm_prologue"). So a decode layer
   launches no add + RMSNorm: six launches, the four GEMVs and attention's two (four with
-  `EngineConfig.post_attention_kernel` at 1..2 rows: o_proj, gate_up and down are then one persistent
-  launch, `post_attention_block`, path counter "post_attention_block"). Otherwise (more rows,
+  `EngineConfig.post_attention_kernel="block"` at 1..2 rows: o_proj, gate_up and down are then one
+  persistent launch, `post_attention_block`, path counter "post_attention_block"; two, attention and
+  that launch, with "block+qkv", where it also makes the next layer's qkv projection with RoPE and the
+  K/V write, path counter "post_attention_qkv"). Otherwise (more rows,
   or a linear that is not INT4) the add stays pending and the norm is one fused_add_rms_norm launch;
   layer 0's input norm and the final norm are plain `rms_norm` launches (nothing fused made their
   statistics, or nothing consumes them fused).
@@ -101,10 +103,20 @@ class KernelOps:
                                        device=device)
         # EngineConfig.post_attention_kernel: the block kernel's plan and scratch (its residual statistics
         # go to _norm_stats, as the GEMV's residual epilogue's do)
+        # ("block+qkv": a second plan with the next layer's qkv op, which the last layer does not run)
         self.block_plan: kblock.BlockPlan | None = None
-        if cfg.post_attention_kernel:
+        self.block_plan_qkv: kblock.BlockPlan | None = None
+        if cfg.post_attention_kernel != "off":
             self.block_plan = kblock.plan_post_attention(H, I, geom.q_dim, device)
-            self.block_workspace = kblock.BlockWorkspace.allocate(self.block_plan, device)
+            sized_by = self.block_plan
+            if cfg.post_attention_kernel == "block+qkv":
+                if geom.head_dim not in kgemv.ROPE_HEAD_DIMS:
+                    raise ValueError(f"post_attention_kernel='block+qkv' needs head_dim in "
+                                     f"{kgemv.ROPE_HEAD_DIMS}, got {geom.head_dim}")
+                self.block_plan_qkv = kblock.plan_post_attention(H, I, geom.q_dim, device,
+                                                                 qkv_dim=geom.qkv_dim)
+                sized_by = self.block_plan_qkv
+            self.block_workspace = kblock.BlockWorkspace.allocate(sized_by, device)
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
@@ -160,11 +172,13 @@ class KernelOps:
             if isinstance(lin, Int8Linear):
                 self._int8(lin)  # refuses a layout the INT8 GEMV cannot run (G = 32), before any work
         if self.block_plan is not None:
+            with_qkv = self.block_plan_qkv is not None
             for lw in weights.layers:
-                trio = (lw.o_proj, lw.gate_up, lw.down)
-                if not all(isinstance(lin, Int4Linear) for lin in trio):
-                    raise ValueError("post_attention_kernel=True needs INT4 o_proj, gate_up and down weights")
-                kblock.check_layout(tuple(self._int4(lin) for lin in trio))  # g128, one layout
+                lins = (lw.o_proj, lw.gate_up, lw.down) + ((lw.qkv,) if with_qkv else ())
+                if not all(isinstance(lin, Int4Linear) for lin in lins):
+                    raise ValueError(f"post_attention_kernel={self.cfg.post_attention_kernel!r} needs INT4 "
+                                     f"{'qkv, ' if with_qkv else ''}o_proj, gate_up and down weights")
+                kblock.check_layout(tuple(self._int4(lin) for lin in lins))  # g128, one layout
         if self.cfg.dense_weight_cache:
             print(f"nanoqwen engine: dense_weight_cache=True keeps a bf16 copy of every quantized linear: "
                   f"{self.dense_cache_bytes(weights) / 1e9:.2f} GB more on the GPU (taken from the KV pool)")
@@ -344,17 +358,27 @@ class KernelOps:
         return self.block_plan is not None and 1 <= m <= kblock.MAX_M
 
     def post_attention_block(self, attn: torch.Tensor, lw, residual: torch.Tensor, gate_up: torch.Tensor,
-                             eps: float) -> ResidualUpdate:
+                             eps: float, next_layer=None, k_cache=None, v_cache=None, positions=None,
+                             slot_mapping=None, q_out=None) -> tuple[ResidualUpdate, bool]:
         """residual += o_proj(attn); gate_up = gate_up(RMSNorm(residual) * w); residual +=
         down(silu(gate) * up): one launch (path "post_attention_block"); gate_up [M, 2I] is its scratch.
-        Returns the update with the new residual's statistics for the next norm prologue."""
+        With "block+qkv" and a next layer (its weights, its K/V caches, the step's positions and slot
+        mapping, q_out), the launch also makes that layer's qkv projection as `qkv_projection` would
+        (path "post_attention_qkv"). Returns the update with the new residual's statistics for the next
+        norm prologue, and whether the next layer's q and K/V were written."""
         shape = kgemv.norm_stats_shape(attn.shape[0], self.g.hidden_size)
         stats = self._norm_stats[: shape[0] * shape[1]].view(shape)
         self.paths["post_attention_block"] += 1
         w_o, w_gu, w_d = self._int4(lw.o_proj), self._int4(lw.gate_up), self._int4(lw.down)
+        plan, nxt = self.block_plan, None
+        if next_layer is not None and self.block_plan_qkv is not None:
+            plan = self.block_plan_qkv
+            nxt = kblock.NextQkv(self._int4(next_layer.qkv), next_layer.qkv_bias, next_layer.input_norm,
+                                 self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache, v_cache)
+            self.paths["post_attention_qkv"] += 1
         kblock.post_attention_block(attn, w_o, lw.post_attn_norm, eps, w_gu, w_d, residual, gate_up, stats,
-                                    self.block_workspace, self.block_plan, pdl=self.cfg.pdl)
-        return ResidualUpdate(stats=stats)
+                                    self.block_workspace, plan, next_qkv=nxt, pdl=self.cfg.pdl)
+        return ResidualUpdate(stats=stats), nxt is not None
 
     def fuses_silu_down(self, down: Linear, m: int) -> bool:
         """Whether `mlp_down` of m rows applies SiLU*mul inside the down GEMV's input staging (an INT4
