@@ -35,8 +35,10 @@
 // Dependencies, with counters in global memory: op_done[op] counts finished pairs. Before op 1 (op 2)
 // stages its input, thread 0 of every CTA waits until op_done[0] (op_done[1]) reaches that op's NP;
 // the input is staged whole into shared memory (the GEMV's stage_x), as each op needs all of it. The
-// last CTA to leave resets op_done. Data another CTA wrote in this launch is read past L1 (ld.cg) or
-// only after the wait, by an SM that had not cached it.
+// last CTA to leave resets op_done. Data another CTA wrote in this launch is read past L1 (ld.cg: the
+// staging of ops 1-3, the residual in the epilogues, the partials and per-pair statistics), after the
+// wait that orders it: L1 is not coherent, and an SM may hold older lines of the residual or the
+// statistics from an earlier op's staging.
 //
 // Epilogues. o_proj and down add y into the residual as the GEMV's residual epilogue does (bf16(bf16(y)
 // + resid)) and write the new residual's sums of squares per row and 128 columns, stats [M, H / 128],
@@ -355,10 +357,12 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2, 
       __syncthreads();
     }
     const int xs_stride = o.K + XPAD;
+    // (ops 1-3 read what other CTAs wrote in this launch: past L1, which may hold older lines of it)
+    const int stat_blocks = ops[0].N / 128;
     if (op == 0) stage_x<0>(xs, xs_stride, a.attn, M, o.K, 0, o.K);
-    else if (op == 1) stage_x_normed(xs, xs_stride, a.resid, M, o.K, 0, o.K, NormIn{a.norm_w, a.stats, a.eps, ops[0].N / 128});
-    else if (op == 2) stage_x<1>(xs, xs_stride, a.gate_up, M, o.K, 0, o.K);
-    else stage_x_normed(xs, xs_stride, a.resid, M, o.K, 0, o.K, NormIn{a.in_norm_w, a.stats, a.eps, ops[0].N / 128});
+    else if (op == 1) stage_x_normed<true>(xs, xs_stride, a.resid, M, o.K, 0, o.K, NormIn{a.norm_w, a.stats, a.eps, stat_blocks});
+    else if (op == 2) stage_x<1, true>(xs, xs_stride, a.gate_up, M, o.K, 0, o.K);
+    else stage_x_normed<true>(xs, xs_stride, a.resid, M, o.K, 0, o.K, NormIn{a.in_norm_w, a.stats, a.eps, stat_blocks});
     __syncthreads();
 
     const bf16_t* xsl = xs + min(g, M - 1) * xs_stride + 8 * t;

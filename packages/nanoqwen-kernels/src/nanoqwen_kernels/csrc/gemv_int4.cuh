@@ -152,7 +152,15 @@ struct GroupIO {
 // XMODE 0: x is [M, K]. XMODE 1: x is gate_up [M, 2K] and the staged value is bf16(silu(g) * u).
 // XMODE 2 (the norm prologue): x is the residual [M, K] and the staged value is bf16(x * rs[m] * nw)
 // (rs: the rows' RMS scales, nw: the norm weight [K]).
-template <int XMODE>
+// CG: x is read past L1 (ld.cg), for an x that other blocks of the same launch wrote (the block kernel,
+// block_int4.cuh: L1 is not coherent, and the SM may hold an older copy of the lines).
+template <bool CG>
+NQ_DEVICE uint4 load_x(const void* p) {
+  if constexpr (CG) return ld_cg_v4(p);
+  else return ld_v4(p);
+}
+
+template <int XMODE, bool CG = false>
 NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M, int K, int k0,
                        int ncols, const bf16_t* __restrict__ nw = nullptr, const float* rs = nullptr) {
   const int vec_per_row = ncols / 8;
@@ -163,14 +171,14 @@ NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, 
     const int m = v / vec_per_row, c8 = (v - m * vec_per_row) * 8;
     u32 w[4];
     if constexpr (XMODE == 0) {
-      const uint4 a = ld_v4(x + (i64)m * K + k0 + c8);
+      const uint4 a = load_x<CG>(x + (i64)m * K + k0 + c8);
       w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
     } else if constexpr (XMODE == 2) {
-      const uint4 a = nq::scale_bf16x8(ld_v4(x + (i64)m * K + k0 + c8), ld_v4(nw + k0 + c8), rs[m]);
+      const uint4 a = nq::scale_bf16x8(load_x<CG>(x + (i64)m * K + k0 + c8), ld_v4(nw + k0 + c8), rs[m]);
       w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
     } else {
-      const uint4 g = ld_v4(x + (i64)m * 2 * K + k0 + c8);
-      const uint4 u = ld_v4(x + (i64)m * 2 * K + K + k0 + c8);
+      const uint4 g = load_x<CG>(x + (i64)m * 2 * K + k0 + c8);
+      const uint4 u = load_x<CG>(x + (i64)m * 2 * K + K + k0 + c8);
       const u32 ga[4] = {g.x, g.y, g.z, g.w}, ua[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -305,24 +313,30 @@ struct ResidOut {
 
 // rs[m] = rsqrt(sum_b stats[m, b] / K + eps) for m < M (warp m sums row m: lanes over b, then the
 // butterfly; a fixed order). The caller synchronises before reading rs.
+template <bool CG = false>
 NQ_DEVICE void norm_scales(const NormIn& ni, int M, int K, float* rs) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp >= M) return;
   float s = 0.f;
 #pragma unroll 1  // one or two trips (K <= 8192); unrolled, ptxas kept 16 loads live and spilled
-  for (int b = lane; b < ni.stat_blocks; b += 32) s += ni.stats[warp * ni.stat_blocks + b];
+  for (int b = lane; b < ni.stat_blocks; b += 32) {
+    if constexpr (CG) s += ld_cg_f32(ni.stats + warp * ni.stat_blocks + b);
+    else s += ni.stats[warp * ni.stat_blocks + b];
+  }
   s = warp_sum(s);
   if (lane == 0) rs[warp] = rsqrtf(s / (float)K + ni.eps);
 }
 
 // The norm prologue's staging: the rows' RMS scales from ni.stats, then x staged as stage_x<2>. Not
 // inlined: inlined, ptxas spilled 8 bytes inside the main loop of the g128 asym exact-loop kernel.
+// CG: x and the statistics read past L1 (stage_x).
+template <bool CG = false>
 __device__ __noinline__ void stage_x_normed(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M,
                                             int K, int k0, int ncols, NormIn ni) {
   __shared__ float rs[8];
-  norm_scales(ni, M, K, rs);
+  norm_scales<CG>(ni, M, K, rs);
   __syncthreads();
-  stage_x<2>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
+  stage_x<2, CG>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
 }
 
 NQ_DEVICE void store_gemv_residual(float a0, float a1, float a2, float a3, const bf16_t* __restrict__ bias,
