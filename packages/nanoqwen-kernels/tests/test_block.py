@@ -39,6 +39,8 @@ Outputs and statistics are NaN-poisoned first, with a poisoned tail that must st
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from int4_testkit import random_int4
@@ -442,3 +444,14 @@ def test_block_rejects_what_it_cannot_run(gen, device):
         post_attention_block(layer.attn, **{**args, "down": sym})
     with pytest.raises(ValueError, match="stats"):
         post_attention_block(layer.attn, **{**args, "stats": stats[:, :-1].contiguous()})
+
+
+SANITIZE_SCRIPT = Path(__file__).parents[1] / "bench" / "block" / "sanitize_block.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "synccheck", "initcheck"])
+def test_compute_sanitizer_clean(tool, compute_sanitizer):
+    """Out-of-bounds or misaligned accesses (the ring's bulk copies, the partial and statistics slots),
+    barrier misuse, reads of memory nothing wrote: each tool judged by its own clean summary line."""
+    compute_sanitizer(tool, SANITIZE_SCRIPT, "sanitize_block: OK")
