@@ -45,6 +45,15 @@ import pytest
 import torch
 from int4_testkit import random_int4
 from nanoqwen_kernels import reference as R
+from nanoqwen_kernels.gemv import (
+    GemvWorkspace,
+    NormPrologue,
+    ResidualEpilogue,
+    gemv_int4,
+    gemv_int4_qkv_rope,
+    norm_stats_shape,
+    plan_gemv,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -109,7 +118,6 @@ class Layer:
     def run_block(self, plan, ws, resid=None):
         """One launch into poisoned outputs; returns (resid, gate_up, stats) and checks the tails."""
         from nanoqwen_kernels.block import post_attention_block
-        from nanoqwen_kernels.gemv import norm_stats_shape
 
         dev = self.attn.device
         resid = self.resid0.clone() if resid is None else resid
@@ -125,14 +133,6 @@ class Layer:
 
     def gemv_o(self):
         """The residual after o_proj by the GEMV (residual epilogue); returns (resid1, stats128)."""
-        from nanoqwen_kernels.gemv import (
-            GemvWorkspace,
-            ResidualEpilogue,
-            gemv_int4,
-            norm_stats_shape,
-            plan_gemv,
-        )
-
         dev = self.attn.device
         plan = plan_gemv(self.h, self.kq, dev)
         resid = self.resid0.clone()
@@ -142,8 +142,6 @@ class Layer:
         return resid, stats
 
     def gemv_gate_up(self, resid1, stats128):
-        from nanoqwen_kernels.gemv import GemvWorkspace, NormPrologue, gemv_int4, plan_gemv
-
         dev = self.attn.device
         plan = plan_gemv(2 * self.inter, self.h, dev)
         y = torch.empty(self.m, 2 * self.inter, dtype=torch.bfloat16, device=dev)
@@ -153,14 +151,6 @@ class Layer:
 
     def gemv_down(self, gate_up, resid1):
         """(y_down fp32-exact-ish bf16 output, resid2) by the GEMV from the given gate_up."""
-        from nanoqwen_kernels.gemv import (
-            GemvWorkspace,
-            ResidualEpilogue,
-            gemv_int4,
-            norm_stats_shape,
-            plan_gemv,
-        )
-
         dev = self.attn.device
         plan = plan_gemv(self.h, self.inter, dev, silu_input=True)
         ws = GemvWorkspace.allocate([plan], dev)
@@ -320,14 +310,6 @@ def test_next_qkv_op(geom, m, symmetric, scale_dtype, gen, device):
     for a v head element; RoPE moves an output by at most delta(a) + delta(b) of its pair (a, b) plus one
     ulp of the output (2^-7 |out|; both sides use the same sin / cos bits)."""
     from nanoqwen_kernels.block import BlockWorkspace, plan_post_attention, post_attention_block
-    from nanoqwen_kernels.gemv import (
-        GemvWorkspace,
-        NormPrologue,
-        gemv_int4,
-        gemv_int4_qkv_rope,
-        norm_stats_shape,
-        plan_gemv,
-    )
     from nanoqwen_kernels.layer_ops import rms_norm
 
     layer = Layer(geom, m, symmetric, scale_dtype, gen, device)
@@ -388,7 +370,6 @@ def _assert_close_to(got, ref, bound, what):
 def test_graph_replay_on_new_inputs(gen, device):
     """Captured once; each replay on new inputs gives the eager launch's bits."""
     from nanoqwen_kernels.block import BlockWorkspace, post_attention_block
-    from nanoqwen_kernels.gemv import norm_stats_shape
 
     layer = Layer(GEOMETRIES[0], 1, False, torch.bfloat16, gen, device)
     plan = layer.plan(device)
@@ -424,7 +405,6 @@ def test_graph_replay_on_new_inputs(gen, device):
 
 def test_block_rejects_what_it_cannot_run(gen, device):
     from nanoqwen_kernels.block import BlockWorkspace, post_attention_block
-    from nanoqwen_kernels.gemv import norm_stats_shape
 
     layer = Layer(GEOMETRIES[2], 1, False, torch.bfloat16, gen, device)
     plan = layer.plan(device)

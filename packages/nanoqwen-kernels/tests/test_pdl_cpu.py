@@ -239,7 +239,6 @@ def test_launchers_pass_pdl_to_every_launch(pdl, monkeypatch):
         monkeypatch.setattr(mod, "launch", record)
     monkeypatch.setattr(launch, "launch", record)  # attention calls launch.launch
     monkeypatch.setattr(gemv, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(block, "_sm_count", lambda index: 4)
     monkeypatch.setattr(block, "_resident_blocks", lambda *a: 1)
     _call_every_launcher({} if pdl is None else {"pdl": pdl})
     kernels = [k for k, _ in launched]

@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from . import layer_ops
+from . import gemv, layer_ops
 from .gemv import ROPE_HEAD_DIMS, XPAD, Int4Weight, norm_stats_shape
 from .launch import check, f32, get_function, i32, launch, ptr, require_sm90
 
@@ -129,7 +129,7 @@ def plan_post_attention(hidden: int, intermediate: int, q_dim: int, device: torc
     """The plan for a layer of this geometry on `device` (one CTA per SM; `sms` overrides the count;
     family: which build, `BUILDS`); qkv_dim: also the next layer's qkv projection of that many rows."""
     if sms is None:
-        sms = _sm_count(require_sm90(device))
+        sms = gemv._sm_count(require_sm90(device))
     for name, v in (("hidden", hidden), ("intermediate", intermediate), ("q_dim", q_dim)):
         if v <= 0 or v % 128:
             raise ValueError(f"{name} must be a positive multiple of 128, got {v}")
@@ -145,11 +145,6 @@ def plan_post_attention(hidden: int, intermediate: int, q_dim: int, device: torc
         if (n // PAIR_ROWS) * (k // 128) * total >= 2**62:
             raise ValueError("shape too large for the kernel's work partition")
     return BlockPlan(hidden, intermediate, q_dim, sms, warps, family, qkv_dim)
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,9 +299,10 @@ def post_attention_block(
         raise ValueError("BlockWorkspace too small for this plan; allocate it from the plan")
     shared = plan.shared_bytes(m)
     resident = _resident_blocks(plan.family, kernel, index, shared)
-    if resident * _sm_count(index) < plan.grid:
+    sms = gemv._sm_count(index)
+    if resident * sms < plan.grid:
         raise RuntimeError(f"{kernel}: {plan.grid} CTAs must be resident at once, the GPU holds "
-                           f"{resident} per SM x {_sm_count(index)} SMs")
+                           f"{resident} per SM x {sms} SMs")
     qkv_args = _NO_QKV_ARGS
     if next_qkv is not None:
         qkv_args = _next_qkv_args(next_qkv, plan, workspace, m, h, dev)

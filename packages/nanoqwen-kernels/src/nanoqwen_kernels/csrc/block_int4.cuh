@@ -177,12 +177,6 @@ NQ_DEVICE void load_chunk_scales(ChunkScales& cs, const Cursor& c, const u16* sc
   }
 }
 
-NQ_DEVICE bf16_t ld_cg_bf16(const bf16_t* p) {
-  bf16_t v;
-  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
-  return v;
-}
-
 NQ_DEVICE int ld_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

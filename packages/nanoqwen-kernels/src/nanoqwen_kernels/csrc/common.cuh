@@ -96,6 +96,12 @@ NQ_DEVICE float ld_cg_f32(const float* p) {
   return v;
 }
 
+NQ_DEVICE bf16_t ld_cg_bf16(const bf16_t* p) {
+  bf16_t v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
 NQ_DEVICE uint4 ld_cg_v4(const void* p) {
   uint4 v;
   asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
