@@ -41,19 +41,6 @@ BUILDS = {
 }
 
 
-def _weight(n, k, symmetric, gen):
-    import torch
-    from nanoqwen_kernels.gemv import Int4Weight
-
-    words = torch.randint(0, 256, (n * k // 2,), generator=gen, device="cuda", dtype=torch.uint8)
-    qweight = words.view(torch.int32).reshape(n // 8, k // 128, 32, 4)
-    scales = (0.5 + torch.rand(n, k // 128, generator=gen, device="cuda")) / (4.6 * k**0.5)
-    scales = scales.to(torch.bfloat16)
-    zeros = None if symmetric else torch.randint(0, 16, (n, k // 128), generator=gen, device="cuda",
-                                                 dtype=torch.uint8)
-    return Int4Weight(qweight, scales, zeros, n, k, 128)
-
-
 class Step:
     """One decode step's buffers at M rows and the layers' weights (o_proj, gate_up, down, next qkv)."""
 
@@ -87,6 +74,7 @@ class Step:
 
 def run(out_dir: Path, builds: list[str], layers: int) -> dict:
     import torch
+    from bench_kernels import random_weight
     from nanoqwen_kernels import block, gemv
     from nanoqwen_kernels.bench import read_bandwidth, time_graph
 
@@ -103,7 +91,7 @@ def run(out_dir: Path, builds: list[str], layers: int) -> dict:
     for symmetric in (False, True):
         kind = "sym" if symmetric else "asym"
         shapes = ((H, KQ), (2 * INTER, H), (H, INTER), ((HQ + 2 * HKV) * D, H))
-        weights = [tuple(_weight(n, k, symmetric, gen) for n, k in shapes) for _ in range(layers)]
+        weights = [tuple(random_weight(n, k, gen, symmetric) for n, k in shapes) for _ in range(layers)]
         nbytes3 = sum(w.nbytes() for w in weights[0][:3])
         nbytes4 = nbytes3 + weights[0][3].nbytes()
         for m in (1, 2):

@@ -25,6 +25,7 @@ import random
 
 import pytest
 import torch
+from int4_testkit import random_int4
 from nanoqwen_kernels import block
 from nanoqwen_kernels import build as kbuild
 from nanoqwen_kernels import reference as R
@@ -35,11 +36,7 @@ TILE = 512
 
 
 def _weight(n, k, symmetric, gen):
-    words = torch.randint(0, 256, (n * k // 2,), generator=gen, dtype=torch.uint8)
-    qweight = words.view(torch.int32).reshape(n // 8, k // 128, 32, 4)
-    scales = ((0.5 + torch.rand(n, k // 128, generator=gen)) / (4.6 * k**0.5)).to(torch.bfloat16)
-    zeros = None if symmetric else torch.randint(0, 16, (n, k // 128), generator=gen, dtype=torch.uint8)
-    return Int4Weight(qweight, scales, zeros, n, k, 128)
+    return random_int4(n, k, 128, symmetric, gen, "cpu")
 
 
 class Op:

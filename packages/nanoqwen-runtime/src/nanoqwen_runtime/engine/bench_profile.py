@@ -261,8 +261,7 @@ def op_accounting(engine, context: int):
         if op == "norm":  # the final norm
             return "add_rms_norm" if args[0].update.pending is not None else "rms_norm"
         if op == "post_attention_block":
-            with_qkv = len(args) > 5 and args[5] is not None and getattr(engine.ops, "block_plan_qkv", None)
-            ops = "o_proj + gate_up + down" + (" + next qkv" if with_qkv else "")
+            ops = "o_proj + gate_up + down" + (" + next qkv" if engine.ops.fuses_next_qkv(args[5]) else "")
             return f"post_attention_block ({ops}, one launch)"
         return op
 
@@ -290,10 +289,10 @@ def op_accounting(engine, context: int):
         if op == "post_attention_block":  # args: attn, layer, residual, gate_up, eps, next layer, ..., q_out:
             # the three weights, the residual read and written twice, gate_up written and read; with the
             # next qkv: its weight and bias, the residual once more, q and one token's K/V per row written
-            lw, nxt = args[1], args[5] if len(args) > 5 else None
+            lw, nxt = args[1], args[5]
             total = (b(args[0]) + lw.o_proj.nbytes + lw.gate_up.nbytes + lw.down.nbytes + 4 * b(args[2])
                      + 2 * b(args[3]))
-            if nxt is not None and getattr(engine.ops, "block_plan_qkv", None) is not None:
+            if engine.ops.fuses_next_qkv(nxt):
                 bias = b(nxt.qkv_bias) if nxt.qkv_bias is not None else 0
                 total += nxt.qkv.nbytes + bias + b(args[2]) + b(args[10]) + args[2].shape[0] * kv_token_layer
             return total

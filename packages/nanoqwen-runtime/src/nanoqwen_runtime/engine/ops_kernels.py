@@ -357,6 +357,11 @@ class KernelOps:
         (EngineConfig.post_attention_kernel, 1..kblock.MAX_M rows; the weights were checked at start)."""
         return self.block_plan is not None and 1 <= m <= kblock.MAX_M
 
+    def fuses_next_qkv(self, next_layer) -> bool:
+        """Whether `post_attention_block` also makes `next_layer`'s qkv projection ("block+qkv"; the last
+        layer has no next one)."""
+        return next_layer is not None and self.block_plan_qkv is not None
+
     def post_attention_block(self, attn: torch.Tensor, lw, residual: torch.Tensor, gate_up: torch.Tensor,
                              eps: float, next_layer=None, k_cache=None, v_cache=None, positions=None,
                              slot_mapping=None, q_out=None) -> tuple[ResidualUpdate, bool]:
@@ -371,7 +376,7 @@ class KernelOps:
         self.paths["post_attention_block"] += 1
         w_o, w_gu, w_d = self._int4(lw.o_proj), self._int4(lw.gate_up), self._int4(lw.down)
         plan, nxt = self.block_plan, None
-        if next_layer is not None and self.block_plan_qkv is not None:
+        if self.fuses_next_qkv(next_layer):
             plan = self.block_plan_qkv
             nxt = kblock.NextQkv(self._int4(next_layer.qkv), next_layer.qkv_bias, next_layer.input_norm,
                                  self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache, v_cache)
