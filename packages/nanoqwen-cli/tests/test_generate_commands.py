@@ -71,8 +71,9 @@ def test_stop_string(model):
     (["--backend", "engine"], "--backend engine runs on a CUDA GPU only"),
     (["--dtype", "int3"], "--dtype must be one of"),
     (["--threads", "0"], "--threads must be >= 1"),
-    (["--kv-memory", "8GiB"], "--kv-memory and --eager are engine options"),
-    (["--eager"], "--kv-memory and --eager are engine options"),
+    (["--kv-memory", "8GiB"], "--kv-memory, --eager and --overlap are engine options"),
+    (["--eager"], "--kv-memory, --eager and --overlap are engine options"),
+    (["--overlap"], "--kv-memory, --eager and --overlap are engine options"),
     (["--speculate", "ngram:0"], "--speculate: speculation 'ngram:0': K must be in 1..7"),
     (["--speculate", "ngram:"], "--speculate: unknown speculation 'ngram:'"),
 ])
@@ -129,11 +130,12 @@ GPU_TINY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, h
 @pytest.mark.gpu
 def test_generate_on_cuda_runs_the_engine(tmp_path):
     """`--device cuda` picks the CUDA engine (kernel widths: head_dim 64, K a multiple of 128), streams
-    the tokens, reports them, and a greedy run is reproducible; --eager and --kv-memory are honoured."""
+    the tokens, reports them, and a greedy run is reproducible; --eager, --overlap and --kv-memory are
+    honoured."""
     path = write_tiny_container(tmp_path / "gpu.nanoqwen", method="rtn", seed=1, config_overrides=GPU_TINY)
     args = ["generate", path, "-p", "def fib(n):", "--max-tokens", "12", "--temperature", "0",
             "--device", "cuda", "--kv-memory", "1GiB", "--json"]
-    runs = [invoke(*args), invoke(*args), invoke(*args, "--eager")]
+    runs = [invoke(*args), invoke(*args), invoke(*args, "--eager"), invoke(*args, "--overlap")]
     for r in runs:
         assert r.exit_code == 0, r.output
     outs = [json.loads(r.stdout) for r in runs]
@@ -143,8 +145,8 @@ def test_generate_on_cuda_runs_the_engine(tmp_path):
         assert o["finish_reason"] in ("length", "eos") and o["ttft_s"] > 0
         assert o["finish_reason"] == "eos" or o["generated_tokens"] == 12
     assert outs[0]["text"] == outs[1]["text"]  # greedy is deterministic
-    # graph and eager launch the same kernels on the same data
-    assert outs[0]["text"] == outs[2]["text"]
+    # graph and eager launch the same kernels on the same data; overlap runs the same steps
+    assert outs[0]["text"] == outs[2]["text"] == outs[3]["text"]
 
 
 # ---------------------------------------------------------------------------------------------------

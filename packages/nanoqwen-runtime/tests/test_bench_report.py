@@ -227,6 +227,33 @@ def test_layout_speed_compares_asym_with_sym_on_cpu(monkeypatch):
     assert out["weight_bytes_a"] - out["weight_bytes_b"] == groups
 
 
+def test_overlap_ab_on_cpu_reaches_the_report(monkeypatch):
+    """The synthetic run's overlap-vs-synchronous section on the torch backend: both sides measured
+    `reps` times alternately, only the overlap engine queued steps ahead; bench.md shows the table and
+    each side's engine / graph ratio (no graph on the CPU: '-')."""
+    from nanoqwen_runtime.engine.synthetic import random_weights
+
+    def ab_engine(geom, weights, **cfg):
+        return Engine(geom, weights, EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=64,
+                                                  block_size=16, max_model_len=256, prefill_chunk=48,
+                                                  max_batch=8, **cfg))
+
+    monkeypatch.setattr(bench, "_ab_engine", ab_engine)
+    real_decode = bench.decode_at_context
+    monkeypatch.setattr(bench, "decode_at_context",
+                        lambda e, ctx, new, batch=1, seed=0: real_decode(e, 16, 8, batch=batch, seed=seed))
+    out = bench.overlap_ab(TINY, random_weights(TINY, "cpu", seed=0), batches=(1, 3), reps=2)
+    assert [r["batch"] for r in out["rows"]] == [1, 3]
+    assert all(len(r["a_all"]) == len(r["b_all"]) == 2 for r in out["rows"])
+    assert out["steps_ahead_off"] == 0 and 0 < out["steps_ahead_on"] < out["decode_steps_on"]
+    raw = fake_raw()
+    raw["overlap_ab"] = out
+    md = markdown(build_report(raw))
+    assert "## Overlapped decode (EngineConfig.overlap) vs synchronous steps" in md
+    assert f"queued {out['steps_ahead_on']} of its {out['decode_steps_on']} decode steps ahead" in md
+    assert "| 3 | - | - | - | - | - |" in md
+
+
 def test_sections_on_cpu_feed_the_report(tiny_path, tmp_path):
     engine = cpu_engine(tiny_path)
     d = bench.decode_at_context(engine, 40, 12, batch=2)

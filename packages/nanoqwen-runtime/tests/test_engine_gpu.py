@@ -256,6 +256,46 @@ def test_pdl_changes_nothing_but_timing(container, mode):
     print(f"pdl[{mode}]: {steps} steps, logits bitwise equal with and without PDL")
 
 
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_overlap_gives_the_synchronous_tokens(container, mode):
+    """EngineConfig.overlap: decode step n+1 queued before step n is read back, its token ids copied on
+    the device from step n's sampled tokens (test_engine_overlap.py has the CPU cases: EOS, arrivals,
+    preemption, speculation). Here the device side: pinned read-back buffers used in turn, the feed
+    before the graph replay. Five requests leaving the batch at different lengths (never computed
+    ahead: no row is added to a step, which could change its graph bucket), greedy and seeded
+    sampling: the same steps with the same inputs as without overlap, so the tokens are EQUAL, and
+    steps went ahead."""
+    _, path = container
+    prompts = prompts_of((1, 17, 100, 300, 9), seed=13)
+
+    def run(overlap: bool):
+        engine = Engine.from_file(path, gpu_config(mode=mode, overlap=overlap))
+        for i, p in enumerate(prompts):
+            sp = SamplingParams(max_tokens=6 + 5 * i, temperature=0.8 if i % 2 else 0.0, top_p=0.9, seed=i)
+            assert engine.submit(Request(p, sp, f"r{i}", ignore_eos=True)) is None
+        toks, fins = {}, {}
+        while engine.has_work:
+            for ev in engine.step():
+                if isinstance(ev, TokenEvent):
+                    toks.setdefault(ev.request, []).append(ev.token_id)
+                else:
+                    fins[ev.request_id] = ev
+        torch.cuda.synchronize()
+        assert engine.kv_blocks_used() == 0
+        out = (toks, {k: (f.reason, f.num_generated) for k, f in fins.items()}, dict(engine.num_steps),
+               engine.num_steps_ahead)
+        del engine
+        torch.cuda.empty_cache()
+        return out
+
+    toks_on, fins_on, steps_on, ahead_on = run(True)
+    toks_off, fins_off, steps_off, ahead_off = run(False)
+    assert toks_on == toks_off and fins_on == fins_off
+    assert [fins_on[f"r{i}"] for i in range(5)] == [(FinishReason.LENGTH, 6 + 5 * i) for i in range(5)]
+    assert steps_on == steps_off and ahead_off == 0 and ahead_on >= steps_on["decode"] // 2
+    print(f"overlap[{mode}]: {ahead_on} of {steps_on['decode']} decode steps queued ahead, tokens equal")
+
+
 def test_int8_lm_head_matches_reference(tmp_path):
     """An `--lm-head int8` container (7B width, 2 layers) runs on the INT8 GEMV: teacher-forced decode
     of 3 prompts at batch 3 (lm_head rows M = 3) and batch 1 (M = 1), within the noise bound, which

@@ -205,3 +205,177 @@ def test_randomized_1000_requests(seed):
             assert len(q.tokens) == 512 and q.num_generated < q.request.params.max_tokens
     assert s.blocks.num_used == 0 and s.blocks.num_free == s.blocks.usable_blocks
     assert s.num_preemptions > 0  # the pool is small enough that preemption is exercised
+
+
+# ---- the overlapped decode: steps planned ahead (Scheduler.plan_ahead) ----------------------------------
+
+
+class FakeDevice:
+    """The engine's device for steps planned ahead: each step's inputs are built when it is queued (as
+    the engine uploads them), and steps run in queue order, each either at once or only when it is
+    read back (a slow device: the host has committed earlier steps, finished sequences and planned
+    the next step meanwhile). A step planned ahead copies its rows' ids from the previous step's
+    sampled tokens, as `ModelRunner.launch` does. Running a step is `FakeModel.step`'s tag write and
+    check, with the row's own position checked against the id it was fed."""
+
+    def __init__(self, model: FakeModel, rng: random.Random):
+        self.model, self.rng = model, rng
+        self.queue: list[tuple[object, object, object]] = []  # (handle, plan, inputs)
+        self.results: dict[object, list[int]] = {}
+        self.last_rows: list[int] = []
+
+    def launch(self, plan):
+        m = self.model
+        pad_to = next(b for b in m.buckets if b >= len(plan.seqs)) if plan.kind == "decode" else None
+        inp = build_step_inputs(plan, block_size=m.bs, max_pages=m.max_pages,
+                                padding_block=m.sched.blocks.padding_block, pad_to=pad_to)
+        handle = object()
+        self.queue.append((handle, plan, inp))
+        if self.rng.random() < 0.5:
+            self._run_until(handle)
+        return handle
+
+    def result(self, handle) -> list[int]:
+        self._run_until(handle)
+        return self.results.pop(handle)
+
+    def _run_until(self, handle) -> None:
+        while handle not in self.results:
+            h, plan, inp = self.queue.pop(0)
+            self.results[h] = self._run(plan, inp)
+
+    def _run(self, plan, inp) -> list[int]:
+        m, qs = self.model, inp.query_start
+        ids = inp.input_ids.copy()
+        if inp.feed_rows is not None:
+            ids[:len(inp.feed_rows)] = [self.last_rows[r] for r in inp.feed_rows]
+        for b in range(inp.num_rows):
+            for t in range(qs[b], qs[b + 1]):
+                p = int(inp.positions[t])
+                page = inp.page_table[b, p // m.bs]
+                if b >= inp.num_real:
+                    assert page == m.sched.blocks.padding_block
+                    continue
+                m.pool[page, p % m.bs] = m.tag(plan.seqs[b].seq_id, p, int(ids[t]))
+        for b, seq in enumerate(plan.seqs):
+            ctx = int(inp.context_lens[b])
+            for p in range(ctx):
+                tok = int(ids[qs[b + 1] - 1]) if p == ctx - 1 else seq.tokens[p]
+                if p < len(seq.tokens):  # the fed id is the token the host committed there
+                    assert seq.tokens[p] == tok, (seq.seq_id, p)
+                got = m.pool[inp.page_table[b, p // m.bs], p % m.bs]
+                assert got == m.tag(seq.seq_id, p, tok), (seq.seq_id, p)
+        self.last_rows = [EOS if self.rng.random() < m.eos_prob else 100 + self.rng.randrange(900)
+                          for _ in range(len(plan.seqs))]
+        return self.last_rows
+
+
+@pytest.mark.parametrize("seed,burst", [(0, False), (1, False), (2, True)])
+def test_randomized_requests_with_steps_planned_ahead(seed, burst):
+    """The engine's overlapped step loop (Engine.step) over 300 random requests with EOS, arrivals
+    between steps, aborts and a pool small enough to preempt: each step after a plain decode step is
+    planned ahead where `plan_ahead` allows, queued before the previous one is read back, and committed
+    one step late. No sequence ever reads another's K/V (the tags, also at the rows of sequences that
+    ended with a step in flight, whose pages are taken by others meanwhile); the accounting holds
+    after every step; every request completes with exactly its tokens. `burst`: all requests arrive at
+    once, so the batch stays full with requests waiting (steps still go ahead: `_admission_blocked`)."""
+    rng = random.Random(seed)
+    s = make(num_blocks=61, block_size=8, max_batch=16, max_model_len=256, chunk=64, watermark=0.02)
+    dev = FakeDevice(FakeModel(s, eos_prob=0.03, rng=rng), rng)
+    def request(i):
+        n = rng.choice([1, rng.randrange(2, 40), rng.randrange(40, 200)])
+        sp = SamplingParams(max_tokens=rng.choice([1, 2, rng.randrange(3, 40), rng.randrange(40, 120)]))
+        return Request([rng.randrange(100, 1000) for _ in range(n)], sp, request_id=str(i))
+
+    pending = [request(i) for i in range(300)]
+    seqs, in_flight, ahead_steps, steps, decode_steps = [], None, 0, 0, 0
+    while pending or s.has_work or in_flight:
+        for _ in range(len(pending) if burst else rng.choice([0, 0, 0, 1, 4])):
+            if pending:
+                r = pending.pop(0)
+                if s.refusal_reason(r) is None:
+                    seqs.append(s.add(r))
+        if s.running and rng.random() < 0.01:  # an abort between steps, maybe with a step in flight
+            s.finish(rng.choice(s.running), FinishReason.ABORTED)
+        cur, in_flight = in_flight, None
+        if cur is None:
+            plan = s.schedule()
+            if plan is None:
+                continue
+            cur = (plan, dev.launch(plan))
+        ahead = s.plan_ahead(cur[0])
+        if ahead is not None:
+            assert ahead.ahead and ahead.kind == "decode" and not ahead.has_drafts
+            in_flight = (ahead, dev.launch(ahead))
+            ahead_steps += 1
+        plan, rows = cur[0], dev.result(cur[1])
+        decode_steps += plan.kind == "decode"
+        sampled = {q.seq_id: rows[i] for i, q in enumerate(plan.seqs)
+                   if plan.sample[i] and q.status is SeqStatus.RUNNING}
+        finish_checks(s, s.commit(plan, sampled))
+        s.blocks.check(s.live())
+        steps += 1
+        assert steps < 100_000
+    print(f"{ahead_steps} of {decode_steps} decode steps planned ahead ({steps} steps)")
+    # arriving requests that can be admitted keep the steps synchronous (prefill and decode alternate)
+    assert ahead_steps > (0.25 * decode_steps if burst else 30)
+    assert all(q.status is SeqStatus.FINISHED for q in seqs)
+    for q in seqs:
+        if q.finish_reason is FinishReason.LENGTH:
+            assert q.num_generated == q.request.params.max_tokens
+    assert s.blocks.num_used == 0 and s.num_preemptions > 0
+
+
+def test_plan_ahead_refuses_what_schedule_would_plan_otherwise():
+    """plan_ahead is None after a prefill step, while a request waits, after a verify step, when the
+    pages for one more token are not free; it leaves out a sequence at its max_tokens."""
+    s = make(num_blocks=9, block_size=4, chunk=64)
+    model = FakeModel(s, 0.0, random.Random(0))
+    a = s.add(Request([1, 2, 3], SamplingParams(max_tokens=10)))
+    b = s.add(Request([4, 5, 6, 7], SamplingParams(max_tokens=2)))
+    plan = s.schedule()
+    assert plan.kind == "prefill" and s.plan_ahead(plan) is None
+    s.commit(plan, model.step(plan))
+    plan = s.schedule()
+    assert plan.kind == "decode"
+    ahead = s.plan_ahead(plan)
+    # b's token in flight is its 2nd and last
+    assert ahead.seqs == [a] and ahead.start_pos == [len(a.tokens)] and ahead.feed_rows == [0]
+    assert len(a.blocks) == 2  # 3 prompt + 2 generated tokens: a second page
+    c = s.add(Request([8], SamplingParams(max_tokens=3)))
+    assert s.plan_ahead(plan) is None  # c waits: schedule() would admit it
+    s.waiting.remove(c)
+    used = s.blocks.num_free
+    s.blocks.grow(b, 4 * (len(b.blocks) + used))  # b takes every free page
+    assert s.plan_ahead(ahead) is None  # a would need a page
+
+
+def test_plan_ahead_with_drafters_only_through_a_backoff():
+    """A sequence with a prompt-lookup drafter goes ahead only while its drafter backs off (then
+    propose() returns [] whatever the token, and changes nothing); a pending backoff, which starts at
+    the next propose() call, keeps the step synchronous."""
+    from nanoqwen_runtime.speculative import SpeculationConfig
+
+    bm = BlockManager(BlockAllocator(32), 32, 4)
+    s = Scheduler(bm, max_batch=8, max_model_len=128, prefill_chunk=64,
+                  speculation=SpeculationConfig(k=2, window=1, min_acceptance=1.0, backoff_steps=3))
+    model = FakeModel(s, 0.0, random.Random(0))
+    seq = s.add(Request([1, 2, 3, 4], SamplingParams(max_tokens=40)))
+    plan = s.schedule()
+    s.commit(plan, model.step(plan))
+    plan = s.schedule()
+    assert not plan.has_drafts  # no match in the context yet
+    assert s.plan_ahead(plan) is None  # the drafter may find one once the token is known
+    seq.drafter.record(2, 0)  # a verify step with no draft accepted: the backoff is pending
+    assert not seq.drafter.silent_at(seq.num_generated + 1) and s.plan_ahead(plan) is None
+    s.commit(plan, model.step(plan))
+    plan = s.schedule()  # its propose() starts the backoff: no drafts for 3 generated tokens
+    g = seq.num_generated
+    assert seq.drafter.silent_at(g + 1) and seq.drafter.silent_at(g + 2) and not seq.drafter.silent_at(g + 3)
+    ahead = s.plan_ahead(plan)
+    assert ahead is not None
+    s.commit(plan, model.step(plan))
+    after = s.plan_ahead(ahead)  # generated length g + 2: still backing off
+    assert after is not None
+    s.commit(ahead, {seq.seq_id: 500})
+    assert s.plan_ahead(after) is None  # at g + 3 the drafter may draft again

@@ -69,7 +69,7 @@ class EngineBase(ABC):
             ev = self.submit(r)
             if ev is not None:
                 yield ev
-        while self.scheduler.has_work:
+        while self.has_work:
             yield from self.step()
 
     # ---- stepping ---------------------------------------------------------------------------------

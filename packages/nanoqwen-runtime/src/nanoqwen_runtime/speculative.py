@@ -210,6 +210,13 @@ class NgramDrafter:
             self._backoff_pending = True
             self.backoffs += 1
 
+    def silent_at(self, n_gen: int) -> bool:
+        """True when propose() with `n_gen` generated tokens (>= the last call's) would return [] and
+        leave the drafter as it is, whatever those tokens are: it backs off through that length and no
+        backoff is pending (a pending one starts at the next call's length). The engine's overlapped
+        decode plans a step before its tokens are known only then (`Scheduler.plan_ahead`)."""
+        return not self._backoff_pending and n_gen < self._resume_at
+
     @property
     def backing_off(self) -> bool:
         """True when the next propose() returns [] because of the adaptive backoff (as of the

@@ -31,6 +31,7 @@ class EngineSpec:
     path: str
     device: str = "cpu"
     eager: bool = False
+    overlap: bool = False  # EngineConfig.overlap (cuda)
     kv_memory_bytes: int | None = None
     max_model_len: int | None = None
     max_batch: int | None = None
@@ -53,6 +54,7 @@ class EngineSpec:
                                kv_memory_bytes=self.kv_memory_bytes, max_model_len=self.max_model_len,
                                verify=self.verify, speculation=self.speculation,
                                prefix_caching=self.prefix_caching, dense_weight_cache=self.dense_weight_cache,
+                               overlap=self.overlap,
                                **({"max_batch": self.max_batch} if self.max_batch else {}))
             return Engine.from_file(self.path, cfg)
         from nanoqwen_runtime.reference_engine import ReferenceEngine, ReferenceEngineConfig

@@ -95,7 +95,10 @@ def _run(engine: Engine, requests: list[Request]) -> tuple[dict[str, FinishEvent
         t0 = time.perf_counter()
         evs = engine.step()
         dt = time.perf_counter() - t0
-        kind = "decode" if engine.num_steps["decode"] > kinds["decode"] else "prefill"
+        # the kind of the step whose events came back (with overlap, the step this call queued is the
+        # next one)
+        kind = engine.last_step_kind if evs else ("decode" if engine.num_steps["decode"] > kinds["decode"]
+                                                  else "prefill")
         rows = sum(1 for e in evs if isinstance(e, TokenEvent))
         log.append((kind, rows, dt))
         for e in evs:
@@ -279,6 +282,27 @@ def post_attention_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = 
         del on
         torch.cuda.empty_cache()
     del off
+    torch.cuda.empty_cache()
+    return out
+
+
+OVERLAP_BATCHES = (1, 8, 64)
+
+
+def overlap_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = OVERLAP_BATCHES,
+               reps: int = AB_REPS) -> dict:
+    """Issue 13's "engine wall time at least 95% of the graph replay": `EngineConfig.overlap` on (a, the
+    next decode step queued before the previous one is read back) against off (b), same weights,
+    features off, `ab_decode` (engine tok/s, and each side's graph replay: the engine-over-graph ratio
+    of each side is the host's share); plus the on-engine's decode steps and how many of them were
+    planned ahead (the path that ran)."""
+    on = _ab_engine(geom, weights, prefix_caching=False, speculation=None, overlap=True)
+    off = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
+    rows = ab_decode(on, off, batches=batches, reps=reps)
+    out = {"rows": rows, "reps": reps, "a": "overlap", "b": "off", "context": 128, "new_tokens": 128,
+           "decode_steps_on": on.num_steps["decode"], "steps_ahead_on": on.num_steps_ahead,
+           "steps_ahead_off": off.num_steps_ahead}
+    del on, off
     torch.cuda.empty_cache()
     return out
 
@@ -494,6 +518,11 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
         for r in (ls or {}).get("rows", []):
             log(f"g128 asym/sym batch {r['batch']}: {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s = "
                 f"{r['a_over_b']:.3f}")
+        ov = run.section("overlap_ab", overlap_ab, geom, weights_ref)
+        for r in (ov or {}).get("rows", []):
+            log(f"overlap on/off batch {r['batch']}: engine {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s = "
+                f"{r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / {r['b_graph_tok_s']:.0f}"
+                + ("  SLOWER" if r["a_slower"] else ""))
         pa = run.section("post_attention_ab", post_attention_ab, geom, weights_ref)
         for variant, res in (pa or {}).get("variants", {}).items():
             for r in res["rows"]:

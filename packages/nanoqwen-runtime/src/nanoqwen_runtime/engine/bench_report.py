@@ -30,6 +30,7 @@ raw = {
   "prefix_cache": bench.prefix_cache_ttft(...) result, "engine_stats": EngineStats as a dict,
   "features_cost": bench.features_cost(...) result (features on vs off, same run),
   "layout_speed": bench.layout_speed(...) result (g128 asym vs sym, synthetic model only),
+  "overlap_ab": bench.overlap_ab(...) result (EngineConfig.overlap on vs off, synthetic model only),
   "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel "block" and
                        "block+qkv" each vs "off", synthetic model only),
   "errors": {section: message},
@@ -125,7 +126,8 @@ def build_report(raw: dict) -> dict:
     rep["prefix_caching"] = meta.get("prefix_caching")
     rep["speculation"] = meta.get("speculation")
     for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
-              "prefix_cache", "engine_stats", "features_cost", "layout_speed", "post_attention_ab"):
+              "prefix_cache", "engine_stats", "features_cost", "layout_speed", "overlap_ab",
+              "post_attention_ab"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -215,6 +217,7 @@ def markdown(rep: dict) -> str:
                   f"accepted {es['spec_accepted_tokens']} in {es['spec_steps']} verify steps"]
     lines += _features_md(rep.get("features_cost"))
     lines += _layout_md(rep.get("layout_speed"))
+    lines += _overlap_md(rep.get("overlap_ab"))
     lines += _post_attention_md(rep.get("post_attention_ab"))
     lines += ["", "## Graph vs eager (context 128, engine wall time)", "",
               "| batch | graph-mode tok/s | eager tok/s |",
@@ -269,6 +272,31 @@ def _layout_md(ls: dict | None) -> list[str]:
                   "asym", "sym", ls["rows"], "slower")
 
 
+def _graph_ratio_lines(a: str, b: str, rows: list[dict]) -> list[str]:
+    """Each side's graph replay tok/s beside an `_ab_md` table, and each side's engine over graph."""
+    lines = ["", f"| batch | graph replay {a} tok/s | {b} tok/s | {a}/{b} | engine/graph {a} | {b} |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ga, gb = r.get("a_graph_tok_s"), r.get("b_graph_tok_s")
+        ratio = ga / gb if ga and gb else None
+        eng_a, eng_b = r["a_tok_s"] / ga if ga else None, r["b_tok_s"] / gb if gb else None
+        lines.append(f"| {r['batch']} | {_f(ga, '.0f')} | {_f(gb, '.0f')} | {_f(ratio, '.3f')} "
+                     f"| {_f(eng_a, '.3f')} | {_f(eng_b, '.3f')} |")
+    return lines
+
+
+def _overlap_md(ov: dict | None) -> list[str]:
+    if not ov:
+        return []
+    note = (f"Engine tok/s, medians of {ov['reps']} alternating repeats per side; 'slower' is every "
+            "'overlap' repeat slower than every 'off' repeat (rank test, U = 0). The overlap engine queued "
+            f"{ov['steps_ahead_on']} of its {ov['decode_steps_on']} decode steps ahead (the off engine "
+            f"{ov['steps_ahead_off']}).")
+    lines = _ab_md(f"## Overlapped decode (EngineConfig.overlap) vs synchronous steps (same run, context "
+                   f"{ov['context']} + {ov['new_tokens']})", note, "overlap", "off", ov["rows"], "slower")
+    return lines + _graph_ratio_lines("overlap", "off", ov["rows"])
+
+
 def _post_attention_md(pa: dict | None) -> list[str]:
     if not pa:
         return []
@@ -280,12 +308,7 @@ def _post_attention_md(pa: dict | None) -> list[str]:
         lines += _ab_md(f"## {what} as one persistent launch (EngineConfig.post_attention_kernel="
                         f"\"{variant}\") vs the GEMVs (same run, context 128 + 128)", note, variant, "off",
                         res["rows"], "slower")
-        lines += ["", f"| batch | graph replay {variant} tok/s | off tok/s | {variant}/off |",
-                  "| --- | --- | --- | --- |"]
-        for r in res["rows"]:
-            a, b = r.get("a_graph_tok_s"), r.get("b_graph_tok_s")
-            lines.append(f"| {r['batch']} | {_f(a, '.0f')} | {_f(b, '.0f')} | "
-                         f"{_f(a / b if a and b else None, '.3f')} |")
+        lines += _graph_ratio_lines(variant, "off", res["rows"])
     return lines
 
 

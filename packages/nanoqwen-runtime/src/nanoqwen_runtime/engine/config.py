@@ -75,6 +75,13 @@ class EngineConfig:
     # not bitwise. Off until it is measured faster on the GPU (bench/engine/NOTES.md, session 21).
     # Needs INT4 g128 layer linears of one layout; the engine refuses other weights with it on.
     post_attention_kernel: str = "off"
+    # Overlapped decode (engine.py's header): in a run of plain decode steps, plan and queue step n+1
+    # before reading step n's tokens back (its rows take their ids from step n's output on the device),
+    # so the host's work between steps (commit, events, planning, inputs) runs while the device
+    # computes. The same tokens as without; a sequence ended by a sampled token (EOS, stop string)
+    # computes one row more, which is dropped. Off until it is measured on the GPU (bench/engine/
+    # NOTES.md, session 22): `nanoqwen-cli bench` has the A/B (`overlap_ab`).
+    overlap: bool = False
     seed: int = 0
     graph_buckets: tuple[int, ...] = GRAPH_BUCKETS
     # Decode graphs are captured per (bucket, context class): a step uses the smallest class holding

@@ -20,6 +20,18 @@ logits hold NaN/Inf at a step (corrupt or overflowing weights) ends with
 
 Sizing: the KV pool gets `kv_memory_bytes`, or `kv_memory_fraction` of the device memory that is free
 after weights, workspace and the graph memory pool's reserve (`GRAPH_RESERVE_BYTES`).
+
+Overlapped decode (`EngineConfig.overlap`). A synchronous step queues its work on the device, waits
+for its sampled tokens, commits them and emits their events, and only then plans the next step: the
+device idles while the host does everything but the waiting. With overlap on, in a run of plain
+decode steps the engine plans step n+1 (`Scheduler.plan_ahead`) and queues it BEFORE it reads step n
+back; step n+1's rows take their token ids from step n's sampled tokens on the device. So `step()`
+queues step n+1 and returns step n's events, and the host's work between steps runs while the
+device computes. The tokens are those of the synchronous engine (the same steps with the same
+inputs); a step that cannot be planned ahead (prefill, admission, preemption, drafts) is run
+synchronously. A sequence that step n's token ends (EOS, stop string) computes one row more in step
+n+1, which is dropped. At most one step is in flight between `step()` calls; `has_work` stays True
+until it is read back.
 """
 
 from __future__ import annotations
@@ -39,8 +51,9 @@ from ..request_stream import Event, FinishEvent
 from .config import EngineConfig
 from .loader import LoadStats, load
 from .metadata import build_step_inputs, plan_rows
-from .model import ModelRunner, Workspace
+from .model import LaunchedStep, ModelRunner, Workspace
 from .scheduler import VERIFY_MAX_ROWS, BlockManager, Scheduler, StepPlan
+from .sequence import SeqStatus
 from .weights import ModelWeights
 
 __all__ = ["Engine", "Event", "FinishEvent", "TokenEvent", "MemoryReport", "GRAPH_RESERVE_BYTES", "make_ops"]
@@ -76,6 +89,9 @@ class Engine(EngineBase):
         self.runner = ModelRunner(geom, weights, config, self.ops, self.num_blocks, self.max_pages)
         EngineBase.__init__(self)
         self.num_steps = {"prefill": 0, "decode": 0}
+        self.num_steps_ahead = 0  # decode steps planned ahead and queued before their predecessor's read-back
+        self._in_flight: _InFlight | None = None  # the step queued ahead, not yet read back
+        self.last_step_kind: str | None = None  # kind of the step whose events step() last returned
         # Tests and debugging: when True, step() keeps each sampled row's f32 logits (a device copy)
         # in `last_logits[request_id]`. Off by default: it costs a copy per token.
         self.record_logits = False
@@ -125,19 +141,49 @@ class Engine(EngineBase):
         return int(min(n, cfg.max_batch * self.max_pages + 1))
 
     # ---- stepping --------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._in_flight is not None
+
     def step(self, side_work: Callable[[], None] | None = None) -> list[Event]:
         """Run one engine step (a prefill chunk, or a decode step: one token per sequence, or for a
-        sequence carrying drafts its verify rows); its events.
+        sequence carrying drafts its verify rows); its events. With overlap (module header) the step
+        whose events are returned may have been queued by the previous call, and this call may queue
+        the next one before it reads that step back.
 
         `side_work`, when given, is called once during a step that runs (not at all when there is
-        nothing to run), where the caller's own host work costs the step least (ModelRunner.run): right
-        after a captured decode graph is launched, while the host would only wait for the device; or
-        before an eager forward, whose host work is the step's pace anyway (the server's engine process
-        sends the previous step's tokens there)."""
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return []
-        out = self._run(plan, side_work)
+        nothing to run), where the caller's own host work costs the step least (ModelRunner.launch):
+        right after a captured decode graph is launched, while the host would only wait for the device;
+        or before an eager forward, whose host work is the step's pace anyway (the server's engine
+        process sends the previous step's tokens there)."""
+        cur, self._in_flight = self._in_flight, None
+        if cur is None:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return []
+            ahead = self._plan_ahead(plan)
+            if ahead is None:  # synchronous
+                return self._complete(plan, self._run(plan, side_work))
+            cur = self._launch(plan)
+        else:
+            ahead = self._plan_ahead(cur.plan)
+            if ahead is None and side_work is not None:
+                side_work()  # the host would only wait for `cur` now
+        if ahead is not None:
+            self._in_flight = self._launch(ahead, side_work)
+            self.num_steps_ahead += 1
+        return self._complete(cur.plan, cur.launched.result())
+
+    def _plan_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The next decode step, planned before `plan` is read back (overlap on), or None. Not while
+        `record_logits` keeps each step's logits: the next step would overwrite them first."""
+        if not self.config.overlap or self.record_logits:
+            return None
+        return self.scheduler.plan_ahead(plan)
+
+    def _complete(self, plan: StepPlan, out) -> list[Event]:
+        """Commit a step that has been read back (`out`: model.StepOutput) and emit its events."""
+        self.last_step_kind = plan.kind
         rows: dict[int, list[int]] = {}  # plan index -> its rows of the step output
         for r, (i, _, _) in enumerate(plan_rows(plan)):
             rows.setdefault(i, []).append(r)
@@ -145,8 +191,10 @@ class Engine(EngineBase):
         sampled: dict[int, int | list[int]] = {}
         events: list[Event] = []
         for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
-            if not smp:
-                continue  # mid-prefill chunk: no token, and its logits are not looked at
+            if not smp or s.status is not SeqStatus.RUNNING:
+                # mid-prefill chunk: no token, and its logits are not looked at; or a sequence that
+                # ended after this step was queued ahead (its token, or an abort): its row is dropped
+                continue
             rs = rows[i]
             if all(out.finite[r] for r in rs):
                 toks = [int(out.tokens[r]) for r in rs]
@@ -161,13 +209,22 @@ class Engine(EngineBase):
         return events
 
     def _run(self, plan: StepPlan, side_work: Callable[[], None] | None = None):
+        """Run `plan` now and read it back (model.StepOutput); nothing may be in flight."""
+        if self._in_flight is not None:
+            raise AssertionError("a step is in flight: read it back (step()) before running another")
+        return self.runner.run(self._step_inputs(plan), side_work)
+
+    def _launch(self, plan: StepPlan, side_work: Callable[[], None] | None = None) -> _InFlight:
+        """Queue `plan` (and the copy of its output to the host); read it back with `.launched.result()`."""
+        return _InFlight(plan, self.runner.launch(self._step_inputs(plan), side_work))
+
+    def _step_inputs(self, plan: StepPlan):
         pad_to = None
         if plan.kind == "decode" and self.config.mode == "graph":
             pad_to = self.config.bucket_for(plan.num_tokens)
-        inputs = build_step_inputs(plan, block_size=self.config.block_size, max_pages=self.max_pages,
-                                   padding_block=self.blocks.padding_block, pad_to=pad_to)
         self.num_steps[plan.kind] += 1
-        return self.runner.run(inputs, side_work)
+        return build_step_inputs(plan, block_size=self.config.block_size, max_pages=self.max_pages,
+                                 padding_block=self.blocks.padding_block, pad_to=pad_to)
 
     # ---- introspection ---------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
@@ -193,6 +250,14 @@ class Engine(EngineBase):
             allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else 0,
             peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else 0,
             reserved_bytes=torch.cuda.memory_reserved(self.device) if cuda else 0)
+
+
+@dataclass
+class _InFlight:
+    """A queued step: its plan and the runner's handle on its output."""
+
+    plan: StepPlan
+    launched: LaunchedStep
 
 
 def make_ops(config: EngineConfig, geom: Qwen2Config):

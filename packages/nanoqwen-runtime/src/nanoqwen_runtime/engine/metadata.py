@@ -21,6 +21,10 @@ K/V writes land in a page no sequence owns and their sampled tokens are dropped.
 Sampling parameters ride along per row: temperature (0 = greedy), top_p, top_k, seed and the number
 of tokens the sequence has generated so far (the RNG offset: a replayed graph draws fresh numbers,
 and a sequence's draws do not depend on its batch neighbours).
+
+A step planned ahead (`StepPlan.ahead`: the engine's overlapped decode) has no host token ids: row b
+takes its id from row feed_rows[b] of the previous step's sampled tokens, on the device
+(`ModelRunner.launch`), and counts that token as generated (its RNG offset is one more).
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class StepInputs:
     num_real: int             # rows 0..num_real-1 are real (a sequence's, `plan_rows`); the rest padding
     max_query_len: int
     max_context_len: int
+    # planned ahead: int32 [num_real], the previous step's row whose sampled token is row b's input id
+    # (input_ids holds 0 there until the device copies it); None: input_ids are the ids
+    feed_rows: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -105,7 +112,8 @@ def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, paddin
     t = 0
     max_q = 1
     max_ctx = 1
-    feeds = [plan.step_tokens(i) for i in range(len(plan.seqs))]
+    pending = 1 if plan.ahead else 0  # a step planned ahead computes the token its predecessor samples
+    feeds = [[0] if plan.ahead else plan.step_tokens(i) for i in range(len(plan.seqs))]
     for b, (i, start, q) in enumerate(rows_spec):
         seq = plan.seqs[i]
         ctx = start + q
@@ -133,27 +141,33 @@ def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, paddin
         top_k[b] = sp.top_k
         seed[b] = seq.seed
         # the RNG offset of a row is the index of the token it samples (verify rows are greedy)
-        offset[b] = seq.num_generated + (start - first)
+        offset[b] = seq.num_generated + pending + (start - first)
         max_q = max(max_q, q)
         max_ctx = max(max_ctx, ctx)
     for b in range(B, rows):  # padding rows: one token at position 0 in the padding block
         t += 1
         query_start[b + 1] = t
     sample_rows = query_start[1:] - 1
+    feed_rows = np.asarray(plan.feed_rows, np.int32) if plan.ahead else None
     return StepInputs(plan.kind, input_ids, positions, slot_mapping, query_start, context_lens, page_table,
                       sample_rows.astype(np.int32), temperature, top_p, top_k, seed, offset, B,
-                      max_q, max_ctx)
+                      max_q, max_ctx, feed_rows)
 
 
 class DeviceStepBuffers:
     """Static device buffers for step inputs, allocated once at their maximum sizes.
 
     All fields live in ONE device byte buffer (16-byte aligned slices; per-row fields first, then
-    per-token fields, the page table last), mirrored by one pinned host buffer. A step writes its
-    values into the host mirror with numpy and uploads the used prefix with a single H2D copy on the
+    per-token fields, the page table last), mirrored by pinned host buffers. A step writes its
+    values into a host mirror with numpy and uploads the used prefix with a single H2D copy on the
     current stream (ending after row B-1 of the page table), instead of one copy per field.
     Graph capture records kernels that read the device slices, so a replay after `load()` sees the
     new step's values.
+
+    Two host mirrors, used in turn: the upload is asynchronous, and with the overlapped decode the
+    next step's inputs are written while the previous step (and maybe its upload) is still queued. A
+    mirror is written again two loads later, when the step that uploaded from it has been read back
+    (the engine has at most one step in flight beyond the one it reads back).
     """
 
     def __init__(self, *, max_tokens: int, max_rows: int, max_pages: int, device: torch.device):
@@ -165,7 +179,7 @@ class DeviceStepBuffers:
             ("seed", torch.int64, np.int64, (R,)), ("offset", torch.int64, np.int64, (R,)),
             ("query_start", torch.int32, np.int32, (R + 1,)), ("context_lens", torch.int32, np.int32, (R,)),
             ("input_ids", torch.int32, np.int32, (T,)), ("positions", torch.int32, np.int32, (T,)),
-            ("slot_mapping", torch.int32, np.int32, (T,)),
+            ("slot_mapping", torch.int32, np.int32, (T,)), ("feed_rows", torch.int32, np.int32, (R,)),
             ("page_table", torch.int32, np.int32, (R, max_pages)),
         ]
         offsets, pos = {}, 0
@@ -175,17 +189,19 @@ class DeviceStepBuffers:
         self.offsets, self.nbytes = offsets, pos
         pin = device.type == "cuda"
         self._dev_bytes = torch.zeros(pos, dtype=torch.uint8, device=device)
-        self._host_bytes = torch.zeros(pos, dtype=torch.uint8, pin_memory=pin)
-        host_np = self._host_bytes.numpy()
+        self._host_bytes = [torch.zeros(pos, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self._turn = 0  # the mirror the next load() writes
         self.dev: dict[str, torch.Tensor] = {}
-        self.host: dict[str, np.ndarray] = {}
+        self.hosts: list[dict[str, np.ndarray]] = [{}, {}]
         for name, tdt, npdt, shape in self.spec:
             n = int(np.prod(shape)) * np.dtype(npdt).itemsize
             o = offsets[name]
             self.dev[name] = self._dev_bytes[o:o + n].view(tdt).view(*shape)
-            self.host[name] = host_np[o:o + n].view(npdt).reshape(shape)
+            for hb, host in zip(self._host_bytes, self.hosts, strict=True):
+                host[name] = hb.numpy()[o:o + n].view(npdt).reshape(shape)
         self.dev["context_lens"].fill_(1)
-        self.host["context_lens"][:] = 1
+        for host in self.hosts:
+            host["context_lens"][:] = 1
 
     def load(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """Copy `inputs` into the buffers; return views sized for this step (T tokens, B rows)."""
@@ -195,14 +211,18 @@ class DeviceStepBuffers:
                              f"({self.max_tokens} / {self.max_rows})")
         if inputs.page_table.shape[1] != self.max_pages:
             raise ValueError(f"page table has {inputs.page_table.shape[1]} columns, buffers {self.max_pages}")
+        # (this mirror's last upload, two loads ago, belongs to a step that has been read back)
+        host, host_bytes = self.hosts[self._turn], self._host_bytes[self._turn]
+        self._turn ^= 1
         views = {}
         for name, _, _, _ in self.spec:
             arr = getattr(inputs, name)
+            if arr is None:  # feed_rows of a step whose ids come from the host
+                views[name] = self.dev[name][:0]
+                continue
             n = arr.shape[0]
-            # The host mirror is reused: the previous step's upload has finished, because every
-            # step ends by reading its sampled tokens back (a synchronisation).
-            self.host[name][:n] = arr
+            host[name][:n] = arr
             views[name] = self.dev[name][:n]
         end = self.offsets["page_table"] + B * self.max_pages * 4
-        self._dev_bytes[:end].copy_(self._host_bytes[:end], non_blocking=True)
+        self._dev_bytes[:end].copy_(host_bytes[:end], non_blocking=True)
         return views

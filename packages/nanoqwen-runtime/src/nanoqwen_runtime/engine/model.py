@@ -101,6 +101,25 @@ class StepOutput:
     finite: np.ndarray
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device (`ModelRunner.launch`), with the copy of its output (`Workspace.
+    step_out`) into a host buffer queued behind it; `result()` waits for that copy alone."""
+
+    num_real: int
+    host_out: torch.Tensor  # uint8 [8R], pinned on CUDA: tokens int32 [R], then logit min / max bf16 [R]
+    done: torch.cuda.Event | None  # recorded after the copy (None on the CPU: the copy has happened)
+
+    def result(self) -> StepOutput:
+        """Sampled tokens and finite-logits flags of rows 0..num_real-1 (waits for the step)."""
+        if self.done is not None:
+            self.done.synchronize()
+        n, R = self.num_real, self.host_out.shape[0] // 8
+        ranges = self.host_out[4 * R:].view(torch.bfloat16).view(2, R)[:, :n]
+        return StepOutput(self.host_out[:4 * R].view(torch.int32)[:n].numpy().copy(),
+                          torch.isfinite(ranges).all(0).numpy())
+
+
 class ModelRunner:
     """Runs steps: `run(inputs) -> StepOutput` (sampled tokens and finite-logits flags of the real rows)."""
 
@@ -119,6 +138,13 @@ class ModelRunner:
         self.ws = Workspace.allocate(geom, self.max_tokens, self.max_rows, self.device)
         self.buffers = DeviceStepBuffers(max_tokens=self.max_tokens, max_rows=self.max_rows,
                                          max_pages=max_pages, device=self.device)
+        # two host buffers for the steps' outputs, used in turn (one step may be in flight while the
+        # one before it is read back), each with the event recorded after its copy
+        cuda = self.device.type == "cuda"
+        self._out_host = [torch.empty(self.ws.step_out.shape, dtype=torch.uint8, pin_memory=cuda)
+                          for _ in range(2)]
+        self._out_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._out_turn = 0
         self.context_classes = cfg.context_classes(max_pages * cfg.block_size)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, context class)
         # which code paths each graph runs (the op backend's `paths` counted during its capture), and
@@ -184,14 +210,24 @@ class ModelRunner:
                    ws.tokens[:B])
 
     # ---- steps -----------------------------------------------------------------------------------
-    @torch.inference_mode()
     def run(self, inputs: StepInputs, side_work: Callable[[], None] | None = None) -> StepOutput:
-        """Run one step; returns the sampled tokens and finite-logits flags of the real rows.
+        """Run one step; returns the sampled tokens and finite-logits flags of the real rows."""
+        return self.launch(inputs, side_work).result()
+
+    @torch.inference_mode()
+    def launch(self, inputs: StepInputs, side_work: Callable[[], None] | None = None) -> LaunchedStep:
+        """Queue one step and the copy of its output to the host; `LaunchedStep.result()` reads it.
+        A step planned ahead (`inputs.feed_rows`) first copies its rows' token ids from the sampled
+        tokens the previous step left in `Workspace.tokens` (on the device, in stream order: that step
+        has not finished when this one is queued).
         `side_work()`, when given, runs once: right after a captured graph is launched (the host then
         only waits for the device until the read-back), or before an eager forward (prefill chunks,
         uncaptured decode), whose launches are host-bound: a caller's work there would delay them
         all, and its output (the server's previous tokens) would wait for the whole forward."""
         views = self.buffers.load(inputs)
+        if inputs.feed_rows is not None:
+            n = len(inputs.feed_rows)
+            torch.index_select(self.ws.tokens, 0, views["feed_rows"], out=views["input_ids"][:n])
         B, T = inputs.num_rows, inputs.num_tokens
         cls = self.context_class(inputs.max_context_len)
         graph = self.graphs.get((B, cls)) if inputs.kind == "decode" else None
@@ -204,14 +240,15 @@ class ModelRunner:
             if side_work is not None:
                 side_work()
             self._forward(views, T, B, inputs.kind, cls)
-        return self._read_back(inputs.num_real)
-
-    def _read_back(self, n: int) -> StepOutput:
-        """Tokens and logit ranges of rows 0..n-1, in one device-to-host copy (it waits for the step)."""
-        R = self.ws.tokens.shape[0]
-        out = self.ws.step_out.to("cpu", copy=True)
-        ranges = out[4 * R:].view(torch.bfloat16).view(2, R)[:, :n]
-        return StepOutput(out[:4 * R].view(torch.int32)[:n].numpy(), torch.isfinite(ranges).all(0).numpy())
+        # tokens and logit ranges in one device-to-host copy; this buffer's previous step (two
+        # launches ago) has been read back, as the engine keeps at most one step in flight beyond it
+        turn = self._out_turn
+        self._out_turn ^= 1
+        host, done = self._out_host[turn], self._out_done[turn]
+        host.copy_(self.ws.step_out, non_blocking=True)
+        if done is not None:
+            done.record()
+        return LaunchedStep(inputs.num_real, host, done)
 
     def context_class(self, max_context_len: int) -> int:
         """The smallest context class holding `max_context_len` (the attention plan it runs with)."""

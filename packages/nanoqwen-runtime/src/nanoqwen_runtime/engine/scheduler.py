@@ -66,6 +66,7 @@ class StepPlan:
     sample: list[bool]
     preempted: list[Sequence] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # per sequence ([] each when none)
+    feed_rows: list[int] = field(default_factory=list)  # planned ahead: the previous step's row per seq
 
     @property
     def num_tokens(self) -> int:
@@ -75,8 +76,16 @@ class StepPlan:
     def has_drafts(self) -> bool:
         return any(self.drafts)
 
+    @property
+    def ahead(self) -> bool:
+        """Planned before the previous step's tokens were known (`Scheduler.plan_ahead`)."""
+        return bool(self.feed_rows)
+
     def step_tokens(self, i: int) -> list[int]:
-        """Token ids sequence i feeds to this step (its pending token plus drafts in a verify step)."""
+        """Token ids sequence i feeds to this step (its pending token plus drafts in a verify step).
+        A step planned ahead has no host ids: its rows read them on the device (`feed_rows`)."""
+        if self.feed_rows:
+            raise AssertionError("a step planned ahead takes its token ids from the previous step's output")
         seq, start, q = self.seqs[i], self.start_pos[i], self.query_lens[i]
         if self.drafts and self.drafts[i]:
             return [*seq.tokens[start:start + 1], *self.drafts[i]]
@@ -167,6 +176,74 @@ class Scheduler:
         if plan is not None:
             self._last_kind = plan.kind
         return plan
+
+    def plan_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The decode step that `schedule()` will plan after `plan` is committed, planned NOW, before
+        `plan`'s sampled tokens are known (the engine's overlapped decode, EngineConfig.overlap: the
+        engine launches it before it reads `plan`'s tokens back, so the host's work between steps runs
+        while the device computes). None when the step after `plan` might be planned differently once
+        the tokens are known; the engine then commits `plan` first and calls `schedule()`.
+
+        It is planned ahead when `plan` is a decode step without drafts, every running sequence is in
+        it, and
+        - every sequence continues past `plan` unless one of its tokens ends it (EOS, a stop string):
+          a sequence that `plan`'s token takes to max_tokens or the context limit is left out;
+        - no waiting request could be admitted after the commit unless a token ends a sequence
+          (`_admission_blocked`: the batch is full, or the pool is, watermark included). A slot or pages
+          that an EOS frees then go to the waiting request one step later than without overlap;
+        - the pages for one more token each are free now (no preemption ahead: `schedule()` decides
+          those);
+        - no sequence would get drafts: its drafter backs off through that step (propose() would
+          return [] and change no state), or the step has at least `verify_max_rows` rows (no room for
+          drafts; if a token ends a sequence, the step it would have drafted in runs without drafts).
+        A sequence that `plan`'s token ends (EOS, stop) still computes one row in the step planned
+        ahead: its output is dropped at commit (the sequence is no longer running), its K/V row lands
+        past its end in a page it released, which a later owner writes before reading (the device runs
+        the steps in launch order)."""
+        if plan.kind != "decode" or plan.has_drafts or any(not s.in_decode for s in self.running):
+            return None
+        live = [(row, s) for row, s in enumerate(plan.seqs) if s.status is SeqStatus.RUNNING]
+        if len(live) != len(self.running):
+            return None
+        keep = [(row, s) for row, s in live  # (the token in flight does not end it by length)
+                if s.num_generated + 1 < s.request.params.max_tokens
+                and len(s.tokens) + 1 < self.max_model_len]
+        if not keep:
+            return None
+        if self.waiting and not self._admission_blocked([s for _, s in keep], [s for _, s in live]):
+            return None
+        if len(keep) < self.verify_max_rows and any(not _drafter_silent_next(s) for _, s in keep):
+            return None
+        need = sum(self.blocks.extra_blocks(s, len(s.tokens) + 1) for _, s in keep)
+        if need > self.blocks.num_free:
+            return None
+        for _, s in keep:
+            self.blocks.grow(s, len(s.tokens) + 1)
+        seqs = [s for _, s in keep]
+        n = len(seqs)
+        return StepPlan("decode", seqs, [1] * n, [len(s.tokens) for s in seqs], [True] * n, [],
+                        [[] for _ in seqs], [row for row, _ in keep])
+
+    def _admission_blocked(self, continuing: list[Sequence], running: list[Sequence]) -> bool:
+        """Whether `_schedule_prefill`, run after the commit of a decode step over `running` (of which
+        `continuing` do not reach a length limit), surely admits nothing if no token ends a sequence:
+        the batch stays full, or the queue's first request needs more pages than can be free then.
+        Its need is bounded below by today's (the `_schedule_prefill` formula) less one block per running
+        sequence (the commit may put one more full block of each in the prefix cache: a longer hit),
+        and at least one (its last token is never in a cached block); the pages free then, above by
+        today's plus every page of the sequences leaving (a shared one stays held)."""
+        if len(continuing) >= self.max_batch:
+            return True
+        seq, bm = self.waiting[0], self.blocks
+        hit_blocks, _ = bm.lookup(seq.tokens, len(seq.tokens) - 1)
+        hit = len(hit_blocks) * bm.block_size
+        q = min(len(seq.tokens) - hit, self.prefill_chunk)
+        need = bm.blocks_for(hit + q) - len(hit_blocks) + bm.evictable_among(hit_blocks)
+        need_at_least = max(1, need - (len(running) if bm.prefix_caching else 0))
+        left = {id(s) for s in continuing}
+        free_at_most = bm.num_free + sum(len(s.blocks) for s in running if id(s) not in left)
+        reserve = self.watermark_blocks if continuing else 0
+        return need_at_least + reserve > free_at_most
 
     def _preempt_youngest(self, exclude: Sequence | None) -> Sequence | None:
         victims = [s for s in self.running if s is not exclude]
@@ -297,6 +374,9 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             draft = plan.drafts[i] if plan.drafts else []
+            if plan.feed_rows and seq.num_computed != plan.start_pos[i]:
+                raise AssertionError(f"seq {seq.seq_id}: a step planned ahead committed out of order "
+                                     f"({seq.num_computed} computed, the step starts at {plan.start_pos[i]})")
             if draft:
                 if seq.seq_id not in sampled:
                     # a verify row not emitted (non-finite logits): its sequence was finished by the caller
@@ -333,3 +413,10 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _drafter_silent_next(seq: Sequence) -> bool:
+    """Whether `seq` gets no draft in the decode step after the next commit, whatever the token: it has
+    no drafter, or its drafter backs off through that generated length without a pending change."""
+    d = seq.drafter
+    return d is None or d.silent_at(seq.num_generated + 1)
