@@ -22,7 +22,7 @@ import pytest
 import torch
 from nanoqwen_model import QWEN25_CODER_05B, QWEN25_CODER_7B
 from nanoqwen_runtime.engine import Engine, EngineConfig, FinishEvent, Request, TokenEvent
-from nanoqwen_runtime.engine.agreement import noise_bound, reference_decode, teacher_forced
+from nanoqwen_runtime.engine.agreement import greedy_agreement, noise_bound, reference_decode, teacher_forced
 from nanoqwen_runtime.engine.scheduler import FinishReason
 from nanoqwen_runtime.engine.synthetic import write_container
 from nanoqwen_runtime.reference import ReferenceModel
@@ -294,6 +294,43 @@ def test_overlap_gives_the_synchronous_tokens(container, mode):
     assert [fins_on[f"r{i}"] for i in range(5)] == [(FinishReason.LENGTH, 6 + 5 * i) for i in range(5)]
     assert steps_on == steps_off and ahead_off == 0 and ahead_on >= steps_on["decode"] // 2
     print(f"overlap[{mode}]: {ahead_on} of {steps_on['decode']} decode steps queued ahead, tokens equal")
+
+
+def test_overlap_with_eos_matches_the_reference(container):
+    """EngineConfig.overlap where sequences end on a sampled token (EOS ids drawn from the reference's own
+    greedy tokens) with the next step already queued: that step computes their dropped rows beside the
+    others', in a batch a row larger than the synchronous engine's (maybe another graph bucket), so the
+    other rows' logits may move in their last bits. Every row is still within the reference bound, so
+    the tokens equal the reference's up to the first near-tie (twice the bound), and a request whose
+    EOS comes before it ends there with reason "eos"; the block accounting holds after every event."""
+    _, path = container
+    prompts = prompts_of(LENGTHS, seed=3)
+    ref, bound = oracle(path, prompts)
+    eos = {p: ref.tokens[p][3 + p % 6] for p in range(len(prompts))}
+    engine = Engine.from_file(path, gpu_config(overlap=True))
+    reqs = [Request(prompts[p], SamplingParams(max_tokens=STEPS), str(p), eos_ids=frozenset({eos[p]}))
+            for p in range(len(prompts))]
+    toks, fins = {}, {}
+    for ev in engine.generate(reqs):
+        if isinstance(ev, TokenEvent):
+            toks.setdefault(ev.request, []).append(ev.token_id)
+        else:
+            fins[ev.request_id] = ev
+        engine.check_accounting()
+    assert engine.kv_blocks_used() == 0 and engine.num_steps_ahead > 0
+    compared = ended = 0
+    for p in range(len(prompts)):
+        chosen = toks[str(p)]
+        n, expected = greedy_agreement(chosen, ref, p, 2 * bound[p])
+        assert n == expected, f"prompt {p}: token {n} differs from the reference before a near-tie"
+        compared += n
+        end = ref.tokens[p].index(eos[p]) + 1  # the reference's answer ends there
+        if expected >= end:
+            assert len(chosen) == end and fins[str(p)].reason is FinishReason.EOS, p
+            ended += 1
+    print(f"\noverlap with EOS: {engine.num_steps_ahead} steps ahead, {compared} tokens equal to the "
+          f"reference, {ended} requests ended on their EOS before a near-tie")
+    assert compared >= len(prompts) and ended >= 2
 
 
 def test_int8_lm_head_matches_reference(tmp_path):

@@ -9,6 +9,7 @@ a stale page table, a padded row writing into a live page) shows up as a wrong t
 from __future__ import annotations
 
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -317,8 +318,9 @@ def test_randomized_requests_with_steps_planned_ahead(seed, burst):
         steps += 1
         assert steps < 100_000
     print(f"{ahead_steps} of {decode_steps} decode steps planned ahead ({steps} steps)")
-    # arriving requests that can be admitted keep the steps synchronous (prefill and decode alternate)
-    assert ahead_steps > (0.25 * decode_steps if burst else 30)
+    # arriving requests that can be admitted keep the steps synchronous (prefill and decode alternate),
+    # and so do steps that would evict a cached block (the pool is small and the prefix cache fills it)
+    assert ahead_steps > (0.15 * decode_steps if burst else 30)
     assert all(q.status is SeqStatus.FINISHED for q in seqs)
     for q in seqs:
         if q.finish_reason is FinishReason.LENGTH:
@@ -379,3 +381,82 @@ def test_plan_ahead_with_drafters_only_through_a_backoff():
     assert after is not None
     s.commit(ahead, {seq.seq_id: 500})
     assert s.plan_ahead(after) is None  # at g + 3 the drafter may draft again
+
+
+def _decode_token(seq, pos: int) -> int:
+    """A token that depends only on the request and its position (never EOS): both step loops of
+    `_plans` produce the same tokens whatever their order of steps."""
+    return 100 + zlib.crc32(f"{seq.request.request_id}/{pos}".encode()) % 900
+
+
+def _plans(sched: Scheduler, waves, overlap: bool):
+    """Run waves of requests (a wave is submitted at once, when the one before it has finished) through
+    the engine's step loop, synchronous or with steps planned ahead (Engine.step's order: plan ahead
+    before committing). Returns the steps as (kind, ((request_id, start, query_len), ...)), in the
+    order they were queued."""
+    plans = []
+    for wave in waves:
+        for r in wave:
+            if sched.refusal_reason(r) is None:  # (the same in both loops)
+                sched.add(r)
+        in_flight = None
+        while sched.has_work or in_flight:
+            cur, in_flight = in_flight, None
+            if cur is None:
+                cur = sched.schedule()
+                if cur is None:
+                    break
+                plans.append(cur)
+            ahead = sched.plan_ahead(cur) if overlap else None
+            if ahead is not None:
+                plans.append(ahead)
+                in_flight = ahead
+            sampled = {s.seq_id: _decode_token(s, st + q) for s, st, q, smp
+                       in zip(cur.seqs, cur.start_pos, cur.query_lens, cur.sample, strict=True)
+                       if smp and s.status is SeqStatus.RUNNING}
+            finish_checks(sched, sched.commit(cur, sampled))
+            sched.blocks.check(sched.live())
+    return [(p.kind, tuple((s.request.request_id, st, q) for s, st, q in
+                           zip(p.seqs, p.start_pos, p.query_lens, strict=True))) for p in plans]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_steps_planned_ahead_are_the_synchronous_steps(seed):
+    """Differential: the same requests through the synchronous loop and the loop that plans steps ahead,
+    with prefix caching on (prompts share prefixes; a second wave of requests extends the first wave's
+    prompts, so it hits or misses cached blocks), a pool small enough to evict and to make requests
+    wait, and no token ending a sequence (the one case where the steps may differ: a row in flight for
+    a sequence that ended). The steps, their order, the prefix-cache hits, evictions and preemptions
+    are equal. (Seed 0 is the case a review found: a step planned ahead evicted a cached block that
+    the synchronous loop kept, because the pages of a sequence leaving were not yet released.)"""
+    rng = random.Random(seed)
+    if seed == 0:
+        x = list(range(500, 508))
+        waves = [[Request(x, SamplingParams(max_tokens=1), "P"),
+                  Request([1, 2, 3], SamplingParams(max_tokens=7), "A"),
+                  Request([4], SamplingParams(max_tokens=6), "B")],
+                 [Request(x + [9], SamplingParams(max_tokens=1), "Q")]]
+        kw = dict(num_blocks=6, block_size=4, max_batch=3, max_model_len=128, chunk=32)
+    else:
+        base = [rng.randrange(100, 1000) for _ in range(rng.randrange(8, 24))]
+
+        def request(i):
+            prompt = base[:rng.randrange(1, len(base) + 1)] + [rng.randrange(100, 1000)
+                                                                for _ in range(rng.randrange(0, 6))]
+            return Request(prompt, SamplingParams(max_tokens=rng.randrange(1, 14)), request_id=str(i))
+
+        first = [request(i) for i in range(rng.randrange(3, 8))]
+        waves = [first, [Request(r.prompt_tokens + [rng.randrange(100, 1000)], SamplingParams(max_tokens=2),
+                                 request_id=f"{r.request_id}+") for r in first[:3]]]
+        kw = dict(num_blocks=rng.randrange(7, 24), block_size=4, max_batch=rng.randrange(1, 5),
+                  max_model_len=64, chunk=rng.choice([8, 16, 64]))
+    runs = []
+    for overlap in (False, True):
+        s = make(**kw)
+        fresh = [[Request(list(r.prompt_tokens), r.params, r.request_id, ignore_eos=True) for r in w]
+                 for w in waves]
+        runs.append((_plans(s, fresh, overlap), s.blocks.num_evictions, s.prefix_hit_tokens,
+                     s.num_preemptions))
+    (sync_plans, *sync_counts), (ahead_plans, *ahead_counts) = runs
+    assert ahead_plans == sync_plans
+    assert ahead_counts == sync_counts

@@ -26,11 +26,12 @@ plain-torch reference unless `--backend reference|engine` says otherwise (`--bac
 never a silent fall back to the CPU. Engine options: `--kv-memory SIZE` (KV pool, e.g. 8GiB; default
 90% of the memory left after the weights), `--eager` (launch every kernel from Python instead of
 replaying CUDA graphs; for debugging) and `--overlap` (queue the next decode step before the last one
-is read back, so the host's work between steps runs while the GPU computes; the same tokens; off by
-default until it is measured on the GPU: nanoqwen-runtime's engine.py). Every tensor's checksum is
-checked while loading unless `--no-verify` is given. Errors are one line on stderr (errors.py: exit 2 for the command line and
-the prompt, 1 for files, the model and the machine). A request the model fails at run time (NaN/Inf
-logits: no token is sampled from them) ends with its one-line error and exit 1, in chat too.
+is read back, so the host's work between steps runs while the GPU computes; the same tokens up to a
+near-tie; off by default until it is measured on the GPU: nanoqwen-runtime's engine.py). Every
+tensor's checksum is checked while loading unless `--no-verify` is given. Errors are one line on
+stderr (errors.py: exit 2 for the command line and the prompt, 1 for files, the model and the
+machine). A request the model fails at run time (NaN/Inf logits: no token is sampled from them) ends
+with its one-line error and exit 1, in chat too.
 
 `--speculate ngram` (or `ngram:K`, K = 1..7 drafted tokens per step, default 4) turns on prompt-lookup
 speculative decoding (nanoqwen_runtime.speculative): tokens that followed an earlier occurrence of the
@@ -79,7 +80,7 @@ Eager = Annotated[bool, typer.Option("--eager", help="engine: launch kernels eag
                                      "replaying CUDA graphs (debugging)")]
 Overlap = Annotated[bool, typer.Option("--overlap", help="engine: queue the next decode step before reading "
                                        "the last one back (the host's per-step work overlaps the GPU's; "
-                                       "the same tokens)")]
+                                       "the same tokens up to a near-tie)")]
 MaxModelLen = Annotated[int | None, typer.Option("--max-model-len", help="tokens per sequence, prompt plus "
                                                  "generated (default: the model's context window)")]
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="free KV blocks when a request "

@@ -211,9 +211,10 @@ class NgramDrafter:
             self.backoffs += 1
 
     def silent_at(self, n_gen: int) -> bool:
-        """True when propose() with `n_gen` generated tokens (>= the last call's) would return [] and
-        leave the drafter as it is, whatever those tokens are: it backs off through that length and no
-        backoff is pending (a pending one starts at the next call's length). The engine's overlapped
+        """True when propose() with `n_gen` generated tokens (>= the last call's) would return [] whatever
+        those tokens are, and skipping that call changes nothing: it backs off through that length and
+        no backoff is pending (a pending one starts at the next call's length; the tokens a skipped call
+        would have appended to the context are appended by the next one). The engine's overlapped
         decode plans a step before its tokens are known only then (`Scheduler.plan_ahead`)."""
         return not self._backoff_pending and n_gen < self._resume_at
 

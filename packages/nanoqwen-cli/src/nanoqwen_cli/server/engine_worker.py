@@ -240,10 +240,14 @@ class _Worker:
             if stepped:
                 if trace is not None:
                     t_step, before = time.perf_counter(), dict(getattr(eng, "num_steps", {}))
+                    if hasattr(eng, "last_step_kind"):
+                        eng.last_step_kind = None
                 self._step(tokens, finishes)  # sends the pending message during the step
                 if trace is not None:
-                    kind = next((k for k, v in getattr(eng, "num_steps", {}).items() if v != before.get(k)),
-                                None)
+                    # the step whose tokens this call returned (with the CUDA engine's overlap, the step
+                    # it queued is the next one); else the kind whose count moved
+                    kind = getattr(eng, "last_step_kind", None) or next(
+                        (k for k, v in getattr(eng, "num_steps", {}).items() if v != before.get(k)), None)
             t_done = time.perf_counter() if trace is not None else 0.0
             self.flush()  # still pending when the step launched nothing (or failed)
             if cmds or stepped:

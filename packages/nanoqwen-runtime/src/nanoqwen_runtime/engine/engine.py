@@ -28,10 +28,13 @@ decode steps the engine plans step n+1 (`Scheduler.plan_ahead`) and queues it BE
 back; step n+1's rows take their token ids from step n's sampled tokens on the device. So `step()`
 queues step n+1 and returns step n's events, and the host's work between steps runs while the
 device computes. The tokens are those of the synchronous engine (the same steps with the same
-inputs); a step that cannot be planned ahead (prefill, admission, preemption, drafts) is run
-synchronously. A sequence that step n's token ends (EOS, stop string) computes one row more in step
-n+1, which is dropped. At most one step is in flight between `step()` calls; `has_work` stays True
-until it is read back.
+inputs) as long as no sequence ends with a step in flight; a step that cannot be planned ahead
+(prefill, admission, preemption, eviction, drafts) is run synchronously. A sequence that step n's token
+ends (EOS, stop string), or that is aborted, computes one row more in step n+1, which is dropped; that
+step then has a row more than the synchronous engine's, which can move the other rows' logits in their
+last bits (a different graph bucket or kernel path): their tokens are the same up to a near-tie. At
+most one step is in flight between `step()` calls; `has_work` stays True until it is read back, unless
+all of its sequences have ended (the next `step()` reads it back first).
 """
 
 from __future__ import annotations
@@ -143,7 +146,13 @@ class Engine(EngineBase):
     # ---- stepping --------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._in_flight is not None
+        """Requests to run, or a step in flight that still has a running sequence. A step left in flight
+        with only ended sequences (their rows are dropped) does not count: the next step() reads it
+        back first."""
+        if self.scheduler.has_work:
+            return True
+        f = self._in_flight
+        return f is not None and any(s.status is SeqStatus.RUNNING for s in f.plan.seqs)
 
     def step(self, side_work: Callable[[], None] | None = None) -> list[Event]:
         """Run one engine step (a prefill chunk, or a decode step: one token per sequence, or for a

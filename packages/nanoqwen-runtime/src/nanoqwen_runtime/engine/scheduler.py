@@ -191,15 +191,18 @@ class Scheduler:
         - no waiting request could be admitted after the commit unless a token ends a sequence
           (`_admission_blocked`: the batch is full, or the pool is, watermark included). A slot or pages
           that an EOS frees then go to the waiting request one step later than without overlap;
-        - the pages for one more token each are free now (no preemption ahead: `schedule()` decides
-          those);
+        - the pages for one more token each are free now without evicting a cached block (no
+          preemption or eviction ahead: `schedule()` decides those after the commit, when the pages of
+          sequences that leave are back);
         - no sequence would get drafts: its drafter backs off through that step (propose() would
           return [] and change no state), or the step has at least `verify_max_rows` rows (no room for
           drafts; if a token ends a sequence, the step it would have drafted in runs without drafts).
-        A sequence that `plan`'s token ends (EOS, stop) still computes one row in the step planned
-        ahead: its output is dropped at commit (the sequence is no longer running), its K/V row lands
-        past its end in a page it released, which a later owner writes before reading (the device runs
-        the steps in launch order)."""
+        A sequence that `plan`'s token ends (EOS, stop) or that is aborted still computes one row in the
+        step planned ahead: its output is dropped at commit (the sequence is no longer running), its
+        K/V row lands past its end in a page it released, which a later owner writes before reading
+        (the device runs the steps in launch order). That row is the one difference from `schedule()`:
+        the step has a row more than the synchronous engine's, which can change its graph bucket or
+        kernel path and so the other rows' logits in their last bits (the tokens up to a near-tie)."""
         if plan.kind != "decode" or plan.has_drafts or any(not s.in_decode for s in self.running):
             return None
         live = [(row, s) for row, s in enumerate(plan.seqs) if s.status is SeqStatus.RUNNING]
@@ -214,8 +217,10 @@ class Scheduler:
             return None
         if len(keep) < self.verify_max_rows and any(not _drafter_silent_next(s) for _, s in keep):
             return None
+        # only free blocks, no eviction: before the commit, the pages of sequences leaving are not yet
+        # released, and `schedule()` after it could take one of those instead of evicting a cached block
         need = sum(self.blocks.extra_blocks(s, len(s.tokens) + 1) for _, s in keep)
-        if need > self.blocks.num_free:
+        if need > self.blocks.allocator.num_free:
             return None
         for _, s in keep:
             self.blocks.grow(s, len(s.tokens) + 1)
