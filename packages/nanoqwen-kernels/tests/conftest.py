@@ -27,6 +27,17 @@ def device():
 
 
 @pytest.fixture
+def emu_compiler():
+    """The C++ compiler the kernel emulator (nanoqwen_kernels.emu) builds with; skips without one."""
+    from nanoqwen_kernels import emu
+
+    try:
+        return emu.compiler()
+    except emu.EmulatorError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
 def gen(request, device):
     """A CUDA generator seeded from the test's name: fresh random data per test, reproducible."""
     import zlib

@@ -178,9 +178,14 @@ NQ_DEVICE void load_chunk_scales(ChunkScales& cs, const Cursor& c, const u16* sc
 }
 
 NQ_DEVICE int ld_acquire(const int* p) {
+#ifdef NQ_HOST_EMU
+  nq_emu::yield_maybe();
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#else
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+#endif
 }
 
 struct BlockArgs {
@@ -302,7 +307,7 @@ __device__ __noinline__ void finish_piece(const Op* ops, int op, int gw, int p, 
 template <bool ASYM, typename ST, bool QKV>
 NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2, Op op3) {
   constexpr int NOPS = QKV ? 4 : 3;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  NQ_DYNAMIC_SMEM(smem_raw, 128);
   __shared__ Op ops[MAX_OPS];
   __shared__ __align__(8) unsigned long long full[WARPS][RING];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;

@@ -18,6 +18,15 @@ typedef u32 bf16x2_t;
 #define NQ_DEVICE __device__ __forceinline__
 #define NQ_NEG_INF __int_as_float(0xff800000)
 
+// A kernel's dynamic shared memory (`extern __shared__`), as `unsigned char name[]` aligned to `align`.
+// NQ_HOST_EMU: the kernels compiled for the CPU (emu/simt.h, nanoqwen_kernels.emu), where each PTX
+// wrapper below takes its host branch.
+#ifdef NQ_HOST_EMU
+#define NQ_DYNAMIC_SMEM(name, align) unsigned char* name = ::nq_emu::dynamic_smem()
+#else
+#define NQ_DYNAMIC_SMEM(name, align) extern __shared__ __align__(align) unsigned char name[]
+#endif
+
 // Programmatic dependent launch (PDL, Hopper; PTX `griddepcontrol`). A launcher called with pdl=True
 // (nanoqwen_kernels.launch.launch) launches the kernel with the programmatic-stream-serialization
 // attribute, so its blocks may start while the kernel before it on the stream is still running. The
@@ -29,8 +38,13 @@ typedef u32 bf16x2_t;
 //   tail of the previous kernel.
 //   pdl_launch_dependents() lets the next kernel's blocks be scheduled (once every block of this grid
 //   has called it or exited); it orders nothing, so it may come anywhere.
+#ifdef NQ_HOST_EMU
+NQ_DEVICE void pdl_wait() {}  // launches on the emulator run one after the other
+NQ_DEVICE void pdl_launch_dependents() {}
+#else
 NQ_DEVICE void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 NQ_DEVICE void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+#endif
 // Both, at the top of a kernel that reads nothing before it depends on the previous one.
 NQ_DEVICE void pdl_enter() {
   pdl_wait();
@@ -42,16 +56,24 @@ NQ_DEVICE float bf16x2_lo(bf16x2_t v) { return __uint_as_float(v << 16); }
 NQ_DEVICE float bf16x2_hi(bf16x2_t v) { return __uint_as_float(v & 0xffff0000u); }
 
 NQ_DEVICE bf16_t f32_to_bf16(float f) {
+#ifdef NQ_HOST_EMU
+  return nq_emu::f32_to_bf16_rn(f);
+#else
   bf16_t r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
+#endif
 }
 
 // Pack two floats into a bf16x2 word: `lo` in bits 0..15 (the lower address), `hi` in bits 16..31.
 NQ_DEVICE bf16x2_t f32x2_to_bf16x2(float lo, float hi) {
+#ifdef NQ_HOST_EMU
+  return (bf16x2_t)nq_emu::f32_to_bf16_rn(lo) | ((bf16x2_t)nq_emu::f32_to_bf16_rn(hi) << 16);
+#else
   bf16x2_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+#endif
 }
 
 NQ_DEVICE float warp_sum(float v) {
@@ -79,11 +101,15 @@ NQ_DEVICE float block_sum(float v, float* scratch) {
 
 // 16-byte load that bypasses L1 allocation: weights are read exactly once per launch.
 NQ_DEVICE uint4 ld_stream_v4(const void* p) {
+#ifdef NQ_HOST_EMU
+  return *reinterpret_cast<const uint4*>(p);
+#else
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
   return r;
+#endif
 }
 
 NQ_DEVICE uint4 ld_v4(const void* p) { return *reinterpret_cast<const uint4*>(p); }
@@ -91,27 +117,43 @@ NQ_DEVICE uint4 ld_v4(const void* p) { return *reinterpret_cast<const uint4*>(p)
 // Loads that bypass L1 (cached in L2 only): for data another block of the same launch wrote, read after
 // an arrival counter said it is complete (a split-K or split-KV reduction); L1 is not coherent.
 NQ_DEVICE float ld_cg_f32(const float* p) {
+#ifdef NQ_HOST_EMU
+  return *reinterpret_cast<const volatile float*>(p);
+#else
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
   return v;
+#endif
 }
 
 NQ_DEVICE bf16_t ld_cg_bf16(const bf16_t* p) {
+#ifdef NQ_HOST_EMU
+  return *reinterpret_cast<const volatile bf16_t*>(p);
+#else
   bf16_t v;
   asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
+#endif
 }
 
 NQ_DEVICE uint4 ld_cg_v4(const void* p) {
+#ifdef NQ_HOST_EMU
+  return *reinterpret_cast<const uint4*>(p);
+#else
   uint4 v;
   asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
+#endif
 }
 
 NQ_DEVICE float4 ld_cg_f32x4(const float* p) {
+#ifdef NQ_HOST_EMU
+  return *reinterpret_cast<const float4*>(p);
+#else
   float4 v;
   asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
   return v;
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------

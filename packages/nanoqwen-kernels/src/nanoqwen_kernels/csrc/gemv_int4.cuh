@@ -69,18 +69,26 @@ constexpr int ROWS_PER_BLOCK = WARPS * 16;
 constexpr int XPAD = 32;  // bf16 elements of padding per staged x row: rows alternate bank halves
 
 NQ_DEVICE u32 lop3_and_or(u32 a, u32 b, u32 c) {
+#ifdef NQ_HOST_EMU
+  return (a & b) | c;
+#else
   u32 d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));  // (a & b) | c
   return d;
+#endif
 }
 
 // (128 + q) - (128 + z) in bf16x2; `negzz` holds -(128 + z) in both halves. Exact (both operands are
 // integers below 256), so the one rounding of add.rn changes nothing. (An fma by 1.0 gives the same
 // bits, but for the symmetric kernels ptxas kept it an HFMA2 with 1.0 in a register.)
 NQ_DEVICE u32 sub_zero(u32 v, u32 negzz) {
+#ifdef NQ_HOST_EMU
+  return f32x2_to_bf16x2(bf16x2_lo(v) + bf16x2_lo(negzz), bf16x2_hi(v) + bf16x2_hi(negzz));
+#else
   u32 d;
   asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(v), "r"(negzz));
   return d;
+#endif
 }
 
 // nibble pair j of a word -> bf16x2 (q - z) for columns 2t + 8j + {0, 1}
@@ -102,11 +110,16 @@ NQ_DEVICE u32 neg_zero_pair_byte(u32 z4, u32 c3) {
 }
 
 NQ_DEVICE void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#ifdef NQ_HOST_EMU
+  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
+  nq_emu::mma_m16n8k16(c, a, b, false);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
 }
 
 // The two scale types of the INT4 layouts: 16 bits per scale, widened exactly to f32.
@@ -115,9 +128,13 @@ struct ScaleBF16 {
 };
 struct ScaleF16 {
   static NQ_DEVICE float to_f32(u16 bits) {
+#ifdef NQ_HOST_EMU
+    return nq_emu::f16_bits_to_f32(bits);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
     return f;
+#endif
   }
 };
 
@@ -372,7 +389,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
                          const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
                          int* __restrict__ counters, int M, int N, int K, int kc, const RopeKV& rk = {},
                          const NormIn& ni = {}, const ResidOut& ro = {}) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  NQ_DYNAMIC_SMEM(smem_raw, 16);
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
   const int KT = K / 128, NT = N / 8, KG = K / G;
   const int split = blockIdx.y;
@@ -474,8 +491,12 @@ struct LaneOut {
   int row0, row1, m0, m1;
   bool has0, has1;
   static NQ_DEVICE LaneOut of(int N) {
+#ifdef NQ_HOST_EMU
+    const u32 tid = threadIdx.x;
+#else
     u32 tid;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));  // volatile: not merged with the kernel's read
+#endif
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int tr0 = 2 * (blockIdx.x * WARPS + warp), tr1 = tr0 + 1;
     return {8 * tr0 + g, 8 * tr1 + g, 2 * t, 2 * t + 1, tr0 < N / 8, tr1 < N / 8};

@@ -32,31 +32,49 @@ constexpr int ROWS_PER_BLOCK = WARPS * 16;
 constexpr int XPAD = 8;  // fp16 elements of padding per staged x row: 16-byte B loads are conflict-free
 
 NQ_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+#ifdef NQ_HOST_EMU
+  return __byte_perm(a, b, sel);
+#else
   u32 d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
+#endif
 }
 
 // Bytes i, j of `wu` (u = q + 128) -> f16x2 (q_i, q_j), exact. sel = i | 4 << 4 | j << 8 | 4 << 12.
 NQ_DEVICE u32 int8_pair_f16x2(u32 wu, u32 sel) {
   const u32 h = prmt(wu, 0x64646464u, sel);  // (1024 + u_i, 1024 + u_j)
+#ifdef NQ_HOST_EMU
+  return (u32)nq_emu::f32_to_f16_rn(nq_emu::f16_bits_to_f32(h & 0xffff) - 1152.f) |
+         ((u32)nq_emu::f32_to_f16_rn(nq_emu::f16_bits_to_f32(h >> 16) - 1152.f) << 16);
+#else
   u32 d;
   asm("sub.f16x2 %0, %1, %2;" : "=r"(d) : "r"(h), "r"(0x64806480u));  // - 1152 in both halves
   return d;
+#endif
 }
 
 NQ_DEVICE void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#ifdef NQ_HOST_EMU
+  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
+  nq_emu::mma_m16n8k16(c, a, b, true);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
 }
 
 NQ_DEVICE u32 f32x2_to_f16x2(float lo, float hi) {
+#ifdef NQ_HOST_EMU
+  return (u32)nq_emu::f32_to_f16_rn(lo) | ((u32)nq_emu::f32_to_f16_rn(hi) << 16);
+#else
   u32 r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+#endif
 }
 
 // One 64-column chunk of the warp's 16 rows: w0 / w1 = this lane's 16 bytes of rows r0 / r1 (XORed),
@@ -75,7 +93,7 @@ template <int G>
 NQ_DEVICE void gemv_int8(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                          const bf16_t* __restrict__ scales, bf16_t* __restrict__ out, int M, int N, int K) {
   static_assert(G % 64 == 0, "a 64-column chunk must lie inside one group");
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  NQ_DYNAMIC_SMEM(smem_raw, 16);
   u16* xs = reinterpret_cast<u16*>(smem_raw);  // [M][K + XPAD]: bf16 while staging, then scaled fp16
   __shared__ float row_max[WARPS][8];
   __shared__ float row_scale[8];  // 2^e_m

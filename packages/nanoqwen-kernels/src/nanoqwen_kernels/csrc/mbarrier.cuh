@@ -10,6 +10,22 @@
 #pragma once
 #include "common.cuh"
 
+#ifdef NQ_HOST_EMU
+// The emulator's mbarriers and bulk copies (emu/simt.h): a shared address is a handle of the CTA's.
+NQ_DEVICE unsigned mbar_smem_addr(const void* p) { return nq_emu::smem_handle(p); }
+NQ_DEVICE void mbar_init(unsigned long long* bar, unsigned count) { nq_emu::mbar_init(mbar_smem_addr(bar), count); }
+NQ_DEVICE void mbar_fence_init() {}
+NQ_DEVICE void mbar_arrive(unsigned long long* bar) { nq_emu::mbar_arrive(mbar_smem_addr(bar), 0); }
+NQ_DEVICE void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+  nq_emu::mbar_arrive(mbar_smem_addr(bar), bytes);
+}
+NQ_DEVICE void mbar_wait(unsigned long long* bar, unsigned parity) { nq_emu::mbar_wait(mbar_smem_addr(bar), parity); }
+NQ_DEVICE void bulk_copy_g2s(unsigned dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  nq_emu::bulk_copy_g2s(dst, src, bytes, mbar_smem_addr(bar));
+}
+NQ_DEVICE void fence_proxy_async_shared() {}
+#else
+
 NQ_DEVICE unsigned mbar_smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 
 NQ_DEVICE void mbar_init(unsigned long long* bar, unsigned count) {
@@ -54,3 +70,4 @@ NQ_DEVICE void bulk_copy_g2s(unsigned dst, const void* src, unsigned bytes, unsi
 // Orders this thread's earlier generic-proxy accesses of shared memory before later async-proxy ones
 // (a bulk copy into a buffer the block has just read).
 NQ_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+#endif  // NQ_HOST_EMU

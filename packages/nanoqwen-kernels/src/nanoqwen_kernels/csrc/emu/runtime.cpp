@@ -1,0 +1,492 @@
+// emu/runtime.cpp: the CPU launch of a kernel compiled with emu/simt.h (see its header for the model):
+// one OS thread per CTA, all CTAs at once; the CTA's threads are ucontext fibers switched at the
+// scheduling points; mbarriers and bulk copies with late completion; a watchdog for launches that
+// stop making progress. Entry: `nq_emu_launch` (C ABI, called by nanoqwen_kernels/emu.py through
+// ctypes with cuLaunchKernel-style argument pointers).
+#include "emu/simt.h"
+
+#include <sched.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace nq_emu {
+
+namespace {
+
+constexpr size_t STACK_BYTES = 256 * 1024;  // per CUDA thread (mapped lazily)
+enum State { RUNNABLE, WAIT_WARP, WAIT_CTA, SLEEPING, DONE };
+
+struct WarpState {
+  int arrived = 0, live = 0;
+  unsigned gen = 0;
+  alignas(16) unsigned char slots[32][64];
+};
+
+struct Mbar {
+  unsigned count = 1, pending = 1, phase = 0;
+  long long tx = 0;
+};
+
+struct Copy {
+  void* dst;
+  const void* src;
+  unsigned bytes, bar;
+};
+
+struct Launch;
+
+struct Cta {
+  Launch* launch = nullptr;
+  std::vector<Fiber*> fibers;
+  ucontext_t sched;
+  std::vector<WarpState> warps;
+  std::vector<unsigned> warp_pace;  // a warp's threads run in 1 of `pace` scheduler rounds (1: every round)
+  int bar_arrived = 0, live = 0;
+  unsigned bar_gen = 0;
+  std::vector<const void*> handles{nullptr};
+  std::unordered_map<const void*, unsigned> handle_of;
+  std::unordered_map<unsigned, Mbar> mbars;
+  std::vector<Copy> copies;
+  std::mt19937_64 rng;
+  unsigned char* smem = nullptr;
+  size_t smem_bytes = 0;
+};
+
+struct Launch {
+  const Registration* entry;
+  void** args;
+  EmuDim3 grid, block;
+  unsigned shared;
+  double timeout_s;
+  std::chrono::steady_clock::time_point start;
+  std::atomic<bool> abort{false};
+  std::mutex mu;
+  std::string error;
+
+  void fail(const std::string& why) {
+    std::lock_guard<std::mutex> g(mu);
+    if (error.empty()) error = why;
+    abort = true;
+  }
+};
+
+thread_local Cta* g_cta = nullptr;
+
+std::map<std::string, const Registration*>& registry() {
+  static std::map<std::string, const Registration*> r;
+  return r;
+}
+
+}  // namespace
+
+struct Fiber {
+  ucontext_t ctx;
+  EmuDim3 tid;
+  int lane = 0, warp = 0;
+  State state = RUNNABLE;
+  unsigned wait_gen = 0;
+  char* stack = nullptr;
+};
+
+thread_local Fiber* g_fiber = nullptr;
+thread_local EmuDim3 g_block_idx, g_grid_dim, g_block_dim;
+
+const EmuDim3& thread_idx() { return g_fiber->tid; }
+
+unsigned char* dynamic_smem() { return g_cta->smem; }
+
+namespace {
+
+void switch_out() { swapcontext(&g_fiber->ctx, &g_cta->sched); }
+
+void complete_copy(Cta& c, size_t i) {
+  Copy cp = c.copies[i];
+  c.copies[i] = c.copies.back();
+  c.copies.pop_back();
+  std::memcpy(cp.dst, cp.src, cp.bytes);
+  Mbar& m = c.mbars[cp.bar];
+  m.tx -= cp.bytes;
+  if (m.pending == 0 && m.tx == 0) {
+    m.phase ^= 1;
+    m.pending = m.count;
+  }
+}
+
+void complete_random_copy(Cta& c) {
+  if (!c.copies.empty()) complete_copy(c, c.rng() % c.copies.size());
+}
+
+bool runnable(Cta& c, Fiber& f) {
+  switch (f.state) {
+    case RUNNABLE:
+    case SLEEPING:
+      return true;
+    case WAIT_WARP:
+      if (c.warps[f.warp].gen == f.wait_gen) return false;
+      f.state = RUNNABLE;
+      return true;
+    case WAIT_CTA:
+      if (c.bar_gen == f.wait_gen) return false;
+      f.state = RUNNABLE;
+      return true;
+    default:
+      return false;
+  }
+}
+
+void release_barriers(Cta& c, WarpState& w) {
+  if (w.arrived > 0 && w.arrived == w.live) {
+    w.arrived = 0;
+    ++w.gen;
+  }
+  if (c.bar_arrived > 0 && c.bar_arrived == c.live) {
+    c.bar_arrived = 0;
+    ++c.bar_gen;
+  }
+}
+
+void fiber_main() {
+  Cta& c = *g_cta;
+  c.launch->entry->call(c.launch->entry->fn, c.launch->args);
+  Fiber& f = *g_fiber;
+  f.state = DONE;
+  --c.live;
+  WarpState& w = c.warps[f.warp];
+  --w.live;
+  release_barriers(c, w);
+}  // returns to uc_link: the scheduler
+
+void run_cta(Launch& L, unsigned cta_index, unsigned long long seed) {
+  Cta c;
+  c.launch = &L;
+  c.rng.seed(seed * 0x9E3779B97F4A7C15ull + cta_index);
+  g_cta = &c;
+  g_grid_dim = L.grid;
+  g_block_dim = L.block;
+  g_block_idx.x = cta_index % L.grid.x;
+  g_block_idx.y = (cta_index / L.grid.x) % L.grid.y;
+  g_block_idx.z = cta_index / (L.grid.x * L.grid.y);
+  const unsigned n = L.block.x * L.block.y * L.block.z;
+  std::vector<unsigned char> smem(L.shared + 128, 0xA5);  // poisoned: shared memory starts undefined
+  c.smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem.data()) + 127) & ~uintptr_t(127));
+  c.smem_bytes = L.shared;
+  c.warps.resize((n + 31) / 32);
+  for (size_t w = 0; w < c.warps.size(); ++w) c.warp_pace.push_back(c.rng() % 4 == 0 ? 8 : 1);  // slow warps
+  char* stacks = static_cast<char*>(mmap(nullptr, STACK_BYTES * n, PROT_READ | PROT_WRITE,
+                                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+  if (stacks == MAP_FAILED) {
+    L.fail("cannot map the fiber stacks");
+    return;
+  }
+  std::vector<Fiber> fibers(n);
+  for (unsigned i = 0; i < n; ++i) {
+    Fiber& f = fibers[i];
+    f.tid.x = i % L.block.x;
+    f.tid.y = (i / L.block.x) % L.block.y;
+    f.tid.z = i / (L.block.x * L.block.y);
+    f.lane = i % 32;
+    f.warp = i / 32;
+    f.stack = stacks + STACK_BYTES * i;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack;
+    f.ctx.uc_stack.ss_size = STACK_BYTES;
+    f.ctx.uc_link = &c.sched;
+    makecontext(&f.ctx, fiber_main, 0);
+    c.fibers.push_back(&f);
+    ++c.warps[f.warp].live;
+  }
+  c.live = n;
+  unsigned long long rounds = 0;
+  while (c.live > 0 && !L.abort) {
+    bool ran = false, any_runnable = false, only_sleepers = true;
+    const unsigned start = c.rng() % n;
+    const unsigned long long round_bits = c.rng();
+    for (unsigned k = 0; k < n && !L.abort; ++k) {
+      Fiber& f = *c.fibers[(start + k) % n];
+      if (!runnable(c, f)) continue;
+      any_runnable = true;
+      const unsigned pace = c.warp_pace[f.warp];
+      if (pace > 1 && (round_bits >> (f.warp % 61)) % pace != 0) continue;  // a slow warp sits this round out
+      if (f.state != SLEEPING) only_sleepers = false;
+      f.state = RUNNABLE;
+      g_fiber = &f;
+      swapcontext(&c.sched, &f.ctx);
+      ran = true;
+    }
+    if (!c.copies.empty() && c.rng() % 4 == 0) complete_random_copy(c);
+    if (!ran) {
+      if (any_runnable) continue;  // only slow warps could run, and sat this round out
+      if (!c.copies.empty()) {
+        complete_random_copy(c);
+        continue;
+      }
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "deadlock: every thread of CTA %u waits at a barrier that cannot fill",
+                    cta_index);
+      L.fail(buf);
+      break;
+    }
+    if (only_sleepers) sched_yield();  // waiting on other CTAs: let their OS threads run
+    if ((++rounds & 255) == 0) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - L.start).count();
+      if (s > L.timeout_s) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "no progress within %.0f s (CTA %u still running): a deadlock?",
+                      L.timeout_s, cta_index);
+        L.fail(buf);
+      }
+    }
+  }
+  munmap(stacks, STACK_BYTES * n);
+  g_cta = nullptr;
+  g_fiber = nullptr;
+}
+
+}  // namespace
+
+// ---- scheduling points ----------------------------------------------------------------------------
+
+// A random switch to another thread of the CTA (1 in 4), or now and then (1 in 64) a pause of the whole
+// CTA's OS thread for up to 300 us: a slow SM, so that the other CTAs run ahead of it and counters fill
+// in other orders than the natural one.
+void yield_maybe() {
+  const unsigned long long r = g_cta->rng();
+  if (r % 64 == 1) std::this_thread::sleep_for(std::chrono::microseconds((r >> 8) % 300));
+  if (r % 4 == 0) switch_out();
+}
+
+void nanosleep_yield() {
+  g_fiber->state = SLEEPING;
+  switch_out();
+}
+
+void syncwarp() {
+  Cta& c = *g_cta;
+  Fiber& f = *g_fiber;
+  WarpState& w = c.warps[f.warp];
+  if (++w.arrived == w.live) {
+    w.arrived = 0;
+    ++w.gen;
+    return;
+  }
+  f.wait_gen = w.gen;
+  f.state = WAIT_WARP;
+  switch_out();
+}
+
+void syncthreads() {
+  Cta& c = *g_cta;
+  Fiber& f = *g_fiber;
+  if (++c.bar_arrived == c.live) {
+    c.bar_arrived = 0;
+    ++c.bar_gen;
+    switch_out();  // the others resume in some order; so does this one
+    return;
+  }
+  f.wait_gen = c.bar_gen;
+  f.state = WAIT_CTA;
+  switch_out();
+}
+
+void warp_exchange(const void* mine, void* all, int bytes) {
+  Cta& c = *g_cta;
+  Fiber& f = *g_fiber;
+  WarpState& w = c.warps[f.warp];
+  std::memcpy(w.slots[f.lane], mine, bytes);
+  syncwarp();
+  for (int i = 0; i < 32; ++i) std::memcpy(static_cast<char*>(all) + i * bytes, w.slots[i], bytes);
+  syncwarp();
+}
+
+// ---- mbarriers and bulk copies --------------------------------------------------------------------
+
+unsigned smem_handle(const void* p) {
+  Cta& c = *g_cta;
+  auto it = c.handle_of.find(p);
+  if (it != c.handle_of.end()) return it->second;
+  const unsigned h = (unsigned)c.handles.size();
+  c.handles.push_back(p);
+  c.handle_of.emplace(p, h);
+  return h;
+}
+
+void mbar_init(unsigned bar, unsigned count) {
+  Mbar m;
+  m.count = m.pending = count;
+  g_cta->mbars[bar] = m;
+}
+
+void mbar_arrive(unsigned bar, unsigned tx_bytes) {
+  Cta& c = *g_cta;
+  auto it = c.mbars.find(bar);
+  if (it == c.mbars.end()) {
+    c.launch->fail("mbarrier arrive on a barrier that was never initialised");
+    switch_out();
+    return;
+  }
+  Mbar& m = it->second;
+  m.tx += tx_bytes;
+  if (m.pending == 0) {
+    c.launch->fail("mbarrier: more arrivals than its count in one phase");
+    return;
+  }
+  if (--m.pending == 0 && m.tx == 0) {
+    m.phase ^= 1;
+    m.pending = m.count;
+  }
+}
+
+bool mbar_test_wait(unsigned bar, unsigned parity) {
+  Cta& c = *g_cta;
+  auto it = c.mbars.find(bar);
+  if (it == c.mbars.end()) {
+    c.launch->fail("mbarrier wait on a barrier that was never initialised");
+    return true;
+  }
+  return it->second.phase != (parity & 1);
+}
+
+void mbar_wait(unsigned bar, unsigned parity) {
+  Cta& c = *g_cta;
+  while (!mbar_test_wait(bar, parity)) {
+    if (c.launch->abort) {
+      switch_out();
+      continue;
+    }
+    if (!c.copies.empty() && c.rng() % 2 == 0) complete_random_copy(c);
+    else switch_out();
+  }
+}
+
+void bulk_copy_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  Cta& c = *g_cta;
+  if (dst == 0 || dst >= c.handles.size()) {
+    c.launch->fail("bulk copy to an address that is not shared memory");
+    return;
+  }
+  void* d = const_cast<void*>(c.handles[dst]);
+  const unsigned char* lo = c.smem;
+  const bool in_dynamic = d >= lo && static_cast<unsigned char*>(d) + bytes <= lo + c.smem_bytes;
+  if (!in_dynamic || bytes % 16 || reinterpret_cast<uintptr_t>(src) % 16 || reinterpret_cast<uintptr_t>(d) % 16) {
+    c.launch->fail("bulk copy out of the dynamic shared memory, or not 16-byte aligned");
+    return;
+  }
+  c.copies.push_back({d, src, bytes, bar});
+  if (c.rng() % 4 == 0) complete_copy(c, c.copies.size() - 1);
+}
+
+// ---- numbers --------------------------------------------------------------------------------------
+
+float bf16_bits_to_f32(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
+
+unsigned short f32_to_bf16_rn(float f) {
+  const unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;  // NaN (cvt.rn.bf16.f32: canonical NaN)
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+float f16_bits_to_f32(unsigned short h) {
+  const unsigned sign = (unsigned)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  if (e == 0x1f) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+  if (e != 0) return __uint_as_float(sign | ((e + 112) << 23) | (m << 13));
+  const float v = std::ldexp((float)m, -24);  // subnormal: exact
+  return sign ? -v : v;
+}
+
+unsigned short f32_to_f16_rn(float f) {
+  const unsigned u = __float_as_uint(f), sign = (u >> 16) & 0x8000;
+  const float a = std::fabs(f);
+  if (std::isnan(f)) return (unsigned short)(sign | 0x7e00);
+  if (a >= 65520.0f) return (unsigned short)(sign | 0x7c00);  // rounds to infinity
+  if (a < 6.103515625e-05f) {  // subnormal half: a multiple of 2^-24, round to nearest even
+    const float q = std::nearbyint(a * 16777216.0f);
+    return (unsigned short)(sign | (unsigned)q);
+  }
+  int e;
+  const float fr = std::frexp(a, &e);  // a = fr 2^e, fr in [0.5, 1)
+  float mant = std::nearbyint(fr * 2048.0f);  // 11 significant bits
+  if (mant == 2048.0f) {
+    mant = 1024.0f;
+    ++e;
+  }
+  const unsigned he = (unsigned)(e - 1 + 15);
+  if (he >= 31) return (unsigned short)(sign | 0x7c00);
+  return (unsigned short)(sign | (he << 10) | ((unsigned)mant - 1024u));
+}
+
+void mma_m16n8k16(float* c, const unsigned* a, const unsigned* b, bool f16) {
+  struct Frag {
+    unsigned a[4], b[2];
+  } mine, all[32];
+  std::memcpy(mine.a, a, sizeof mine.a);
+  std::memcpy(mine.b, b, sizeof mine.b);
+  warp_exchange(&mine, all, sizeof(Frag));
+  auto val = [f16](unsigned word, int half) {
+    const unsigned short bits = (unsigned short)(half ? word >> 16 : word & 0xffff);
+    return (double)(f16 ? f16_bits_to_f32(bits) : bf16_bits_to_f32(bits));
+  };
+  double A[16][16], B[16][8];
+  for (int L = 0; L < 32; ++L) {
+    const int g = L >> 2, t = L & 3;
+    for (int h = 0; h < 2; ++h) {
+      A[g][2 * t + h] = val(all[L].a[0], h);
+      A[g + 8][2 * t + h] = val(all[L].a[1], h);
+      A[g][2 * t + 8 + h] = val(all[L].a[2], h);
+      A[g + 8][2 * t + 8 + h] = val(all[L].a[3], h);
+      B[2 * t + h][g] = val(all[L].b[0], h);
+      B[2 * t + 8 + h][g] = val(all[L].b[1], h);
+    }
+  }
+  const int lane = g_fiber->lane, g = lane >> 2, t = lane & 3;
+  const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  for (int i = 0; i < 4; ++i) {
+    double s = 0;
+    for (int k = 0; k < 16; ++k) s += A[rows[i]][k] * B[k][cols[i]];
+    c[i] = (float)(s + (double)c[i]);
+  }
+}
+
+void register_entries(const Registration* regs, int n) {
+  for (int i = 0; i < n; ++i) registry()[regs[i].name] = &regs[i];
+}
+
+}  // namespace nq_emu
+
+extern "C" int nq_emu_launch(const char* name, const unsigned* grid, const unsigned* block, unsigned shared,
+                             void** args, unsigned long long seed, double timeout_s, char* err, int errlen) {
+  using namespace nq_emu;
+  auto it = registry().find(name);
+  if (it == registry().end()) {
+    std::snprintf(err, errlen, "no kernel %s in this emulator build", name);
+    return 1;
+  }
+  Launch L;
+  L.entry = it->second;
+  L.args = args;
+  L.grid = {grid[0], grid[1], grid[2]};
+  L.block = {block[0], block[1], block[2]};
+  L.shared = shared;
+  L.timeout_s = timeout_s;
+  L.start = std::chrono::steady_clock::now();
+  const unsigned ctas = grid[0] * grid[1] * grid[2];
+  std::vector<std::thread> threads;
+  threads.reserve(ctas);
+  for (unsigned i = 0; i < ctas; ++i) threads.emplace_back(run_cta, std::ref(L), i, seed);
+  for (auto& t : threads) t.join();
+  if (!L.error.empty()) {
+    std::snprintf(err, errlen, "%s", L.error.c_str());
+    return 2;
+  }
+  return 0;
+}

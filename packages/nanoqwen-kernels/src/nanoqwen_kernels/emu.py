@@ -1,0 +1,174 @@
+"""The package's CUDA kernels run on the CPU, to test what they compute where there is no GPU.
+
+    with emu.emulated(sms=4):
+        post_attention_block(...)   # the launchers as they are, on CPU tensors; each launch runs the
+                                    # kernel's own CUDA source, compiled for the host (csrc/emu/simt.h)
+
+How. A family (specs.py: its `.cu` files and compile options) is compiled with g++ and
+`-DNQ_HOST_EMU -include emu/simt.h` into a shared library (cached under ~/.cache/nanoqwen/emu, keyed
+by a hash of every source and option), with its `extern "C"` kernels registered by name (found in the
+preprocessed unit). `launch` has `launch.launch`'s signature: the numpy-scalar arguments are passed by
+pointer, as cuLaunchKernel takes them, so a launcher's argument order is checked too. Every CTA runs on
+an OS thread of its own, all at once, and its threads are fibers that switch at warp-collective
+operations, barriers, mbarrier waits and at random points; bulk copies complete late
+(emu/simt.h has the model and what it does not model: the memory model is the host's, stronger than
+the GPU's, so missing fences go unseen; fast-math intrinsics are the host's precise functions).
+
+`emulated()` points the launchers' module-level names (`launch`, `require_sm90`, the SM count, the
+block kernel's occupancy query) at the emulator and restores them on exit. `sms` is the SM count the
+launchers plan for: a persistent kernel's grid, and the GEMV's split-K. It is slow (fiber switches):
+for small shapes only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .build import CSRC_DIR, KernelSpec
+
+EMU_DIR = CSRC_DIR / "emu"
+CACHE_DIR = Path(os.environ.get("NANOQWEN_CACHE", Path.home() / ".cache" / "nanoqwen")) / "emu"
+SHARED_MEM_PER_SM = 227 * 1024  # what the occupancy query of the emulator allows a CTA (the H200's)
+CXX_FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wno-unknown-pragmas",
+             "-ftls-model=global-dynamic", "-DNQ_HOST_EMU")
+_ENTRY_RE = re.compile(r'extern\s+"C"\s+void\s+(\w+)\s*\(')
+
+_libraries: dict[str, ctypes.CDLL] = {}
+_launches = itertools.count()
+_settings = {"seed": 0, "timeout_s": 300.0}
+
+
+class EmulatorError(RuntimeError):
+    """A kernel launch on the emulator failed: a deadlock, a timeout, a bad bulk copy or mbarrier use."""
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++")
+    if not cxx:
+        raise EmulatorError("the kernel emulator needs a C++17 compiler (g++, or $CXX)")
+    return cxx
+
+
+def _source_hash(spec: KernelSpec, cxx: str) -> str:
+    h = hashlib.sha256()
+    for path in sorted(CSRC_DIR.rglob("*")):
+        if path.suffix in (".cu", ".cuh", ".h", ".cpp"):
+            h.update(path.name.encode() + path.read_bytes())
+    h.update("\0".join((*spec.sources, *spec.options, *CXX_FLAGS, cxx)).encode())
+    return h.hexdigest()[:16]
+
+
+def entry_points(spec: KernelSpec) -> list[str]:
+    """The `extern "C"` kernels of a family, from its preprocessed emulator unit."""
+    unit = "".join(f'#include "{s}"\n' for s in spec.sources)
+    out = subprocess.run([compiler(), "-E", "-P", *CXX_FLAGS[:1], "-DNQ_HOST_EMU", *spec.options,
+                          "-include", str(EMU_DIR / "simt.h"), "-I", str(CSRC_DIR), "-x", "c++", "-"],
+                         input=unit, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise EmulatorError(f"preprocessing family {spec.name!r} for the emulator failed:\n"
+                            f"{out.stderr[-4000:]}")
+    return sorted(set(_ENTRY_RE.findall(out.stdout)))
+
+
+def library(spec: KernelSpec) -> ctypes.CDLL:
+    """The family's emulator library, compiled on first use (cached by source hash)."""
+    cxx = compiler()
+    key = f"{spec.name}-{_source_hash(spec, cxx)}"
+    lib = _libraries.get(key)
+    if lib is not None:
+        return lib
+    so = CACHE_DIR / f"libnqemu-{key}.so"
+    if not so.exists():
+        names = entry_points(spec)
+        if not names:
+            raise EmulatorError(f"family {spec.name!r} has no extern \"C\" kernels")
+        regs = ",\n".join(f'  nq_emu::entry("{n}", &{n})' for n in names)
+        unit = "".join(f'#include "{s}"\n' for s in spec.sources) + (
+            f"static const nq_emu::Registration nq_emu_regs[] = {{\n{regs}\n}};\n"
+            f"static nq_emu::Registrar nq_emu_registrar(nq_emu_regs, {len(names)});\n")
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+            src = Path(tmp) / f"emu_{spec.name}.cpp"
+            src.write_text(unit)
+            out = Path(tmp) / so.name
+            cmd = [cxx, *CXX_FLAGS, *spec.options, "-include", str(EMU_DIR / "simt.h"), "-I", str(CSRC_DIR),
+                   str(src), str(EMU_DIR / "runtime.cpp"), "-o", str(out), "-lpthread"]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode:
+                raise EmulatorError(f"compiling family {spec.name!r} for the emulator failed:\n"
+                                    f"{res.stderr[-6000:]}")
+            os.replace(out, so)  # atomic: a concurrent test process sees the whole library or none
+    lib = ctypes.CDLL(str(so))
+    dims = ctypes.POINTER(ctypes.c_uint)
+    lib.nq_emu_launch.argtypes = [ctypes.c_char_p, dims, dims, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p),
+                                  ctypes.c_ulonglong, ctypes.c_double, ctypes.c_char_p, ctypes.c_int]
+    lib.nq_emu_launch.restype = ctypes.c_int
+    _libraries[key] = lib
+    return lib
+
+
+def _dims(d) -> tuple[int, int, int]:
+    d = tuple(int(x) for x in (d if isinstance(d, tuple | list) else (d,)))
+    return (d + (1, 1, 1))[:3]
+
+
+def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0, *,
+           pdl: bool = False) -> None:
+    """`launch.launch` on the emulator (same arguments; `device_index` and `pdl` are ignored: launches run
+    one after the other). Raises EmulatorError with the emulator's reason when the launch fails."""
+    from .specs import SPECS
+
+    if family not in SPECS:
+        raise KeyError(f"no kernel family {family!r}; known: {sorted(SPECS)}")
+    launch_spec(SPECS[family], kernel, grid, block, args, shared_mem)
+
+
+def launch_spec(spec: KernelSpec, kernel: str, grid, block, args, shared_mem: int = 0) -> None:
+    """Launch `kernel` of the build `spec` (which need not be in specs.py: the emulator's self-tests)."""
+    lib = library(spec)
+    holders = [np.array(a) for a in args]  # each argument's bytes, alive for the call
+    params = (ctypes.c_void_p * max(1, len(holders)))(*[h.ctypes.data for h in holders])
+    g, b = (ctypes.c_uint * 3)(*_dims(grid)), (ctypes.c_uint * 3)(*_dims(block))
+    err = ctypes.create_string_buffer(512)
+    seed = _settings["seed"] * 1_000_003 + next(_launches)
+    code = lib.nq_emu_launch(kernel.encode(), g, b, int(shared_mem), params, seed, _settings["timeout_s"],
+                             err, len(err))
+    if code:
+        raise EmulatorError(f"{spec.name}.{kernel}: {err.value.decode()}")
+
+
+@contextlib.contextmanager
+def emulated(sms: int = 4, seed: int = 0, timeout_s: float = 300.0):
+    """Run the launchers of gemv, block and layer_ops on the emulator inside the block (see the module
+    header); `sms`: the SM count they plan for; `seed`: varies the threads' interleavings."""
+    from . import block, gemv, layer_ops
+
+    def resident(family, kernel, index, shared):
+        return 1 if shared <= SHARED_MEM_PER_SM else 0
+
+    patches = [(m, "launch", launch) for m in (gemv, block, layer_ops) if hasattr(m, "launch")]
+    patches += [(m, "require_sm90", lambda device: 0) for m in (gemv, block, layer_ops)
+                if hasattr(m, "require_sm90")]
+    patches += [(gemv, "_sm_count", lambda index: sms), (block, "_resident_blocks", resident)]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+    old = dict(_settings)
+    _settings.update(seed=seed, timeout_s=timeout_s)
+    for m, name, value in patches:
+        setattr(m, name, value)
+    try:
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+        _settings.update(old)

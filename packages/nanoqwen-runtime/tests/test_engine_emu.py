@@ -1,0 +1,124 @@
+"""CPU: the engine's kernel backend computing for real on the kernel emulator (nanoqwen_kernels.emu: the
+kernels' own CUDA source compiled for the host), against the fp32 reference, for each
+`EngineConfig.post_attention_kernel`: "off" (the GEMVs with their fused prologues and epilogues),
+"block" (o_proj, gate_up and down as one persistent launch) and "block+qkv" (the next layer's qkv
+projection, RoPE and paged K/V write in that launch too). It is test_engine_gpu.py's
+`test_post_attention_kernel_matches_reference` on the CPU: the model step's plumbing of the fused
+paths (`ops.fuses_post_attention`, the qkv projection skipped after "block+qkv", the residual and
+statistics handed between launches) with the kernels' real outputs.
+
+What is emulated: every gemv, block and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
+prologue, the qkv RoPE / K/V epilogue and the residual epilogue, the block kernel, the prefill's
+dequantisation). Not yet (their PTX has no host branch): paged attention and the sampler, which come
+from the torch backend here (`EmuKernelOps`), and the INT4 GEMMs of 9..64 rows, which the test avoids
+(prompts of more than 64 tokens prefill in one chunk: the dequantise + matmul path).
+
+Bound (test_engine_gpu.py's, `engine.agreement`): at every teacher-forced position, |logits - reference|
+<= 2 x |torch backend - reference| + one bf16 ulp at the largest logit; the greedy choice equals the
+reference's wherever its top-2 gap is at least twice that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_testkit import TINY, cpu_config
+from nanoqwen_runtime.engine import Engine
+from nanoqwen_runtime.engine.agreement import noise_bound, reference_decode, teacher_forced
+from nanoqwen_runtime.engine.ops_torch import TorchOps
+from nanoqwen_runtime.engine.synthetic import write_container
+from nanoqwen_runtime.reference import ReferenceModel
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_container(tmp_path_factory.mktemp("emu") / "tiny.nanoqwen", TINY, seed=7)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_path):
+    """(prompts, reference decode, per-prompt bound) with the torch backend as the bound's twin."""
+    rng = np.random.default_rng(3)
+    prompts = [[int(x) for x in rng.integers(10, 500, n)] for n in (70, 81)]
+    ref = reference_decode(ReferenceModel.from_file(tiny_path, dtype=torch.float32), prompts, STEPS)
+    twin = teacher_forced(Engine.from_file(tiny_path, _config()), prompts, ref.tokens, batch=2)
+    return prompts, ref, [noise_bound(ref.logits[p], twin.logits[p]) for p in range(len(prompts))]
+
+
+def _config(**kw):
+    return cpu_config(prefill_chunk=256, max_batch=2, graph_buckets=(1, 2), **kw)
+
+
+def _emu_engine(path, monkeypatch, variant: str) -> Engine:
+    """The CUDA engine's kernel backend on CPU tensors, its launches on the emulator (the caller holds
+    `emu.emulated()`), attention and sampling from the torch backend."""
+    from nanoqwen_kernels import attention as kattn
+    from nanoqwen_runtime.engine import ops_kernels
+
+    class EmuKernelOps(ops_kernels.KernelOps):
+        def __init__(self, geom, cfg, device):
+            super().__init__(geom, cfg, device)
+            self.torch_ops = TorchOps(geom, device)
+
+        def setup(self, *, max_context_len, max_rows, max_tokens, buckets, step_buffers, context_classes):
+            self.max_context_len = max_context_len
+            if max_tokens > ops_kernels.INT4_GEMM_MAX_ROWS:
+                self._scratch = torch.empty(self._scratch_numel, dtype=torch.bfloat16, device=self.device)
+
+        def attention_plan(self, **kw):
+            return None  # model.py then calls ops.attention
+
+        def attention(self, *args):
+            self.torch_ops.attention(*args)
+
+        def sample(self, *args):
+            self.torch_ops.sample(*args)
+
+    monkeypatch.setattr(ops_kernels.klaunch, "require_sm90", lambda device: 0)
+    monkeypatch.setattr(kattn, "plan_decode", None)  # nothing may plan paged attention here
+    monkeypatch.setattr("nanoqwen_runtime.engine.engine.make_ops",
+                        lambda config, geom: EmuKernelOps(geom, config, torch.device("cpu")))
+    cfg = _config()
+    cfg.backend, cfg.post_attention_kernel = "kernels", variant  # after validation (it wants CUDA)
+    from nanoqwen_runtime.engine.loader import load
+
+    model = load(path, "cpu")
+    return Engine(model.geometry, model.weights, cfg)
+
+
+@pytest.mark.parametrize("variant", ["off", "block", "block+qkv"])
+def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch, variant):
+    from nanoqwen_kernels import emu
+
+    try:
+        emu.compiler()
+    except emu.EmulatorError as e:
+        pytest.skip(str(e))
+    prompts, ref, bound = oracle
+    with emu.emulated(sms=4, seed=5, timeout_s=60.0):
+        engine = _emu_engine(tiny_path, monkeypatch, variant)
+        run = teacher_forced(engine, prompts, ref.tokens, batch=2)
+    decided = 0
+    for p in range(len(prompts)):
+        diff = (run.logits[p] - ref.logits[p]).abs().amax(dim=-1)
+        assert bool((diff <= bound[p]).all()), f"{variant} prompt {p}: {diff.tolist()} > {bound[p].tolist()}"
+        clear = ref.gap(p) >= 2 * bound[p]
+        for j in range(STEPS):
+            if clear[j]:
+                assert run.chosen[p][j] == ref.tokens[p][j], f"{variant} prompt {p} position {j}"
+                decided += 1
+    assert decided >= STEPS // 2
+    paths = engine.ops.paths
+    layers = TINY.num_hidden_layers
+    decode_steps = run.decode_steps
+    if variant == "off":
+        assert "post_attention_block" not in paths and paths["residual_epilogue"] > 0
+    else:
+        assert paths["post_attention_block"] == layers * decode_steps, paths
+        fused_qkv = (layers - 1) * decode_steps if variant == "block+qkv" else 0
+        assert paths.get("post_attention_qkv", 0) == fused_qkv, paths
+    assert paths["dequant_gemm"] > 0 and "int4_gemm" not in paths  # the prefill took the emulated path
+    assert engine.kv_blocks_used() == 0
