@@ -258,7 +258,8 @@ def check_randomised_delays_change_nothing(geom, gen, device):
         assert torch.equal(got[2], want[2]), f"{geom[0]} stress build: statistics"
 
 
-HEADS = {"7b": (28, 4, 128), "0.5b": (14, 2, 64), "odd": (6, 2, 64)}  # (Hq, Hkv, D), Hq D = o_proj's K
+# (Hq, Hkv, D), Hq D = o_proj's K; "d128": the emulator's small geometry with the 7B's head size
+HEADS = {"7b": (28, 4, 128), "0.5b": (14, 2, 64), "odd": (6, 2, 64), "d128": (3, 1, 128)}
 
 class NextLayer:
     """The next layer's qkv projection and a decode step's RoPE / paged-cache inputs (NaN-poisoned q and

@@ -9,7 +9,8 @@ the interleaving (each launch interleaves the threads differently: the determini
 launches). What it cannot: the GPU's weaker memory model (a missing fence), L1 incoherence, timing.
 The geometry is the small "odd" one (H = 40 pairs, I = 9 tile-columns, Kq = 3 tile-columns), with 4
 SMs (ranges spanning several pairs, pairs cut between warps) and 32 SMs (512 warps for 120 o_proj
-pair-columns: every o_proj pair cut into 3 pieces, CTAs with no work in an op).
+pair-columns: every o_proj pair cut into 3 pieces, CTAs with no work in an op); the `_qkv` op also with
+heads of 128 columns (the 7B's head size), at a small width.
 """
 
 from __future__ import annotations
@@ -70,6 +71,17 @@ def test_down_and_determinism(sms, m, symmetric, scale_dtype, cpu_gen):
 def test_next_qkv_op(sms, m, symmetric, scale_dtype, cpu_gen):
     with emu.emulated(sms=sms, seed=20 + m, timeout_s=TIMEOUT_S):
         check_next_qkv_op(ODD, m, symmetric, scale_dtype, cpu_gen, CPU)
+
+
+# heads of 128 columns (the 7B's: 8 pairs per head meet on a head counter) at a small width: H = 384,
+# I = 640, Kq = 3 heads x 128
+D128 = ("d128", 384, 640, 384)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_next_qkv_op_with_heads_of_128(m, cpu_gen):
+    with emu.emulated(sms=4, seed=30 + m, timeout_s=TIMEOUT_S):
+        check_next_qkv_op(D128, m, False, torch.bfloat16, cpu_gen, CPU)
 
 
 def test_randomised_delays_change_nothing(cpu_gen):

@@ -8,8 +8,12 @@ models, so that a kernel test passing on it means something.
 - bulk copies complete late: a kernel that reads its shared-memory destination without waiting on the
   mbarrier sees the poisoned bytes in some launches, and the right ones whenever it waits;
 - a wait that never ends is an EmulatorError after the timeout, not a hang;
-- the INT4 GEMV, run on the emulator, equals the fp32 reference within the GEMV's own GPU tolerance
-  (test_gemv.py's `R.assert_close`): the emulated kernel computes what the GPU kernel computes;
+- the INT4 GEMV (bf16 mma) and the INT8 GEMV (f16 mma, prmt, f16 packing), run on the emulator, equal
+  the fp32 reference within the GEMVs' own GPU tolerance (`R.assert_close`): the emulated kernels
+  compute what the GPU kernels compute (those kernels' fragment loads passed on the H200, so this is
+  the check of the emulator's mma layout that is not circular);
+- misuse is reported: a write past the dynamic shared memory, divergent warp collectives, arguments
+  that do not match the kernel's parameters;
 - every PTX wrapper of the emulated families has a host branch: gemv and block build for the emulator.
 """
 
@@ -71,6 +75,23 @@ def test_a_wait_that_never_ends_is_an_error():
             emu.launch_spec(SELFTEST, "selftest_wait_forever", 2, 64, (ptr(flag),))
 
 
+def test_misuse_is_reported():
+    """A write past the dynamic shared memory, lanes of a warp in different collectives, and arguments
+    that do not match the kernel's parameters (count, size, a Python value) fail the launch."""
+    with pytest.raises(emu.EmulatorError, match="wrote past its 64 bytes of dynamic shared memory"):
+        emu.launch_spec(SELFTEST, "selftest_smem_write", 1, 32, (i32(64 + 8),), 64)
+    emu.launch_spec(SELFTEST, "selftest_smem_write", 1, 32, (i32(63),), 64)  # the last byte is fine
+    out = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(emu.EmulatorError, match="different collectives"):
+        emu.launch_spec(SELFTEST, "selftest_divergent_collectives", 1, 32, (ptr(out),))
+    with pytest.raises(emu.EmulatorError, match="takes 1 arguments, the launcher passed 2"):
+        emu.launch_spec(SELFTEST, "selftest_shuffles", 1, 32, (ptr(out), i32(0)))
+    with pytest.raises(emu.EmulatorError, match="argument 0 is 8 bytes, the launcher passed 4"):
+        emu.launch_spec(SELFTEST, "selftest_shuffles", 1, 32, (i32(0),))
+    with pytest.raises(TypeError, match="not a numpy scalar"):
+        emu.launch_spec(SELFTEST, "selftest_shuffles", 1, 32, (out.data_ptr(),))
+
+
 @pytest.mark.parametrize("n,k,m,symmetric", [(256, 384, 1, False), (384, 256, 3, True), (136, 512, 8, False)])
 def test_gemv_on_the_emulator_matches_the_reference(n, k, m, symmetric):
     from nanoqwen_kernels.gemv import GemvWorkspace, gemv_int4, plan_gemv
@@ -86,6 +107,27 @@ def test_gemv_on_the_emulator_matches_the_reference(n, k, m, symmetric):
     assert plan.splits > 1  # the split-K path (partials, the last block's sum) ran
     assert bool(buf[m * n:].isnan().all()), "written past [M, N]"
     R.assert_close(out, reference_out(x, w, None), "emulated GEMV")
+
+
+@pytest.mark.parametrize("n,k,g,m", [(200, 640, 64, 2), (136, 1152, 128, 5)])
+def test_int8_gemv_on_the_emulator_matches_the_reference(n, k, g, m):
+    """The f16 side of the emulator (gemv_int8: prmt, sub.f16x2, the f16 mma, f16 packing), with a row
+    beyond fp16's range (the kernel scales each row by a power of two), against the fp32 reference."""
+    from nanoqwen_kernels.gemv import Int8Weight, gemv_int8
+
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = ((0.5 + torch.rand(n, k // g, generator=gen)) / (73.0 * k**0.5)).to(torch.bfloat16)
+    w = Int8Weight(q, scales, n, k, g)
+    x = torch.randn(m, k, generator=gen)
+    x[0] *= 1e5
+    x = x.to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    with emu.emulated(sms=4):
+        gemv_int8(x, w, out)
+    ref = R.linear(x, R.dequantize_int8(q, scales, g))
+    for i in range(m):  # each row against its own scale
+        R.assert_close(out[i : i + 1], ref[i : i + 1], f"emulated INT8 GEMV row {i}")
 
 
 def test_the_emulated_families_have_their_kernels():

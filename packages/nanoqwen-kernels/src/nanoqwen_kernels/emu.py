@@ -8,7 +8,8 @@ How. A family (specs.py: its `.cu` files and compile options) is compiled with g
 `-DNQ_HOST_EMU -include emu/simt.h` into a shared library (cached under ~/.cache/nanoqwen/emu, keyed
 by a hash of every source and option), with its `extern "C"` kernels registered by name (found in the
 preprocessed unit). `launch` has `launch.launch`'s signature: the numpy-scalar arguments are passed by
-pointer, as cuLaunchKernel takes them, so a launcher's argument order is checked too. Every CTA runs on
+pointer, as cuLaunchKernel takes them, and their count and sizes are checked against the kernel's
+parameters (a missing or misplaced argument of another size fails the launch). Every CTA runs on
 an OS thread of its own, all at once, and its threads are fibers that switch at warp-collective
 operations, barriers, mbarrier waits and at random points; bulk copies complete late
 (emu/simt.h has the model and what it does not model: the memory model is the host's, stronger than
@@ -45,7 +46,7 @@ CXX_FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wno
 _ENTRY_RE = re.compile(r'extern\s+"C"\s+void\s+(\w+)\s*\(')
 
 _libraries: dict[str, ctypes.CDLL] = {}
-_launches = itertools.count()
+_launches = itertools.count()  # launches since `emulated()` was entered: with its seed, each one's seed
 _settings = {"seed": 0, "timeout_s": 300.0}
 
 
@@ -61,11 +62,15 @@ def compiler() -> str:
 
 
 def _source_hash(spec: KernelSpec, cxx: str) -> str:
+    """Of everything the build depends on: the sources under csrc/ (all of them: a family includes
+    headers), this module (it writes the unit), the options, the compiler and its version."""
     h = hashlib.sha256()
     for path in sorted(CSRC_DIR.rglob("*")):
         if path.suffix in (".cu", ".cuh", ".h", ".cpp"):
-            h.update(path.name.encode() + path.read_bytes())
-    h.update("\0".join((*spec.sources, *spec.options, *CXX_FLAGS, cxx)).encode())
+            h.update(str(path.relative_to(CSRC_DIR)).encode() + path.read_bytes())
+    h.update(Path(__file__).read_bytes())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    h.update("\0".join((*spec.sources, *spec.options, *CXX_FLAGS, cxx, version)).encode())
     return h.hexdigest()[:16]
 
 
@@ -112,7 +117,8 @@ def library(spec: KernelSpec) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     dims = ctypes.POINTER(ctypes.c_uint)
     lib.nq_emu_launch.argtypes = [ctypes.c_char_p, dims, dims, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p),
-                                  ctypes.c_ulonglong, ctypes.c_double, ctypes.c_char_p, ctypes.c_int]
+                                  ctypes.c_int, dims, ctypes.c_ulonglong, ctypes.c_double, ctypes.c_char_p,
+                                  ctypes.c_int]
     lib.nq_emu_launch.restype = ctypes.c_int
     _libraries[key] = lib
     return lib
@@ -137,13 +143,18 @@ def launch(family: str, kernel: str, device_index: int, grid, block, args, share
 def launch_spec(spec: KernelSpec, kernel: str, grid, block, args, shared_mem: int = 0) -> None:
     """Launch `kernel` of the build `spec` (which need not be in specs.py: the emulator's self-tests)."""
     lib = library(spec)
+    for i, a in enumerate(args):
+        if not isinstance(a, np.generic):
+            raise TypeError(f"{spec.name}.{kernel}: argument {i} is a {type(a).__name__}, not a numpy scalar "
+                            "(launch.ptr / i32 / f32)")
     holders = [np.array(a) for a in args]  # each argument's bytes, alive for the call
     params = (ctypes.c_void_p * max(1, len(holders)))(*[h.ctypes.data for h in holders])
+    sizes = (ctypes.c_uint * max(1, len(holders)))(*[h.nbytes for h in holders])
     g, b = (ctypes.c_uint * 3)(*_dims(grid)), (ctypes.c_uint * 3)(*_dims(block))
     err = ctypes.create_string_buffer(512)
     seed = _settings["seed"] * 1_000_003 + next(_launches)
-    code = lib.nq_emu_launch(kernel.encode(), g, b, int(shared_mem), params, seed, _settings["timeout_s"],
-                             err, len(err))
+    code = lib.nq_emu_launch(kernel.encode(), g, b, int(shared_mem), params, len(holders), sizes, seed,
+                             _settings["timeout_s"], err, len(err))
     if code:
         raise EmulatorError(f"{spec.name}.{kernel}: {err.value.decode()}")
 
@@ -162,8 +173,10 @@ def emulated(sms: int = 4, seed: int = 0, timeout_s: float = 300.0):
                 if hasattr(m, "require_sm90")]
     patches += [(gemv, "_sm_count", lambda index: sms), (block, "_resident_blocks", resident)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
-    old = dict(_settings)
+    global _launches
+    old, old_launches = dict(_settings), _launches
     _settings.update(seed=seed, timeout_s=timeout_s)
+    _launches = itertools.count()  # the same seed replays the same launches' interleavings
     for m, name, value in patches:
         setattr(m, name, value)
     try:
@@ -172,3 +185,4 @@ def emulated(sms: int = 4, seed: int = 0, timeout_s: float = 300.0):
         for m, name, value in saved:
             setattr(m, name, value)
         _settings.update(old)
+        _launches = old_launches

@@ -118,6 +118,7 @@ NQ_DEVICE uint4 ld_v4(const void* p) { return *reinterpret_cast<const uint4*>(p)
 // an arrival counter said it is complete (a split-K or split-KV reduction); L1 is not coherent.
 NQ_DEVICE float ld_cg_f32(const float* p) {
 #ifdef NQ_HOST_EMU
+  nq_emu::load_point();
   return *reinterpret_cast<const volatile float*>(p);
 #else
   float v;
@@ -128,6 +129,7 @@ NQ_DEVICE float ld_cg_f32(const float* p) {
 
 NQ_DEVICE bf16_t ld_cg_bf16(const bf16_t* p) {
 #ifdef NQ_HOST_EMU
+  nq_emu::load_point();
   return *reinterpret_cast<const volatile bf16_t*>(p);
 #else
   bf16_t v;
@@ -138,6 +140,7 @@ NQ_DEVICE bf16_t ld_cg_bf16(const bf16_t* p) {
 
 NQ_DEVICE uint4 ld_cg_v4(const void* p) {
 #ifdef NQ_HOST_EMU
+  nq_emu::load_point();
   return *reinterpret_cast<const uint4*>(p);
 #else
   uint4 v;
@@ -148,6 +151,7 @@ NQ_DEVICE uint4 ld_cg_v4(const void* p) {
 
 NQ_DEVICE float4 ld_cg_f32x4(const float* p) {
 #ifdef NQ_HOST_EMU
+  nq_emu::load_point();
   return *reinterpret_cast<const float4*>(p);
 #else
   float4 v;

@@ -30,8 +30,11 @@ enum State { RUNNABLE, WAIT_WARP, WAIT_CTA, SLEEPING, DONE };
 struct WarpState {
   int arrived = 0, live = 0;
   unsigned gen = 0;
+  int kind = 0;  // what the lanes of the current phase meet for: 1 __syncwarp, 2 + bytes an exchange
   alignas(16) unsigned char slots[32][64];
 };
+constexpr int SLOT_BYTES = 64;
+constexpr unsigned CANARY = 64;  // bytes after the dynamic shared memory that must stay poisoned
 
 struct Mbar {
   unsigned count = 1, pending = 1, phase = 0;
@@ -70,6 +73,9 @@ struct Launch {
   unsigned shared;
   double timeout_s;
   std::chrono::steady_clock::time_point start;
+  unsigned long long seed = 0;
+  std::atomic<unsigned long long> progress{0};  // fibers resumed that were not spinning
+  std::atomic<long long> last_progress_ns{0};   // since start, when `progress` was last seen to move
   std::atomic<bool> abort{false};
   std::mutex mu;
   std::string error;
@@ -103,6 +109,7 @@ thread_local Fiber* g_fiber = nullptr;
 thread_local EmuDim3 g_block_idx, g_grid_dim, g_block_dim;
 
 const EmuDim3& thread_idx() { return g_fiber->tid; }
+int lane_id() { return g_fiber->lane; }
 
 unsigned char* dynamic_smem() { return g_cta->smem; }
 
@@ -115,7 +122,12 @@ void complete_copy(Cta& c, size_t i) {
   c.copies[i] = c.copies.back();
   c.copies.pop_back();
   std::memcpy(cp.dst, cp.src, cp.bytes);
-  Mbar& m = c.mbars[cp.bar];
+  auto it = c.mbars.find(cp.bar);
+  if (it == c.mbars.end()) {
+    c.launch->fail("bulk copy completing on an mbarrier that was never initialised");
+    return;
+  }
+  Mbar& m = it->second;
   m.tx -= cp.bytes;
   if (m.pending == 0 && m.tx == 0) {
     m.phase ^= 1;
@@ -164,8 +176,29 @@ void fiber_main() {
   --c.live;
   WarpState& w = c.warps[f.warp];
   --w.live;
+  std::memset(w.slots[f.lane], 0xA5, SLOT_BYTES);  // a shuffle from an exited lane reads the poison
   release_barriers(c, w);
 }  // returns to uc_link: the scheduler
+
+// The watchdog, run by every CTA's scheduler now and then: the launch fails when no fiber that was not
+// spinning has run for `timeout_s` (a deadlock, or CTAs spinning on counters that never fill).
+void check_progress(Launch& L, unsigned cta_index) {
+  static thread_local unsigned long long seen = ~0ull;
+  const long long now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now() - L.start).count();
+  const unsigned long long p = L.progress.load(std::memory_order_relaxed);
+  if (p != seen) {
+    seen = p;
+    L.last_progress_ns.store(now, std::memory_order_relaxed);
+    return;
+  }
+  if (now - L.last_progress_ns.load(std::memory_order_relaxed) > (long long)(L.timeout_s * 1e9)) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "no progress within %.0f s (CTA %u still running): a deadlock?", L.timeout_s,
+                  cta_index);
+    L.fail(buf);
+  }
+}
 
 void run_cta(Launch& L, unsigned cta_index, unsigned long long seed) {
   Cta c;
@@ -178,7 +211,7 @@ void run_cta(Launch& L, unsigned cta_index, unsigned long long seed) {
   g_block_idx.y = (cta_index / L.grid.x) % L.grid.y;
   g_block_idx.z = cta_index / (L.grid.x * L.grid.y);
   const unsigned n = L.block.x * L.block.y * L.block.z;
-  std::vector<unsigned char> smem(L.shared + 128, 0xA5);  // poisoned: shared memory starts undefined
+  std::vector<unsigned char> smem(L.shared + 128 + CANARY, 0xA5);  // poisoned: it starts undefined
   c.smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem.data()) + 127) & ~uintptr_t(127));
   c.smem_bytes = L.shared;
   c.warps.resize((n + 31) / 32);
@@ -218,7 +251,10 @@ void run_cta(Launch& L, unsigned cta_index, unsigned long long seed) {
       any_runnable = true;
       const unsigned pace = c.warp_pace[f.warp];
       if (pace > 1 && (round_bits >> (f.warp % 61)) % pace != 0) continue;  // a slow warp sits this round out
-      if (f.state != SLEEPING) only_sleepers = false;
+      if (f.state != SLEEPING) {
+        only_sleepers = false;
+        L.progress.fetch_add(1, std::memory_order_relaxed);
+      }
       f.state = RUNNABLE;
       g_fiber = &f;
       swapcontext(&c.sched, &f.ctx);
@@ -238,14 +274,15 @@ void run_cta(Launch& L, unsigned cta_index, unsigned long long seed) {
       break;
     }
     if (only_sleepers) sched_yield();  // waiting on other CTAs: let their OS threads run
-    if ((++rounds & 255) == 0) {
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - L.start).count();
-      if (s > L.timeout_s) {
-        char buf[160];
-        std::snprintf(buf, sizeof buf, "no progress within %.0f s (CTA %u still running): a deadlock?",
-                      L.timeout_s, cta_index);
-        L.fail(buf);
-      }
+    if ((++rounds & 255) == 0) check_progress(L, cta_index);
+  }
+  for (unsigned i = 0; i < CANARY && !L.abort; ++i) {
+    if (c.smem[L.shared + i] != 0xA5) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "CTA %u wrote past its %u bytes of dynamic shared memory", cta_index,
+                    L.shared);
+      L.fail(buf);
+      break;
     }
   }
   munmap(stacks, STACK_BYTES * n);
@@ -266,15 +303,28 @@ void yield_maybe() {
   if (r % 4 == 0) switch_out();
 }
 
+void load_point() {
+  if (g_cta->rng() % 16 == 0) switch_out();
+}
+
 void nanosleep_yield() {
   g_fiber->state = SLEEPING;
   switch_out();
 }
 
-void syncwarp() {
+namespace {
+// The warp's lanes meet: all of them for the same kind of collective (1: __syncwarp, 2 + bytes: an
+// exchange of that many bytes); lanes meeting for different ones are a kernel bug (divergent
+// collectives), which fails the launch.
+void warp_meet(int kind) {
   Cta& c = *g_cta;
   Fiber& f = *g_fiber;
   WarpState& w = c.warps[f.warp];
+  if (w.arrived == 0) {
+    w.kind = kind;
+  } else if (w.kind != kind) {
+    c.launch->fail("lanes of a warp met in different collectives (__syncwarp, shuffles, mma.sync)");
+  }
   if (++w.arrived == w.live) {
     w.arrived = 0;
     ++w.gen;
@@ -284,6 +334,9 @@ void syncwarp() {
   f.state = WAIT_WARP;
   switch_out();
 }
+}  // namespace
+
+void syncwarp() { warp_meet(1); }
 
 void syncthreads() {
   Cta& c = *g_cta;
@@ -303,10 +356,14 @@ void warp_exchange(const void* mine, void* all, int bytes) {
   Cta& c = *g_cta;
   Fiber& f = *g_fiber;
   WarpState& w = c.warps[f.warp];
+  if (bytes > SLOT_BYTES) {
+    c.launch->fail("warp exchange of more than 64 bytes");
+    return;
+  }
   std::memcpy(w.slots[f.lane], mine, bytes);
-  syncwarp();
+  warp_meet(2 + bytes);
   for (int i = 0; i < 32; ++i) std::memcpy(static_cast<char*>(all) + i * bytes, w.slots[i], bytes);
-  syncwarp();
+  warp_meet(2 + bytes);
 }
 
 // ---- mbarriers and bulk copies --------------------------------------------------------------------
@@ -464,28 +521,46 @@ void register_entries(const Registration* regs, int n) {
 }  // namespace nq_emu
 
 extern "C" int nq_emu_launch(const char* name, const unsigned* grid, const unsigned* block, unsigned shared,
-                             void** args, unsigned long long seed, double timeout_s, char* err, int errlen) {
+                             void** args, int nargs, const unsigned* arg_bytes, unsigned long long seed,
+                             double timeout_s, char* err, int errlen) {
   using namespace nq_emu;
   auto it = registry().find(name);
   if (it == registry().end()) {
     std::snprintf(err, errlen, "no kernel %s in this emulator build", name);
     return 1;
   }
+  const Registration& reg = *it->second;
+  if (nargs != reg.nargs) {
+    std::snprintf(err, errlen, "%s takes %d arguments, the launcher passed %d", name, reg.nargs, nargs);
+    return 1;
+  }
+  for (int i = 0; i < nargs; ++i) {
+    if (arg_bytes[i] != reg.arg_bytes[i]) {
+      std::snprintf(err, errlen, "%s: argument %d is %u bytes, the launcher passed %u", name, i, reg.arg_bytes[i],
+                    arg_bytes[i]);
+      return 1;
+    }
+  }
   Launch L;
-  L.entry = it->second;
+  L.entry = &reg;
   L.args = args;
   L.grid = {grid[0], grid[1], grid[2]};
   L.block = {block[0], block[1], block[2]};
   L.shared = shared;
   L.timeout_s = timeout_s;
+  L.seed = seed;
   L.start = std::chrono::steady_clock::now();
   const unsigned ctas = grid[0] * grid[1] * grid[2];
   std::vector<std::thread> threads;
-  threads.reserve(ctas);
-  for (unsigned i = 0; i < ctas; ++i) threads.emplace_back(run_cta, std::ref(L), i, seed);
+  try {
+    threads.reserve(ctas);
+    for (unsigned i = 0; i < ctas; ++i) threads.emplace_back(run_cta, std::ref(L), i, seed);
+  } catch (const std::exception& e) {
+    L.fail(std::string("cannot start the CTAs' threads: ") + e.what());
+  }
   for (auto& t : threads) t.join();
   if (!L.error.empty()) {
-    std::snprintf(err, errlen, "%s", L.error.c_str());
+    std::snprintf(err, errlen, "%s (emulator seed %llu)", L.error.c_str(), seed);
     return 2;
   }
   return 0;

@@ -58,3 +58,20 @@ extern "C" __global__ void selftest_mma(const bf16_t* a, const bf16_t* b, const 
   d[(g + 8) * 8 + 2 * t] = acc[2];
   d[(g + 8) * 8 + 2 * t + 1] = acc[3];
 }
+
+// Writes byte `at` of the dynamic shared memory (past the launch's size: the emulator reports it).
+extern "C" __global__ void selftest_smem_write(int at) {
+  NQ_DYNAMIC_SMEM(smem, 16);
+  if (threadIdx.x == 0) smem[at] = 1;
+}
+
+// Lane 0 meets its warp in __syncwarp while the others shuffle: divergent collectives (reported).
+extern "C" __global__ void selftest_divergent_collectives(int* out) {
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) {
+    __syncwarp();
+    out[0] = 0;
+  } else {
+    out[lane] = __shfl_sync(0xffffffffu, lane, 1);
+  }
+}

@@ -20,12 +20,20 @@
 // - Bulk copies (cp.async.bulk) complete LATE: the bytes land in shared memory and the mbarrier's
 //   transaction count drops at a random later point (a wait on the barrier, or the scheduler), so a
 //   kernel that reads a slot before waiting for it reads stale bytes and fails its test.
-// - Cross-CTA memory is sequentially consistent on the host (x86), stronger than the GPU's model:
-//   the emulator finds work-split, indexing, ordering-by-counter and deadlock bugs, not missing
-//   fences. L1 incoherence is not modelled (ld.cg is a plain load).
-// - Fast-math intrinsics (__expf, __sincosf, rsqrtf) are the host's precise functions.
-// - A launch that makes no progress for `timeout_s` (a deadlock, or a CTA spinning on a counter that
-//   never fills) is reported as an error, not hung.
+// - Cross-CTA memory is the host's (x86: TSO, atomics sequentially consistent), stronger than the
+//   GPU's model: the emulator finds work-split, indexing, ordering-by-counter and deadlock bugs, not
+//   missing fences. L1 incoherence is not modelled (ld.cg is a plain load, a scheduling point).
+// - Fast-math intrinsics (__expf, __sincosf, rsqrtf) are the host's precise functions, and the host
+//   compiler does not contract a * b + c into an fma (-ffp-contract=off) where nvcc may: two kernels
+//   bitwise equal here can differ on the GPU by how ptxas fused their multiply-adds.
+// - A launch that makes no progress for `timeout_s` (a deadlock, or CTAs spinning on a counter that
+//   never fills) is reported as an error, not hung; so are lanes of a warp meeting in different
+//   collectives, a write past the launch's dynamic shared memory, an argument whose size differs from
+//   the kernel's parameter, and misused mbarriers / bulk copies. A spin loop with no scheduling point
+//   at all (no load through a wrapper, no __nanosleep) cannot be interrupted.
+// - Not modelled: static `__shared__` variables start at zero (thread_local), not undefined; bulk
+//   copies are accepted into dynamic shared memory only; every CTA of a grid runs at once (a grid that
+//   could not be co-resident on the GPU still runs; the launchers check residency themselves).
 #pragma once
 
 #include <math.h>
@@ -75,6 +83,7 @@ const EmuDim3& thread_idx();
 
 // scheduling points
 void yield_maybe();                 // a random switch (atomics, fences, acquire loads)
+void load_point();                  // a rarer one (loads of data other CTAs write: ld.cg)
 void nanosleep_yield();             // __nanosleep: let the other threads of the CTA run
 void syncwarp();                    // the warp's 32 lanes meet
 void syncthreads();                 // the CTA's live threads meet
@@ -94,6 +103,7 @@ unsigned short f32_to_bf16_rn(float f);
 float f16_bits_to_f32(unsigned short h);
 unsigned short f32_to_f16_rn(float f);
 void mma_m16n8k16(float* c, const unsigned* a, const unsigned* b, bool f16);
+int lane_id();  // the running thread's lane (its warp's fiber index, whatever the block's shape)
 
 unsigned char* dynamic_smem();  // the CTA's dynamic shared memory (NQ_DYNAMIC_SMEM), poisoned with 0xA5
 
@@ -103,6 +113,8 @@ struct Registration {
   const char* name;
   void* fn;
   void (*call)(void* fn, void** args);
+  int nargs;
+  const unsigned* arg_bytes;  // sizeof each parameter: the launcher's arguments are checked against it
 };
 void register_entries(const Registration* regs, int n);
 template <class... A, std::size_t... I>
@@ -114,8 +126,12 @@ void call_entry(void* fn, void** args) {
   call_with(reinterpret_cast<void (*)(A...)>(fn), args, std::index_sequence_for<A...>{});
 }
 template <class... A>
+struct ArgBytes {
+  static constexpr unsigned value[sizeof...(A) + 1] = {(unsigned)sizeof(A)..., 0u};
+};
+template <class... A>
 Registration entry(const char* name, void (*f)(A...)) {
-  return {name, reinterpret_cast<void*>(f), &call_entry<A...>};
+  return {name, reinterpret_cast<void*>(f), &call_entry<A...>, (int)sizeof...(A), ArgBytes<A...>::value};
 }
 struct Registrar {
   Registrar(const Registration* regs, int n) { register_entries(regs, n); }
@@ -183,7 +199,7 @@ template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int mask) {
   T all[32];
   nq_emu::warp_exchange(&v, all, sizeof(T));
-  return all[(threadIdx.x & 31) ^ (mask & 31)];
+  return all[nq_emu::lane_id() ^ (mask & 31)];
 }
 
 inline int atomicAdd(int* p, int v) {
