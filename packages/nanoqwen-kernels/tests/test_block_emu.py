@@ -15,6 +15,10 @@ heads of 128 columns (the 7B's head size), at a small width.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from block_testkit import (
@@ -30,6 +34,18 @@ from block_testkit import (
 from nanoqwen_kernels import emu
 
 ODD = GEOMETRIES[2]
+_AB = Path(__file__).parents[3] / "bench" / "kernels" / "block_ab.py"
+
+
+def _block_ab_builds() -> dict:
+    """The compile-option builds the GPU benchmark sweeps (bench/kernels/block_ab.py's BUILDS)."""
+    module_spec = importlib.util.spec_from_file_location("block_ab", _AB)
+    block_ab = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(block_ab)
+    return block_ab.BUILDS
+
+
+AB_BUILDS = _block_ab_builds()
 SMS = [4, 32]
 TIMEOUT_S = 60.0  # a launch takes ~1 s here; one that makes no progress for a minute is a deadlock
 
@@ -93,3 +109,20 @@ def test_randomised_delays_change_nothing(cpu_gen):
 def test_block_rejects_what_it_cannot_run(cpu_gen):
     with emu.emulated(sms=4, timeout_s=TIMEOUT_S):
         check_block_rejects_what_it_cannot_run(cpu_gen, CPU)
+
+
+@pytest.mark.parametrize("name", sorted(AB_BUILDS))
+def test_benchmark_builds_compute_what_the_default_does(name, cpu_gen, monkeypatch):
+    """Every build block_ab.py times on the GPU (warps per CTA, tile-columns per slot, slots per ring)
+    passes the down and `_qkv` checks here first: a wrong build would be timed, not tested, there."""
+    from nanoqwen_kernels import block
+
+    family = f"block_{name}"
+    if family not in block.BUILDS:
+        block.register_build(family, block.BlockBuild(*AB_BUILDS[name]))
+    plan = functools.partial(block.plan_post_attention, family=family)
+    monkeypatch.setattr(block, "plan_post_attention", plan)
+    with emu.emulated(sms=4, seed=40, timeout_s=TIMEOUT_S):
+        check_down_and_determinism(ODD, 2, False, torch.bfloat16, cpu_gen, CPU)
+        check_next_qkv_op(ODD, 2, False, torch.bfloat16, cpu_gen, CPU)
+    assert family in emu.loaded_families()  # the launches ran this build

@@ -124,6 +124,11 @@ def library(spec: KernelSpec) -> ctypes.CDLL:
     return lib
 
 
+def loaded_families() -> set[str]:
+    """The families (specs.py names) whose emulator libraries this process has loaded."""
+    return {key.rsplit("-", 1)[0] for key in _libraries}
+
+
 def _dims(d) -> tuple[int, int, int]:
     d = tuple(int(x) for x in (d if isinstance(d, tuple | list) else (d,)))
     return (d + (1, 1, 1))[:3]
