@@ -48,12 +48,18 @@ class FakeModel:
     def tag(seq_id, pos, tok):
         return (seq_id * 1_000_003 + pos) * 1009 + tok
 
-    def step(self, plan):
+    def inputs(self, plan):
         pad_to = None
         if plan.kind == "decode":
             pad_to = next(b for b in self.buckets if b >= len(plan.seqs))
-        inp = build_step_inputs(plan, block_size=self.bs, max_pages=self.max_pages,
-                                padding_block=self.sched.blocks.padding_block, pad_to=pad_to)
+        return build_step_inputs(plan, block_size=self.bs, max_pages=self.max_pages,
+                                 padding_block=self.sched.blocks.padding_block, pad_to=pad_to)
+
+    def compute(self, plan, inp, ids) -> None:
+        """Write each new token's tag (token ids `ids`, the step's input ids as fed) at the page / slot
+        the inputs name, then "attend": every real row reads its whole context, each position's tag
+        naming the sequence's committed token there, or for the row's own position the id it was fed
+        (the same token, once the host has committed it)."""
         qs = inp.query_start
         for b in range(inp.num_rows):
             for t in range(qs[b], qs[b + 1]):
@@ -62,20 +68,25 @@ class FakeModel:
                 if b >= inp.num_real:
                     assert page == self.sched.blocks.padding_block
                     continue
-                self.pool[page, p % self.bs] = self.tag(plan.seqs[b].seq_id, p, int(inp.input_ids[t]))
-        # "attention": every real row reads its whole context
+                self.pool[page, p % self.bs] = self.tag(plan.seqs[b].seq_id, p, int(ids[t]))
         for b, seq in enumerate(plan.seqs):
             ctx = int(inp.context_lens[b])
             assert inp.positions[qs[b + 1] - 1] == ctx - 1
             for p in range(ctx):
+                tok = int(ids[qs[b + 1] - 1]) if p == ctx - 1 else seq.tokens[p]
+                if p < len(seq.tokens):
+                    assert seq.tokens[p] == tok, (seq.seq_id, p)
                 got = self.pool[inp.page_table[b, p // self.bs], p % self.bs]
-                assert got == self.tag(seq.seq_id, p, seq.tokens[p]), (seq.seq_id, p)
+                assert got == self.tag(seq.seq_id, p, tok), (seq.seq_id, p)
         self.steps += 1
-        out = {}
-        for seq, smp in zip(plan.seqs, plan.sample, strict=True):
-            if smp:
-                out[seq.seq_id] = EOS if self.rng.random() < self.eos_prob else 100 + self.rng.randrange(900)
-        return out
+
+    def sample(self, n: int) -> list[int]:
+        return [EOS if self.rng.random() < self.eos_prob else 100 + self.rng.randrange(900) for _ in range(n)]
+
+    def step(self, plan):
+        inp = self.inputs(plan)
+        self.compute(plan, inp, inp.input_ids)
+        return {seq.seq_id: self.sample(1)[0] for seq, smp in zip(plan.seqs, plan.sample, strict=True) if smp}
 
 
 def finish_checks(sched: Scheduler, received):
@@ -216,8 +227,8 @@ class FakeDevice:
     the engine uploads them), and steps run in queue order, each either at once or only when it is
     read back (a slow device: the host has committed earlier steps, finished sequences and planned
     the next step meanwhile). A step planned ahead copies its rows' ids from the previous step's
-    sampled tokens, as `ModelRunner.launch` does. Running a step is `FakeModel.step`'s tag write and
-    check, with the row's own position checked against the id it was fed."""
+    sampled tokens, as `ModelRunner.launch` does, and runs it with `FakeModel.compute` (the tag write and
+    check, the row's own position checked against the id it was fed)."""
 
     def __init__(self, model: FakeModel, rng: random.Random):
         self.model, self.rng = model, rng
@@ -226,10 +237,7 @@ class FakeDevice:
         self.last_rows: list[int] = []
 
     def launch(self, plan):
-        m = self.model
-        pad_to = next(b for b in m.buckets if b >= len(plan.seqs)) if plan.kind == "decode" else None
-        inp = build_step_inputs(plan, block_size=m.bs, max_pages=m.max_pages,
-                                padding_block=m.sched.blocks.padding_block, pad_to=pad_to)
+        inp = self.model.inputs(plan)
         handle = object()
         self.queue.append((handle, plan, inp))
         if self.rng.random() < 0.5:
@@ -246,28 +254,11 @@ class FakeDevice:
             self.results[h] = self._run(plan, inp)
 
     def _run(self, plan, inp) -> list[int]:
-        m, qs = self.model, inp.query_start
         ids = inp.input_ids.copy()
         if inp.feed_rows is not None:
             ids[:len(inp.feed_rows)] = [self.last_rows[r] for r in inp.feed_rows]
-        for b in range(inp.num_rows):
-            for t in range(qs[b], qs[b + 1]):
-                p = int(inp.positions[t])
-                page = inp.page_table[b, p // m.bs]
-                if b >= inp.num_real:
-                    assert page == m.sched.blocks.padding_block
-                    continue
-                m.pool[page, p % m.bs] = m.tag(plan.seqs[b].seq_id, p, int(ids[t]))
-        for b, seq in enumerate(plan.seqs):
-            ctx = int(inp.context_lens[b])
-            for p in range(ctx):
-                tok = int(ids[qs[b + 1] - 1]) if p == ctx - 1 else seq.tokens[p]
-                if p < len(seq.tokens):  # the fed id is the token the host committed there
-                    assert seq.tokens[p] == tok, (seq.seq_id, p)
-                got = m.pool[inp.page_table[b, p // m.bs], p % m.bs]
-                assert got == m.tag(seq.seq_id, p, tok), (seq.seq_id, p)
-        self.last_rows = [EOS if self.rng.random() < m.eos_prob else 100 + self.rng.randrange(900)
-                          for _ in range(len(plan.seqs))]
+        self.model.compute(plan, inp, ids)
+        self.last_rows = self.model.sample(len(plan.seqs))
         return self.last_rows
 
 

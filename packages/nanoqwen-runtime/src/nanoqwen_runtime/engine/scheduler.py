@@ -239,16 +239,24 @@ class Scheduler:
         today's plus every page of the sequences leaving (a shared one stays held)."""
         if len(continuing) >= self.max_batch:
             return True
-        seq, bm = self.waiting[0], self.blocks
-        hit_blocks, _ = bm.lookup(seq.tokens, len(seq.tokens) - 1)
-        hit = len(hit_blocks) * bm.block_size
-        q = min(len(seq.tokens) - hit, self.prefill_chunk)
-        need = bm.blocks_for(hit + q) - len(hit_blocks) + bm.evictable_among(hit_blocks)
+        bm = self.blocks
+        need = self._admission(self.waiting[0], self.prefill_chunk)[3]
         need_at_least = max(1, need - (len(running) if bm.prefix_caching else 0))
         left = {id(s) for s in continuing}
         free_at_most = bm.num_free + sum(len(s.blocks) for s in running if id(s) not in left)
         reserve = self.watermark_blocks if continuing else 0
         return need_at_least + reserve > free_at_most
+
+    def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], list[bytes], int, int]:
+        """Admitting waiting `seq` into a prefill step with `budget` tokens left: its cached prefix
+        (blocks, keys), the tokens it would compute now (at least one is left to compute: the step
+        must produce logits), and the free blocks that takes (new ones, and cached blocks of the prefix
+        no one holds, which leave the free count)."""
+        hit_blocks, hit_keys = self.blocks.lookup(seq.tokens, len(seq.tokens) - 1)
+        hit = len(hit_blocks) * self.blocks.block_size
+        q = min(len(seq.tokens) - hit, budget)
+        need = self.blocks.blocks_for(hit + q) - len(hit_blocks) + self.blocks.evictable_among(hit_blocks)
+        return hit_blocks, hit_keys, q, need
 
     def _preempt_youngest(self, exclude: Sequence | None) -> Sequence | None:
         victims = [s for s in self.running if s is not exclude]
@@ -338,11 +346,8 @@ class Scheduler:
         # compute: the step must produce logits)
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            hit_blocks, hit_keys = self.blocks.lookup(seq.tokens, len(seq.tokens) - 1)
+            hit_blocks, hit_keys, q, need = self._admission(seq, budget)
             hit = len(hit_blocks) * self.blocks.block_size
-            q = min(len(seq.tokens) - hit, budget)
-            need = (self.blocks.blocks_for(hit + q) - len(hit_blocks)
-                    + self.blocks.evictable_among(hit_blocks))
             reserve = self.watermark_blocks if self.running else 0
             if need + reserve > self.blocks.num_free:
                 break

@@ -73,7 +73,6 @@ struct Launch {
   unsigned shared;
   double timeout_s;
   std::chrono::steady_clock::time_point start;
-  unsigned long long seed = 0;
   std::atomic<unsigned long long> progress{0};  // fibers resumed that were not spinning
   std::atomic<long long> last_progress_ns{0};   // since start, when `progress` was last seen to move
   std::atomic<bool> abort{false};
@@ -548,7 +547,6 @@ extern "C" int nq_emu_launch(const char* name, const unsigned* grid, const unsig
   L.block = {block[0], block[1], block[2]};
   L.shared = shared;
   L.timeout_s = timeout_s;
-  L.seed = seed;
   L.start = std::chrono::steady_clock::now();
   const unsigned ctas = grid[0] * grid[1] * grid[2];
   std::vector<std::thread> threads;
