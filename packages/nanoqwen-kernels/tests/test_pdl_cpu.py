@@ -234,10 +234,9 @@ def test_launchers_pass_pdl_to_every_launch(pdl, monkeypatch):
     def record(family, kernel, *args, pdl=False, **kw):
         launched.append((kernel, pdl))
 
-    for mod in (gemv, gemm, layer_ops, sampling, block):
+    for mod in (gemv, gemm, layer_ops, sampling, block, attention):
         monkeypatch.setattr(mod, "require_sm90", lambda device: 0)
         monkeypatch.setattr(mod, "launch", record)
-    monkeypatch.setattr(launch, "launch", record)  # attention calls launch.launch
     monkeypatch.setattr(gemv, "_sm_count", lambda index: 132)
     monkeypatch.setattr(block, "_resident_blocks", lambda *a: 1)
     _call_every_launcher({} if pdl is None else {"pdl": pdl})

@@ -9,9 +9,11 @@ statistics handed between launches) with the kernels' real outputs.
 
 What is emulated: every gemv, block and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
 prologue, the qkv RoPE / K/V epilogue and the residual epilogue, the block kernel, the prefill's
-dequantisation). Not yet (their PTX has no host branch): paged attention and the sampler, which come
-from the torch backend here (`EmuKernelOps`), and the INT4 GEMMs of 9..64 rows, which the test avoids
-(prompts of more than 64 tokens prefill in one chunk: the dequantise + matmul path).
+dequantisation); with `kernel_attention`, also the paged attention (the prefill and decode plans the
+engine makes, over its page tables) and the sampler (greedy over the engine's per-row parameter
+buffers), so that every launch of a step is the kernels' own code; otherwise those two come from the
+torch backend (`EmuKernelOps`). Not run: the INT4 GEMMs of 9..64 rows, which the test avoids (prompts
+of more than 64 tokens prefill in one chunk: the dequantise + matmul path).
 
 Bound (test_engine_gpu.py's, `engine.agreement`): at every teacher-forced position, |logits - reference|
 <= 2 x |torch backend - reference| + one bf16 ulp at the largest logit; the greedy choice equals the
@@ -52,9 +54,9 @@ def _config(**kw):
     return cpu_config(prefill_chunk=256, max_batch=2, graph_buckets=(1, 2), **kw)
 
 
-def _emu_engine(path, monkeypatch, variant: str) -> Engine:
+def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False) -> Engine:
     """The CUDA engine's kernel backend on CPU tensors, its launches on the emulator (the caller holds
-    `emu.emulated()`), attention and sampling from the torch backend."""
+    `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`."""
     from nanoqwen_kernels import attention as kattn
     from nanoqwen_runtime.engine import ops_kernels
 
@@ -78,9 +80,13 @@ def _emu_engine(path, monkeypatch, variant: str) -> Engine:
             self.torch_ops.sample(*args)
 
     monkeypatch.setattr(ops_kernels.klaunch, "require_sm90", lambda device: 0)
-    monkeypatch.setattr(kattn, "plan_decode", None)  # nothing may plan paged attention here
+    if kernel_attention:
+        ops_class = ops_kernels.KernelOps
+    else:
+        ops_class = EmuKernelOps
+        monkeypatch.setattr(kattn, "plan_decode", None)  # nothing may plan paged attention here
     monkeypatch.setattr("nanoqwen_runtime.engine.engine.make_ops",
-                        lambda config, geom: EmuKernelOps(geom, config, torch.device("cpu")))
+                        lambda config, geom: ops_class(geom, config, torch.device("cpu")))
     cfg = _config()
     cfg.backend, cfg.post_attention_kernel = "kernels", variant  # after validation (it wants CUDA)
     from nanoqwen_runtime.engine.loader import load
@@ -89,17 +95,28 @@ def _emu_engine(path, monkeypatch, variant: str) -> Engine:
     return Engine(model.geometry, model.weights, cfg)
 
 
-@pytest.mark.parametrize("variant", ["off", "block", "block+qkv"])
-def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch, variant):
+@pytest.mark.parametrize("variant, kernel_attention",
+                         [("off", False), ("block", False), ("block+qkv", False), ("block+qkv", True)],
+                         ids=["off", "block", "block+qkv", "block+qkv-attention-sampling"])
+def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch, variant,
+                                                             kernel_attention):
+    from nanoqwen_kernels import attention as kattn
     from nanoqwen_kernels import emu
+    from nanoqwen_kernels import sampling as ksamp
 
     try:
         emu.compiler()
     except emu.EmulatorError as e:
         pytest.skip(str(e))
     prompts, ref, bound = oracle
+    launched: list[str] = []
     with emu.emulated(sms=4, seed=5, timeout_s=60.0):
-        engine = _emu_engine(tiny_path, monkeypatch, variant)
+        def counted(family, kernel, *args, **kw):
+            launched.append(kernel)
+            emu.launch(family, kernel, *args, **kw)
+
+        kattn.launch = ksamp.launch = counted  # emulated() puts the real launchers back on exit
+        engine = _emu_engine(tiny_path, monkeypatch, variant, kernel_attention)
         run = teacher_forced(engine, prompts, ref.tokens, batch=2)
     decided = 0
     for p in range(len(prompts)):
@@ -121,4 +138,9 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
         fused_qkv = (layers - 1) * decode_steps if variant == "block+qkv" else 0
         assert paths.get("post_attention_qkv", 0) == fused_qkv, paths
     assert paths["dequant_gemm"] > 0 and "int4_gemm" not in paths  # the prefill took the emulated path
+    if kernel_attention:  # every layer's attention and every step's sampling ran on the emulator
+        assert launched.count("paged_attention_decode_hd64") >= layers * decode_steps, launched
+        assert "paged_attention_prefill_hd64" in launched and "sample_tokens_bf16" in launched, launched
+    else:
+        assert not launched
     assert engine.kv_blocks_used() == 0

@@ -35,7 +35,7 @@ import math
 import numpy as np
 import torch
 
-from . import launch
+from .launch import check, f32, i32, launch, ptr, require_sm90
 
 FAMILY = "attention"
 TILE = 64  # KV tokens per pipeline stage (csrc/attention.cuh TILE)
@@ -132,6 +132,10 @@ def choose_num_splits(base_ctas: int, max_context_len: int, num_sms: int,
     return best
 
 
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 class PagedAttentionPlan:
     """Fixed launch shape and work buffers for one batch shape; see the module docstring.
 
@@ -161,8 +165,10 @@ class PagedAttentionPlan:
                 raise ValueError(f"{name} must be positive, got {v}")
         if max_query_len > max_context_len:
             raise ValueError(f"max_query_len {max_query_len} > max_context_len {max_context_len}")
-        self.device_index = launch.require_sm90(torch.device(device))
-        self.device = torch.device("cuda", self.device_index)  # "cuda" -> "cuda:N": tensors compare equal
+        dev = torch.device(device)
+        self.device_index = require_sm90(dev)
+        # "cuda" -> "cuda:N": tensors compare equal (a CPU device only on the kernel emulator, emu.py)
+        self.device = torch.device("cuda", self.device_index) if dev.type == "cuda" else dev
         self.geometry = geometry
         self.mode = mode
         self.max_batch, self.max_query_len, self.max_total_q = max_batch, max_query_len, max_total_q
@@ -170,7 +176,7 @@ class PagedAttentionPlan:
         self.kernel = _KERNELS[(mode, geometry.head_dim)]
         self.num_row_tiles = -(-max_query_len * geometry.group // self.kernel.rows)
         base = max_batch * geometry.n_kv_heads * self.num_row_tiles
-        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        num_sms = _sm_count(self.device_index)
         self.unsplit_max_tiles = UNSPLIT_MAX_TILES if unsplit_max_tiles is None else unsplit_max_tiles
         self.fuse_max_splits = FUSE_MAX_SPLITS if fuse_max_splits is None else fuse_max_splits
         if self.unsplit_max_tiles < 0:
@@ -208,16 +214,16 @@ class PagedAttentionPlan:
 
     def _check(self, q, k_cache, v_cache, page_table, context_lens, qsl, out):
         g, dev = self.geometry, self.device
-        launch.check(q, "q", torch.bfloat16, (None, g.n_heads, g.head_dim), dev, contiguous=False)
+        check(q, "q", torch.bfloat16, (None, g.n_heads, g.head_dim), dev, contiguous=False)
         if q.stride(2) != 1 or q.stride(1) != g.head_dim or q.stride(0) % 8 or q.storage_offset() % 8:
             raise ValueError("q: heads must be contiguous [*, n_heads, head_dim] rows, 16-byte aligned "
                              f"(strides {q.stride()})")
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            launch.check(c, name, torch.bfloat16, (None, g.n_kv_heads, g.block_size, g.head_dim), dev)
+            check(c, name, torch.bfloat16, (None, g.n_kv_heads, g.block_size, g.head_dim), dev)
         if k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
         batch = page_table.shape[0] if page_table.dim() == 2 else -1
-        launch.check(page_table, "page_table", torch.int32, (None, None), dev, contiguous=False, align=4)
+        check(page_table, "page_table", torch.int32, (None, None), dev, contiguous=False, align=4)
         if page_table.stride(1) != 1:
             raise ValueError("page_table: rows must be contiguous")
         if not 1 <= batch <= self.max_batch:
@@ -225,7 +231,7 @@ class PagedAttentionPlan:
         if page_table.shape[1] * g.block_size < self.max_context_len:
             raise ValueError(f"page_table has {page_table.shape[1]} pages per sequence: fewer than "
                              f"max_context_len {self.max_context_len} needs at block_size {g.block_size}")
-        launch.check(context_lens, "context_lens", torch.int32, (batch,), dev, align=4)
+        check(context_lens, "context_lens", torch.int32, (batch,), dev, align=4)
         total_q = q.shape[0]
         if self.mode == "decode":
             if total_q != batch:
@@ -233,11 +239,11 @@ class PagedAttentionPlan:
         else:
             if qsl is None:
                 raise ValueError("prefill: query_start_loc [B + 1] is required")
-            launch.check(qsl, "query_start_loc", torch.int32, (batch + 1,), dev, align=4)
+            check(qsl, "query_start_loc", torch.int32, (batch + 1,), dev, align=4)
             if total_q > self.max_total_q:
                 raise ValueError(f"q has {total_q} rows, more than max_total_q {self.max_total_q}")
         if out is not None:
-            launch.check(out, "out", torch.bfloat16, (total_q, g.n_heads, g.head_dim), dev)
+            check(out, "out", torch.bfloat16, (total_q, g.n_heads, g.head_dim), dev)
         return batch, total_q
 
     def run(
@@ -270,22 +276,22 @@ class PagedAttentionPlan:
         qsl = self._decode_qsl if self.mode == "decode" else query_start_loc
         g, cfg = self.geometry, self.kernel
         args = (
-            launch.ptr(q), np.int64(q.stride(0)),
-            launch.ptr(k_cache), launch.ptr(v_cache),
-            launch.ptr(page_table), launch.i32(page_table.stride(0)),
-            launch.ptr(context_lens), launch.ptr(qsl), launch.ptr(out), launch.ptr(self.work_o),
-            launch.ptr(self.work_lse), launch.ptr(self.counters), launch.ptr(self.work_splits),
-            launch.i32(self.max_total_q), launch.i32(g.n_heads),
-            launch.i32(g.n_kv_heads), launch.i32(g.block_size.bit_length() - 1), launch.i32(self.num_splits),
-            launch.i32(self.num_row_tiles), launch.i32(self.unsplit_max_tiles),
-            launch.i32(self.fuse_max_splits), launch.f32(self.scale_log2),
+            ptr(q), np.int64(q.stride(0)),
+            ptr(k_cache), ptr(v_cache),
+            ptr(page_table), i32(page_table.stride(0)),
+            ptr(context_lens), ptr(qsl), ptr(out), ptr(self.work_o),
+            ptr(self.work_lse), ptr(self.counters), ptr(self.work_splits),
+            i32(self.max_total_q), i32(g.n_heads),
+            i32(g.n_kv_heads), i32(g.block_size.bit_length() - 1), i32(self.num_splits),
+            i32(self.num_row_tiles), i32(self.unsplit_max_tiles),
+            i32(self.fuse_max_splits), f32(self.scale_log2),
         )
         grid = (self.num_row_tiles * self.num_splits, g.n_kv_heads, batch)
-        launch.launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem,
+        launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem,
                       pdl=pdl)
         if self.launches == 2:
-            launch.launch(FAMILY, _COMBINE[g.head_dim], self.device_index, (total_q * g.n_heads,),
-                          (COMBINE_THREADS,), args + (launch.i32(total_q),), pdl=pdl)
+            launch(FAMILY, _COMBINE[g.head_dim], self.device_index, (total_q * g.n_heads,),
+                          (COMBINE_THREADS,), args + (i32(total_q),), pdl=pdl)
         return out
 
     @property

@@ -11,12 +11,13 @@ preprocessed unit). `launch` has `launch.launch`'s signature: the numpy-scalar a
 pointer, as cuLaunchKernel takes them, and their count and sizes are checked against the kernel's
 parameters (a missing or misplaced argument of another size fails the launch). Every CTA runs on
 an OS thread of its own, all at once, and its threads are fibers that switch at warp-collective
-operations, barriers, mbarrier waits and at random points; bulk copies complete late
+operations, barriers, mbarrier waits and at random points; bulk copies and cp.async complete late
 (emu/simt.h has the model and what it does not model: the memory model is the host's, stronger than
 the GPU's, so missing fences go unseen; fast-math intrinsics are the host's precise functions).
 
-`emulated()` points the launchers' module-level names (`launch`, `require_sm90`, the SM count, the
-block kernel's occupancy query) at the emulator and restores them on exit. `sms` is the SM count the
+`emulated()` points the launchers' module-level names (`launch`, `require_sm90`, the SM counts, the
+block kernel's occupancy query) of gemv, block, layer_ops, attention and sampling at the emulator and
+restores them on exit. `sms` is the SM count the
 launchers plan for: a persistent kernel's grid, and the GEMV's split-K. It is slow (fiber switches):
 for small shapes only.
 """
@@ -166,17 +167,19 @@ def launch_spec(spec: KernelSpec, kernel: str, grid, block, args, shared_mem: in
 
 @contextlib.contextmanager
 def emulated(sms: int = 4, seed: int = 0, timeout_s: float = 300.0):
-    """Run the launchers of gemv, block and layer_ops on the emulator inside the block (see the module
-    header); `sms`: the SM count they plan for; `seed`: varies the threads' interleavings."""
-    from . import block, gemv, layer_ops
+    """Run the launchers of gemv, block, layer_ops, attention and sampling on the emulator inside the
+    block (see the module header); `sms`: the SM count they plan for (the GEMV's split-K, the block
+    kernel's grid, the attention plans' split count); `seed`: varies the threads' interleavings."""
+    from . import attention, block, gemv, layer_ops, sampling
 
     def resident(family, kernel, index, shared):
         return 1 if shared <= SHARED_MEM_PER_SM else 0
 
-    patches = [(m, "launch", launch) for m in (gemv, block, layer_ops) if hasattr(m, "launch")]
-    patches += [(m, "require_sm90", lambda device: 0) for m in (gemv, block, layer_ops)
-                if hasattr(m, "require_sm90")]
-    patches += [(gemv, "_sm_count", lambda index: sms), (block, "_resident_blocks", resident)]
+    launchers = (gemv, block, layer_ops, attention, sampling)
+    patches = [(m, "launch", launch) for m in launchers if hasattr(m, "launch")]
+    patches += [(m, "require_sm90", lambda device: 0) for m in launchers if hasattr(m, "require_sm90")]
+    patches += [(gemv, "_sm_count", lambda index: sms), (attention, "_sm_count", lambda index: sms),
+                (block, "_resident_blocks", resident)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     global _launches
     old, old_launches = dict(_settings), _launches

@@ -99,20 +99,40 @@ constexpr int FUSE_CAP = 16;  // fuse_max_splits <= FUSE_CAP: the in-kernel merg
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+// Shared address of a byte of the dynamic shared memory (on the emulator: of its address window).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
+#ifdef NQ_HOST_EMU
+  return nq_emu::smem_window_addr(p);
+#else
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
+#endif
 }
 
 // 2^x on the SFU (ex2.approx: relative error ~2^-22, 2^-inf = +0), as flash attention does.
 __device__ __forceinline__ float fast_exp2(float x) {
+#ifdef NQ_HOST_EMU
+  return nq_emu::ex2_approx_ftz(x);
+#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 // ---- cp.async, named barriers (the mbarriers are mbarrier.cuh's) --------------------------------------
 
 // 16-byte async copy; src_bytes == 0 writes zeros and reads nothing.
+#ifdef NQ_HOST_EMU
+// The emulator's cp.async (completing late), arrive-on, named barrier (emu/simt.h).
+__device__ __forceinline__ void cp_async_16_zfill(unsigned dst, const void* src, unsigned src_bytes) {
+  nq_emu::cp_async_16(dst, src, src_bytes);
+}
+__device__ __forceinline__ void cp_async_arrive_noinc(unsigned long long* bar) {
+  nq_emu::cp_async_arrive_noinc(mbar_smem_addr(bar));
+}
+__device__ __forceinline__ void cp_async_wait_all() { nq_emu::cp_async_wait_all(); }
+__device__ __forceinline__ void consumer_sync() { nq_emu::named_barrier(CONSUMER_BARRIER, 32 * CONSUMER_WARPS); }
+#else
 __device__ __forceinline__ void cp_async_16_zfill(unsigned dst, const void* src, unsigned src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
@@ -128,30 +148,48 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync %0, %1;" ::"n"(CONSUMER_BARRIER), "n"(32 * CONSUMER_WARPS) : "memory");
 }
+#endif  // NQ_HOST_EMU
 
 // ---- tensor-core fragments ----------------------------------------------------------------------
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
                                             unsigned addr) {
+#ifdef NQ_HOST_EMU
+  unsigned r[4];
+  nq_emu::ldmatrix_x4(r, addr, false);
+  r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+#else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
+#endif
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
                                                   unsigned addr) {
+#ifdef NQ_HOST_EMU
+  unsigned r[4];
+  nq_emu::ldmatrix_x4(r, addr, true);
+  r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+#else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
+#endif
 }
 
 // d += a (16x16, row) * b (16x8, col), bf16 in, fp32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#ifdef NQ_HOST_EMU
+  const unsigned b[2] = {b0, b1};
+  nq_emu::mma_m16n8k16(d, a, b, false);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a [rows, HD] bf16 tile (XOR swizzle: the 8 rows
@@ -476,7 +514,11 @@ __device__ __forceinline__ bool arrive_last_split(const Params& p, const Work& w
   if (ctid == 0) {
     int* counter = p.counters + ((long long)w.b * p.n_kv_heads + w.kvh) * p.num_row_tiles + w.row_tile;
     int prev;
+#ifdef NQ_HOST_EMU
+    prev = atomicAdd(counter, 1);  // the host's atomics are sequentially consistent
+#else
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counter) : "memory");
+#endif
     is_last = prev == w.splits - 1;
     if (is_last) *counter = 0;  // every split has arrived: ready for the next launch (or graph replay)
   }
@@ -540,7 +582,7 @@ __device__ __forceinline__ void paged_attention(const Params& p) {
   constexpr int ROWS = 16 * ROW_WARPS;
   static_assert(KV_WARPS * ROWS * (HD + 8) * 4 <= NSTAGES * 2 * TILE * HD * 2, "epilogue fits the ring");
   // Dynamic shared memory: NSTAGES x (K tile, V tile), then CONSUMER_WARPS Q slices [16, HD].
-  extern __shared__ __align__(128) unsigned char ring[];
+  NQ_DYNAMIC_SMEM(ring, 128);
   __shared__ unsigned long long full[NSTAGES], empty[NSTAGES];
   __shared__ float sm_ml[KV_WARPS * ROWS * 2];
 

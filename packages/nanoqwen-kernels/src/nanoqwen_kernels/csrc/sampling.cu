@@ -33,7 +33,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens_bf16(
     __threadfence();
     u64 part = 0;
     if (threadIdx.x < C) {
+#ifdef NQ_HOST_EMU
+      nq_emu::load_point();
+      part = *reinterpret_cast<const volatile u64*>(partials + (i64)b * C + threadIdx.x);
+#else
       asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(part) : "l"(partials + (i64)b * C + threadIdx.x));
+#endif
     }
     best = block_max_u64(part, sm);
   }

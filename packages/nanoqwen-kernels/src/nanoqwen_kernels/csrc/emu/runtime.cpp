@@ -1,7 +1,7 @@
 // emu/runtime.cpp: the CPU launch of a kernel compiled with emu/simt.h (see its header for the model):
 // one OS thread per CTA, all CTAs at once; the CTA's threads are ucontext fibers switched at the
-// scheduling points; mbarriers and bulk copies with late completion; a watchdog for launches that
-// stop making progress. Entry: `nq_emu_launch` (C ABI, called by nanoqwen_kernels/emu.py through
+// scheduling points; mbarriers, bulk copies and cp.async with late completion; named barriers; ldmatrix;
+// a watchdog for launches that stop making progress. Entry: `nq_emu_launch` (C ABI, called by nanoqwen_kernels/emu.py through
 // ctypes with cuLaunchKernel-style argument pointers).
 #include "emu/simt.h"
 
@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -25,7 +26,7 @@ namespace nq_emu {
 namespace {
 
 constexpr size_t STACK_BYTES = 256 * 1024;  // per CUDA thread (mapped lazily)
-enum State { RUNNABLE, WAIT_WARP, WAIT_CTA, SLEEPING, DONE };
+enum State { RUNNABLE, WAIT_WARP, WAIT_CTA, WAIT_NAMED, SLEEPING, DONE };
 
 struct WarpState {
   int arrived = 0, live = 0;
@@ -35,6 +36,10 @@ struct WarpState {
 };
 constexpr int SLOT_BYTES = 64;
 constexpr unsigned CANARY = 64;  // bytes after the dynamic shared memory that must stay poisoned
+// Shared addresses of the dynamic shared memory (smem_window_addr) are WINDOW + the byte offset: apart
+// from the mbarrier handles (small integers), so that one passed for the other is caught.
+constexpr unsigned WINDOW = 0x40000000u;
+constexpr unsigned NAMED_BARRIERS = 16;
 
 struct Mbar {
   unsigned count = 1, pending = 1, phase = 0;
@@ -45,6 +50,26 @@ struct Copy {
   void* dst;
   const void* src;
   unsigned bytes, bar;
+};
+
+// A thread's cp.async copies, in epochs closed by its cp.async.mbarrier.arrive.noinc: the arrival of an
+// epoch is made once it and every earlier epoch of the thread have no copy in flight.
+struct AsyncEpoch {
+  int in_flight = 0;
+  bool closed = false;
+  unsigned bar = 0;
+};
+
+struct AsyncCopy {
+  unsigned char* dst;
+  const void* src;
+  unsigned src_bytes;
+  Fiber* owner;
+  AsyncEpoch* epoch;
+};
+
+struct NamedBarrier {
+  unsigned arrived = 0, count = 0, gen = 0;
 };
 
 struct Launch;
@@ -61,6 +86,8 @@ struct Cta {
   std::unordered_map<const void*, unsigned> handle_of;
   std::unordered_map<unsigned, Mbar> mbars;
   std::vector<Copy> copies;
+  std::vector<AsyncCopy> async_copies;
+  NamedBarrier named[NAMED_BARRIERS];
   std::mt19937_64 rng;
   unsigned char* smem = nullptr;
   size_t smem_bytes = 0;
@@ -100,8 +127,9 @@ struct Fiber {
   EmuDim3 tid;
   int lane = 0, warp = 0;
   State state = RUNNABLE;
-  unsigned wait_gen = 0;
+  unsigned wait_gen = 0, wait_bar = 0;
   char* stack = nullptr;
+  std::deque<AsyncEpoch> epochs;  // its cp.async copies in flight, and the arrivals waiting for them
 };
 
 thread_local Fiber* g_fiber = nullptr;
@@ -115,6 +143,52 @@ unsigned char* dynamic_smem() { return g_cta->smem; }
 namespace {
 
 void switch_out() { swapcontext(&g_fiber->ctx, &g_cta->sched); }
+
+// One arrival (and tx_bytes more expected) on mbarrier `bar`; false (the launch failed) if there is none.
+bool arrive_on(Cta& c, unsigned bar, unsigned tx_bytes) {
+  auto it = c.mbars.find(bar);
+  if (it == c.mbars.end()) {
+    c.launch->fail("mbarrier arrive on a barrier that was never initialised");
+    return false;
+  }
+  Mbar& m = it->second;
+  m.tx += tx_bytes;
+  if (m.pending == 0) {
+    c.launch->fail("mbarrier: more arrivals than its count in one phase");
+    return true;
+  }
+  if (--m.pending == 0 && m.tx == 0) {
+    m.phase ^= 1;
+    m.pending = m.count;
+  }
+  return true;
+}
+
+// The arrivals of a thread's cp.async epochs that have no copy in flight left, in order.
+void drain_epochs(Cta& c, Fiber& f) {
+  while (!f.epochs.empty() && f.epochs.front().in_flight == 0 && f.epochs.front().closed) {
+    const unsigned bar = f.epochs.front().bar;
+    f.epochs.pop_front();
+    arrive_on(c, bar, 0);
+  }
+}
+
+void complete_async(Cta& c, size_t i) {
+  const AsyncCopy cp = c.async_copies[i];
+  c.async_copies[i] = c.async_copies.back();
+  c.async_copies.pop_back();
+  std::memcpy(cp.dst, cp.src, cp.src_bytes);
+  std::memset(cp.dst + cp.src_bytes, 0, 16 - cp.src_bytes);
+  --cp.epoch->in_flight;
+  drain_epochs(c, *cp.owner);
+}
+
+// A random batch of the CTA's cp.async copies lands (half of them at most, a quarter on average).
+void complete_random_async(Cta& c) {
+  if (c.async_copies.empty()) return;
+  for (size_t k = c.rng() % (c.async_copies.size() / 2 + 1) + 1; k > 0 && !c.async_copies.empty(); --k)
+    complete_async(c, c.rng() % c.async_copies.size());
+}
 
 void complete_copy(Cta& c, size_t i) {
   Copy cp = c.copies[i];
@@ -149,6 +223,10 @@ bool runnable(Cta& c, Fiber& f) {
       return true;
     case WAIT_CTA:
       if (c.bar_gen == f.wait_gen) return false;
+      f.state = RUNNABLE;
+      return true;
+    case WAIT_NAMED:
+      if (c.named[f.wait_bar].gen == f.wait_gen) return false;
       f.state = RUNNABLE;
       return true;
     default:
@@ -260,10 +338,15 @@ void run_cta(Launch& L, unsigned cta_index, unsigned long long seed) {
       ran = true;
     }
     if (!c.copies.empty() && c.rng() % 4 == 0) complete_random_copy(c);
+    if (!c.async_copies.empty() && c.rng() % 2 == 0) complete_random_async(c);
     if (!ran) {
       if (any_runnable) continue;  // only slow warps could run, and sat this round out
       if (!c.copies.empty()) {
         complete_random_copy(c);
+        continue;
+      }
+      if (!c.async_copies.empty()) {
+        complete_random_async(c);
         continue;
       }
       char buf[160];
@@ -274,6 +357,14 @@ void run_cta(Launch& L, unsigned cta_index, unsigned long long seed) {
     }
     if (only_sleepers) sched_yield();  // waiting on other CTAs: let their OS threads run
     if ((++rounds & 255) == 0) check_progress(L, cta_index);
+  }
+  bool arrivals_due = false;
+  for (const Fiber& f : fibers) arrivals_due |= !f.epochs.empty() && f.epochs.back().closed;
+  if (!L.abort && (!c.async_copies.empty() || arrivals_due)) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "CTA %u ended with cp.async copies (or their mbarrier arrivals) in flight",
+                  cta_index);
+    L.fail(buf);
   }
   for (unsigned i = 0; i < CANARY && !L.abort; ++i) {
     if (c.smem[L.shared + i] != 0xA5) {
@@ -384,23 +475,7 @@ void mbar_init(unsigned bar, unsigned count) {
 }
 
 void mbar_arrive(unsigned bar, unsigned tx_bytes) {
-  Cta& c = *g_cta;
-  auto it = c.mbars.find(bar);
-  if (it == c.mbars.end()) {
-    c.launch->fail("mbarrier arrive on a barrier that was never initialised");
-    switch_out();
-    return;
-  }
-  Mbar& m = it->second;
-  m.tx += tx_bytes;
-  if (m.pending == 0) {
-    c.launch->fail("mbarrier: more arrivals than its count in one phase");
-    return;
-  }
-  if (--m.pending == 0 && m.tx == 0) {
-    m.phase ^= 1;
-    m.pending = m.count;
-  }
+  if (!arrive_on(*g_cta, bar, tx_bytes)) switch_out();
 }
 
 bool mbar_test_wait(unsigned bar, unsigned parity) {
@@ -421,6 +496,7 @@ void mbar_wait(unsigned bar, unsigned parity) {
       continue;
     }
     if (!c.copies.empty() && c.rng() % 2 == 0) complete_random_copy(c);
+    else if (!c.async_copies.empty() && c.rng() % 2 == 0) complete_random_async(c);
     else switch_out();
   }
 }
@@ -440,6 +516,110 @@ void bulk_copy_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) 
   }
   c.copies.push_back({d, src, bytes, bar});
   if (c.rng() % 4 == 0) complete_copy(c, c.copies.size() - 1);
+}
+
+// ---- cp.async, named barriers, ldmatrix -------------------------------------------------------------
+
+unsigned smem_window_addr(const void* p) {
+  Cta& c = *g_cta;
+  const unsigned char* b = static_cast<const unsigned char*>(p);
+  if (b < c.smem || b > c.smem + c.smem_bytes) {
+    c.launch->fail("a shared address taken of memory outside the dynamic shared memory");
+    return 0;
+  }
+  return WINDOW + (unsigned)(b - c.smem);
+}
+
+namespace {
+// The bytes [addr, addr + bytes) of the dynamic shared memory, 16-byte aligned; null (the launch failed)
+// if they are not.
+unsigned char* window_bytes(Cta& c, unsigned addr, unsigned bytes, const char* what) {
+  if (addr < WINDOW || addr % 16 || (size_t)(addr - WINDOW) + bytes > c.smem_bytes) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "%s: shared address 0x%x is not a 16-byte aligned address of the %zu bytes "
+                  "of dynamic shared memory", what, addr, c.smem_bytes);
+    c.launch->fail(buf);
+    return nullptr;
+  }
+  return c.smem + (addr - WINDOW);
+}
+}  // namespace
+
+void cp_async_16(unsigned dst, const void* src, unsigned src_bytes) {
+  Cta& c = *g_cta;
+  Fiber& f = *g_fiber;
+  unsigned char* d = window_bytes(c, dst, 16, "cp.async");
+  if (d == nullptr) return;
+  if (src_bytes > 16 || (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % 16)) {
+    c.launch->fail("cp.async: src-size above 16 bytes, or a source not 16-byte aligned");
+    return;
+  }
+  if (f.epochs.empty() || f.epochs.back().closed) f.epochs.emplace_back();
+  AsyncEpoch* e = &f.epochs.back();  // deque: stays put while later epochs are added
+  ++e->in_flight;
+  c.async_copies.push_back({d, src, src_bytes, &f, e});
+  if (c.rng() % 8 == 0) complete_async(c, c.async_copies.size() - 1);
+}
+
+void cp_async_arrive_noinc(unsigned bar) {
+  Cta& c = *g_cta;
+  Fiber& f = *g_fiber;
+  if (f.epochs.empty() || f.epochs.back().closed) f.epochs.emplace_back();
+  f.epochs.back().closed = true;
+  f.epochs.back().bar = bar;
+  drain_epochs(c, f);
+}
+
+void cp_async_wait_all() {
+  Cta& c = *g_cta;
+  for (size_t i = 0; i < c.async_copies.size();) {
+    if (c.async_copies[i].owner == g_fiber) complete_async(c, i);  // swaps the last copy into slot i
+    else ++i;
+  }
+  yield_maybe();
+}
+
+void named_barrier(unsigned id, unsigned threads) {
+  Cta& c = *g_cta;
+  Fiber& f = *g_fiber;
+  if (id == 0 || id >= NAMED_BARRIERS || threads == 0 || threads % 32) {
+    c.launch->fail("bar.sync: barrier id not in 1..15 (0 is __syncthreads) or a count not a multiple of 32");
+    switch_out();
+    return;
+  }
+  NamedBarrier& b = c.named[id];
+  if (b.arrived == 0) {
+    b.count = threads;
+  } else if (b.count != threads) {
+    c.launch->fail("bar.sync: one named barrier used with different thread counts in one phase");
+  }
+  if (++b.arrived == b.count) {
+    b.arrived = 0;
+    ++b.gen;
+    switch_out();  // the others resume in some order; so does this one
+    return;
+  }
+  f.wait_bar = id;
+  f.wait_gen = b.gen;
+  f.state = WAIT_NAMED;
+  switch_out();
+}
+
+void ldmatrix_x4(unsigned* r, unsigned addr, bool trans) {
+  Cta& c = *g_cta;
+  struct Row {
+    unsigned w[4];
+  } mine, all[32];
+  const unsigned char* p = window_bytes(c, addr, 16, "ldmatrix");
+  if (p != nullptr) std::memcpy(&mine, p, 16);
+  else std::memset(&mine, 0xA5, 16);
+  warp_exchange(&mine, all, sizeof(Row));  // matrix j's row i is the row lane 8 j + i addresses
+  const int lane = g_fiber->lane, g = lane >> 2, t = lane & 3;
+  auto elem = [](const Row& row, int col) { return (row.w[col >> 1] >> (16 * (col & 1))) & 0xffffu; };
+  for (int j = 0; j < 4; ++j) {
+    if (!trans) r[j] = all[8 * j + g].w[t];  // row g, elements 2t and 2t + 1
+    else r[j] = elem(all[8 * j + 2 * t], g) | (elem(all[8 * j + 2 * t + 1], g) << 16);  // column g, rows 2t, 2t + 1
+  }
 }
 
 // ---- numbers --------------------------------------------------------------------------------------

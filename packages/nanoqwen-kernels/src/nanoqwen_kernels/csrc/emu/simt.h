@@ -20,6 +20,17 @@
 // - Bulk copies (cp.async.bulk) complete LATE: the bytes land in shared memory and the mbarrier's
 //   transaction count drops at a random later point (a wait on the barrier, or the scheduler), so a
 //   kernel that reads a slot before waiting for it reads stale bytes and fails its test.
+// - cp.async (16 bytes, `src_bytes` < 16 zero-filling the rest, 0 reading nothing) completes LATE too,
+//   at random later scheduling points or when its thread waits (cp.async.wait_all); the mbarrier
+//   arrival of cp.async.mbarrier.arrive.noinc comes once every cp.async its thread issued before it
+//   has landed. A CTA that ends with a cp.async (or its arrival) still in flight is an error.
+// - Named barriers (bar.sync id, n; id 1..15) release once n threads have arrived, whichever they are
+//   (threads that never reach one, as a producer warp, are simply not counted); a barrier used with
+//   two different counts in one phase is an error.
+// - ldmatrix (.x4, .x4.trans) gathers the 16-byte rows the 32 lanes address and hands out the PTX ISA
+//   fragments (lane l: row l / 4, elements 2 (l % 4) and +1 of each 8x8 matrix; .trans: the column).
+//   Shared addresses of the dynamic shared memory (`__cvta_generic_to_shared` in the kernels'
+//   smem_addr) are offsets in a window of their own, checked on every ldmatrix and cp.async.
 // - Cross-CTA memory is the host's (x86: TSO, atomics sequentially consistent), stronger than the
 //   GPU's model: the emulator finds work-split, indexing, ordering-by-counter and deadlock bugs, not
 //   missing fences. L1 incoherence is not modelled (ld.cg is a plain load, a scheduling point).
@@ -106,6 +117,14 @@ void mma_m16n8k16(float* c, const unsigned* a, const unsigned* b, bool f16);
 int lane_id();  // the running thread's lane (its warp's fiber index, whatever the block's shape)
 
 unsigned char* dynamic_smem();  // the CTA's dynamic shared memory (NQ_DYNAMIC_SMEM), poisoned with 0xA5
+
+// cp.async, named barriers, ldmatrix (dynamic shared memory through window addresses)
+unsigned smem_window_addr(const void* p);  // the shared address of a byte of the dynamic shared memory
+void cp_async_16(unsigned dst, const void* src, unsigned src_bytes);  // zero-fills past src_bytes
+void cp_async_arrive_noinc(unsigned bar);  // `bar`: an mbarrier handle (smem_handle)
+void cp_async_wait_all();
+void named_barrier(unsigned id, unsigned threads);  // bar.sync id, threads
+void ldmatrix_x4(unsigned* r, unsigned addr, bool trans);
 
 // The kernels of a build: each family's emulator unit registers its extern "C" entry points by name,
 // with a trampoline that unpacks cuLaunchKernel-style argument pointers into the parameters.
@@ -196,6 +215,39 @@ inline T __shfl_sync(unsigned, T v, int src) {
   return all[src & 31];
 }
 template <class T>
+inline T __shfl_up_sync(unsigned, T v, unsigned delta) {
+  T all[32];
+  nq_emu::warp_exchange(&v, all, sizeof(T));
+  const int lane = nq_emu::lane_id();
+  return lane >= (int)delta ? all[lane - delta] : v;
+}
+template <class T>
+inline T __shfl_down_sync(unsigned, T v, unsigned delta) {
+  T all[32];
+  nq_emu::warp_exchange(&v, all, sizeof(T));
+  const int lane = nq_emu::lane_id();
+  return lane + (int)delta < 32 ? all[lane + delta] : v;
+}
+inline unsigned __ballot_sync(unsigned, int pred) {
+  int all[32];
+  const int mine = pred != 0;
+  nq_emu::warp_exchange(&mine, all, sizeof mine);
+  unsigned bits = 0;
+  for (int i = 0; i < 32; ++i) bits |= (unsigned)all[i] << i;
+  return bits;
+}
+inline int __ffs(int x) { return x == 0 ? 0 : __builtin_ctz((unsigned)x) + 1; }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
+// ex2.approx.ftz.f32: 2^x with subnormal inputs and results flushed to (signed) zero; the host's exact
+// exp2f stands for the SFU's approximation (relative error ~2^-22)
+namespace nq_emu {
+inline float ex2_approx_ftz(float x) {
+  if (std::fpclassify(x) == FP_SUBNORMAL) x = 0.f;
+  const float y = std::exp2(x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
+}
+}  // namespace nq_emu
+template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int mask) {
   T all[32];
   nq_emu::warp_exchange(&v, all, sizeof(T));
@@ -209,4 +261,13 @@ inline int atomicAdd(int* p, int v) {
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   nq_emu::yield_maybe();
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+inline float atomicAdd(float* p, float v) {
+  nq_emu::yield_maybe();
+  unsigned* u = reinterpret_cast<unsigned*>(p);
+  unsigned old = __atomic_load_n(u, __ATOMIC_SEQ_CST);
+  while (!__atomic_compare_exchange_n(u, &old, __float_as_uint(__uint_as_float(old) + v), false, __ATOMIC_SEQ_CST,
+                                      __ATOMIC_SEQ_CST)) {
+  }
+  return __uint_as_float(old);
 }
