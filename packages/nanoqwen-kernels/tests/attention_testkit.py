@@ -74,8 +74,8 @@ def check_decode_every_length(geom: str, block_size: int, num_splits: int | None
     random.Random(seed).shuffle(lens)
     case = make_paged_case(nh, nkv, hd, block_size, lens, seed=seed, max_pages=pages + 2, device=device)
     g = AttentionGeometry(nh, nkv, hd, block_size)
-    plan = plan_decode(g, max_batch=len(lens), max_context_len=(pages + 2) * block_size, num_splits=num_splits,
-                       device=device)
+    plan = plan_decode(g, max_batch=len(lens), max_context_len=(pages + 2) * block_size,
+                       num_splits=num_splits, device=device)
     check_rows(run_repeated(plan, case, runs), case.reference())
 
 
@@ -108,7 +108,8 @@ def check_decode_splits_follow_the_actual_context(
     assert plan.num_splits >= min_splits, plan
     assert plan.launches == (2 if plan.num_splits > fuse_max else 1)
     for seed, lens in batches:
-        case = make_paged_case(nh, nkv, hd, 16, lens, seed=seed, max_pages=max_context_len // 16, device=device)
+        case = make_paged_case(nh, nkv, hd, 16, lens, seed=seed, max_pages=max_context_len // 16,
+                               device=device)
         check_rows(run_repeated(plan, case, runs), case.reference())
 
 

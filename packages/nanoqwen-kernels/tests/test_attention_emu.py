@@ -20,15 +20,20 @@ import zlib
 
 import pytest
 from attention_testkit import (
+    GEOMS,
     check_chunked_prefill,
     check_decode_every_length,
     check_decode_long_context_splits,
     check_decode_splits_follow_the_actual_context,
     check_decode_zero_context_slot_gives_zeros,
     check_prefill_block_size_8_and_single_long_chunk,
+    check_rows,
     check_run_rejects_bad_input,
+    run_repeated,
 )
 from nanoqwen_kernels import emu
+from nanoqwen_kernels.attention import AttentionGeometry, plan_decode
+from nanoqwen_kernels.reference_attention import make_paged_case
 
 pytestmark = pytest.mark.usefixtures("emu_compiler")
 CPU = "cpu"
@@ -69,6 +74,19 @@ def test_decode_splits_follow_the_actual_context(geom, fuse_max, seed):
             runs=RUNS)
 
 
+@pytest.mark.parametrize("geom", ["7b", "0.5b"])
+def test_decode_unsplit_long_context_wraps_the_ring(geom, seed):
+    """One CTA per (sequence, KV head) over up to 9 tiles: the producer goes round its ring of 3 (head
+    dim 128) or 4 (64) stages twice, waiting on the consumers' "empty" barriers (the split cases above
+    have at most 2 tiles per CTA: their ring never wraps)."""
+    nh, nkv, hd = GEOMS[geom]
+    with emu.emulated(sms=SMS, seed=seed, timeout_s=TIMEOUT_S):
+        case = make_paged_case(nh, nkv, hd, 16, [555, 257, 9], seed=seed, max_pages=36, device=CPU)
+        plan = plan_decode(AttentionGeometry(nh, nkv, hd, 16), max_batch=3, max_context_len=576, num_splits=1,
+                           device=CPU)
+        check_rows(run_repeated(plan, case, RUNS), case.reference())
+
+
 def test_decode_zero_context_slot_gives_zeros(seed):
     with emu.emulated(sms=SMS, seed=seed, timeout_s=TIMEOUT_S):
         check_decode_zero_context_slot_gives_zeros(CPU, runs=RUNS)
@@ -84,7 +102,8 @@ COMBINE_CASES = [(7, 7), (33, 16), (170, 20), (129, 2)]
                          ids=["unsplit", "in-kernel-merge", "combine-kernel"])
 def test_chunked_prefill(num_splits, fuse_max, cases, seed):
     with emu.emulated(sms=SMS, seed=seed, timeout_s=TIMEOUT_S):
-        check_chunked_prefill("0.5b", num_splits, fuse_max, CPU, cases=cases, max_pages=12, seed=seed, runs=RUNS)
+        check_chunked_prefill("0.5b", num_splits, fuse_max, CPU, cases=cases, max_pages=12, seed=seed,
+                              runs=RUNS)
 
 
 def test_prefill_block_size_8_and_single_long_chunk(seed):

@@ -14,6 +14,9 @@ models, so that a kernel test passing on it means something.
   the check of the emulator's mma layout that is not circular);
 - misuse is reported: a write past the dynamic shared memory, divergent warp collectives, arguments
   that do not match the kernel's parameters;
+- ldmatrix (.x4, .x4.trans) hands out the PTX ISA fragments; cp.async zero-fills past its src-size
+  and lands late (a read without cp.async.wait_all sees the poison in some launches); the attention's
+  named barrier counts only the threads that arrive (a count no set of warps can fill is a deadlock);
 - every PTX wrapper of the emulated families has a host branch: gemv and block build for the emulator.
 """
 
@@ -136,3 +139,71 @@ def test_the_emulated_families_have_their_kernels():
     names = set(emu.entry_points(SPECS["block"]))
     assert set(SPECS["block"].hot_kernels) <= names
     assert {"gemv_int4_g128_asym_rope", "gemv_int8_g128"} <= set(emu.entry_points(SPECS["gemv"]))
+    assert {"paged_attention_decode_hd128", "paged_attention_prefill_hd64",
+            "paged_attention_combine_hd128"} <= set(emu.entry_points(SPECS["attention"]))
+    assert emu.entry_points(SPECS["sampling"]) == ["sample_tokens_bf16"]
+
+
+def test_emulated_patches_every_launcher_and_restores_it():
+    from nanoqwen_kernels import attention, block, gemv, layer_ops, sampling
+
+    modules = (gemv, block, layer_ops, attention, sampling)
+    before = [(m.launch, m.require_sm90) for m in modules]
+    with emu.emulated(sms=7):
+        assert all(m.launch is emu.launch for m in modules)
+        assert attention._sm_count(0) == gemv._sm_count(0) == 7
+        assert all(m.require_sm90(torch.device("cpu")) == 0 for m in modules)
+    assert [(m.launch, m.require_sm90) for m in modules] == before
+
+
+def test_ldmatrix_fragments():
+    """ldmatrix .x4 and .x4.trans hand out the PTX ISA fragments: lane l gets, of matrix j, row l / 4,
+    elements 2 (l % 4) and + 1 (.trans: column l / 4 of rows 2 (l % 4) and + 1), low half first."""
+    gen = torch.Generator().manual_seed(2)
+    m = torch.randint(0, 1 << 16, (32, 8), generator=gen, dtype=torch.int64)  # [32, 8] 16-bit elements
+    src = (m[:, 0::2] | (m[:, 1::2] << 16)).to(torch.int64).numpy().astype(np.uint32)
+    src_t = torch.from_numpy(src.view(np.int32).copy())
+    for trans in (0, 1):
+        out = torch.full((128,), -1, dtype=torch.int32)
+        emu.launch_spec(SELFTEST, "selftest_ldmatrix", 1, 32, (ptr(src_t), ptr(out), i32(trans)), 512)
+        got = out.numpy().view(np.uint32).reshape(32, 4)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for j in range(4):
+                if trans:
+                    lo, hi = m[8 * j + 2 * t, g], m[8 * j + 2 * t + 1, g]
+                else:
+                    lo, hi = m[8 * j + g, 2 * t], m[8 * j + g, 2 * t + 1]
+                assert int(got[lane, j]) == int(lo) | (int(hi) << 16), (trans, lane, j)
+
+
+def test_cp_async_zero_fill_and_late_completion():
+    """src-size bytes are copied and the rest of the 16 zero-filled (0: nothing read); without a wait,
+    some launches read the poisoned shared memory (the copy lands late), never with one."""
+    src = torch.arange(1, 17, dtype=torch.uint8)
+    seen = set()
+    for src_bytes in (16, 6, 0):
+        want = src.clone()
+        want[src_bytes:] = 0
+        for _ in range(20):
+            for wait in (1, 0):
+                out = torch.zeros(4, dtype=torch.int32)
+                emu.launch_spec(SELFTEST, "selftest_cp_async", 1, 32, (ptr(src), ptr(out), i32(src_bytes),
+                                                                     i32(wait)), 16)
+                got = out.view(torch.uint8)
+                if wait:
+                    assert torch.equal(got, want), (src_bytes, got.tolist())
+                elif torch.equal(got, want):
+                    seen.add("data")
+                else:
+                    seen.add("poison" if bool((got == 0xA5).all()) else "?")
+    assert seen == {"poison", "data"}, seen
+
+
+def test_named_barrier_counts_only_the_threads_that_arrive():
+    out = torch.full((128,), -1, dtype=torch.int32)
+    emu.launch_spec(SELFTEST, "selftest_named_barrier", 1, 160, (ptr(out),), 512)
+    t = np.arange(32, 160)
+    assert out.tolist() == (32 + (t - 32 + 32) % 128).tolist()
+    with pytest.raises(emu.EmulatorError, match="deadlock"):
+        emu.launch_spec(SELFTEST, "selftest_named_barrier", 1, 128, (ptr(out),), 512)

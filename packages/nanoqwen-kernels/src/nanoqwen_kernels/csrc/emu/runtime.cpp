@@ -355,7 +355,8 @@ void run_cta(Launch& L, unsigned cta_index, unsigned long long seed) {
       L.fail(buf);
       break;
     }
-    if (only_sleepers) sched_yield();  // waiting on other CTAs: let their OS threads run
+    // waiting on other CTAs (not on this one's copies, which land at the end of a round): let them run
+    if (only_sleepers && c.copies.empty() && c.async_copies.empty()) sched_yield();
     if ((++rounds & 255) == 0) check_progress(L, cta_index);
   }
   bool arrivals_due = false;
@@ -497,7 +498,7 @@ void mbar_wait(unsigned bar, unsigned parity) {
     }
     if (!c.copies.empty() && c.rng() % 2 == 0) complete_random_copy(c);
     else if (!c.async_copies.empty() && c.rng() % 2 == 0) complete_random_async(c);
-    else switch_out();
+    else nanosleep_yield();  // a spin, not progress: waiters that never see their phase time out
   }
 }
 

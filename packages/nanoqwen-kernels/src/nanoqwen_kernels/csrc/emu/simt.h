@@ -37,8 +37,9 @@
 // - Fast-math intrinsics (__expf, __sincosf, rsqrtf) are the host's precise functions, and the host
 //   compiler does not contract a * b + c into an fma (-ffp-contract=off) where nvcc may: two kernels
 //   bitwise equal here can differ on the GPU by how ptxas fused their multiply-adds.
-// - A launch that makes no progress for `timeout_s` (a deadlock, or CTAs spinning on a counter that
-//   never fills) is reported as an error, not hung; so are lanes of a warp meeting in different
+// - A launch that makes no progress for `timeout_s` (a deadlock, CTAs spinning on a counter that never
+//   fills, threads waiting on an mbarrier phase that never completes: a wait is a spin, not progress)
+//   is reported as an error, not hung; so are lanes of a warp meeting in different
 //   collectives, a write past the launch's dynamic shared memory, an argument whose size differs from
 //   the kernel's parameter, and misused mbarriers / bulk copies. A spin loop with no scheduling point
 //   at all (no load through a wrapper, no __nanosleep) cannot be interrupted.
