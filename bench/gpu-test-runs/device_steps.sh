@@ -11,7 +11,7 @@ SRC=$(ls -d "$PWD"/packages/*/src | paste -sd:)
 CACHE=${NANOQWEN_CACHE:-$HOME/.cache/nanoqwen}
 case "$1" in
   setup)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl-serve/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl-serve/*.whl 2>/dev/null)
     # .whl-fast (httptools): a folder of its own, put on PYTHONPATH only by the sides of serve-variants
     # that run this tree's server (uvicorn takes httptools whenever it can import it)
     if [ -d .whl-fast ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

@@ -71,9 +71,9 @@ def test_stop_string(model):
     (["--backend", "engine"], "--backend engine runs on a CUDA GPU only"),
     (["--dtype", "int3"], "--dtype must be one of"),
     (["--threads", "0"], "--threads must be >= 1"),
-    (["--kv-memory", "8GiB"], "--kv-memory, --eager and --overlap are engine options"),
-    (["--eager"], "--kv-memory, --eager and --overlap are engine options"),
-    (["--overlap"], "--kv-memory, --eager and --overlap are engine options"),
+    (["--kv-memory", "8GiB"], "--kv-memory, --eager and --no-overlap are engine options"),
+    (["--eager"], "--kv-memory, --eager and --no-overlap are engine options"),
+    (["--no-overlap"], "--kv-memory, --eager and --no-overlap are engine options"),
     (["--speculate", "ngram:0"], "--speculate: speculation 'ngram:0': K must be in 1..7"),
     (["--speculate", "ngram:"], "--speculate: unknown speculation 'ngram:'"),
 ])
@@ -130,12 +130,12 @@ GPU_TINY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, h
 @pytest.mark.gpu
 def test_generate_on_cuda_runs_the_engine(tmp_path):
     """`--device cuda` picks the CUDA engine (kernel widths: head_dim 64, K a multiple of 128), streams
-    the tokens, reports them, and a greedy run is reproducible; --eager, --overlap and --kv-memory are
+    the tokens, reports them, and a greedy run is reproducible; --eager, --no-overlap and --kv-memory are
     honoured."""
     path = write_tiny_container(tmp_path / "gpu.nanoqwen", method="rtn", seed=1, config_overrides=GPU_TINY)
     args = ["generate", path, "-p", "def fib(n):", "--max-tokens", "12", "--temperature", "0",
             "--device", "cuda", "--kv-memory", "1GiB", "--json"]
-    runs = [invoke(*args), invoke(*args), invoke(*args, "--eager"), invoke(*args, "--overlap")]
+    runs = [invoke(*args), invoke(*args), invoke(*args, "--eager"), invoke(*args, "--no-overlap")]
     for r in runs:
         assert r.exit_code == 0, r.output
     outs = [json.loads(r.stdout) for r in runs]

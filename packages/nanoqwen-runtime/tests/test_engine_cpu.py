@@ -234,7 +234,8 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
                 assert query_start_loc.shape == (b + 1,) and query_start_loc.dtype == torch.int32
             self.launched.append(f"paged_attention_{self.mode}")
 
-    cfg = cpu_config(mode="eager", prefill_chunk=64, dense_weight_cache=dense, max_batch=16)
+    # overlap off: each step() runs one step through runner.run, so launches are counted per step
+    cfg = cpu_config(mode="eager", prefill_chunk=64, dense_weight_cache=dense, max_batch=16, overlap=False)
     engine, launched = kernel_engine_on_cpu(monkeypatch, load(tiny_path, "cpu"), cfg, FakePlan)
     assert engine.ops.name == "kernels"
     # prefill chunk 64: one prefill step holds all nine prompts (62 tokens); then 9

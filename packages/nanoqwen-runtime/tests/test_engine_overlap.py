@@ -128,7 +128,7 @@ def test_eos_ends_a_sequence_with_a_step_in_flight(tiny_path):
     _assert_same(ro, rs)
     reasons = [f.reason for f in ro[1].values()]
     assert reasons.count(FinishReason.EOS) == len(prompts)
-    assert eo.num_steps_ahead > 0
+    assert eo.num_steps_ahead > 0 and eo.num_rows_dropped > 0 and es.num_rows_dropped == 0
     assert es.num_steps["decode"] <= eo.num_steps["decode"] <= es.num_steps["decode"] + len(prompts)
 
 

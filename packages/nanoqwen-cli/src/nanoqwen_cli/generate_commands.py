@@ -2,7 +2,7 @@
 
 generate MODEL (--prompt TEXT | --prompt - | --prompt-file PATH) [--chat] [--system TEXT]
          [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop STR ...]
-         [--device cpu|cuda] [--backend reference|engine] [--kv-memory SIZE] [--eager] [--overlap]
+         [--device cpu|cuda] [--backend reference|engine] [--kv-memory SIZE] [--eager] [--no-overlap]
          [--max-model-len N] [--no-verify] [--dtype float32|bfloat16] [--threads N] [--speculate ngram[:K]]
          [--json]
     Streams the generated text to stdout as tokens arrive. The backend line (what runs, where) and the
@@ -25,9 +25,9 @@ plain-torch reference unless `--backend reference|engine` says otherwise (`--bac
 --device cuda` runs the reference on the GPU). `--device cuda` without a GPU is an error (exit 1),
 never a silent fall back to the CPU. Engine options: `--kv-memory SIZE` (KV pool, e.g. 8GiB; default
 90% of the memory left after the weights), `--eager` (launch every kernel from Python instead of
-replaying CUDA graphs; for debugging) and `--overlap` (queue the next decode step before the last one
-is read back, so the host's work between steps runs while the GPU computes; the same tokens up to a
-near-tie; off by default until it is measured on the GPU: nanoqwen-runtime's engine.py). Every
+replaying CUDA graphs; for debugging) and `--no-overlap` (read each decode step back before queuing
+the next; by default the next step is queued first, so the host's work between steps runs while the
+GPU computes, with the same tokens up to a near-tie: nanoqwen-runtime's engine.py). Every
 tensor's checksum is checked while loading unless `--no-verify` is given. Errors are one line on
 stderr (errors.py: exit 2 for the command line and the prompt, 1 for files, the model and the
 machine). A request the model fails at run time (NaN/Inf logits: no token is sampled from them) ends
@@ -78,9 +78,10 @@ KvMemory = Annotated[str | None, typer.Option("--kv-memory", help="engine KV poo
                                               "(default: 90% of the GPU memory left after the weights)")]
 Eager = Annotated[bool, typer.Option("--eager", help="engine: launch kernels eagerly instead of "
                                      "replaying CUDA graphs (debugging)")]
-Overlap = Annotated[bool, typer.Option("--overlap", help="engine: queue the next decode step before reading "
-                                       "the last one back (the host's per-step work overlaps the GPU's; "
-                                       "the same tokens up to a near-tie)")]
+NoOverlap = Annotated[bool, typer.Option("--no-overlap", help="engine: read each decode step back before "
+                                         "queuing the next (default: the next is queued first, so the "
+                                         "host's per-step work overlaps the GPU's; the same tokens up to a "
+                                         "near-tie)")]
 MaxModelLen = Annotated[int | None, typer.Option("--max-model-len", help="tokens per sequence, prompt plus "
                                                  "generated (default: the model's context window)")]
 NoPrefixCache = Annotated[bool, typer.Option("--no-prefix-cache", help="free KV blocks when a request "
@@ -108,7 +109,7 @@ class LoadOptions:
     threads: int | None = None
     kv_memory: str | None = None     # engine
     eager: bool = False              # engine
-    overlap: bool = False            # engine: EngineConfig.overlap
+    overlap: bool = True             # engine: EngineConfig.overlap (--no-overlap)
     max_model_len: int | None = None
     verify: bool = True
     speculate: str | None = None     # --speculate text; None or "off": no speculation
@@ -131,8 +132,8 @@ class LoadOptions:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise UsageError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         backend = self.resolved_backend()
-        if backend != "engine" and (self.kv_memory is not None or self.eager or self.overlap):
-            raise UsageError("--kv-memory, --eager and --overlap are engine options (--device cuda or "
+        if backend != "engine" and (self.kv_memory is not None or self.eager or not self.overlap):
+            raise UsageError("--kv-memory, --eager and --no-overlap are engine options (--device cuda or "
                              "--backend engine)")
         if backend == "engine" and not dev.startswith("cuda"):
             raise UsageError("--backend engine runs on a CUDA GPU only; use --device cuda")
@@ -285,7 +286,7 @@ def generate(
     backend: Backend = None,
     kv_memory: KvMemory = None,
     eager: Eager = False,
-    overlap: Overlap = False,
+    no_overlap: NoOverlap = False,
     max_model_len: MaxModelLen = None,
     no_verify: NoVerify = False,
     no_prefix_cache: NoPrefixCache = False,
@@ -299,7 +300,7 @@ def generate(
         raise UsageError("--system needs --chat (it is a chat-template message)")
     opts = LoadOptions(device=device, backend=backend, dtype=dtype, threads=threads, kv_memory=kv_memory,
                        eager=eager, max_model_len=max_model_len, verify=not no_verify, speculate=speculate,
-                       prefix_cache=not no_prefix_cache, overlap=overlap)
+                       prefix_cache=not no_prefix_cache, overlap=not no_overlap)
     opts.check()
     kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
     text = read_prompt(prompt, prompt_file)
@@ -366,7 +367,7 @@ def chat(
     backend: Backend = None,
     kv_memory: KvMemory = None,
     eager: Eager = False,
-    overlap: Overlap = False,
+    no_overlap: NoOverlap = False,
     max_model_len: MaxModelLen = None,
     no_verify: NoVerify = False,
     no_prefix_cache: NoPrefixCache = False,
@@ -381,7 +382,7 @@ def chat(
     """
     opts = LoadOptions(device=device, backend=backend, dtype=dtype, threads=threads, kv_memory=kv_memory,
                        eager=eager, max_model_len=max_model_len, verify=not no_verify, speculate=speculate,
-                       prefix_cache=not no_prefix_cache, overlap=overlap)
+                       prefix_cache=not no_prefix_cache, overlap=not no_overlap)
     opts.check()
     kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
     system = text_arg(system, "--system") if system is not None else None

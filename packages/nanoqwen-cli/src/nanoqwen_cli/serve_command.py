@@ -2,11 +2,11 @@
 
 serve MODEL [--host 127.0.0.1] [--port 8000] [--device cpu|cuda|cuda:N] [--api-key KEY]
       [--model-name NAME] [--kv-memory SIZE] [--max-model-len N] [--max-batch N] [--max-waiting N]
-      [--max-body SIZE] [--drain-timeout S] [--eager] [--overlap] [--no-verify] [--threads N]
+      [--max-body SIZE] [--drain-timeout S] [--eager] [--no-overlap] [--no-verify] [--threads N]
       [--speculate ngram[:K]] [--no-prefix-cache] [--cpu-placement auto|off]
 
-`--device cuda` runs the CUDA `Engine` (CUDA graphs unless --eager; `--overlap`: EngineConfig.overlap,
-the next decode step queued before the last one is read back); `--device cpu` runs the
+`--device cuda` runs the CUDA `Engine` (CUDA graphs unless --eager; the next decode step queued before the
+last one is read back unless `--no-overlap`: EngineConfig.overlap); `--device cpu` runs the
 plain-torch `ReferenceEngine` (fp32), so the server can be tested for real without a GPU. The
 server listens at once; GET /health answers 503 "loading" until the model is loaded (and the graphs
 captured), then 200. A model that fails to load ends the command with its one-line error (exit 1).
@@ -40,9 +40,9 @@ from .generate_commands import (
     KvMemory,
     MaxModelLen,
     ModelArg,
+    NoOverlap,
     NoPrefixCache,
     NoVerify,
-    Overlap,
     Speculate,
     Threads,
 )
@@ -81,7 +81,7 @@ def serve(
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="seconds running requests get to "
                                                  "finish after SIGTERM before they are aborted")] = 30.0,
     eager: Annotated[bool, typer.Option("--eager", help="cuda: no CUDA graphs (debugging)")] = False,
-    overlap: Overlap = False,
+    no_overlap: NoOverlap = False,
     no_verify: NoVerify = False,
     threads: Threads = None,
     speculate: Speculate = None,
@@ -101,7 +101,7 @@ def serve(
     from .server.engine_spec import EngineSpec
 
     opts = LoadOptions(device=device, backend="engine" if device.startswith("cuda") else "reference",
-                       threads=threads, kv_memory=kv_memory, eager=eager, overlap=overlap,
+                       threads=threads, kv_memory=kv_memory, eager=eager, overlap=not no_overlap,
                        max_model_len=max_model_len,
                        verify=not no_verify, speculate=speculate, prefix_cache=not no_prefix_cache)
     opts.check()  # also parses --speculate (a bad value: exit 2)
@@ -137,7 +137,8 @@ def serve(
             raise UsageError(f"--max-model-len must be <= {limit} (this model's context window), "
                              f"got {max_model_len}")
     pipeline = Pipeline.from_container(path, backend=None)  # text side only: tokenizer, template, defaults
-    engine = EngineSpec(path=str(path), device=device, eager=eager, overlap=overlap, kv_memory_bytes=kv_bytes,
+    engine = EngineSpec(path=str(path), device=device, eager=eager, overlap=not no_overlap,
+                        kv_memory_bytes=kv_bytes,
                         max_model_len=max_model_len, max_batch=max_batch, verify=not no_verify,
                         speculation=spec, prefix_caching=not no_prefix_cache,
                         dense_weight_cache=dense_weight_cache, threads=threads)

@@ -31,7 +31,7 @@ class EngineSpec:
     path: str
     device: str = "cpu"
     eager: bool = False
-    overlap: bool = False  # EngineConfig.overlap (cuda)
+    overlap: bool = True  # EngineConfig.overlap (cuda; serve --no-overlap)
     kv_memory_bytes: int | None = None
     max_model_len: int | None = None
     max_batch: int | None = None

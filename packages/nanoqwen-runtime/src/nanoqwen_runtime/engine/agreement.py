@@ -144,14 +144,22 @@ def noise_bound(reference: torch.Tensor, twin: torch.Tensor) -> torch.Tensor:
     return 2 * (twin - reference).abs().amax(dim=-1) + floor
 
 
+def tie_free_prefix(ref: ReferenceDecode, p: int, near_tie: torch.Tensor, n: int) -> int:
+    """How many of prompt p's first `n` reference tokens come before the first position j whose
+    reference top-2 gap is below `near_tie[j]`: the tokens that any engine within the bound must choose
+    exactly, knowable before the engine runs."""
+    gaps = ref.gap(p).cpu()
+    limit = near_tie.cpu()
+    return next((j for j in range(n) if gaps[j] < limit[j]), n)
+
+
 def greedy_agreement(chosen: Sequence[int], ref: ReferenceDecode, p: int,
                      near_tie: torch.Tensor) -> tuple[int, int]:
     """(tokens compared, tokens expected): the engine's choices must equal the reference's tokens at
     every position before the first one whose reference top-2 gap is below `near_tie[j]`; expected is
-    that position (or all of them). Returns at the first disagreement, so compared < expected then."""
-    gaps = ref.gap(p).cpu()
-    limit = near_tie.cpu()
-    expected = next((j for j in range(len(chosen)) if gaps[j] < limit[j]), len(chosen))
+    that position (or all of them: `tie_free_prefix`). Returns at the first disagreement, so compared <
+    expected then."""
+    expected = tie_free_prefix(ref, p, near_tie, len(chosen))
     for j in range(expected):
         if chosen[j] != ref.tokens[p][j]:
             return j, expected

@@ -297,7 +297,7 @@ def overlap_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = OVERLAP
     of each side is the host's share); plus the on-engine's decode steps and how many of them were
     planned ahead (the path that ran)."""
     on = _ab_engine(geom, weights, prefix_caching=False, speculation=None, overlap=True)
-    off = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
+    off = _ab_engine(geom, weights, prefix_caching=False, speculation=None, overlap=False)
     rows = ab_decode(on, off, batches=batches, reps=reps)
     out = {"rows": rows, "reps": reps, "a": "overlap", "b": "off", "context": 128, "new_tokens": 128,
            "decode_steps_on": on.num_steps["decode"], "steps_ahead_on": on.num_steps_ahead,

@@ -93,6 +93,7 @@ class Engine(EngineBase):
         EngineBase.__init__(self)
         self.num_steps = {"prefill": 0, "decode": 0}
         self.num_steps_ahead = 0  # decode steps planned ahead and queued before their predecessor's read-back
+        self.num_rows_dropped = 0  # rows of sequences that ended after their step was queued ahead
         self._in_flight: _InFlight | None = None  # the step queued ahead, not yet read back
         self.last_step_kind: str | None = None  # kind of the step whose events step() last returned
         # Tests and debugging: when True, step() keeps each sampled row's f32 logits (a device copy)
@@ -200,9 +201,11 @@ class Engine(EngineBase):
         sampled: dict[int, int | list[int]] = {}
         events: list[Event] = []
         for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
-            if not smp or s.status is not SeqStatus.RUNNING:
-                # mid-prefill chunk: no token, and its logits are not looked at; or a sequence that
-                # ended after this step was queued ahead (its token, or an abort): its row is dropped
+            if not smp:  # mid-prefill chunk: no token, and its logits are not looked at
+                continue
+            if s.status is not SeqStatus.RUNNING:
+                # a sequence that ended after this step was queued ahead (its token, or an abort)
+                self.num_rows_dropped += 1
                 continue
             rs = rows[i]
             if all(out.finite[r] for r in rs):
