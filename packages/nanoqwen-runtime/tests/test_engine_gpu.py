@@ -302,6 +302,10 @@ def test_overlap_gives_the_synchronous_tokens(container, mode):
     print(f"overlap[{mode}]: {ahead_on} of {steps_on['decode']} decode steps queued ahead, tokens equal")
 
 
+# Not on the 0.5B geometry: it ties its embeddings, and its random-weight model repeats the prompt's last
+# token (H200, session 23), so no sampled token after the first is new and none can end a request at a
+# decode step.
+@pytest.mark.parametrize("container", ["7b-width-2layers"], indirect=True)
 def test_overlap_with_eos_matches_the_reference(container):
     """EngineConfig.overlap where sequences end on a sampled token with the next step already queued:
     that step computes their dropped rows beside the others', in a batch a row larger than the
@@ -312,15 +316,23 @@ def test_overlap_with_eos_matches_the_reference(container):
     Each EOS id is a reference token inside its prompt's tie-free prefix (`tie_free_prefix`: the tokens
     that any engine within the bound must choose exactly), so the request must end there with reason
     "eos". On these random-weight models most prompts meet a near-tie at their first or second token
-    (H200, 2026-12-05: 2 tie-free tokens over 8 prompts of the 0.5B), hence four prompts of each length,
-    and only those with two tie-free tokens or more get an EOS; the rest run to max_tokens."""
+    (H200, 2026-12-05: 7 tie-free tokens over 8 prompts of the 7B-width model), hence four prompts of
+    each length, and only those with a token in their tie-free prefix that is new after the first get an
+    EOS; the rest run to max_tokens."""
     _, path = container
     prompts = prompts_of(LENGTHS * 4, seed=3)
     ref, bound = oracle(path, prompts)
     free = [tie_free_prefix(ref, p, 2 * bound[p], STEPS) for p in range(len(prompts))]
-    # the EOS at index 1..5 (never the prefill's token: a decode step must see it), inside the prefix
-    eos = {p: ref.tokens[p][min(free[p] - 1, 1 + p % 5)] for p in range(len(prompts)) if free[p] >= 2}
-    assert len(eos) >= 3, f"only {len(eos)} of {len(prompts)} prompts have two tie-free tokens: {free}"
+    # the EOS: the first token of the tie-free prefix, from index 1 + p % 5 on, that does not occur before
+    # it (its first occurrence ends the request, so a decode step must see it, not the prefill)
+    eos = {}
+    for p in range(len(prompts)):
+        toks = ref.tokens[p]
+        new = [j for j in range(1, free[p]) if toks[j] not in toks[:j]]
+        if new:
+            eos[p] = toks[next((j for j in new if j >= 1 + p % 5), new[-1])]
+    assert len(eos) >= 3, f"only {len(eos)} of {len(prompts)} prompts have a new token in their tie-free " \
+        f"prefix: {free}"
     engine = Engine.from_file(path, gpu_config(overlap=True))
     # the prompts with an EOS last, longest first: no step goes ahead while a request waits (prefill and
     # decode alternate then), so those admitted with the last prefill chunks end in the decode-only run
