@@ -151,7 +151,7 @@ def test_emulated_patches_every_launcher_and_restores_it():
     before = [(m.launch, m.require_sm90) for m in modules]
     with emu.emulated(sms=7):
         assert all(m.launch is emu.launch for m in modules)
-        assert attention._sm_count(0) == gemv._sm_count(0) == 7
+        assert gemv._sm_count(0) == 7  # the SM count every plan reads (attention, block, gemm too)
         assert all(m.require_sm90(torch.device("cpu")) == 0 for m in modules)
     assert [(m.launch, m.require_sm90) for m in modules] == before
 

@@ -137,7 +137,7 @@ def serve(
             raise UsageError(f"--max-model-len must be <= {limit} (this model's context window), "
                              f"got {max_model_len}")
     pipeline = Pipeline.from_container(path, backend=None)  # text side only: tokenizer, template, defaults
-    engine = EngineSpec(path=str(path), device=device, eager=eager, overlap=not no_overlap,
+    engine = EngineSpec(path=str(path), device=device, eager=eager, overlap=opts.overlap,
                         kv_memory_bytes=kv_bytes,
                         max_model_len=max_model_len, max_batch=max_batch, verify=not no_verify,
                         speculation=spec, prefix_caching=not no_prefix_cache,

@@ -35,6 +35,7 @@ import math
 import numpy as np
 import torch
 
+from . import gemv as _gemv
 from .launch import check, f32, i32, launch, ptr, require_sm90
 
 FAMILY = "attention"
@@ -132,10 +133,6 @@ def choose_num_splits(base_ctas: int, max_context_len: int, num_sms: int,
     return best
 
 
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 class PagedAttentionPlan:
     """Fixed launch shape and work buffers for one batch shape; see the module docstring.
 
@@ -176,7 +173,7 @@ class PagedAttentionPlan:
         self.kernel = _KERNELS[(mode, geometry.head_dim)]
         self.num_row_tiles = -(-max_query_len * geometry.group // self.kernel.rows)
         base = max_batch * geometry.n_kv_heads * self.num_row_tiles
-        num_sms = _sm_count(self.device_index)
+        num_sms = _gemv._sm_count(self.device_index)  # the one SM count every plan reads (emu.py)
         self.unsplit_max_tiles = UNSPLIT_MAX_TILES if unsplit_max_tiles is None else unsplit_max_tiles
         self.fuse_max_splits = FUSE_MAX_SPLITS if fuse_max_splits is None else fuse_max_splits
         if self.unsplit_max_tiles < 0:

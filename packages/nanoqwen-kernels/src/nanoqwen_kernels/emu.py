@@ -178,8 +178,7 @@ def emulated(sms: int = 4, seed: int = 0, timeout_s: float = 300.0):
     launchers = (gemv, block, layer_ops, attention, sampling)
     patches = [(m, "launch", launch) for m in launchers if hasattr(m, "launch")]
     patches += [(m, "require_sm90", lambda device: 0) for m in launchers if hasattr(m, "require_sm90")]
-    patches += [(gemv, "_sm_count", lambda index: sms), (attention, "_sm_count", lambda index: sms),
-                (block, "_resident_blocks", resident)]
+    patches += [(gemv, "_sm_count", lambda index: sms), (block, "_resident_blocks", resident)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     global _launches
     old, old_launches = dict(_settings), _launches
