@@ -5,8 +5,9 @@
 (`test_memcheck.py` runs that, through the `compute_sanitizer` fixture of conftest.py.) Each launch is
 also checked against its reference, so the run proves the kernels touch only their own memory on the
 paths the full tests exercise: GEMV (all group sizes, sym/asym, bf16 and fp16 scales, M = 1/5/8,
-split-K forced and not, SiLU input), dequantize, the layer ops with a padding slot, and the sampler
-(greedy, top-k, top-p).
+split-K forced and not, SiLU input), dequantize, the layer ops with a padding slot, the sampler
+(greedy, top-k, top-p), and the o projection's attention merge prologue after split decode attention
+(head dims 128 and 64, K split and not, a context-0 slot; attention_merge_testkit.py).
 Exits 0 when all pass.
 """
 
@@ -100,6 +101,11 @@ def main() -> int:
         R.sampling_mask(logits[1], 0.8, 10, 0.9 + slack)[tok[1]]
         and R.sampling_mask(logits[2], 1.2, 0, 0.6 + slack)[tok[2]]
     )
+    from attention_merge_testkit import check_merge_prologue_equals_combine  # beside this script
+
+    check_merge_prologue_equals_combine((4, 2, 128), [130, 1, 300, 0], dev, max_context_len=512, runs=1)
+    check_merge_prologue_equals_combine((6, 2, 64), [200, 64], dev, max_context_len=512, gemv_split="unsplit",
+                                        group_size=64, symmetric=True, runs=1)
     torch.cuda.synchronize()
     print("memcheck_kernels: all kernels ran and matched their references")
     return 0

@@ -221,7 +221,8 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
             self.max_batch, self.max_context_len = max_batch, max_context_len
 
         def run(self, q, k_cache, v_cache, page_table, context_lens, query_start_loc=None, out=None, *,
-                pdl=False):
+                defer_merge=False, pdl=False):
+            assert not defer_merge  # EngineConfig.attention_merge is "combine" here
             b = page_table.shape[0]
             assert 1 <= b <= self.max_batch and context_lens.shape == (b,)
             assert page_table.dtype == context_lens.dtype == torch.int32
@@ -365,6 +366,10 @@ def test_config_validation_and_helpers():
         cpu_config(post_attention_kernel="block")
     with pytest.raises(ValueError, match="post_attention_kernel must be one of"):
         cpu_config(post_attention_kernel=True)
+    with pytest.raises(ValueError, match="attention_merge='o_proj' needs backend='kernels'"):
+        cpu_config(attention_merge="o_proj")
+    with pytest.raises(ValueError, match="attention_merge must be one of"):
+        cpu_config(attention_merge="gemv")
 
 
 def test_pipeline_stream_closed_early_frees_the_engine(tmp_path):

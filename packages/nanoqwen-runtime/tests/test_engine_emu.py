@@ -54,7 +54,8 @@ def _config(**kw):
     return cpu_config(prefill_chunk=256, max_batch=2, graph_buckets=(1, 2), **kw)
 
 
-def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False) -> Engine:
+def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
+                attention_merge: str = "combine") -> Engine:
     """The CUDA engine's kernel backend on CPU tensors, its launches on the emulator (the caller holds
     `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`."""
     from nanoqwen_kernels import attention as kattn
@@ -89,6 +90,7 @@ def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False)
                         lambda config, geom: ops_class(geom, config, torch.device("cpu")))
     cfg = _config()
     cfg.backend, cfg.post_attention_kernel = "kernels", variant  # after validation (it wants CUDA)
+    cfg.attention_merge = attention_merge
     from nanoqwen_runtime.engine.loader import load
 
     model = load(path, "cpu")
@@ -144,3 +146,51 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     else:
         assert not launched
     assert engine.kv_blocks_used() == 0
+
+
+def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, monkeypatch):
+    """EngineConfig.attention_merge="o_proj" against "combine", every launch on the emulator (attention and
+    sampling too): prompts of 130 and 125 tokens (one prefill chunk of 255: no INT4 GEMM, which the
+    emulator does not run), so that the decode steps' contexts split in the engine's decode plans (3
+    tiles: the first prompt from its first step, the second from its fourth) and the combine kernel has
+    rows to merge beside unsplit ones. The o_proj GEMV's merge
+    prologue uses the combine kernel's arithmetic, so the logits of every teacher-forced position must
+    be bitwise equal; each decode step's layers must have deferred the merge ("attention_merge_o_proj")
+    and launched the `_merge_hd64_resid` GEMV instead of the combine kernel, one launch fewer per layer."""
+    from nanoqwen_kernels import attention as kattn
+    from nanoqwen_kernels import emu
+    from nanoqwen_kernels import gemv as kgemv
+    from nanoqwen_kernels import sampling as ksamp
+
+    try:
+        emu.compiler()
+    except emu.EmulatorError as e:
+        pytest.skip(str(e))
+    rng = np.random.default_rng(11)
+    prompts = [[int(x) for x in rng.integers(10, 500, n)] for n in (130, 125)]
+    forced = reference_decode(ReferenceModel.from_file(tiny_path, dtype=torch.float32), prompts, STEPS).tokens
+    runs, launches, engines = {}, {}, {}
+    for merge in ("combine", "o_proj"):
+        launched: list[str] = []
+        with emu.emulated(sms=4, seed=9, timeout_s=60.0):
+            def counted(family, kernel, *args, _launched=launched, **kw):
+                _launched.append(kernel)
+                emu.launch(family, kernel, *args, **kw)
+
+            kattn.launch = ksamp.launch = kgemv.launch = counted  # put back by emulated() on exit
+            engine = _emu_engine(tiny_path, monkeypatch, "off", kernel_attention=True, attention_merge=merge)
+            runs[merge] = teacher_forced(engine, prompts, forced, batch=2)
+        launches[merge], engines[merge] = launched, engine
+    assert all(p.can_defer_merge for p in engines["o_proj"].ops.decode_plans.values())
+    for p in range(len(prompts)):
+        assert torch.equal(runs["o_proj"].logits[p], runs["combine"].logits[p]), f"prompt {p}: logits differ"
+    layers, steps = TINY.num_hidden_layers, runs["o_proj"].decode_steps
+    assert steps == runs["combine"].decode_steps and steps > 0
+    paths = engines["o_proj"].ops.paths
+    assert paths["attention_merge_o_proj"] == layers * steps, paths
+    assert "attention_merge_o_proj" not in engines["combine"].ops.paths
+    merged = [k for k in launches["o_proj"] if k.endswith("_merge_hd64_resid")]
+    assert len(merged) == layers * steps, merged
+    combine = "paged_attention_combine_hd64"
+    assert launches["combine"].count(combine) - launches["o_proj"].count(combine) == layers * steps
+    assert len(launches["combine"]) - len(launches["o_proj"]) == layers * steps

@@ -178,6 +178,32 @@ def test_post_attention_kernel_matches_reference(container, variant, batch):
     assert engine.kv_blocks_used() == 0
 
 
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_attention_merge_in_o_proj_gives_the_same_logits(container, batch):
+    """EngineConfig.attention_merge="o_proj" against "combine": contexts of 1-490 tokens, within the
+    512-token context class (decode plans of at most 16 splits) and most of them over 2 tiles (split),
+    teacher-forced at 1, 2 and 8 rows. The o_proj GEMV merges the split attention rows with the combine
+    kernel's arithmetic, so every logit must be bitwise equal; the graph of the batch's bucket deferred
+    every layer's merge ("attention_merge_o_proj") and so launches one kernel fewer per layer."""
+    name, path = container
+    prompts = prompts_of((130, 1, 480, 200, 129, 64, 300, 490), seed=5)
+    forced = [[(7 * i + 13 * j) % 1000 + 10 for j in range(STEPS)] for i in range(len(prompts))]
+    runs, engines = {}, {}
+    for merge in ("combine", "o_proj"):
+        engines[merge] = Engine.from_file(path, gpu_config(attention_merge=merge))
+        runs[merge] = teacher_forced(engines[merge], prompts, forced, batch=batch)
+    for p in range(len(prompts)):
+        assert torch.equal(runs["o_proj"].logits[p], runs["combine"].logits[p]), f"{name} b{batch} prompt {p}"
+    layers = engines["o_proj"].geom.num_hidden_layers
+    key = (batch, engines["o_proj"].runner.context_classes[0])
+    graph = engines["o_proj"].runner.graph_paths[key]
+    assert graph.get("attention_merge_o_proj") == layers, graph
+    assert "attention_merge_o_proj" not in engines["combine"].runner.graph_paths[key]
+    assert engines["o_proj"].ops.decode_plans[key].can_defer_merge
+    for e in engines.values():
+        assert e.kv_blocks_used() == 0
+
+
 @pytest.mark.parametrize("container", ["0.5b"], indirect=True)  # once, on the 24-layer 0.5B geometry
 def test_reliability_1000_requests(container):
     """1000 requests, random lengths and sampling, some too large; a small pool forces preemption.

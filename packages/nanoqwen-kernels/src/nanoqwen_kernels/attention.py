@@ -22,6 +22,8 @@ buffers of the split merge. Up to FUSE_MAX_SPLITS splits are merged inside the a
 the last split to finish (arrival counters, back to zero at the end of every launch: one plan serves
 one stream at a time); a plan that can split further also launches the combine kernel, which merges
 the rows split more ways than that. So a plan of at most FUSE_MAX_SPLITS splits is one launch.
+At decode the combine can also go into the o projection instead (`run(..., defer_merge=True)`, then
+`gemv.gemv_int4(out, ..., merge=plan.merge_input())`: the same bits, one launch fewer).
 `plan.run(...)` allocates nothing (when `out` is given) and never synchronises, so a captured graph
 replays it for any lengths up to the maximum. Call `launch.warm_up(["attention"])` (or one eager run)
 before capturing.
@@ -253,6 +255,7 @@ class PagedAttentionPlan:
         query_start_loc: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         *,
+        defer_merge: bool = False,
         pdl: bool = False,
     ) -> torch.Tensor:
         """Attention output [total_q, n_heads, head_dim] bf16 (written into `out` when given).
@@ -263,7 +266,15 @@ class PagedAttentionPlan:
         query_start_loc: int32 [B + 1], prefill only (decode: total_q == B).
         pdl: launch with programmatic dependent launch. One kernel launch, or two when the plan
         can split more than fuse_max_splits ways (`launches`).
+        defer_merge: leave the rows split more than fuse_max_splits ways unmerged in the plan's work
+        buffers (no combine launch): the o projection's GEMV merges them while it stages its input,
+        `gemv.gemv_int4(out, ..., merge=plan.merge_input())`, the same bits as the combine kernel. Only
+        for plans that launch the combine kernel and split at most gemv.MERGE_MAX_SPLITS ways
+        (`can_defer_merge`). Until that GEMV has run, out holds only the rows that came out final.
         """
+        if defer_merge and not self.can_defer_merge:
+            raise ValueError(f"defer_merge needs a plan with the combine kernel and at most "
+                             f"{_gemv.MERGE_MAX_SPLITS} splits: {self!r}")
         batch, total_q = self._check(q, k_cache, v_cache, page_table, context_lens, query_start_loc, out)
         if out is None:
             out = torch.empty(total_q, self.geometry.n_heads, self.geometry.head_dim,
@@ -286,7 +297,7 @@ class PagedAttentionPlan:
         grid = (self.num_row_tiles * self.num_splits, g.n_kv_heads, batch)
         launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem,
                       pdl=pdl)
-        if self.launches == 2:
+        if self.launches == 2 and not defer_merge:
             launch(FAMILY, _COMBINE[g.head_dim], self.device_index, (total_q * g.n_heads,),
                           (COMBINE_THREADS,), args + (i32(total_q),), pdl=pdl)
         return out
@@ -295,6 +306,21 @@ class PagedAttentionPlan:
     def launches(self) -> int:
         """Kernel launches per run(): 1, or 2 with the combine kernel (num_splits > fuse_max_splits)."""
         return 2 if self.num_splits > self.fuse_max_splits else 1
+
+    @property
+    def can_defer_merge(self) -> bool:
+        """Whether `run(..., defer_merge=True)` may leave the combine to the o projection's GEMV: the plan
+        launches the combine kernel, splits at most gemv.MERGE_MAX_SPLITS ways, and has a head_dim the
+        GEMV's merge prologue is built for."""
+        return (self.launches == 2 and self.num_splits <= _gemv.MERGE_MAX_SPLITS
+                and self.geometry.head_dim in _gemv.MERGE_HEAD_DIMS)
+
+    def merge_input(self) -> _gemv.AttentionMerge:
+        """What the o projection's GEMV needs to merge the rows that `run(..., defer_merge=True)` left
+        split: this plan's work buffers (its input x is run()'s out, [total_q, n_heads * head_dim])."""
+        if not self.can_defer_merge:
+            raise ValueError(f"this plan does not defer its merge: {self!r}")
+        return _gemv.AttentionMerge(self.work_o, self.work_lse, self.work_splits, self.fuse_max_splits)
 
 
 def plan_decode(

@@ -24,6 +24,10 @@ makes the GEMV's input RMSNorm(residual) * weight from those sums while staging 
 norm's statistics travel as fp32 [M, ceil(H / 128)] (`norm_stats_shape`), so no block reads a whole
 row for its norm.
 
+An `AttentionMerge` (o_proj, with the residual epilogue) takes the attention's split combine into the
+GEMV's staging: its input is an attention output whose split rows are still fp32 partials, merged as the
+combine kernel would (the same bits), so a decode layer launches five kernels instead of six.
+
 `gemv_int8` is the same decode product for the INT8 row-major layout of the `--lm-head int8` option
 (csrc/gemv_int8.cuh; `Int8Weight`, G = 64 or 128, no bias, no split-K).
 
@@ -240,6 +244,63 @@ class ResidualEpilogue:
     stats: torch.Tensor
 
 
+# Most attention splits the merge prologue takes (csrc/gemv_int4.cuh MERGE_MAX_SPLITS); the head dims
+# it is built for (the `_merge_hd{64,128}_resid` entry points).
+MERGE_MAX_SPLITS = 16
+MERGE_HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMerge:
+    """The o projection's input as the output of an attention launch whose split rows are not merged yet
+    (`attention.PagedAttentionPlan.run(..., defer_merge=True)` returns this; the `_merge_resid` kernels):
+    x is the attention output [M, n_heads * head_dim], final in the rows (token, head) of at most
+    `fuse_max_splits` splits, and the GEMV merges the others from the plan's fp32 partials while it
+    stages them, with the combine kernel's arithmetic (the same bits), so the combine launch goes.
+
+    work_o: fp32 [num_splits, work_rows, n_heads, head_dim]; work_lse: fp32 [num_splits, work_rows,
+    n_heads]; work_splits: int32 [work_rows, n_heads] (all written by the attention launch);
+    num_splits <= MERGE_MAX_SPLITS; head_dim in MERGE_HEAD_DIMS."""
+
+    work_o: torch.Tensor
+    work_lse: torch.Tensor
+    work_splits: torch.Tensor
+    fuse_max_splits: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.work_o.shape[3]
+
+
+def merge_shared_bytes(m: int, kc: int, head_dim: int) -> int:
+    """Shared memory the merge prologue takes after the staged x: per (row, head) of a block's kc
+    tile-columns, MERGE_MAX_SPLITS weights, 1 / sum and the split count (4 bytes each)."""
+    return m * (kc * 128 // head_dim) * (MERGE_MAX_SPLITS + 2) * 4
+
+
+def _merge_args(merge: AttentionMerge, x: torch.Tensor, m: int, k: int, dev: torch.device) -> tuple:
+    if not isinstance(merge, AttentionMerge):
+        raise TypeError(f"merge must be an AttentionMerge, got {type(merge).__name__}")
+    if merge.work_o.dim() != 4 or merge.work_o.shape[3] not in MERGE_HEAD_DIMS:
+        raise ValueError(f"merge.work_o must be fp32 [splits, rows, heads, head_dim in {MERGE_HEAD_DIMS}], "
+                         f"got {list(merge.work_o.shape)}")
+    s, rows, heads, hd = merge.work_o.shape
+    if not 1 <= s <= MERGE_MAX_SPLITS:
+        raise ValueError(f"the merge prologue takes plans of at most {MERGE_MAX_SPLITS} splits, got {s} "
+                         "(launch the combine kernel instead)")
+    if heads * hd != k:
+        raise ValueError(f"x has {k} columns; the attention partials have {heads} heads x {hd}")
+    if m > rows:
+        raise ValueError(f"x has {m} rows, the attention plan's work buffers {rows}")
+    check(merge.work_o, "merge.work_o", torch.float32, (s, rows, heads, hd), dev)
+    check(merge.work_lse, "merge.work_lse", torch.float32, (s, rows, heads), dev, align=4)
+    check(merge.work_splits, "merge.work_splits", torch.int32, (rows, heads), dev, align=4)
+    if not 1 <= merge.fuse_max_splits:
+        raise ValueError(f"merge.fuse_max_splits must be >= 1, got {merge.fuse_max_splits}")
+    return (ptr(merge.work_o), ptr(merge.work_lse), ptr(merge.work_splits), i32(rows),
+            i32(merge.fuse_max_splits))
+
+
 def _norm_args(norm: NormPrologue, m: int, k: int, dev: torch.device) -> tuple:
     check(norm.weight, "norm.weight", torch.bfloat16, (k,), dev)
     check(norm.stats, "norm.stats", torch.float32, norm_stats_shape(m, k), dev, align=4)
@@ -279,6 +340,7 @@ def gemv_int4(
     *,
     norm: NormPrologue | None = None,
     residual: ResidualEpilogue | None = None,
+    merge: AttentionMerge | None = None,
     pdl: bool = False,
 ) -> torch.Tensor | None:
     """out[M, N] = x[M, K] @ W^T (+ bias), M = 1..8, bf16, on the current stream.
@@ -288,7 +350,9 @@ def gemv_int4(
     residual stream, normalised while staging (`NormPrologue`; not with `silu_mul_input`). weight:
     Int4Weight [N, K]; bias: bf16 [N] or None; out: bf16 [M, N] (written completely), or None with
     `residual`, which adds y into the residual stream instead (`ResidualEpilogue`; not with `norm`).
-    workspace: required when the plan splits K (plan.splits > 1). family: the registry entry to launch
+    merge: x is an attention output whose split rows this launch merges while staging them
+    (`AttentionMerge`; with `residual` only: the o projection). workspace: required when the plan
+    splits K (plan.splits > 1). family: the registry entry to launch
     from (benchmarks register compile-option variants of "gemv" under other names). pdl: launch with
     programmatic dependent launch. Returns out.
     """
@@ -298,6 +362,8 @@ def gemv_int4(
     if norm is not None and (silu_mul_input or residual is not None):
         raise ValueError("a norm prologue takes a plain input and stores y: "
                          "not with silu_mul_input or residual")
+    if merge is not None and (residual is None or silu_mul_input):
+        raise ValueError("the merge prologue is the o projection's: a plain input and the residual epilogue")
     if (out is None) != (residual is not None):
         raise ValueError("pass out, or residual (the output then goes into the residual stream), not both")
     if silu_mul_input:
@@ -319,14 +385,19 @@ def gemv_int4(
         extra = _residual_args(residual, x, m, n, dev)
     plan = plan or plan_gemv(n, k, dev, silu_input=silu_mul_input, group_size=weight.group_size)
     ws_ptr, cnt_ptr = _split_workspace(plan, weight, m, workspace)
+    shared = plan.shared_bytes(m)
+    merged = ""
+    if merge is not None:
+        extra += _merge_args(merge, x, m, k, dev)
+        merged = f"_merge_hd{merge.head_dim}"
+        shared += merge_shared_bytes(m, plan.kc, merge.head_dim)
     name = (f"gemv_int4_{weight.kernel_suffix()}{'_silu' if silu_mul_input else ''}"
-            f"{'_norm' if norm is not None else ''}{'_resid' if residual is not None else ''}")
+            f"{'_norm' if norm is not None else ''}{merged}{'_resid' if residual is not None else ''}")
     args = (
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
         ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc), *extra,
     )  # fmt: skip
-    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, plan.shared_bytes(m),
-           pdl=pdl)
+    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, shared, pdl=pdl)
     return out
 
 

@@ -32,8 +32,10 @@ SPECS: dict[str, KernelSpec] = {
             for kind in ("sym", "asym")
             for scales in ("", "_f16s")  # bf16 scales, or fp16 (layout int4-g{G}-tile8x128-f16s-v1)
             # _rope: the qkv GEMV with the RoPE / K/V epilogue; _norm, _norm_rope: with the norm
-            # prologue; _resid, _silu_resid: with the residual epilogue (gemv.cu)
-            for suffix in ("", "_silu", "_rope", "_norm", "_norm_rope", "_resid", "_silu_resid")
+            # prologue; _resid, _silu_resid: with the residual epilogue; _merge_hd*_resid: o_proj with the
+            # attention merge prologue and the residual epilogue (gemv.cu)
+            for suffix in ("", "_silu", "_rope", "_norm", "_norm_rope", "_resid", "_silu_resid",
+                           "_merge_hd64_resid", "_merge_hd128_resid")
         )
         + tuple(
             f"dequant_int4_g{g}_{kind}{scales}"

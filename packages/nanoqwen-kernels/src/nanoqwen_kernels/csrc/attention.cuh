@@ -659,10 +659,13 @@ __device__ __forceinline__ void combine_splits(const Params& p, int total_q) {
   for (int s = grp; s < S; s += NG) {
     const float e = weight[s];
     const float4 v = *reinterpret_cast<const float4*>(p.work_o + (s * split_stride + row) * HD + c);
-    acc.x += e * v.x;
-    acc.y += e * v.y;
-    acc.z += e * v.z;
-    acc.w += e * v.w;
+    // fmaf, as the GPU compile contracted `acc += e * v` anyway: spelled out for the emulator (built
+    // with -ffp-contract=off) and for the GEMV's merge prologue (gemv_int4.cuh stage_x_merged), which
+    // makes the same bits
+    acc.x = fmaf(e, v.x, acc.x);
+    acc.y = fmaf(e, v.y, acc.y);
+    acc.z = fmaf(e, v.z, acc.z);
+    acc.w = fmaf(e, v.w, acc.w);
   }
   part[grp][tid % LPR] = acc;
   __syncthreads();

@@ -11,6 +11,9 @@
 //   gemv_int4_g{32,64,128}_{sym,asym}[_f16s]{_norm,_norm_rope,_resid,_silu_resid}
 //                                              the fused-layer GEMVs (below): RMSNorm of the residual
 //                                              as the input, or y added into the residual
+//   gemv_int4_g{32,64,128}_{sym,asym}[_f16s]_merge_hd{64,128}_resid
+//                                              o_proj with the attention split merge as its input
+//                                              prologue and the residual epilogue (below)
 //   dequant_int4_g{32,64,128}_{sym,asym}[_f16s] INT4 -> dense bf16 [N, K] (prefill: + cuBLAS GEMM)
 //   gemv_int8_g{64,128}                        decode GEMV, M = 1..8, INT8 row-major weights (the
 //                                              `--lm-head int8` layout; gemv_int8.cuh)
@@ -24,7 +27,7 @@
 using namespace nq_gemv;
 
 #define NQ_GEMV_BLOCKS(G, XMODE) \
-  (G == 128 ? (XMODE == 0 ? NQ_GEMV_MIN_BLOCKS_G128 : NQ_GEMV_MIN_BLOCKS_G128_SILU) : NQ_GEMV_MIN_BLOCKS)
+  (G == 128 ? (XMODE == 1 ? NQ_GEMV_MIN_BLOCKS_G128_SILU : NQ_GEMV_MIN_BLOCKS_G128) : NQ_GEMV_MIN_BLOCKS)
 // The parameter lists every GEMV entry point starts with (the launch arguments of gemv.py).
 #define NQ_GEMV_PARAMS                                                                                \
   const bf16_t* __restrict__ x, const uint4* __restrict__ qweight, const u16* __restrict__ scales,    \
@@ -145,6 +148,22 @@ NQ_GEMV_ROPE_ENTRY(gemv_int4_g32_asym_f16s_rope, 32, true, ScaleF16, false)
         x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, kc, RopeKV{}, NormIn{},           \
         ResidOut{resid, resid_stats});                                                                 \
   }
+// `_merge_resid` (o_proj after an attention launch that left split rows: the merge as the input prologue,
+// gemv_int4.cuh's XMODE 3, then the residual epilogue), one per head_dim (64, 128). Extra arguments after
+// kc: resid, resid_stats, work_o, work_lse, work_splits, work_rows, fuse_max_splits; dynamic shared memory
+// the GEMV's plus gemv.py's merge_shared_bytes.
+#define NQ_GEMV_MERGE_ENTRY(NAME, G, ASYM, ST, HD)                                                     \
+  extern "C" __global__ void __launch_bounds__(THREADS, NQ_GEMV_BLOCKS(G, 3))                          \
+      NAME(NQ_GEMV_PARAMS, bf16_t* __restrict__ resid, float* __restrict__ resid_stats,                \
+           const float* __restrict__ work_o, const float* __restrict__ work_lse,                       \
+           const int* __restrict__ work_splits, int work_rows, int fuse_max_splits) {                  \
+    gemv_int4<G, ASYM, 3, ST, NQ_GEMV_EXACT_ALL, 2, false, HD>(                                       \
+        x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, kc, RopeKV{}, NormIn{},           \
+        ResidOut{resid, resid_stats}, MergeIn{work_o, work_lse, work_splits, work_rows, fuse_max_splits}); \
+  }
+#define NQ_GEMV_MERGE_ENTRIES(G, KIND, ASYM, SCALES, ST)                                               \
+  NQ_GEMV_MERGE_ENTRY(gemv_int4_g##G##_##KIND##SCALES##_merge_hd128_resid, G, ASYM, ST, 128)           \
+  NQ_GEMV_MERGE_ENTRY(gemv_int4_g##G##_##KIND##SCALES##_merge_hd64_resid, G, ASYM, ST, 64)
 #define NQ_GEMV_NORM_ROPE_ENTRY(NAME, G, ASYM, ST, EXACT)                                              \
   extern "C" __global__ void __launch_bounds__(THREADS, NQ_GEMV_BLOCKS(G, 0))                          \
       NAME(NQ_GEMV_ROPE_PARAMS,                                                                        \
@@ -204,6 +223,19 @@ NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g64_sym_f16s_norm_rope, 64, false, ScaleF16, f
 NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g64_asym_f16s_norm_rope, 64, true, ScaleF16, false)
 NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g32_sym_f16s_norm_rope, 32, false, ScaleF16, false)
 NQ_GEMV_NORM_ROPE_ENTRY(gemv_int4_g32_asym_f16s_norm_rope, 32, true, ScaleF16, false)
+
+NQ_GEMV_MERGE_ENTRIES(128, sym, false, , ScaleBF16)
+NQ_GEMV_MERGE_ENTRIES(128, asym, true, , ScaleBF16)
+NQ_GEMV_MERGE_ENTRIES(64, sym, false, , ScaleBF16)
+NQ_GEMV_MERGE_ENTRIES(64, asym, true, , ScaleBF16)
+NQ_GEMV_MERGE_ENTRIES(32, sym, false, , ScaleBF16)
+NQ_GEMV_MERGE_ENTRIES(32, asym, true, , ScaleBF16)
+NQ_GEMV_MERGE_ENTRIES(128, sym, false, _f16s, ScaleF16)
+NQ_GEMV_MERGE_ENTRIES(128, asym, true, _f16s, ScaleF16)
+NQ_GEMV_MERGE_ENTRIES(64, sym, false, _f16s, ScaleF16)
+NQ_GEMV_MERGE_ENTRIES(64, asym, true, _f16s, ScaleF16)
+NQ_GEMV_MERGE_ENTRIES(32, sym, false, _f16s, ScaleF16)
+NQ_GEMV_MERGE_ENTRIES(32, asym, true, _f16s, ScaleF16)
 
 #define NQ_DEQUANT_ENTRY(NAME, G, ASYM, ST)                                                           \
   extern "C" __global__ void __launch_bounds__(256)                                                   \

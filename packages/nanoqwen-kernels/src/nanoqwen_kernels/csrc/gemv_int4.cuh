@@ -50,6 +50,10 @@
 // and writes each row's sum of squares of the new residual over its 128 columns to resid_stats
 // [M, gridDim.x]: the add of fused_add_rms_norm, and the statistics the next GEMV's norm prologue needs.
 // Together they take the two add + RMSNorm launches out of a decode layer.
+// The attention merge prologue (XMODE 3, the `_merge_resid` entry points, with the residual epilogue: the
+// o projection): x is the attention output, some of whose rows the attention launch left split in fp32
+// partials; the staging merges them (stage_x_merged, the combine kernel's arithmetic: the same bits), so
+// the combine kernel's launch goes. With it a decode layer is five launches.
 //
 // The qkv epilogue (EPI = 1, the `_rope` entry points): instead of storing y, the block's 128 bf16 outputs
 // per row (bias added and rounded once, exactly as stored otherwise) are staged in shared memory and the
@@ -356,6 +360,107 @@ __device__ __noinline__ void stage_x_normed(bf16_t* xs, int xs_stride, const bf1
   stage_x<2, CG>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
 }
 
+// The attention merge prologue's arguments (XMODE 3; header): the split-KV partials of the attention
+// launch before, as attention.cuh's Params names them.
+struct MergeIn {
+  const float* work_o;     // [num_splits, work_rows, n_heads, HD]: each split's row, normalised by its own sum
+  const float* work_lse;   // [num_splits, work_rows, n_heads]: its log2-sum-exp (-inf: no token)
+  const int* work_splits;  // [work_rows, n_heads]: the row's split count S (written every launch)
+  int work_rows;           // the attention plan's max_total_q
+  int fuse_max_splits;     // a row of S <= this many splits is final in x (unsplit, or merged in the kernel)
+};
+
+// Most splits the merge prologue takes (attention.py refuses a deferred merge for plans that can split
+// further): its weights are staged in shared memory, MERGE_MAX_SPLITS per row. At most the combine
+// kernel's split groups (2048 / HD = 16 at HD 128), so every group holds at most one split (below).
+constexpr int MERGE_MAX_SPLITS = 16;
+
+// Shared memory the merge prologue takes after the staged x: per (row m, head) of the block's columns,
+// MERGE_MAX_SPLITS weights, 1 / sum and S. gemv.py's merge_shared_bytes is the same formula.
+NQ_DEVICE int merge_pairs(int M, int ncols, int HD) { return M * (ncols / HD); }
+
+// The merge prologue's staging (XMODE 3, `_merge_resid` entry points): x is the attention output [M, K =
+// n_heads * HD], whose rows (token m, head h) of S > fuse_max_splits splits the attention launch left as
+// fp32 partials for the combine kernel. Staged as stage_x<0> stages x, except that those rows are merged
+// here first, with the combine kernel's arithmetic (attention.cuh combine_splits):
+//     weight_s = lse_s == -inf ? 0 : exp2f(lse_s - M),  M = max_s lse_s,  L = sum_s weight_s (s order),
+//     o = sum over the 2048 / HD split groups in group order of fmaf(weight_s, O_s, 0) (one split per group
+//         here: S <= MERGE_MAX_SPLITS <= 2048 / HD; an empty group adds +0),
+//     x = bf16(o * (L > 0 ? 1 / L : 0)),
+// so the same bits as the combine kernel's row, and no launch for it. Phase 1: one thread per (m, head)
+// computes the weights and 1 / L into shared memory (merge); phase 2: each thread stages 4 columns,
+// reading the S partial float4s of its row (4 loads in flight). Not inlined (as stage_x_normed: the first
+// weight stage is live across it). ws_smem: the shared memory after the staged x (merge_pairs() x
+// (MERGE_MAX_SPLITS + 2) words).
+template <int HD>
+__device__ __noinline__ void stage_x_merged(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M, int K,
+                                            int k0, int ncols, MergeIn mi, float* ws_smem) {
+  constexpr int NG = 2048 / HD;  // the combine kernel's split groups (COMBINE_THREADS / (HD / 4))
+  static_assert(MERGE_MAX_SPLITS <= NG, "one split per combine group");
+  const int n_heads = K / HD, heads = ncols / HD, pairs = M * heads;
+  float* wt = ws_smem;                                   // [pairs][MERGE_MAX_SPLITS]
+  float* inv_l = ws_smem + pairs * MERGE_MAX_SPLITS;     // [pairs]
+  int* splits = reinterpret_cast<int*>(inv_l + pairs);   // [pairs]
+  const i64 split_stride = (i64)mi.work_rows * n_heads;  // rows per split
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int m = p / heads, head = k0 / HD + (p - m * heads);
+    const i64 row = (i64)m * n_heads + head;
+    // S <= the plan's num_splits <= MERGE_MAX_SPLITS (gemv.py checks the plan); min() only keeps the
+    // shared-memory writes in bounds
+    const int S = min(mi.work_splits[row], MERGE_MAX_SPLITS);
+    splits[p] = S;
+    if (S <= mi.fuse_max_splits) continue;
+    float* w = wt + p * MERGE_MAX_SPLITS;
+    float mx = NQ_NEG_INF;
+#pragma unroll 4
+    for (int s = 0; s < S; ++s) {
+      w[s] = mi.work_lse[s * split_stride + row];
+      mx = fmaxf(mx, w[s]);
+    }
+    float L = 0.f;
+    for (int s = 0; s < S; ++s) {
+      const float e = w[s] == NQ_NEG_INF ? 0.f : exp2f(w[s] - mx);
+      w[s] = e;
+      L += e;
+    }
+    inv_l[p] = L > 0.f ? 1.f / L : 0.f;  // context 0: every split empty, zeros
+  }
+  __syncthreads();
+  const int vec_per_row = ncols / 4;
+  for (int v = threadIdx.x; v < M * vec_per_row; v += blockDim.x) {
+    const int m = v / vec_per_row, c4 = (v - m * vec_per_row) * 4;
+    const int p = m * heads + c4 / HD, S = splits[p];
+    u32 w0, w1;
+    if (S <= mi.fuse_max_splits) {  // final: the attention kernel wrote it to x
+      const uint2 a = *reinterpret_cast<const uint2*>(x + (i64)m * K + k0 + c4);
+      w0 = a.x, w1 = a.y;
+    } else {
+      const i64 row = (i64)m * n_heads + (k0 + c4) / HD;
+      const float* src = mi.work_o + row * HD + (k0 + c4) % HD;
+      const float* wp = wt + p * MERGE_MAX_SPLITS;
+      float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+#pragma unroll 4
+      for (int s = 0; s < S; ++s) {
+        const float4 a = *reinterpret_cast<const float4*>(src + s * split_stride * HD);
+        const float e = wp[s];
+        const float t0 = fmaf(e, a.x, 0.f), t1 = fmaf(e, a.y, 0.f), t2 = fmaf(e, a.z, 0.f), t3 = fmaf(e, a.w, 0.f);
+        if (s == 0) o0 = t0, o1 = t1, o2 = t2, o3 = t3;
+        else o0 += t0, o1 += t1, o2 += t2, o3 += t3;
+      }
+      if (S < NG) o0 += 0.f, o1 += 0.f, o2 += 0.f, o3 += 0.f;  // the empty groups' parts (+0: no -0 left)
+      const float inv = inv_l[p];
+      w0 = f32x2_to_bf16x2(o0 * inv, o1 * inv);
+      w1 = f32x2_to_bf16x2(o2 * inv, o3 * inv);
+    }
+    // stage_x's permutation: columns (c8 + 2i, c8 + 2i + 1) of an 8-column run go to word i (t = i) at a
+    // stride of 4 words; these 4 columns are words i0, i0 + 1 of their run
+    const int c8 = c4 & ~7, chunk = c8 & ~31, j = (c8 & 31) >> 3, i0 = (c4 & 7) >> 1;
+    u32* dst = reinterpret_cast<u32*>(xs + m * xs_stride + chunk + 2 * j);
+    dst[i0 * 4] = w0;
+    dst[(i0 + 1) * 4] = w1;
+  }
+}
+
 NQ_DEVICE void store_gemv_residual(float a0, float a1, float a2, float a3, const bf16_t* __restrict__ bias,
                                    float* __restrict__ ws, int* __restrict__ counters, int M, int N,
                                    ResidOut ro);
@@ -383,12 +488,13 @@ NQ_DEVICE float sum_splits(const float* __restrict__ ws, int M, int N, int S, in
 // with ro (out unused). NORM: the norm prologue (XMODE 0 only), with ni. Separate instantiations (and
 // entry points), so the kernels without them compile exactly as before: near the 64-register cap a
 // run-time switch moved ptxas into spills in the main loop of the g128 asym kernels.
-template <int G, bool ASYM, int XMODE, typename ST, bool EXACT, int EPI = 0, bool NORM = false>
+// XMODE 3: the attention merge prologue (stage_x_merged) for head_dim MERGE_HD, with mi.
+template <int G, bool ASYM, int XMODE, typename ST, bool EXACT, int EPI = 0, bool NORM = false, int MERGE_HD = 0>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                          const u16* __restrict__ scales, const u8* __restrict__ zeros,
                          const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
                          int* __restrict__ counters, int M, int N, int K, int kc, const RopeKV& rk = {},
-                         const NormIn& ni = {}, const ResidOut& ro = {}) {
+                         const NormIn& ni = {}, const ResidOut& ro = {}, const MergeIn& mi = {}) {
   NQ_DYNAMIC_SMEM(smem_raw, 16);
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
   const int KT = K / 128, NT = N / 8, KG = K / G;
@@ -447,6 +553,9 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   if constexpr (NORM) {
     static_assert(XMODE == 0, "the norm prologue takes a plain input");
     stage_x_normed(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
+  } else if constexpr (XMODE == 3) {
+    stage_x_merged<MERGE_HD>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, mi,
+                             reinterpret_cast<float*>(xs + M * xs_stride));
   } else {
     stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
   }
@@ -479,7 +588,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   pdl_launch_dependents();  // the weight stream is done: let the next kernel's prefetch start
   if constexpr (EPI == 0) store_gemv_out(acc, bias, out, ws, counters, M, N);
   else if constexpr (EPI == 1) store_gemv_rope(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, rk);
-  else if constexpr (XMODE == 0)
+  else if constexpr (XMODE == 0 || XMODE == 3)
     store_gemv_residual_call(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, ro);
   else store_gemv_residual(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, ro);
 }

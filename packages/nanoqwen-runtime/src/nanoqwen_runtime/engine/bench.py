@@ -286,6 +286,27 @@ def post_attention_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = 
     return out
 
 
+def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
+                       reps: int = AB_REPS) -> dict:
+    """Issue 13's five launches per layer: `EngineConfig.attention_merge` "o_proj" (a: the o_proj GEMV
+    merges the split attention rows while staging them, no combine launch) against "combine" (b), same
+    weights, features off, `ab_decode` at context 128 + 128 (3-4 tiles: the rows split in the 512-token
+    class's plans); plus each engine's batch-1 graph paths (the o_proj side's must show one deferred
+    merge per layer)."""
+    on = _ab_engine(geom, weights, prefix_caching=False, speculation=None, attention_merge="o_proj")
+    off = _ab_engine(geom, weights, prefix_caching=False, speculation=None, attention_merge="combine")
+    cls = on.runner.context_classes[0]
+    rows = ab_decode(on, off, batches=batches, reps=reps)
+    out = {"rows": rows, "reps": reps, "context": 128, "new_tokens": 128,
+           "graph_paths_o_proj": dict(on.runner.graph_paths[(1, cls)]),
+           "graph_paths_combine": dict(off.runner.graph_paths[(1, cls)]),
+           "deferred_per_layer": on.runner.graph_paths[(1, cls)].get("attention_merge_o_proj", 0)
+           / geom.num_hidden_layers}
+    del on, off
+    torch.cuda.empty_cache()
+    return out
+
+
 OVERLAP_BATCHES = (1, 8, 64)
 
 
@@ -523,6 +544,11 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
             log(f"overlap on/off batch {r['batch']}: engine {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s = "
                 f"{r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / {r['b_graph_tok_s']:.0f}"
                 + ("  SLOWER" if r["a_slower"] else ""))
+        am = run.section("attention_merge_ab", attention_merge_ab, geom, weights_ref)
+        for r in (am or {}).get("rows", []):
+            log(f"attention_merge o_proj/combine batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
+                f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
+                f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
         pa = run.section("post_attention_ab", post_attention_ab, geom, weights_ref)
         for variant, res in (pa or {}).get("variants", {}).items():
             for r in res["rows"]:

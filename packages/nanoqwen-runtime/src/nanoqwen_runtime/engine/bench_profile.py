@@ -251,8 +251,9 @@ def op_accounting(engine, context: int):
     def label(op, args, kw):
         if op == "linear":
             return f"linear {names.get(id(args[1]), '?')}{norm_form(args[0], args[1])}"
-        if op == "linear_residual":
-            return f"linear {names.get(id(args[1]), '?')} + residual"
+        if op == "linear_residual":  # merge: the attention's split rows merged in its staging
+            merged = " (attention merge in)" if kw.get("merge") is not None else ""
+            return f"linear {names.get(id(args[1]), '?')}{merged} + residual"
         if op == "mlp_down":
             form = " fused" if _fused(engine, "fuses_silu_down", args[2], args[0].shape[0]) else ", then down"
             return f"mlp_down {names.get(id(args[2]), '?')} (silu*mul{form}) + residual"

@@ -31,6 +31,8 @@ raw = {
   "features_cost": bench.features_cost(...) result (features on vs off, same run),
   "layout_speed": bench.layout_speed(...) result (g128 asym vs sym, synthetic model only),
   "overlap_ab": bench.overlap_ab(...) result (EngineConfig.overlap on vs off, synthetic model only),
+  "attention_merge_ab": bench.attention_merge_ab(...) result (EngineConfig.attention_merge "o_proj" vs
+      "combine", synthetic model only),
   "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel "block" and
                        "block+qkv" each vs "off", synthetic model only),
   "errors": {section: message},
@@ -127,7 +129,7 @@ def build_report(raw: dict) -> dict:
     rep["speculation"] = meta.get("speculation")
     for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
               "prefix_cache", "engine_stats", "features_cost", "layout_speed", "overlap_ab",
-              "post_attention_ab"):
+              "attention_merge_ab", "post_attention_ab"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -218,6 +220,7 @@ def markdown(rep: dict) -> str:
     lines += _features_md(rep.get("features_cost"))
     lines += _layout_md(rep.get("layout_speed"))
     lines += _overlap_md(rep.get("overlap_ab"))
+    lines += _attention_merge_md(rep.get("attention_merge_ab"))
     lines += _post_attention_md(rep.get("post_attention_ab"))
     lines += ["", "## Graph vs eager (context 128, engine wall time)", "",
               "| batch | graph-mode tok/s | eager tok/s |",
@@ -295,6 +298,19 @@ def _overlap_md(ov: dict | None) -> list[str]:
     lines = _ab_md(f"## Overlapped decode (EngineConfig.overlap) vs synchronous steps (same run, context "
                    f"{ov['context']} + {ov['new_tokens']})", note, "overlap", "off", ov["rows"], "slower")
     return lines + _graph_ratio_lines("overlap", "off", ov["rows"])
+
+
+def _attention_merge_md(am: dict | None) -> list[str]:
+    if not am:
+        return []
+    note = (f"Engine tok/s, medians of {am['reps']} alternating repeats per side; 'slower' is every 'o_proj' "
+            "repeat slower than every 'combine' repeat (rank test, U = 0). The batch-1 graph deferred "
+            f"{_f(am.get('deferred_per_layer'), '.2f')} merges per layer to the o_proj GEMV (1: one "
+            "combine launch fewer per layer).")
+    lines = _ab_md("## Attention split merge in the o_proj GEMV (EngineConfig.attention_merge=\"o_proj\") "
+                   f"vs the combine kernel (same run, context {am['context']} + {am['new_tokens']})", note,
+                   "o_proj", "combine", am["rows"], "slower")
+    return lines + _graph_ratio_lines("o_proj", "combine", am["rows"])
 
 
 def _post_attention_md(pa: dict | None) -> list[str]:

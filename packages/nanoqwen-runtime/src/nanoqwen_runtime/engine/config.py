@@ -21,6 +21,8 @@ GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 # EngineConfig.post_attention_kernel's values: off; o_proj + gate_up + down as one launch; and the next
 # layer's qkv in it too
 POST_ATTENTION_KERNELS = ("off", "block", "block+qkv")
+# EngineConfig.attention_merge's values: who merges the split rows of decode attention
+ATTENTION_MERGES = ("combine", "o_proj")
 
 
 @dataclass
@@ -75,6 +77,14 @@ class EngineConfig:
     # not bitwise. Off until it is measured faster on the GPU (bench/engine/NOTES.md, session 21).
     # Needs INT4 g128 layer linears of one layout; the engine refuses other weights with it on.
     post_attention_kernel: str = "off"
+    # Kernel backend, explicit option, "combine": who merges the rows that split-KV decode attention left
+    # in fp32 partials. "combine": the combine kernel, a launch of its own (six per decode layer). "o_proj":
+    # the o projection's GEMV, while it stages its input (nanoqwen_kernels gemv `_merge_resid`), with the
+    # combine kernel's arithmetic: the same bits, five launches per layer. It applies to decode steps of
+    # at most 8 rows whose attention plan splits at most 16 ways (the 512-token context class at batches
+    # 1-8 on the H200); other steps launch the combine kernel. "combine" until the A/B of `nanoqwen-cli
+    # bench` (`attention_merge_ab`) has measured "o_proj" on the GPU.
+    attention_merge: str = "combine"
     # Overlapped decode (engine.py's header): in a run of plain decode steps, plan and queue step n+1
     # before reading step n's tokens back (its rows take their ids from step n's output on the device),
     # so the host's work between steps (commit, events, planning, inputs) runs while the device
@@ -129,6 +139,11 @@ class EngineConfig:
                              f"got {self.post_attention_kernel!r}")
         if self.post_attention_kernel != "off" and self.backend != "kernels":
             raise ValueError("EngineConfig.post_attention_kernel needs backend='kernels'")
+        if self.attention_merge not in ATTENTION_MERGES:
+            raise ValueError(f"EngineConfig.attention_merge must be one of {ATTENTION_MERGES}, "
+                             f"got {self.attention_merge!r}")
+        if self.attention_merge != "combine" and self.backend != "kernels":
+            raise ValueError("EngineConfig.attention_merge='o_proj' needs backend='kernels'")
         if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
             raise ValueError(f"EngineConfig.speculation must be a SpeculationConfig or None, "
                              f"got {self.speculation!r}")

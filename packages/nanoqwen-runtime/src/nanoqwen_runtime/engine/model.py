@@ -8,8 +8,10 @@ rows; ops_kernels.py says what runs above that):
     qkv_projection  RMSNorm(residual) (input norm) -> qkv GEMV (+ bias) -> RoPE + paged K/V write:
                     one GEMV with the norm as its prologue and RoPE / K/V as its epilogue (layer 0:
                     a plain RMSNorm of the embeddings first)
-    attention       paged decode attention (+ the split combine kernel when the plan can split)
-    linear_residual o_proj GEMV, its output added into the residual by the GEMV's epilogue
+    attention       paged decode attention (+ the split combine kernel when the plan can split, unless
+                    EngineConfig.attention_merge="o_proj" leaves the merge to the o_proj GEMV)
+    linear_residual o_proj GEMV, its output added into the residual by the GEMV's epilogue (and, with
+                    attention_merge="o_proj", the attention's split rows merged while it stages them)
     linear          RMSNorm(residual) (post-attention norm) -> gate_up GEMV: one GEMV, norm prologue
     mlp_down        SiLU * mul -> down GEMV -> added into the residual: one GEMV
     (or, where `ops.fuses_post_attention`: the last three as `post_attention_block`, one persistent
@@ -180,17 +182,19 @@ class ModelRunner:
                 x = NormedInput(resid, update, lw.input_norm, eps, normed)
                 ops.qkv_projection(x, lw.qkv, lw.qkv_bias, qkv, v["positions"], v["slot_mapping"], kc, vc, q,
                                    g.num_attention_heads, g.num_key_value_heads)
+            block = ops.fuses_post_attention(T)
+            merge = None  # split rows left for the o projection to merge (EngineConfig.attention_merge)
             if attn_meta is not None:
-                ops.attention_run(attn_meta, q, kc, vc, attn)
+                merge = ops.attention_run(attn_meta, q, kc, vc, attn, o_proj=None if block else lw.o_proj)
             else:
                 ops.attention(q, kc, vc, v["query_start"], v["context_lens"], v["page_table"], attn, B)
-            if ops.fuses_post_attention(T):  # the three below as one launch (kernel backend, opt-in)
+            if block:  # the three below as one launch (kernel backend, opt-in)
                 nxt = w.layers[i + 1] if i + 1 < len(w.layers) else None
                 nkv = (self.kv[i + 1, 0], self.kv[i + 1, 1]) if nxt is not None else (None, None)
                 update, qkv_done = ops.post_attention_block(attn, lw, resid, gu, eps, nxt, *nkv,
                                                             v["positions"], v["slot_mapping"], q)
             else:
-                update = ops.linear_residual(attn, lw.o_proj, proj, resid)
+                update = ops.linear_residual(attn, lw.o_proj, proj, resid, merge=merge)
                 ops.linear(NormedInput(resid, update, lw.post_attn_norm, eps, normed), lw.gate_up, gu)
                 update = ops.mlp_down(gu, act, lw.down, proj, resid)
                 qkv_done = False

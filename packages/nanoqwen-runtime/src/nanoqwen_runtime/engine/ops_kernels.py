@@ -26,7 +26,8 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   residual in their epilogue and leave its sums of squares in a small fp32 buffer of this backend
   (`ResidualEpilogue`, path counter "residual_epilogue"); the next qkv / gate_up GEMV makes RMSNorm of
   the residual as its input prologue from them (`NormPrologue`, "norm_prologue"). So a decode layer
-  launches no add + RMSNorm: six launches, the four GEMVs and attention's two (four with
+  launches no add + RMSNorm: six launches, the four GEMVs and attention's two (five with
+  `EngineConfig.attention_merge="o_proj"`, below: the o_proj GEMV merges the split attention rows; four with
   `EngineConfig.post_attention_kernel="block"` at 1..2 rows: o_proj, gate_up and down are then one
   persistent launch, `post_attention_block`, path counter "post_attention_block"; two, attention and
   that launch, with "block+qkv", where it also makes the next layer's qkv projection with RoPE and the
@@ -35,7 +36,10 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   layer 0's input norm and the final norm are plain `rms_norm` launches (nothing fused made their
   statistics, or nothing consumes them fused).
 - attention: decode plans, one per graph bucket, planned for the longest context (`max_model_len`):
-  one graph serves every length. One prefill plan for chunks of up to `prefill_chunk` tokens.
+  one graph serves every length. With `EngineConfig.attention_merge="o_proj"`, a plan that would launch
+  the combine kernel (and splits at most 16 ways) leaves the split rows to the o_proj GEMV, which merges
+  them while staging its input (the same bits, path counter "attention_merge_o_proj"): five launches per
+  decode layer. One prefill plan for chunks of up to `prefill_chunk` tokens.
 - logits range: `torch.aminmax` per row into static buffers (the engine's NaN/Inf check of the logits).
 - sampling: `sample_tokens` over the engine's static per-row parameter buffers (a `SamplingState`
   whose tensors ARE those buffers); the row's offset (tokens generated so far) is written each step.
@@ -320,17 +324,20 @@ class KernelOps:
     def _gemm_plan(self, w: kgemv.Int4Weight, m: int) -> kgemm.GemmPlan:
         return kgemm.plan_gemm_shape(w.n, w.k, w.group_size, kgemm.m_class(m), self._sms)
 
-    def linear_residual(self, x: torch.Tensor, lin: Linear, out: torch.Tensor,
-                        residual: torch.Tensor) -> ResidualUpdate:
+    def linear_residual(self, x: torch.Tensor, lin: Linear, out: torch.Tensor, residual: torch.Tensor,
+                        merge: kgemv.AttentionMerge | None = None) -> ResidualUpdate:
         """residual += x @ W^T: added by the GEMV's epilogue where `fuses_residual` (out not written),
-        else out = x @ W^T with the add pending (the next norm makes it)."""
+        else out = x @ W^T with the add pending (the next norm makes it). merge: what `attention_run` left
+        to this GEMV (x is then its output, whose split rows the GEMV merges while staging them)."""
         if self.fuses_residual(lin, x.shape[0]):
             w = self._int4(lin)
             self.paths["gemv_int4"] += 1
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(x, w, None, None, self.workspace, self._gemv_plan(w, False), residual=epilogue,
-                            pdl=self.cfg.pdl)
+                            merge=merge, pdl=self.cfg.pdl)
             return update
+        if merge is not None:  # attention_run defers only to a GEMV that fuses (fuses_attention_merge)
+            raise AssertionError("an attention merge was left to an o projection that is not a fused GEMV")
         self.linear(x, lin, out)
         return ResidualUpdate(pending=out)
 
@@ -434,9 +441,26 @@ class KernelOps:
         return (self.prefill_plan, page_table[:num_rows], context_lens[:num_rows],
                 query_start[: num_rows + 1])
 
-    def attention_run(self, meta, q, k_cache, v_cache, out) -> None:
+    def attention_run(self, meta, q, k_cache, v_cache, out, o_proj: Linear | None = None
+                      ) -> kgemv.AttentionMerge | None:
+        """Attention into out [T, Hq * D]. With o_proj (the linear that takes out next, through
+        `linear_residual`) and where `fuses_attention_merge`: the plan's combine kernel is not launched and
+        the returned `AttentionMerge` goes to that linear, whose GEMV merges the split rows (the same
+        bits; path counter "attention_merge_o_proj"). Else None."""
         plan, pt, cl, qsl = meta
-        plan.run(q, k_cache, v_cache, pt, cl, qsl, out.view(q.shape), pdl=self.cfg.pdl)
+        defer = o_proj is not None and self.fuses_attention_merge(plan, o_proj, q.shape[0])
+        plan.run(q, k_cache, v_cache, pt, cl, qsl, out.view(q.shape), defer_merge=defer, pdl=self.cfg.pdl)
+        if not defer:
+            return None
+        self.paths["attention_merge_o_proj"] += 1
+        return plan.merge_input()
+
+    def fuses_attention_merge(self, plan: kattn.PagedAttentionPlan, o_proj: Linear, m: int) -> bool:
+        """Whether an attention run of m rows on `plan` leaves its split merge to the o projection's GEMV:
+        EngineConfig.attention_merge == "o_proj", the plan launches the combine kernel and splits at most
+        gemv.MERGE_MAX_SPLITS ways (`can_defer_merge`), and o_proj is a GEMV with the residual epilogue."""
+        return (self.cfg.attention_merge == "o_proj" and plan.can_defer_merge
+                and self.fuses_residual(o_proj, m) and not self.fuses_post_attention(m))
 
     # ---- sampling ------------------------------------------------------------------------------------
     def logits_range(self, logits, out_min, out_max) -> None:

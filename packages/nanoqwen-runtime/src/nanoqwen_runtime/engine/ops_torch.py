@@ -93,9 +93,12 @@ class TorchOps:
         y = F.linear(x.float(), self._weight(lin).float(), None if bias is None else bias.float())
         out.copy_(y.to(out.dtype))
 
-    def linear_residual(self, x: torch.Tensor, lin: Linear, out: torch.Tensor,
-                        residual: torch.Tensor) -> ResidualUpdate:
-        """residual += x @ W.T, as out = x @ W.T with the add pending (the next norm makes it)."""
+    def linear_residual(self, x: torch.Tensor, lin: Linear, out: torch.Tensor, residual: torch.Tensor,
+                        merge=None) -> ResidualUpdate:
+        """residual += x @ W.T, as out = x @ W.T with the add pending (the next norm makes it). merge: always
+        None here (this backend's attention returns merged rows; the kernel backend's may not)."""
+        if merge is not None:
+            raise ValueError("the torch backend's attention output is merged: no merge to take")
         self.linear(x, lin, out)
         return ResidualUpdate(pending=out)
 
