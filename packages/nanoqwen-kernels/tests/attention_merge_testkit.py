@@ -21,7 +21,7 @@ What must hold, and why:
 from __future__ import annotations
 
 import torch
-from int4_testkit import random_int4
+from int4_testkit import random_int4, same_bits
 from nanoqwen_kernels import reference as R
 from nanoqwen_kernels.attention import AttentionGeometry, plan_decode
 from nanoqwen_kernels.gemv import (
@@ -39,13 +39,6 @@ from nanoqwen_kernels.reference_attention import make_paged_case
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    a32, b32 = a.contiguous().view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32), \
-        b.contiguous().view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32)
-    bad = (a32 != b32).nonzero()
-    assert bad.numel() == 0, f"{what}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}"
 
 
 def check_merge_prologue_equals_combine(heads: tuple[int, int, int], lens: list[int], device, *,
@@ -101,11 +94,11 @@ def check_merge_prologue_equals_combine(heads: tuple[int, int, int], lens: list[
         got = o_proj(attention(True), plan.merge_input())
         what = (f"{heads} lens {lens} fuse_max {fuse_max} gemv {gemv_split} ({gplan.splits} K splits) "
                 f"run {run}")
-        _same_bits(got[0], expected[0], f"{what}: residual")
-        _same_bits(got[1], expected[1], f"{what}: residual statistics")
+        same_bits(got[0], expected[0], f"{what}: residual")
+        same_bits(got[1], expected[1], f"{what}: residual statistics")
     if 0 in lens:  # a context-0 slot's attention row is zeros: the residual gains only y(0) = 0
         i = lens.index(0)
-        _same_bits(expected[0][i], (residual0[i].float() + 0.0).to(torch.bfloat16), "context-0 row")
+        same_bits(expected[0][i], (residual0[i].float() + 0.0).to(torch.bfloat16), "context-0 row")
 
 
 def check_defer_merge_is_refused_where_it_cannot_run(device) -> None:

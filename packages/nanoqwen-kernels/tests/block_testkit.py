@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int4_testkit import random_int4
+from int4_testkit import random_int4, same_bits
 from nanoqwen_kernels import reference as R
 from nanoqwen_kernels.gemv import (
     GemvWorkspace,
@@ -166,11 +166,6 @@ class Layer:
         return y, resid
 
 
-def _same_bits(a, b, what):
-    same = a.view(torch.int16) == b.view(torch.int16)
-    assert bool(same.all()), f"{what}: {int((~same).sum())} of {a.numel()} elements differ"
-
-
 def _dense(w):
     return R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size).float()
 
@@ -213,7 +208,7 @@ def check_o_proj_and_gate_up(geom, m, symmetric, scale_dtype, gen, device):
     resid, gate_up, stats = layer.run_block(plan, ws)
     resid1, stats128 = layer.gemv_o()
     what = f"{geom[0]} M={m} {plan.warps}"
-    _same_bits(resid, resid1, f"{what}: residual after o_proj")
+    same_bits(resid, resid1, f"{what}: residual after o_proj")
     _assert_stats(stats, resid, what)
     _assert_gate_up(gate_up, layer.gemv_gate_up(resid1, stats128), resid1, layer, what)
 
@@ -229,8 +224,8 @@ def check_down_and_determinism(geom, m, symmetric, scale_dtype, gen, device):
     resid, gate_up, stats = layer.run_block(plan, ws)
     resid_again, gate_up_again, stats_again = layer.run_block(plan, ws)
     what = f"{geom[0]} M={m} {plan.warps}"
-    _same_bits(resid_again, resid, f"{what}: second launch, residual")
-    _same_bits(gate_up_again, gate_up, f"{what}: second launch, gate_up")
+    same_bits(resid_again, resid, f"{what}: second launch, residual")
+    same_bits(gate_up_again, gate_up, f"{what}: second launch, gate_up")
     assert torch.equal(stats_again, stats), f"{what}: second launch, statistics"
     resid1, _ = layer.gemv_o()
     y_ref, resid2_ref = layer.gemv_down(gate_up, resid1)
@@ -253,8 +248,8 @@ def check_randomised_delays_change_nothing(geom, gen, device):
     sws = block.BlockWorkspace.allocate(splan, device)
     for _ in range(3):
         got = layer.run_block(splan, sws)
-        _same_bits(got[0], want[0], f"{geom[0]} stress build: residual")
-        _same_bits(got[1], want[1], f"{geom[0]} stress build: gate_up")
+        same_bits(got[0], want[0], f"{geom[0]} stress build: residual")
+        same_bits(got[1], want[1], f"{geom[0]} stress build: gate_up")
         assert torch.equal(got[2], want[2]), f"{geom[0]} stress build: statistics"
 
 
@@ -320,8 +315,8 @@ def check_next_qkv_op(geom, m, symmetric, scale_dtype, gen, device):
     sync(device)
     assert int(ws.counters.abs().sum()) == 0, "counters not back at zero"
     what = f"{geom[0]} M={m}"
-    _same_bits(resid, want[0], f"{what}: residual with the qkv op")
-    _same_bits(gate_up, want[1], f"{what}: gate_up with the qkv op")
+    same_bits(resid, want[0], f"{what}: residual with the qkv op")
+    same_bits(gate_up, want[1], f"{what}: gate_up with the qkv op")
     assert torch.equal(stats, want[2]), f"{what}: statistics with the qkv op"
     # the reference: the qkv GEMV with the norm prologue on the kernel's own residual and statistics
     gplan = plan_gemv(nxt.w.n, nxt.w.k, device)

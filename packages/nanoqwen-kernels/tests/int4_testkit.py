@@ -29,6 +29,16 @@ def random_int4(n, k, group_size, symmetric, gen, device, scale_dtype=torch.bflo
     return w
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """a and b hold the same bits (bf16 or fp32, compared as integers: NaN payloads and the sign of zero
+    count); the message says how many elements differ and where the first is."""
+    ints = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    same = a.contiguous().view(ints) == b.contiguous().view(ints)
+    bad = (~same).nonzero()
+    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} of {a.numel()} elements differ, "
+                              f"first at {bad[0].tolist()}")
+
+
 def reference_out(x, w, bias, silu=False):
     dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
     xin = R.silu_mul(x).to(torch.bfloat16) if silu else x

@@ -19,13 +19,13 @@ from block_testkit import (
     LAYOUTS,
     Layer,
     _half_integers,
-    _same_bits,
     check_block_rejects_what_it_cannot_run,
     check_down_and_determinism,
     check_next_qkv_op,
     check_o_proj_and_gate_up,
     check_randomised_delays_change_nothing,
 )
+from int4_testkit import same_bits
 from nanoqwen_kernels.gemv import norm_stats_shape
 
 pytestmark = pytest.mark.gpu
@@ -92,8 +92,8 @@ def test_graph_replay_on_new_inputs(gen, device):
         torch.cuda.synchronize()
         assert int(ws.counters.abs().sum()) == 0
         want_resid, want_gu, want_stats = layer.run_block(plan, ws)
-        _same_bits(resid, want_resid, "graph replay: residual")
-        _same_bits(gate_up, want_gu, "graph replay: gate_up")
+        same_bits(resid, want_resid, "graph replay: residual")
+        same_bits(gate_up, want_gu, "graph replay: gate_up")
         assert torch.equal(stats, want_stats), "graph replay: statistics"
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int4_testkit import random_int4
+from int4_testkit import random_int4, same_bits
 from nanoqwen_kernels import reference as R
 
 pytestmark = pytest.mark.gpu
@@ -63,11 +63,6 @@ def _stats_buffer(m, h, device):
     shape = norm_stats_shape(m, h)
     buf = _poisoned((shape[0] * shape[1] + 64,), device, torch.float32)
     return buf[: shape[0] * shape[1]].view(shape), buf[shape[0] * shape[1]:]
-
-
-def _same_bits(a, b, what):
-    same = a.view(torch.int16) == b.view(torch.int16)
-    assert bool(same.all()), f"{what}: {int((~same).sum())} of {a.numel()} elements differ"
 
 
 def _assert_stats(stats, residual, what):
@@ -122,7 +117,7 @@ def test_residual_epilogue_equals_gemv_then_add(n, k, silu, split, m, group_size
     assert gemv_int4(x, w, None, None, ws, plan, silu_mul_input=silu,
                      residual=ResidualEpilogue(fused, stats)) is None
     what = f"[{n}, {k}] M={m} {plan}"
-    _same_bits(fused, expected, f"{what}: residual")
+    same_bits(fused, expected, f"{what}: residual")
     _assert_stats(stats, expected, what)
     assert bool(tail.isnan().all()), f"{what}: statistics written past [M, ceil(N / 128)]"
     assert int(ws.counters.abs().sum()) == 0, "split-K counters not reset"
@@ -157,7 +152,7 @@ def test_norm_prologue_equals_rms_norm_then_gemv(n, k, split, m, group_size, sym
     gemv_int4(normed, w, unfused, None, ws, plan)
     fused = _poisoned((m, n), device)
     gemv_int4(residual, w, fused, None, ws, plan, norm=NormPrologue(weight, stats, EPS))
-    _same_bits(fused, unfused, f"[{n}, {k}] M={m} {plan}")
+    same_bits(fused, unfused, f"[{n}, {k}] M={m} {plan}")
     assert int(ws.counters.abs().sum()) == 0, "split-K counters not reset"
 
 
@@ -249,7 +244,7 @@ def test_fused_chain_matches_the_unfused_chain(m, symmetric, gen, device):
     stats, tail = _stats_buffer(m, h, device)
     y_unfused = _chain(x, w_o, w_gu, res_unfused, weight, ws, plans, False)
     y_fused = _chain(x, w_o, w_gu, res_fused, weight, ws, plans, True, stats)
-    _same_bits(res_fused, res_unfused, f"M={m}: residual")
+    same_bits(res_fused, res_unfused, f"M={m}: residual")
     _assert_stats(stats, res_unfused, f"M={m}")
     assert bool(tail.isnan().all())
     normed = torch.empty_like(res_unfused)
@@ -289,7 +284,7 @@ def test_fused_chain_graph_replay(gen, device):
         torch.cuda.synchronize()
         res_unfused = start.clone()
         y_unfused = _chain(x, w_o, w_gu, res_unfused, weight, ws, plans, False)
-        _same_bits(residual, res_unfused, "graph replay: residual")
+        same_bits(residual, res_unfused, "graph replay: residual")
         normed = torch.empty_like(res_unfused)
         rms_norm(res_unfused, weight, normed, EPS)
         _assert_chain_close(y, y_unfused, normed, w_gu, "graph replay")

@@ -253,7 +253,8 @@ MERGE_HEAD_DIMS = (64, 128)
 @dataclasses.dataclass(frozen=True)
 class AttentionMerge:
     """The o projection's input as the output of an attention launch whose split rows are not merged yet
-    (`attention.PagedAttentionPlan.run(..., defer_merge=True)` returns this; the `_merge_resid` kernels):
+    (`attention.PagedAttentionPlan.run(..., defer_merge=True)`, then `plan.merge_input()` gives this; the
+    `_merge_resid` kernels):
     x is the attention output [M, n_heads * head_dim], final in the rows (token, head) of at most
     `fuse_max_splits` splits, and the GEMV merges the others from the plan's fp32 partials while it
     stages them, with the combine kernel's arithmetic (the same bits), so the combine launch goes.
@@ -278,7 +279,7 @@ def merge_shared_bytes(m: int, kc: int, head_dim: int) -> int:
     return m * (kc * 128 // head_dim) * (MERGE_MAX_SPLITS + 2) * 4
 
 
-def _merge_args(merge: AttentionMerge, x: torch.Tensor, m: int, k: int, dev: torch.device) -> tuple:
+def _merge_args(merge: AttentionMerge, m: int, k: int, dev: torch.device) -> tuple:
     if not isinstance(merge, AttentionMerge):
         raise TypeError(f"merge must be an AttentionMerge, got {type(merge).__name__}")
     if merge.work_o.dim() != 4 or merge.work_o.shape[3] not in MERGE_HEAD_DIMS:
@@ -388,7 +389,7 @@ def gemv_int4(
     shared = plan.shared_bytes(m)
     merged = ""
     if merge is not None:
-        extra += _merge_args(merge, x, m, k, dev)
+        extra += _merge_args(merge, m, k, dev)
         merged = f"_merge_hd{merge.head_dim}"
         shared += merge_shared_bytes(m, plan.kc, merge.head_dim)
     name = (f"gemv_int4_{weight.kernel_suffix()}{'_silu' if silu_mul_input else ''}"

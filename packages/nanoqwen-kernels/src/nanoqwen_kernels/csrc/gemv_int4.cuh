@@ -375,10 +375,6 @@ struct MergeIn {
 // kernel's split groups (2048 / HD = 16 at HD 128), so every group holds at most one split (below).
 constexpr int MERGE_MAX_SPLITS = 16;
 
-// Shared memory the merge prologue takes after the staged x: per (row m, head) of the block's columns,
-// MERGE_MAX_SPLITS weights, 1 / sum and S. gemv.py's merge_shared_bytes is the same formula.
-NQ_DEVICE int merge_pairs(int M, int ncols, int HD) { return M * (ncols / HD); }
-
 // The merge prologue's staging (XMODE 3, `_merge_resid` entry points): x is the attention output [M, K =
 // n_heads * HD], whose rows (token m, head h) of S > fuse_max_splits splits the attention launch left as
 // fp32 partials for the combine kernel. Staged as stage_x<0> stages x, except that those rows are merged
@@ -390,8 +386,8 @@ NQ_DEVICE int merge_pairs(int M, int ncols, int HD) { return M * (ncols / HD); }
 // so the same bits as the combine kernel's row, and no launch for it. Phase 1: one thread per (m, head)
 // computes the weights and 1 / L into shared memory (merge); phase 2: each thread stages 4 columns,
 // reading the S partial float4s of its row (4 loads in flight). Not inlined (as stage_x_normed: the first
-// weight stage is live across it). ws_smem: the shared memory after the staged x (merge_pairs() x
-// (MERGE_MAX_SPLITS + 2) words).
+// weight stage is live across it). ws_smem: the shared memory after the staged x, (MERGE_MAX_SPLITS + 2)
+// words per (row m, head) of the block's columns (gemv.py's merge_shared_bytes).
 template <int HD>
 __device__ __noinline__ void stage_x_merged(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M, int K,
                                             int k0, int ncols, MergeIn mi, float* ws_smem) {

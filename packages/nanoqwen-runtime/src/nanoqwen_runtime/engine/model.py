@@ -185,7 +185,7 @@ class ModelRunner:
             block = ops.fuses_post_attention(T)
             merge = None  # split rows left for the o projection to merge (EngineConfig.attention_merge)
             if attn_meta is not None:
-                merge = ops.attention_run(attn_meta, q, kc, vc, attn, o_proj=None if block else lw.o_proj)
+                merge = ops.attention_run(attn_meta, q, kc, vc, attn, o_proj=lw.o_proj)
             else:
                 ops.attention(q, kc, vc, v["query_start"], v["context_lens"], v["page_table"], attn, B)
             if block:  # the three below as one launch (kernel backend, opt-in)
