@@ -32,6 +32,7 @@ TORCH_CPU = "torch==2.13.0"
 TEST_DEPS = [
     "pytest>=8", "hypothesis>=6.100", "transformers>=4.45", "gguf>=0.10", "tokenizers>=0.19",
     "accelerate>=1.0", "openai>=1.40", "httpx>=0.27", "pytest-xdist>=3.5", "filelock>=3.12",
+    "nvidia-cuda-nvdisasm>=13.0,<14",  # SASS for test_gemv_sass_cpu.py's instruction counts
 ]
 DEMO_MODEL_DIR = ROOT / ".cache"
 

@@ -168,7 +168,8 @@ PY
     F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src:$PWD/packages/nanoqwen-kernels/src
     AB=bench/kernels/gemv_ab.py; D=$OUT/gemv-plans; mkdir -p $D
     PYTHONPATH=$F timeout 100 python3 $AB time --label default --out $D/default.json 2>&1 | tail -1
-    for c in t3: t5: t2: mb2t2:gemv_exact_mb2 mb2t3:gemv_exact_mb2 ext3:gemv_exact; do
+    # "$2": other runs, NAME:VARIANT with NAME ending in t<target> (default: session 9's list)
+    for c in ${2:-t3: t5: t2: mb2t2:gemv_exact_mb2 mb2t3:gemv_exact_mb2 ext3:gemv_exact}; do
       name=${c%%:*}; v=${c#*:}; t=${name##*t}
       PYTHONPATH=$F timeout 100 python3 $AB time --label $name ${v:+--variant $v} --target-blocks $t \
         --out $D/$name.json 2>&1 | tail -1

@@ -142,3 +142,40 @@ def test_bench_failed_section_exits_1_with_the_report(tiny_path, tmp_path, cpu_b
     rep = json.loads((out / "bench.json").read_text())
     assert list(rep["errors"]) == failed and rep["prefill"]  # the other sections still ran
     assert "## Errors" in (out / "bench.md").read_text()
+
+
+def test_bench_only_runs_the_named_sections(tiny_path, tmp_path, cpu_bench, monkeypatch):
+    """--only: the named sections and the bandwidths run, no other section does (the decode calls are
+    counted), and the report holds just them."""
+    calls = []
+    real = bench.decode_at_context
+    monkeypatch.setattr(bench, "decode_at_context", lambda *a, **kw: calls.append(a[1:3]) or real(*a, **kw))
+    out = tmp_path / "report"
+    r = CliRunner().invoke(app, ["bench", "--model", str(tiny_path), "--out", str(out), "--quick",
+                                 "--only", "decode_ctx128, batch8"])
+    assert r.exit_code == 0, r.output
+    assert calls == [(128, 128), (128, 128)]  # decode_ctx128, then batch 8's one call
+    rep = json.loads((out / "bench.json").read_text())
+    assert [d["context"] for d in rep["decode_batch1"]] == [128]
+    assert [d["batch"] for d in rep["decode_batched"]] == [8]
+    assert rep["read_bandwidth_GBps"] == READ_BPS / 1e9 and rep["copy_bandwidth_GBps"] == COPY_BPS / 1e9
+    assert rep["prefill"] == [] and rep["eager"] == [] and "features_cost" not in rep
+
+
+def test_bench_only_with_an_unknown_section_exits_1(tiny_path, tmp_path, cpu_bench):
+    out = tmp_path / "report"
+    r = CliRunner().invoke(app, ["bench", "--model", str(tiny_path), "--out", str(out), "--quick",
+                                 "--only", "decode_ctx128,lm_head_ab"])
+    assert r.exit_code == 1, r.output
+    rep = json.loads((out / "bench.json").read_text())
+    # lm_head_ab is a section of the synthetic model's run only: a --model run has none
+    assert rep["errors"]["only"].startswith("no section named lm_head_ab; this run's sections: "
+                                            "read_bandwidth, copy_bandwidth_Bps, decode_ctx128")
+    assert [d["context"] for d in rep["decode_batch1"]] == [128]
+
+
+@pytest.mark.parametrize("only", ["decode_ctx128,", " , "])
+def test_bench_only_refuses_an_empty_name(only, tiny_path, tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--model", str(tiny_path), "--out", str(tmp_path),
+                                 "--only", only])
+    assert r.exit_code == 2 and "--only: an empty section name" in r.output, r.output

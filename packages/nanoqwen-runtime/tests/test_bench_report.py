@@ -194,6 +194,30 @@ def test_attention_merge_ab_is_reported():
     assert "| 8 | 470 | 460 | 1.022 | 1.0% / 2.0% | slower |" in md
 
 
+def test_lm_head_ab_is_reported_with_each_sides_roofline_fraction():
+    """The synthetic run's int4-vs-bf16 lm_head section reaches bench.json and bench.md: each side's graph
+    replay as a fraction of the read roofline from its own bytes per token (issue 13's 900 tok/s goal),
+    and the int4 side's lm_head path from its graph's counters."""
+    row = {"batch": 1, "a_tok_s": 520.0, "b_tok_s": 470.0, "a_over_b": 520 / 470, "spread_a": 0.01,
+           "spread_b": 0.02, "a_all": [520.0] * 4, "b_all": [470.0] * 4, "a_slower": False,
+           "a_graph_tok_s": 530.0, "b_graph_tok_s": 480.0}
+    raw = fake_raw()
+    raw["lm_head_ab"] = {"rows": [row], "reps": 4, "a": "int4", "b": "bf16", "context": 128,
+                         "new_tokens": 128, "bytes_per_token_a": 3.66e9, "bytes_per_token_b": 4.46e9,
+                         "graph_paths_a": {"gemv_int4": 113, "attention": 28},
+                         "graph_paths_b": {"gemv_int4": 112, "cublas_bf16": 1}}
+    rep = build_report(raw)
+    assert rep["lm_head_ab"]["bytes_per_token_a"] == 3.66e9
+    md = markdown(rep)
+    assert ("## INT4 lm_head (`nanoqwen-quant pack --lm-head int4`) vs bf16 (same run, context 128 + 128)"
+            in md)
+    assert "int4 3.660 GB, bf16 4.460 GB" in md and "batch-1 graph: gemv_int4 113." in md
+    assert "| 1 | 520 | 470 | 1.106 | 1.0% / 2.0% | ok |" in md
+    read = raw["read_bandwidth"]["bytes_per_s"]
+    frac_a, frac_b = 100 * 530 * 3.66e9 / read, 100 * 480 * 4.46e9 / read
+    assert f"| 1 | {frac_a:.1f}% | {frac_b:.1f}% |" in md
+
+
 # ---------------------------------------------------------------------------------------------------
 # the measuring sections on a tiny model (torch op backend, CPU)
 # ---------------------------------------------------------------------------------------------------

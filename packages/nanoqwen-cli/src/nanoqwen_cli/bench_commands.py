@@ -51,6 +51,9 @@ def bench(
     prompts: Annotated[int | None, typer.Option(help="--workload: prompts per workload (default 16)")] = None,
     max_tokens: Annotated[int | None, typer.Option(
         "--max-tokens", help="--workload: generated-token limit per prompt (default 256)")] = None,
+    only: Annotated[str | None, typer.Option(
+        help="run only these sections, comma-separated, as bench.json names them (e.g. "
+             "decode_ctx128,attention_merge_ab,lm_head_ab); the bandwidths always run")] = None,
 ) -> None:
     """Benchmark the CUDA engine end to end on one GPU.
 
@@ -65,6 +68,7 @@ def bench(
 
     Writes bench.json, bench.md and two plots into --out and prints the
     markdown. Exits 1 if any section failed (the rest is still written).
+    --only runs some sections only (a name no section has is such a failure).
 
     --workload code-edit|free-form (with --model) runs the workload benchmark
     instead: each prompt alone, greedy, speculation off then on, tok/s, the
@@ -73,6 +77,13 @@ def bench(
     """
     if profile_steps < 1:
         raise UsageError(f"--profile-steps must be >= 1, got {profile_steps}")
+    sections = None
+    if only is not None:
+        sections = frozenset(name.strip() for name in only.split(","))
+        if "" in sections:
+            raise UsageError(f"--only: an empty section name in {only!r}")
+        if workload:
+            raise UsageError("--only selects engine sections; --workload runs none")
     spec = _check_workload_options(model, workload, speculate, prompts, max_tokens)
     if model is not None:
         check_model_path(model)
@@ -94,7 +105,7 @@ def bench(
 
     rep = run_bench(model=str(model) if model else None, out_dir=out, kv_memory=kv_bytes,
                     quick=quick, log=lambda s: typer.echo(s, err=True), load_test_dir=load_test,
-                    profile_steps=profile_steps, features=not features_off)
+                    profile_steps=profile_steps, features=not features_off, only=sections)
     typer.echo((out / "bench.md").read_text())
     bw = ", ".join(f"{name} {rep[key]:.0f} GB/s" for name, key in
                    (("read", "read_bandwidth_GBps"), ("copy", "copy_bandwidth_GBps")) if rep.get(key))

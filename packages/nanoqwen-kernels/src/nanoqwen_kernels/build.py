@@ -230,6 +230,22 @@ def nvcc_path() -> str | None:
     return None
 
 
+def nvdisasm_path() -> str | None:
+    """nvdisasm (the SASS of a cubin, for tests and benchmarks that count instructions): on PATH, in
+    /usr/local/cuda/bin, or from the `nvidia-cuda-nvdisasm` wheel (nvidia/cu*/bin/nvdisasm)."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    cands = [Path("/usr/local/cuda/bin/nvdisasm")]
+    try:
+        import nvidia  # the namespace package of NVIDIA's CUDA wheels
+
+        cands += [p for root in nvidia.__path__ for p in sorted(Path(root).glob("cu*/bin/nvdisasm"))]
+    except ImportError:
+        pass
+    return next((str(c) for c in cands if c.is_file()), None)
+
+
 def compile_nvcc(spec: KernelSpec, out_dir: Path) -> tuple[Path, dict[str, KernelResources]]:
     """Compile the spec's unit to `out_dir/{name}.cubin` with nvcc; return it and ptxas's report."""
     nvcc = nvcc_path()

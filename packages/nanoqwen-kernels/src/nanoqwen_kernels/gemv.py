@@ -61,9 +61,11 @@ XPAD = 32  # nq_gemv::XPAD
 #   with the exact loop: 0.83x the time, asym);
 # - g32 / g64 (3 blocks resident; not re-tuned): TARGET_BLOCKS_PER_SM.
 TARGET_BLOCKS_PER_SM = 4
-# Most tile-columns one block stages: M = 8 rows x 48 x 128 bf16 = 96 KB of shared memory, so two
-# blocks still fit an SM for any K (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns).
-KC_MAX = 48
+# Most tile-columns one block stages: M = 8 rows x 32 x 128 bf16 = 64 KB of shared memory, plus 32 KB of
+# g128 asymmetric scale records (GemvPlan.shared_bytes), so two blocks still fit an SM for any K
+# (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns). Only shapes with few splits and
+# K > 4096 reach it (a 152064-row lm_head at K = 5120).
+KC_MAX = 32
 SCALE_DTYPES = (torch.bfloat16, torch.float16)  # Int4Weight.scales: layouts int4-...-v1 / int4-...-f16s-v1
 
 
@@ -144,8 +146,12 @@ class GemvPlan:
         """Split-K arrival counters the launch uses (one per row block; allocated even unsplit)."""
         return self.blocks_n
 
-    def shared_bytes(self, m: int) -> int:
-        return m * (self.kc * 128 + XPAD) * 2
+    def shared_bytes(self, m: int, group_size: int, symmetric: bool) -> int:
+        """Dynamic shared memory of one block: x staged as m rows of kc * 128 + XPAD bf16, then for
+        G = 128 the scale records of csrc/gemv_int4.cuh's ScaleStager (per weight row and tile-column
+        the fp32 scale, and the zero pair when asymmetric)."""
+        records = self.kc * ROWS_PER_BLOCK * (4 if symmetric else 8) if group_size == 128 else 0
+        return m * (self.kc * 128 + XPAD) * 2 + records
 
     def workspace_floats(self, m: int) -> int:
         return self.splits * m * self.n if self.splits > 1 else 0
@@ -274,8 +280,8 @@ class AttentionMerge:
 
 
 def merge_shared_bytes(m: int, kc: int, head_dim: int) -> int:
-    """Shared memory the merge prologue takes after the staged x: per (row, head) of a block's kc
-    tile-columns, MERGE_MAX_SPLITS weights, 1 / sum and the split count (4 bytes each)."""
+    """Shared memory the merge prologue takes after the staged x and scale records: per (row, head) of a
+    block's kc tile-columns, MERGE_MAX_SPLITS weights, 1 / sum and the split count (4 bytes each)."""
     return m * (kc * 128 // head_dim) * (MERGE_MAX_SPLITS + 2) * 4
 
 
@@ -386,7 +392,7 @@ def gemv_int4(
         extra = _residual_args(residual, x, m, n, dev)
     plan = plan or plan_gemv(n, k, dev, silu_input=silu_mul_input, group_size=weight.group_size)
     ws_ptr, cnt_ptr = _split_workspace(plan, weight, m, workspace)
-    shared = plan.shared_bytes(m)
+    shared = plan.shared_bytes(m, weight.group_size, weight.symmetric)
     merged = ""
     if merge is not None:
         extra += _merge_args(merge, m, k, dev)
@@ -435,6 +441,7 @@ def gemv_int4_qkv_rope(
     v_cache: torch.Tensor,
     workspace: GemvWorkspace | None = None,
     plan: GemvPlan | None = None,
+    family: str = FAMILY,
     *,
     norm: NormPrologue | None = None,
     pdl: bool = False,
@@ -448,7 +455,7 @@ def gemv_int4_qkv_rope(
     `layer_ops.AttentionShape` (n_heads, n_kv_heads, head_dim; head_dim in ROPE_HEAD_DIMS);
     positions, slot_mapping: int32 [M]; inv_freq: fp32 [D / 2]; q_out: bf16 [M, Hq, D]; k_cache,
     v_cache: bf16 [num_blocks, Hkv, block_size, D]. workspace, plan, norm (x is then the residual
-    stream: the `_norm_rope` kernels), pdl: as in `gemv_int4`. Returns q_out."""
+    stream: the `_norm_rope` kernels), family, pdl: as in `gemv_int4`. Returns q_out."""
     n, k = weight.n, weight.k
     dev = weight.qweight.device
     index = require_sm90(dev)
@@ -471,8 +478,8 @@ def gemv_int4_qkv_rope(
         ptr(q_out), ptr(k_cache), ptr(v_cache), i32(hq), i32(hkv), i32(d), i32(k_cache.shape[2]), *extra,
     )  # fmt: skip
     name = f"gemv_int4_{weight.kernel_suffix()}{'_norm' if norm is not None else ''}_rope"
-    launch(FAMILY, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, plan.shared_bytes(m),
-           pdl=pdl)
+    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args,
+           plan.shared_bytes(m, weight.group_size, weight.symmetric), pdl=pdl)
     return q_out
 
 

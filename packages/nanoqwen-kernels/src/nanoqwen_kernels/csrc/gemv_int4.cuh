@@ -29,8 +29,12 @@
 // 16-byte L1-bypassing load, two tile-columns (4 loads) in flight per warp. The ALU work is the limit
 // at HBM speed (bench/kernels/CEILINGS.md: this loop on weights already in shared memory consumes them
 // at only ~1.03x (sym) / 1.14x (asym) the read bandwidth), so the loop is kept lean: per 2 weights one
-// shift, one lop3 and one bf16x2 add (`dq`), per 128 weights one mma, no masked loads, one PRMT per
-// zero point; 150 / 160 SASS instructions per tile-column (1 KiB of weights) at g128 sym / asym.
+// shift, one lop3 and one bf16x2 add (`dq`), per 128 weights one mma, no masked loads. At G = 128 the
+// block stages its rows' fp32 scales and zero pairs in shared memory beside x (ScaleStager), so that
+// a pipeline stage is the weights alone and the loop reads everything else at constant offsets:
+// 113 / 115 SASS instructions per tile-column (1 KiB of weights) at g128 asym / sym, of which 107 are
+// the dequantisation, the mma, the loads and the scales' fmas (the per-column loop it replaced, still
+// built with -DNQ_GEMV_STAGED_SCALES=0 and used at G = 32 / 64: 151-161 / 145-150).
 // Split-K: when N alone gives too few blocks for 132 SMs, gridDim.y = S blocks share each block's
 // rows, each over kc tile-columns; they write fp32 partials to a workspace [S, M, N] and the last
 // block to finish (an atomic counter per block row, reset to 0 by that block: graph-replay safe)
@@ -214,6 +218,27 @@ NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, 
 #pragma unroll
     for (int i = 0; i < 4; ++i) dst[i * 4] = w[i];  // + 8t bf16 = 4t words
   }
+}
+
+// One tile-column of G = 128 (one group) for the GEMV's staged-scale loop (ScaleStager): the arithmetic
+// of mma_tile_column<128> below, with the scales already widened to fp32 (sc0, sc1) and the zero pairs
+// made (nz0, nz1). (mma_tile_column<128> calling it changes the SASS of the kernels that still use it --
+// the -DNQ_GEMV_STAGED_SCALES=0 build, the block kernel -- by up to 4.5 instructions per tile-column.)
+NQ_DEVICE void mma_col_scaled(float (&acc)[4], const uint4& w0v, const uint4& w1v, float sc0, float sc1, u32 nz0,
+                              u32 nz1, const bf16_t* xt) {
+  const u32 w0[4] = {w0v.x, w0v.y, w0v.z, w0v.w};
+  const u32 w1[4] = {w1v.x, w1v.y, w1v.z, w1v.w};
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint4 b = *reinterpret_cast<const uint4*>(xt + 32 * w);
+    mma_bf16(c, dq(w0[w], 0, nz0), dq(w1[w], 0, nz1), dq(w0[w], 1, nz0), dq(w1[w], 1, nz1), b.x, b.y);
+    mma_bf16(c, dq(w0[w], 2, nz0), dq(w1[w], 2, nz1), dq(w0[w], 3, nz0), dq(w1[w], 3, nz1), b.z, b.w);
+  }
+  acc[0] = fmaf(c[0], sc0, acc[0]);
+  acc[1] = fmaf(c[1], sc0, acc[1]);
+  acc[2] = fmaf(c[2], sc1, acc[2]);
+  acc[3] = fmaf(c[3], sc1, acc[3]);
 }
 
 // One tile-column of a warp's tile pair: dequantize the lane's words (w0v: tile 0, w1v: tile 1), multiply
@@ -478,13 +503,107 @@ NQ_DEVICE bool split_k_arrive(const float (&acc)[4], float* __restrict__ ws, int
                               int N);
 NQ_DEVICE float sum_splits(const float* __restrict__ ws, int M, int N, int S, int m, int n);
 
-// scales: the raw 16-bit scale words, bf16 or fp16 as ST says. EXACT: the main loop with an exact trip
-// count (below), for the kernels where it compiles without spills (gemv.cu says which).
+// G = 128 (STAGED_SCALES): what the main loop needs of each (row, tile-column) of the block besides the
+// weights, staged in shared memory beside x: the row's fp32 scale (ST::to_f32 of its 16 bits) and, when
+// asymmetric, its zero pair neg_zero_pair(z). Lane (g, t) of warp w reads, for tile-column j of the
+// block, the records of its rows 16 w + g (tile 0) and 16 w + 8 + g (tile 1) as one load at a constant
+// stride per column: symmetric, uint2 {scale0, scale1} at index (j * WARPS + w) * 8 + g; asymmetric,
+// uint4 {scale0, scale1, zero pair0, zero pair1} at the same index. Rows past N get scale 0 and zero
+// pair 0 (their outputs are never written). The loop then has no scale or zero-point address, load,
+// conversion or register per pipeline stage (bench/kernels/CEILINGS.md, session 25).
+template <bool ASYM>
+struct StagedRecord {
+  using type = uint2;  // {scale0, scale1}
+};
+template <>
+struct StagedRecord<true> {
+  using type = uint4;  // {scale0, scale1, zero pair0, zero pair1}
+};
+
+// Thread t stages the records of block row r = t % 128, tile-columns j = t / 128 + 2 u (u = 0, 1, ...),
+// RECORD_BATCH of them per batch: all of a batch's loads are issued before any record is written, and
+// the first batch's go out before x is staged (`load`), are written after it (`store`), so that their
+// latency hides behind the staging's instead of adding to it. The index arithmetic is per thread, once.
+constexpr int RECORD_BATCH = 9;  // one batch covers kc <= 18: every 7B decode GEMV (down: kc = 17)
+
+template <bool ASYM, typename ST>
+struct ScaleStager {
+  u32 s[RECORD_BATCH], z[RECORD_BATCH];  // raw scale bits / zero points of the batch (z: asymmetric)
+  // Everything else is derived again where it is used, from the kernel's arguments and the thread
+  // index (kept in registers across the staging of x, it made ptxas spill).
+  const u16* scales;
+  const u8* zeros;
+  int N, KG, tc_begin, ncol;
+
+  NQ_DEVICE int row() const { return blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x & (ROWS_PER_BLOCK - 1)); }
+  NQ_DEVICE int j0() const { return threadIdx.x / ROWS_PER_BLOCK; }
+  // Issue the loads of the batch of columns jb + j0 + 2 u.
+  NQ_DEVICE void load(int jb) {
+    const int row = this->row();
+    const i64 at = (i64)row * KG + tc_begin;
+#pragma unroll
+    for (int u = 0; u < RECORD_BATCH; ++u) {
+      const int j = jb + j0() + 2 * u;
+      if (row < N && j < ncol) {
+        s[u] = scales[at + j];
+        if constexpr (ASYM) z[u] = zeros[at + j];
+      }
+    }
+  }
+  // Write the batch's records (rows past N: scale 0, zero pair 0; their outputs are never written).
+  NQ_DEVICE void store(u32* sz, int jb) const {
+    const int r = threadIdx.x & (ROWS_PER_BLOCK - 1);
+    const bool row_ok = row() < N;
+    u32* rec = sz + ((r >> 4) * 8 + (r & 7)) * (ASYM ? 4 : 2) + ((r >> 3) & 1);
+#pragma unroll
+    for (int u = 0; u < RECORD_BATCH; ++u) {
+      const int j = jb + j0() + 2 * u;
+      if (j < ncol) {
+        rec[j * ROWS_PER_BLOCK * (ASYM ? 2 : 1)] = row_ok ? __float_as_uint(ST::to_f32((u16)s[u])) : 0u;
+        if constexpr (ASYM) rec[j * ROWS_PER_BLOCK * 2 + 2] = row_ok ? neg_zero_pair(z[u]) : 0u;
+      }
+    }
+  }
+  // Write the first batch (loaded), then load and write the others (kc > 2 RECORD_BATCH).
+  NQ_DEVICE void store_all(u32* sz) {
+    store(sz, 0);
+    for (int jb = 2 * RECORD_BATCH; jb < ncol; jb += 2 * RECORD_BATCH) {
+      load(jb);
+      store(sz, jb);
+    }
+  }
+};
+
+// The same records, one per loop trip (each thread's loads wait for its previous store): the merge
+// kernels', whose o projection stages kc = 2 columns, i.e. one record per thread (with ScaleStager,
+// ptxas spilled 20-36 bytes in their main loop).
+template <bool ASYM, typename ST>
+NQ_DEVICE void stage_records_serial(u32* sz, const u16* __restrict__ scales, const u8* __restrict__ zeros, int N,
+                                    int KG, int tc_begin, int ncol) {
+  for (int i = threadIdx.x; i < ROWS_PER_BLOCK * ncol; i += blockDim.x) {
+    const int r = i / ncol, j = i - r * ncol;  // j fastest: a row's scales are adjacent in global memory
+    const int row = blockIdx.x * ROWS_PER_BLOCK + r;
+    u32* rec = sz + j * ROWS_PER_BLOCK * (ASYM ? 2 : 1) + ((r >> 4) * 8 + (r & 7)) * (ASYM ? 4 : 2) + ((r >> 3) & 1);
+    const i64 at = (i64)row * KG + tc_begin + j;
+    rec[0] = row < N ? __float_as_uint(ST::to_f32(scales[at])) : 0u;
+    if constexpr (ASYM) rec[2] = row < N ? neg_zero_pair(zeros[at]) : 0u;
+  }
+}
+
+
+// scales: the raw 16-bit scale words, bf16 or fp16 as ST says. G = 128: the staged-scale loop (below) unless
+// built with -DNQ_GEMV_STAGED_SCALES=0. EXACT (the other loop only): an exact trip count (below), for the
+// kernels where it compiles without spills (gemv.cu says which).
 // EPI: 0 stores y (+ bias) to out; 1 is the qkv epilogue (header), with rk; 2 the residual epilogue,
 // with ro (out unused). NORM: the norm prologue (XMODE 0 only), with ni. Separate instantiations (and
 // entry points), so the kernels without them compile exactly as before: near the 64-register cap a
 // run-time switch moved ptxas into spills in the main loop of the g128 asym kernels.
 // XMODE 3: the attention merge prologue (stage_x_merged) for head_dim MERGE_HD, with mi.
+#ifndef NQ_GEMV_STAGED_SCALES
+#define NQ_GEMV_STAGED_SCALES 1
+#endif
+constexpr bool STAGED_SCALES = NQ_GEMV_STAGED_SCALES;
+
 template <int G, bool ASYM, int XMODE, typename ST, bool EXACT, int EPI = 0, bool NORM = false, int MERGE_HD = 0>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                          const u16* __restrict__ scales, const u8* __restrict__ zeros,
@@ -493,6 +612,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
                          const NormIn& ni = {}, const ResidOut& ro = {}, const MergeIn& mi = {}) {
   NQ_DYNAMIC_SMEM(smem_raw, 16);
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
+  constexpr bool STAGED = STAGED_SCALES && G == 128;
   const int KT = K / 128, NT = N / 8, KG = K / G;
   const int split = blockIdx.y;
   const int tc_begin = split * kc;
@@ -544,19 +664,77 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // never written by a kernel. Everything after pdl_wait() may touch what the previous kernel wrote.
   const bool work = has0 && tc_begin < tc_end;  // warp-uniform (a split past K has no columns)
   TileColumn<G> A, B;
-  if (work) load(A, tc_begin);
+  u32* sz = reinterpret_cast<u32*>(xs + M * xs_stride);  // STAGED: the records (ScaleStager)
+  // STAGED: a stage is the weights alone; the records' loads go out here and are written after x is
+  // staged. The merge staging is a call (not inlined): with the first weights or the records in flight
+  // across it, ptxas spilled 12-36 bytes in the merge kernels, so they write the records before it and
+  // load the first weights after it.
+  constexpr bool PREFETCH = XMODE != 3;
+  ScaleStager<ASYM, ST> records{{}, {}, scales, zeros, N, KG, tc_begin, tc_end - tc_begin};
+  if constexpr (STAGED) {
+    if (work && PREFETCH) {
+      A.w0 = ld_stream_v4(w0p + (i64)tc_begin * 32);
+      A.w1 = ld_stream_v4(w1p + (i64)tc_begin * 32);
+    }
+    if constexpr (PREFETCH) records.load(0);
+    else stage_records_serial<ASYM, ST>(sz, scales, zeros, N, KG, tc_begin, tc_end - tc_begin);
+  } else if (work) {
+    load(A, tc_begin);
+  }
   pdl_wait();
   if constexpr (NORM) {
     static_assert(XMODE == 0, "the norm prologue takes a plain input");
     stage_x_normed(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
   } else if constexpr (XMODE == 3) {
     stage_x_merged<MERGE_HD>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, mi,
-                             reinterpret_cast<float*>(xs + M * xs_stride));
+                             reinterpret_cast<float*>(sz + (STAGED ? kc * ROWS_PER_BLOCK * (ASYM ? 2 : 1) : 0)));
   } else {
     stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
   }
+  if constexpr (STAGED && PREFETCH) records.store_all(sz);
   __syncthreads();
-  if (work && !EXACT) {
+  if constexpr (STAGED) {
+    if (work && !PREFETCH) {
+      A.w0 = ld_stream_v4(w0p + (i64)tc_begin * 32);
+      A.w1 = ld_stream_v4(w1p + (i64)tc_begin * 32);
+    }
+    if (work) {
+      // Two tile-columns per trip, the per-column loop's math in its order (the same bits): the weights
+      // from two running pointers, the records and x at constant offsets from running shared-memory
+      // pointers, one down-counter (a second loop variable spilled the accumulators in the asym kernels).
+      // 113 (asym) / 115 (sym) SASS instructions per tile-column at 64 registers, 113-114 for the SiLU
+      // kernels (96 registers), no spills (nvcc 13.0).
+      const uint4* p0 = w0p + (i64)tc_begin * 32;
+      const uint4* p1 = w1p + (i64)tc_begin * 32;
+      using Rec = typename StagedRecord<ASYM>::type;
+      const Rec* rec = reinterpret_cast<const Rec*>(sz) + warp * 8 + g;  // column j at rec[64 j]
+      const bf16_t* xt = xsl;
+      auto col = [&](const uint4& w0v, const uint4& w1v, const Rec& r, const bf16_t* xc) {
+        u32 nz0 = neg_zero_pair(8u), nz1 = nz0;
+        if constexpr (ASYM) {
+          nz0 = r.z;
+          nz1 = r.w;
+        }
+        mma_col_scaled(acc, w0v, w1v, __uint_as_float(r.x), __uint_as_float(r.y), nz0, nz1, xc);
+      };
+      int left = tc_end - tc_begin;  // columns not yet computed; stage A holds the next one
+      for (; left >= 2; left -= 2) {
+        B.w0 = ld_stream_v4(p0 + 32);
+        B.w1 = ld_stream_v4(p1 + 32);
+        col(A.w0, A.w1, rec[0], xt);
+        if (left > 2) {  // warp-uniform
+          A.w0 = ld_stream_v4(p0 + 64);
+          A.w1 = ld_stream_v4(p1 + 64);
+        }
+        col(B.w0, B.w1, rec[64], xt + 128);
+        p0 += 64;
+        p1 += 64;
+        rec += 128;
+        xt += 256;
+      }
+      if (left) col(A.w0, A.w1, rec[0], xt);
+    }
+  } else if (work && !EXACT) {
     // Per-column guards (warp-uniform): 150 (sym) / 160 (asym) SASS instructions per tile-column at
     // g128 (nvcc 13.0; 165.5 / 180.5 before the changes above), no spills.
     for (int tc = tc_begin; tc < tc_end; tc += 2) {

@@ -29,7 +29,10 @@ and hit. `features=False` (`nanoqwen-cli bench --features-off`) runs the same se
 With the features on, `features_cost` then measures the no-regression goal in the same run: two engines
 on the same weights, one with both features and one without, decode tok/s at batch 1/8/32/64 measured
 alternately; a regression is every "on" repeat slower than every "off" repeat (`ab_decode`). With
-the synthetic model, `layout_speed` compares the default layout (g128 asym) with g128 sym the same way.
+the synthetic model, `layout_speed` compares the default layout (g128 asym) with g128 sym the same way,
+and the engine options of issue 13 are compared with their defaults (`overlap_ab`, `attention_merge_ab`,
+`post_attention_ab`), as is an INT4 lm_head with the bf16 one (`lm_head_ab`, each side's fraction of
+the read roofline). `only` (`nanoqwen-cli bench --only a,b`) runs just the named sections.
 
 Results: bench.json and bench.md (`bench_report.py` builds both from the raw numbers collected here;
 they are rewritten after every section, so a run cut short keeps what it measured) and two plots.
@@ -307,6 +310,37 @@ def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] =
     return out
 
 
+def lm_head_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1,), reps: int = AB_REPS) -> dict:
+    """Issue 13's second batch-1 goal (900 tok/s, 80% of the roofline, with an int4 lm_head): the run's
+    weights with an INT4 g128 asymmetric lm_head (a: what `nanoqwen-quant pack --lm-head int4` gives
+    the decode step) against their bf16 lm_head (b), features off, `ab_decode` at context 128 + 128;
+    each side's bytes per token at the last step's context (the report turns each side's graph replay
+    into a fraction of the read roofline with them) and each side's batch-1 graph paths (the int4 side
+    must run its lm_head as one more INT4 GEMV and no cuBLAS GEMM)."""
+    import dataclasses
+
+    from .synthetic import random_int4
+
+    device = weights.embed_tokens.device
+    gen = torch.Generator(device=device).manual_seed(1)
+    h = geom.hidden_size
+    head = random_int4(geom.vocab_size, h, device, gen, 128, std=2.0 / h**0.5, symmetric=False)
+    w4 = dataclasses.replace(weights, lm_head=head)
+    ea = _ab_engine(geom, w4, prefix_caching=False, speculation=None)
+    eb = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
+    rows = ab_decode(ea, eb, batches=batches, reps=reps)
+    ctx = 128 + 128 - 1
+    cls = ea.runner.context_class(ctx)
+    out = {"rows": rows, "reps": reps, "a": "int4", "b": "bf16", "context": 128, "new_tokens": 128,
+           "bytes_per_token_a": sum(bytes_per_token(ea, ctx).values()),
+           "bytes_per_token_b": sum(bytes_per_token(eb, ctx).values()),
+           "graph_paths_a": dict(ea.runner.graph_paths.get((1, cls), {})),
+           "graph_paths_b": dict(eb.runner.graph_paths.get((1, cls), {}))}
+    del ea, eb, w4, head
+    torch.cuda.empty_cache()
+    return out
+
+
 OVERLAP_BATCHES = (1, 8, 64)
 
 
@@ -379,15 +413,24 @@ def load_time(geometry: Qwen2Config, folder: Path) -> dict:
         path.unlink(missing_ok=True)
 
 
-class _Run:
-    """The raw numbers of one run, the sections that fill them, and the report rewritten after each."""
+ALWAYS_RUN = ("read_bandwidth", "copy_bandwidth_Bps")  # the roofline of every figure: run under `only` too
 
-    def __init__(self, out_dir: Path, log: Log, raw: dict):
-        self.out_dir, self.log, self.raw = out_dir, log, raw
+
+class _Run:
+    """The raw numbers of one run, the sections that fill them, and the report rewritten after each.
+    only: the names of the sections to run (ALWAYS_RUN besides); None runs every section."""
+
+    def __init__(self, out_dir: Path, log: Log, raw: dict, only: frozenset[str] | None = None):
+        self.out_dir, self.log, self.raw, self.only = out_dir, log, raw, only
+        self.names: list[str] = []  # every section the run reached, run or skipped
 
     def section(self, key: str, fn, *args, into: str | None = None, **kw):
         """Run one section; its result goes to raw[key] (or is appended to raw[into]). A failure is
-        recorded under raw["errors"] (and logged), never hidden, and does not stop the other sections."""
+        recorded under raw["errors"] (and logged), never hidden, and does not stop the other sections.
+        A section that `only` leaves out returns None without running."""
+        self.names.append(key)
+        if self.only is not None and key not in self.only and key not in ALWAYS_RUN:
+            return None
         try:
             res = fn(*args, **kw)
             if into is None:
@@ -403,6 +446,13 @@ class _Run:
             return None
         finally:
             self.save(plots=False)
+
+    def check_only(self) -> None:
+        """Record, as an error of the run, the names in `only` that no section had."""
+        unknown = sorted((self.only or frozenset()) - set(self.names))
+        if unknown:
+            self.raw.setdefault("errors", {})["only"] = (f"no section named {', '.join(unknown)}; this run's "
+                                                         f"sections: {', '.join(self.names)}")
 
     def save(self, plots: bool) -> dict | None:
         """Rewrite the report from the raw numbers. If that fails (a bug in the report, not a
@@ -420,9 +470,12 @@ class _Run:
 
 def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool = False,
               kv_memory: int = 24 << 30, geometry: Qwen2Config = QWEN25_CODER_7B,
-              load_test_dir: Path | None = None, profile_steps: int = 5, features: bool = True) -> dict:
+              load_test_dir: Path | None = None, profile_steps: int = 5, features: bool = True,
+              only: frozenset[str] | None = None) -> dict:
     """Run everything; write bench.json, bench.md and plots into `out_dir`; return the report.
-    `features=False` turns prefix caching and speculation off (the no-regression baseline)."""
+    `features=False` turns prefix caching and speculation off (the no-regression baseline). `only`: run
+    just these sections (their keys in raw / the errors, e.g. "decode_ctx128", "batch8", "lm_head_ab";
+    the bandwidths always run, the engines are still built); a name no section has is an error."""
     from nanoqwen_kernels.bench import read_bandwidth
 
     from .bench_profile import profile_decode_ops
@@ -435,7 +488,7 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
                           "torch": torch.__version__, "python": platform.python_version(),
                           "prefix_caching": features, "speculation": "ngram:4" if features else "off"},
                  "decode_batch1": [], "decode_batched": [], "prefill": [], "eager": []}
-    run = _Run(out_dir, log, raw)
+    run = _Run(out_dir, log, raw, only)
     rb = run.section("read_bandwidth", read_bandwidth, device)
     if rb:
         log(f"read bandwidth {rb['bytes_per_s'] / 1e9:.0f} GB/s ({rb['nbytes'] / 2**30:.0f} GiB, median of "
@@ -549,6 +602,12 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
             log(f"attention_merge o_proj/combine batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
                 f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
                 f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
+        lh = run.section("lm_head_ab", lm_head_ab, geom, weights_ref)
+        for r in (lh or {}).get("rows", []):
+            frac = (f" = {100 * r['a_graph_tok_s'] * lh['bytes_per_token_a'] / read_bps:.0f}% of the read "
+                    "roofline" if read_bps and r["a_graph_tok_s"] else "")
+            log(f"lm_head int4/bf16 batch {r['batch']}: engine {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} "
+                f"tok/s; graph {r['a_graph_tok_s']:.0f} / {r['b_graph_tok_s']:.0f}{frac}")
         pa = run.section("post_attention_ab", post_attention_ab, geom, weights_ref)
         for variant, res in (pa or {}).get("variants", {}).items():
             for r in res["rows"]:
@@ -563,6 +622,7 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
             f"({plain['upload_GBps']:.1f} GB/s upload), verified (default) {ver['total_seconds']:.2f} s "
             f"(hashing {ver['verify_seconds']:.2f} s beside the copies, waited "
             f"{ver['verify_wait_seconds']:.2f} s; NaN/Inf check {ver['finite_seconds']:.3f} s)")
+    run.check_only()
     rep = run.save(plots=True)
     if rep is None:
         raise RuntimeError(f"the report could not be built; the raw numbers are in {out_dir}/bench_raw.json")

@@ -129,7 +129,7 @@ def build_report(raw: dict) -> dict:
     rep["speculation"] = meta.get("speculation")
     for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
               "prefix_cache", "engine_stats", "features_cost", "layout_speed", "overlap_ab",
-              "attention_merge_ab", "post_attention_ab"):
+              "attention_merge_ab", "lm_head_ab", "post_attention_ab"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -221,6 +221,7 @@ def markdown(rep: dict) -> str:
     lines += _layout_md(rep.get("layout_speed"))
     lines += _overlap_md(rep.get("overlap_ab"))
     lines += _attention_merge_md(rep.get("attention_merge_ab"))
+    lines += _lm_head_md(rep.get("lm_head_ab"), rep.get("read_bandwidth_GBps"))
     lines += _post_attention_md(rep.get("post_attention_ab"))
     lines += ["", "## Graph vs eager (context 128, engine wall time)", "",
               "| batch | graph-mode tok/s | eager tok/s |",
@@ -311,6 +312,36 @@ def _attention_merge_md(am: dict | None) -> list[str]:
                    f"vs the combine kernel (same run, context {am['context']} + {am['new_tokens']})", note,
                    "o_proj", "combine", am["rows"], "slower")
     return lines + _graph_ratio_lines("o_proj", "combine", am["rows"])
+
+
+def _lm_head_md(lh: dict | None, read_gbps: float | None) -> list[str]:
+    if not lh:
+        return []
+    note = (f"Engine tok/s, medians of {lh['reps']} alternating repeats per side; 'slower' is every 'int4' "
+            "repeat slower than every 'bf16' repeat (rank test, U = 0). Bytes per token at the last step: "
+            f"int4 {lh['bytes_per_token_a'] / 1e9:.3f} GB, bf16 {lh['bytes_per_token_b'] / 1e9:.3f} GB. "
+            f"lm_head path of the int4 side's batch-1 graph: {_lm_head_path(lh.get('graph_paths_a'))}.")
+    lines = _ab_md("## INT4 lm_head (`nanoqwen-quant pack --lm-head int4`) vs bf16 (same run, context "
+                   f"{lh['context']} + {lh['new_tokens']})", note, "int4", "bf16", lh["rows"], "slower")
+    lines += _graph_ratio_lines("int4", "bf16", lh["rows"])
+    lines += ["", "| batch | graph replay int4, % of the read roofline | bf16 |", "| --- | --- | --- |"]
+    read_bps = read_gbps * 1e9 if read_gbps else None
+    for r in lh["rows"]:
+        cells = []
+        for side in ("a", "b"):
+            graph = r.get(f"{side}_graph_tok_s")
+            moved = graph * lh[f"bytes_per_token_{side}"] if graph else None  # bytes/s the replay moved
+            cells.append(_f(_frac(moved, read_bps), ".1f", 100, "%"))
+        lines.append(f"| {r['batch']} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+def _lm_head_path(paths: dict | None) -> str:
+    """What the graph's path counters say the lm_head ran as: INT4 GEMVs are 4 per layer plus one for an
+    INT4 lm_head; a bf16 lm_head is the one cuBLAS GEMM."""
+    if not paths:
+        return "not recorded"
+    return ", ".join(f"{k} {v}" for k, v in sorted(paths.items()) if k in ("gemv_int4", "cublas_bf16"))
 
 
 def _post_attention_md(pa: dict | None) -> list[str]:
