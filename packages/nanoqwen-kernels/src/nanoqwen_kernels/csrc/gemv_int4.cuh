@@ -523,7 +523,7 @@ struct StagedRecord<true> {
 // Thread t stages the records of block row r = t % 128, tile-columns j = t / 128 + 2 u (u = 0, 1, ...),
 // RECORD_BATCH of them per batch: all of a batch's loads are issued before any record is written, and
 // the first batch's go out before x is staged (`load`), are written after it (`store`), so that their
-// latency hides behind the staging's instead of adding to it. The index arithmetic is per thread, once.
+// latency hides behind the staging's instead of adding to it.
 constexpr int RECORD_BATCH = 9;  // one batch covers kc <= 18: every 7B decode GEMV (down: kc = 17)
 
 template <bool ASYM, typename ST>
@@ -583,13 +583,13 @@ NQ_DEVICE void stage_records_serial(u32* sz, const u16* __restrict__ scales, con
   for (int i = threadIdx.x; i < ROWS_PER_BLOCK * ncol; i += blockDim.x) {
     const int r = i / ncol, j = i - r * ncol;  // j fastest: a row's scales are adjacent in global memory
     const int row = blockIdx.x * ROWS_PER_BLOCK + r;
-    u32* rec = sz + j * ROWS_PER_BLOCK * (ASYM ? 2 : 1) + ((r >> 4) * 8 + (r & 7)) * (ASYM ? 4 : 2) + ((r >> 3) & 1);
+    u32* rec = sz + j * ROWS_PER_BLOCK * (ASYM ? 2 : 1) + ((r >> 4) * 8 + (r & 7)) * (ASYM ? 4 : 2)
+               + ((r >> 3) & 1);
     const i64 at = (i64)row * KG + tc_begin + j;
     rec[0] = row < N ? __float_as_uint(ST::to_f32(scales[at])) : 0u;
     if constexpr (ASYM) rec[2] = row < N ? neg_zero_pair(zeros[at]) : 0u;
   }
 }
-
 
 // scales: the raw 16-bit scale words, bf16 or fp16 as ST says. G = 128: the staged-scale loop (below) unless
 // built with -DNQ_GEMV_STAGED_SCALES=0. EXACT (the other loop only): an exact trip count (below), for the
