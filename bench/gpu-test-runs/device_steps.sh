@@ -99,10 +99,12 @@ PY
     V1=$PWD/.v1/packages/nanoqwen-kernels/src; NEW=$PWD/packages/nanoqwen-kernels/src
     F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src; AB=bench/kernels/gemv_ab.py
     mkdir -p $OUT/gemv-ab
-    PYTHONPATH=$F:$V1 timeout 150 python3 $AB time --label v1 --out $OUT/gemv-ab/v1.json 2>&1 | tail -4
-    PYTHONPATH=$F:$NEW timeout 150 python3 $AB time --label new --out $OUT/gemv-ab/new.json 2>&1 | tail -4
+    # ${AB_OPTS}: more `gemv_ab.py time` options for every side, e.g. --with-lm-head
+    PYTHONPATH=$F:$V1 timeout 150 python3 $AB time --label v1 ${AB_OPTS:-} --out $OUT/gemv-ab/v1.json 2>&1 | tail -4
+    PYTHONPATH=$F:$NEW timeout 150 python3 $AB time --label new ${AB_OPTS:-} --out $OUT/gemv-ab/new.json 2>&1 | tail -4
     for v in ${2:-gemv_exact gemv_mb3}; do
-      PYTHONPATH=$F:$NEW timeout 150 python3 $AB time --label $v --variant $v --out $OUT/gemv-ab/$v.json 2>&1 | tail -2
+      PYTHONPATH=$F:$NEW timeout 150 python3 $AB time --label $v --variant $v ${AB_OPTS:-} \
+        --out $OUT/gemv-ab/$v.json 2>&1 | tail -2
     done
     for f in $OUT/gemv-ab/*.json; do [ "$(basename $f)" = v1.json ] || \
       python3 $AB compare $OUT/gemv-ab/v1.json $f --out ${f%.json}.md; done ;;

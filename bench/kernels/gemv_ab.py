@@ -30,6 +30,9 @@ import sys
 from pathlib import Path
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
+# `--with-lm-head`: the INT4 lm_head option's GEMV too (unsplit, kc = 28: the shape whose occupancy at
+# M = 5..8 the g128 scale records cost, 3 -> 2 blocks per SM; packages/nanoqwen-kernels/NOTES.md, session 25)
+LM_HEAD_SHAPE = ("lm_head", 152064, 3584)
 L2_ROTATE_BYTES = 256 << 20
 # compile-option builds of the "gemv" family that `--variant` can time
 VARIANTS = {
@@ -70,7 +73,8 @@ def _plan(gemv, n: int, k: int, silu: bool, target_blocks: int | None):
         return gemv.plan_gemv(n, k)
 
 
-def time_gemv(label: str, variant: str | None, target_blocks: int | None = None) -> dict:
+def time_gemv(label: str, variant: str | None, target_blocks: int | None = None,
+              with_lm_head: bool = False) -> dict:
     import torch
     from bench_kernels import random_weight
     from nanoqwen_kernels import build, gemv
@@ -84,10 +88,11 @@ def time_gemv(label: str, variant: str | None, target_blocks: int | None = None)
     dev = torch.device("cuda")
     read_bps = read_bandwidth(dev)["bytes_per_s"]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    plans = [_plan(gemv, n, k, name == "down", target_blocks) for name, n, k in SHAPES]
+    shapes = SHAPES + ([LM_HEAD_SHAPE] if with_lm_head else [])
+    plans = [_plan(gemv, n, k, name == "down", target_blocks) for name, n, k in shapes]
     ws = gemv.GemvWorkspace.allocate(plans, dev)
     rows = []
-    for name, n, k in SHAPES:
+    for name, n, k in shapes:
         silu = name == "down"
         for symmetric in (True, False):
             w0 = random_weight(n, k, gen, symmetric)
@@ -150,13 +155,15 @@ def main(argv=None) -> int:
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--variant", choices=sorted(VARIANTS))
     t.add_argument("--target-blocks", type=int, help="plan_gemv's split-K target (blocks per SM)")
+    t.add_argument("--with-lm-head", action="store_true", help="time the INT4 lm_head's GEMV too")
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
     c.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "time":
-        args.out.write_text(json.dumps(time_gemv(args.label, args.variant, args.target_blocks), indent=1))
+        res = time_gemv(args.label, args.variant, args.target_blocks, args.with_lm_head)
+        args.out.write_text(json.dumps(res, indent=1))
         return 0
     md = compare(json.loads(args.a.read_text()), json.loads(args.b.read_text()))
     print(md)
