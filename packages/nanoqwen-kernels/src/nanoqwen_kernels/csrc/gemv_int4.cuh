@@ -185,13 +185,14 @@ NQ_DEVICE uint4 load_x(const void* p) {
   else return ld_v4(p);
 }
 
-template <int XMODE, bool CG = false>
+template <int XMODE, bool CG = false, int NORM_UNROLL = 1>
 NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M, int K, int k0,
                        int ncols, const bf16_t* __restrict__ nw = nullptr, const float* rs = nullptr) {
   const int vec_per_row = ncols / 8;
-  // unrolled 4 times, except the norm staging (XMODE 2): not unrolled (unrolled, ptxas spilled in the
-  // g128 asym kernels, whose first weight stage is live across the staging)
-#pragma unroll(XMODE == 2 ? 1 : 4)
+  // unrolled 4 times, except the norm staging (XMODE 2): NORM_UNROLL times (1, not unrolled, where the
+  // first weight stage is live across the staging with its scales: unrolled, ptxas spilled in the per-column
+  // loop's g128 asym kernels; 4 with the staged scale records, whose stage is 8 registers)
+#pragma unroll(XMODE == 2 ? NORM_UNROLL : 4)
   for (int v = threadIdx.x; v < M * vec_per_row; v += blockDim.x) {
     const int m = v / vec_per_row, c8 = (v - m * vec_per_row) * 8;
     u32 w[4];
@@ -376,13 +377,13 @@ NQ_DEVICE void norm_scales(const NormIn& ni, int M, int K, float* rs) {
 // The norm prologue's staging: the rows' RMS scales from ni.stats, then x staged as stage_x<2>. Not
 // inlined: inlined, ptxas spilled 8 bytes inside the main loop of the g128 asym exact-loop kernel.
 // CG: x and the statistics read past L1 (stage_x).
-template <bool CG = false>
+template <bool CG = false, int UNROLL = 1>
 __device__ __noinline__ void stage_x_normed(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M,
                                             int K, int k0, int ncols, NormIn ni) {
   __shared__ float rs[8];
   norm_scales<CG>(ni, M, K, rs);
   __syncthreads();
-  stage_x<2, CG>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
+  stage_x<2, CG, UNROLL>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
 }
 
 // The attention merge prologue's arguments (XMODE 3; header): the split-KV partials of the attention
@@ -684,7 +685,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   pdl_wait();
   if constexpr (NORM) {
     static_assert(XMODE == 0, "the norm prologue takes a plain input");
-    stage_x_normed(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
+    stage_x_normed<false, STAGED ? 4 : 1>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
   } else if constexpr (XMODE == 3) {
     stage_x_merged<MERGE_HD>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, mi,
                              reinterpret_cast<float*>(sz + (STAGED ? kc * ROWS_PER_BLOCK * (ASYM ? 2 : 1) : 0)));
