@@ -42,13 +42,14 @@ VARIANTS = {
     # the exact loop everywhere, the g32/g64 kernels at 2 blocks per SM (session 9 timed it before the
     # g128 SiLU kernels had a macro of their own: they were at 2 blocks too, today's default)
     "gemv_exact_mb2": ("-DNQ_GEMV_EXACT_LOOP", "-DNQ_GEMV_MIN_BLOCKS=2"),
-    # the g128 SiLU kernels at 3 blocks per SM (the staged-scale loop: 80 registers, unspilled, 120.5 /
-    # 113.5 SASS instructions per tile-column asym / sym; the per-column loop spilled 4-8 bytes); pair
-    # with --target-blocks 3
+    # the g128 SiLU kernels at 3 blocks per SM (spills 4-8 bytes; pair with --target-blocks 3), and the
+    # same with the staged-scale loop (80 registers, unspilled, 120.5 / 113.5 SASS instructions per
+    # tile-column asym / sym)
     "gemv_silu_mb3": ("-DNQ_GEMV_MIN_BLOCKS_G128_SILU=3",),
-    # the g128 kernels with the per-column loop of before the staged scale records (session 25): the
-    # same SASS as c7aca63's kernels, i.e. the A/B of the staging inside one tree
-    "gemv_unstaged": ("-DNQ_GEMV_STAGED_SCALES=0",),
+    "gemv_staged_silu_mb3": ("-DNQ_GEMV_STAGED_SCALES=1", "-DNQ_GEMV_MIN_BLOCKS_G128_SILU=3"),
+    # the g128 kernels with the staged scale records (session 25; nanoqwen_kernels.gemv.register_staged,
+    # opt-in: 1.027x the default's time on the H100)
+    "gemv_staged": ("-DNQ_GEMV_STAGED_SCALES=1",),
 }
 
 

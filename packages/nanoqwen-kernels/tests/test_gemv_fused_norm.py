@@ -37,9 +37,7 @@ LAYOUTS = [(128, False), (128, True), (64, False), (32, True)]
 LAYOUT_IDS = ["g128-asym", "g128-sym", "g64-asym", "g32-sym"]
 SCALES = [torch.bfloat16, torch.float16]
 SCALE_IDS = ["bf16_scales", "fp16_scales"]
-# the unsplit plans made here stage at most 48 tile-columns (8 rows of x and the g128 scale records: 145 KB
-# of shared memory, one block per SM; the planner itself stops at gemv.KC_MAX = 32)
-KC_MAX = 48
+KC_MAX = 48  # gemv.KC_MAX: an unsplit plan exists only for K <= 48 tile-columns
 
 
 def _plan(n, k, split, device, *, silu=False, group_size=128):

@@ -1,10 +1,11 @@
 """The g128 GEMVs' staged scale records (csrc/gemv_int4.cuh `ScaleStager`: the scales and zero pairs of a
-block's rows in shared memory, two tile-columns per loop trip) on the CPU emulator (nanoqwen_kernels.emu).
+block's rows in shared memory, two tile-columns per loop trip; the opt-in build `gemv.register_staged()`)
+on the CPU emulator (nanoqwen_kernels.emu).
 
 The staged loop does the per-column loop's arithmetic in the same order on the same operands, so the
-check is bit for bit: every g128 entry kind the engine launches gives the same bits as the same source
-built with `-DNQ_GEMV_STAGED_SCALES=0` (the per-column loop, a second emulator library registered as the
-family "gemv_unstaged", as the benchmarks register compile-option variants). The kinds: plain, SiLU
+check is bit for bit: every g128 entry kind the engine launches gives the same bits in the staged build
+(-DNQ_GEMV_STAGED_SCALES=1, a second emulator library) as in the default one (the per-column loop).
+The kinds: plain, SiLU
 input + residual epilogue (down), norm prologue (gate_up), residual epilogue (o), norm prologue + RoPE /
 paged K/V epilogue (qkv). The shapes reach each branch of the staged loop: an odd tile count (the last
 warp has no tile 1: its records are those of rows past N), an odd and an even number of tile-columns per
@@ -17,7 +18,6 @@ kernels on the device.
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import pytest
@@ -25,23 +25,23 @@ import torch
 from int4_testkit import random_int4, same_bits
 from nanoqwen_kernels import emu, gemv, layer_ops
 from nanoqwen_kernels.gemv import GemvPlan, GemvWorkspace, NormPrologue, ResidualEpilogue
-from nanoqwen_kernels.specs import SPECS
 
 pytestmark = pytest.mark.usefixtures("emu_compiler")
 CPU = torch.device("cpu")
-UNSTAGED = "gemv_unstaged"
-LAYOUTS = [(False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float16), (True, torch.float16)]
-LAYOUT_IDS = ["asym", "sym", "asym-f16s", "sym-f16s"]
+STAGED = gemv.STAGED_FAMILY
 
 
 @pytest.fixture(scope="module", autouse=True)
-def unstaged_family():
-    """The per-column loop: csrc/gemv.cu built with -DNQ_GEMV_STAGED_SCALES=0, as "gemv_unstaged"."""
-    spec = SPECS["gemv"]
-    SPECS[UNSTAGED] = dataclasses.replace(spec, name=UNSTAGED,
-                                          options=(*spec.options, "-DNQ_GEMV_STAGED_SCALES=0"))
+def staged_family():
+    """The staged build, registered for this module only (the registry is global: test_build.py
+    parametrizes over it)."""
+    from nanoqwen_kernels.specs import SPECS
+
+    gemv.register_staged()
     yield
-    del SPECS[UNSTAGED]
+    del SPECS[STAGED]
+LAYOUTS = [(False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float16), (True, torch.float16)]
+LAYOUT_IDS = ["asym", "sym", "asym-f16s", "sym-f16s"]
 
 
 def _gen(request) -> torch.Generator:
@@ -68,14 +68,14 @@ def test_plain_gemv_staged_equals_per_column_loop(n, k, kc, m, symmetric, scale_
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
     plan = _plan(n, k, kc)
     outs = {}
-    for family in ("gemv", UNSTAGED):
+    for family in (STAGED, "gemv"):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
         with emu.emulated(sms=4, seed=m):
             gemv.gemv_int4(x, w, out, bias, workspace=GemvWorkspace.allocate([plan], CPU), plan=plan,
                            family=family)
         outs[family] = out
-    assert not outs["gemv"].isnan().any()
-    same_bits(outs["gemv"], outs[UNSTAGED], f"staged vs per-column loop, plan {plan}")
+    assert not outs[STAGED].isnan().any()
+    same_bits(outs[STAGED], outs["gemv"], f"staged vs per-column loop, plan {plan}")
 
 
 def _norm(k: int, m: int, gen: torch.Generator) -> NormPrologue:
@@ -100,7 +100,7 @@ def test_fused_gemvs_staged_equal_per_column_loop(kind, symmetric, scale_dtype, 
     if kind == "gate_up":
         norm = _norm(k, m, gen)
     results = {}
-    for family in ("gemv", UNSTAGED):
+    for family in (STAGED, "gemv"):
         ws = GemvWorkspace.allocate([plan], CPU)
         with emu.emulated(sms=4, seed=m):
             if kind == "gate_up":
@@ -112,7 +112,7 @@ def test_fused_gemvs_staged_equal_per_column_loop(kind, symmetric, scale_dtype, 
                 gemv.gemv_int4(x, w, None, workspace=ws, plan=plan, silu_mul_input=kind == "down",
                                family=family, residual=res)
                 results[family] = (res.residual, res.stats)
-    for a, b in zip(results["gemv"], results[UNSTAGED], strict=True):
+    for a, b in zip(results[STAGED], results["gemv"], strict=True):
         assert not a.isnan().any()
         same_bits(a, b, f"{kind}: staged vs per-column loop, plan {plan}")
 
@@ -132,7 +132,7 @@ def test_qkv_norm_rope_staged_equals_per_column_loop(symmetric, scale_dtype, req
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
     plan = _plan(n, k, 3)
     results = {}
-    for family in ("gemv", UNSTAGED):
+    for family in (STAGED, "gemv"):
         q = torch.full((m, shape.n_heads, shape.head_dim), float("nan"), dtype=torch.bfloat16)
         kc, vc = (torch.full((blocks, shape.n_kv_heads, block_size, shape.head_dim), float("nan"),
                              dtype=torch.bfloat16) for _ in range(2))
@@ -140,6 +140,6 @@ def test_qkv_norm_rope_staged_equals_per_column_loop(symmetric, scale_dtype, req
             gemv.gemv_int4_qkv_rope(x, w, bias, shape, positions, slots, inv_freq, q, kc, vc,
                                     GemvWorkspace.allocate([plan], CPU), plan, family=family, norm=norm)
         results[family] = (q, kc, vc)
-    assert not results["gemv"][0].isnan().any()
-    for a, b, what in zip(results["gemv"], results[UNSTAGED], ("q", "k cache", "v cache"), strict=True):
+    assert not results[STAGED][0].isnan().any()
+    for a, b, what in zip(results[STAGED], results["gemv"], ("q", "k cache", "v cache"), strict=True):
         same_bits(a, b, f"qkv {what}: staged vs per-column loop")

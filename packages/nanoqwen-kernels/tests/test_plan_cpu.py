@@ -29,9 +29,8 @@ def test_plan_covers_k_exactly(n, k, target):
         assert plan.workspace_floats(8) == 0
     else:
         assert plan.workspace_floats(8) == plan.splits * 8 * n
-    # the staged activations and scale records of 8 rows leave room for two blocks per SM (227 KB)
-    assert plan.shared_bytes(8, 128, symmetric=False) <= 100 * 1024
-    assert plan.shared_bytes(8, 32, symmetric=False) <= plan.shared_bytes(8, 128, symmetric=False)
+    # shared memory of the staged activations fits the 227 KB a block may use
+    assert plan.shared_bytes(8) <= 100 * 1024
 
 
 def test_plan_splits_small_n_and_not_large_n():

@@ -61,11 +61,15 @@ XPAD = 32  # nq_gemv::XPAD
 #   with the exact loop: 0.83x the time, asym);
 # - g32 / g64 (3 blocks resident; not re-tuned): TARGET_BLOCKS_PER_SM.
 TARGET_BLOCKS_PER_SM = 4
-# Most tile-columns one block stages: M = 8 rows x 32 x 128 bf16 = 64 KB of shared memory, plus 32 KB of
-# g128 asymmetric scale records (GemvPlan.shared_bytes), so two blocks still fit an SM for any K
-# (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns). Only shapes with few splits and
-# K > 4096 reach it (a 152064-row lm_head at K = 5120).
-KC_MAX = 32
+# Most tile-columns one block stages: M = 8 rows x 48 x 128 bf16 = 96 KB of shared memory, so two
+# blocks still fit an SM for any K (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns).
+KC_MAX = 48
+# The opt-in build of the g128 kernels with the staged scale records (csrc/gemv_int4.cuh ScaleStager):
+# the same bits, 113-115 SASS instructions per tile-column instead of 141.5-161, but 2.7% slower on the
+# H100 (geometric mean of the 7B decode GEMVs; the INT4 lm_head at M = 8 1.17x: its records cost an
+# SM a block); not measured on the H200. Launch it with `family=register_staged()`.
+STAGED_FAMILY = "gemv_staged"
+STAGED_OPTION = "-DNQ_GEMV_STAGED_SCALES=1"
 SCALE_DTYPES = (torch.bfloat16, torch.float16)  # Int4Weight.scales: layouts int4-...-v1 / int4-...-f16s-v1
 
 
@@ -146,15 +150,40 @@ class GemvPlan:
         """Split-K arrival counters the launch uses (one per row block; allocated even unsplit)."""
         return self.blocks_n
 
-    def shared_bytes(self, m: int, group_size: int, symmetric: bool) -> int:
-        """Dynamic shared memory of one block: x staged as m rows of kc * 128 + XPAD bf16, then for
-        G = 128 the scale records of csrc/gemv_int4.cuh's ScaleStager (per weight row and tile-column
-        the fp32 scale, and the zero pair when asymmetric)."""
-        records = self.kc * ROWS_PER_BLOCK * (4 if symmetric else 8) if group_size == 128 else 0
-        return m * (self.kc * 128 + XPAD) * 2 + records
+    def shared_bytes(self, m: int) -> int:
+        return m * (self.kc * 128 + XPAD) * 2
+
+    def staged_record_bytes(self, weight: Int4Weight, family: str) -> int:
+        """Shared memory after x that a family built with staged scale records (`staged_scales`) takes for
+        a G = 128 weight: per weight row and tile-column the fp32 scale, and the zero pair when
+        asymmetric (csrc/gemv_int4.cuh ScaleStager); 0 otherwise."""
+        if weight.group_size != 128 or not staged_scales(family):
+            return 0
+        return self.kc * ROWS_PER_BLOCK * (4 if weight.symmetric else 8)
 
     def workspace_floats(self, m: int) -> int:
         return self.splits * m * self.n if self.splits > 1 else 0
+
+
+def register_staged() -> str:
+    """Register the staged-scale build of csrc/gemv.cu as the op family STAGED_FAMILY (not in the
+    registry by default: `launch.warm_up` would compile it at every engine start) and return its name.
+    Its hot kernels are the g128 ones (no spills, like the default build's)."""
+    from .build import KernelSpec
+    from .specs import SPECS
+
+    if STAGED_FAMILY not in SPECS:
+        base = SPECS[FAMILY]
+        hot = tuple(k for k in base.hot_kernels if k.startswith("gemv_int4_g128_"))
+        SPECS[STAGED_FAMILY] = KernelSpec(STAGED_FAMILY, base.sources, (*base.options, STAGED_OPTION), hot)
+    return STAGED_FAMILY
+
+
+def staged_scales(family: str) -> bool:
+    """Whether `family` is a build of csrc/gemv.cu with the staged scale records (STAGED_OPTION)."""
+    from .specs import SPECS
+
+    return STAGED_OPTION in SPECS[family].options
 
 
 @functools.cache
@@ -392,7 +421,7 @@ def gemv_int4(
         extra = _residual_args(residual, x, m, n, dev)
     plan = plan or plan_gemv(n, k, dev, silu_input=silu_mul_input, group_size=weight.group_size)
     ws_ptr, cnt_ptr = _split_workspace(plan, weight, m, workspace)
-    shared = plan.shared_bytes(m, weight.group_size, weight.symmetric)
+    shared = plan.shared_bytes(m) + plan.staged_record_bytes(weight, family)
     merged = ""
     if merge is not None:
         extra += _merge_args(merge, m, k, dev)
@@ -479,7 +508,7 @@ def gemv_int4_qkv_rope(
     )  # fmt: skip
     name = f"gemv_int4_{weight.kernel_suffix()}{'_norm' if norm is not None else ''}_rope"
     launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args,
-           plan.shared_bytes(m, weight.group_size, weight.symmetric), pdl=pdl)
+           plan.shared_bytes(m) + plan.staged_record_bytes(weight, family), pdl=pdl)
     return q_out
 
 

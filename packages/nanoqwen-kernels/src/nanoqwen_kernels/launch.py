@@ -103,7 +103,10 @@ def launch(family: str, kernel: str, device_index: int, grid, block, args, share
     must call `pdl_wait` before it depends on the previous kernel (every kernel here does). False: a
     plain launch in stream order."""
     fn = get_function(family, kernel, device_index)
-    if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
+    # the attribute starts at 48 KB less the kernel's static shared memory: opt in whenever the launch
+    # needs more than that (not only above 48 KB of dynamic memory: with static memory beside it, less
+    # is already too much, CUDA_ERROR_INVALID_VALUE)
+    if fn.max_dynamic_shared_size_bytes < shared_mem:
         fn.max_dynamic_shared_size_bytes = shared_mem
     import cupy
 

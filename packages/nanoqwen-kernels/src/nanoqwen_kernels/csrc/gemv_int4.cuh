@@ -29,12 +29,11 @@
 // 16-byte L1-bypassing load, two tile-columns (4 loads) in flight per warp. The ALU work is the limit
 // at HBM speed (bench/kernels/CEILINGS.md: this loop on weights already in shared memory consumes them
 // at only ~1.03x (sym) / 1.14x (asym) the read bandwidth), so the loop is kept lean: per 2 weights one
-// shift, one lop3 and one bf16x2 add (`dq`), per 128 weights one mma, no masked loads. At G = 128 the
-// block stages its rows' fp32 scales and zero pairs in shared memory beside x (ScaleStager), so that
-// a pipeline stage is the weights alone and the loop reads everything else at constant offsets:
-// 113 / 115 SASS instructions per tile-column (1 KiB of weights) at g128 asym / sym, of which 107 are
-// the dequantisation, the mma, the loads and the scales' fmas (the per-column loop it replaced, still
-// built with -DNQ_GEMV_STAGED_SCALES=0 and used at G = 32 / 64: 151-161 / 145-150).
+// shift, one lop3 and one bf16x2 add (`dq`), per 128 weights one mma, no masked loads, one PRMT per
+// zero point; 150 / 160 SASS instructions per tile-column (1 KiB of weights) at g128 sym / asym. Built
+// with -DNQ_GEMV_STAGED_SCALES=1 (opt-in), the g128 block stages its rows' fp32 scales and zero pairs in
+// shared memory beside x (ScaleStager) and a pipeline stage is the weights alone: 113 / 115
+// instructions per tile-column, the same bits, but 2.7% slower on the H100 (NOTES.md, session 25).
 // Split-K: when N alone gives too few blocks for 132 SMs, gridDim.y = S blocks share each block's
 // rows, each over kc tile-columns; they write fp32 partials to a workspace [S, M, N] and the last
 // block to finish (an atomic counter per block row, reset to 0 by that block: graph-replay safe)
@@ -592,16 +591,16 @@ NQ_DEVICE void stage_records_serial(u32* sz, const u16* __restrict__ scales, con
   }
 }
 
-// scales: the raw 16-bit scale words, bf16 or fp16 as ST says. G = 128: the staged-scale loop (below) unless
-// built with -DNQ_GEMV_STAGED_SCALES=0. EXACT (the other loop only): an exact trip count (below), for the
-// kernels where it compiles without spills (gemv.cu says which).
+// scales: the raw 16-bit scale words, bf16 or fp16 as ST says. G = 128, built with -DNQ_GEMV_STAGED_SCALES=1
+// (the family gemv.STAGED_FAMILY): the staged-scale loop (below). EXACT (the other loop only): an exact
+// trip count (below), for the kernels where it compiles without spills (gemv.cu says which).
 // EPI: 0 stores y (+ bias) to out; 1 is the qkv epilogue (header), with rk; 2 the residual epilogue,
 // with ro (out unused). NORM: the norm prologue (XMODE 0 only), with ni. Separate instantiations (and
 // entry points), so the kernels without them compile exactly as before: near the 64-register cap a
 // run-time switch moved ptxas into spills in the main loop of the g128 asym kernels.
 // XMODE 3: the attention merge prologue (stage_x_merged) for head_dim MERGE_HD, with mi.
 #ifndef NQ_GEMV_STAGED_SCALES
-#define NQ_GEMV_STAGED_SCALES 1
+#define NQ_GEMV_STAGED_SCALES 0  // opt-in (gemv.py STAGED_FAMILY): 2.7% slower on the H100 (NOTES.md, session 25)
 #endif
 constexpr bool STAGED_SCALES = NQ_GEMV_STAGED_SCALES;
 
