@@ -289,41 +289,43 @@ def _graph_ratio_lines(a: str, b: str, rows: list[dict]) -> list[str]:
     return lines
 
 
+def _engine_ab_md(title: str, a: str, b: str, rows: list[dict], reps: int, detail: str = "") -> list[str]:
+    """An engine option against its default (`bench.ab_decode` rows): the table with the rank-test verdict,
+    the note that says how it was measured (then `detail`), and each side's graph replay beside it."""
+    note = (f"Engine tok/s, medians of {reps} alternating repeats per side; 'slower' is every '{a}' repeat "
+            f"slower than every '{b}' repeat (rank test, U = 0).") + (f" {detail}" if detail else "")
+    return _ab_md(title, note, a, b, rows, "slower") + _graph_ratio_lines(a, b, rows)
+
+
 def _overlap_md(ov: dict | None) -> list[str]:
     if not ov:
         return []
-    note = (f"Engine tok/s, medians of {ov['reps']} alternating repeats per side; 'slower' is every "
-            "'overlap' repeat slower than every 'off' repeat (rank test, U = 0). The overlap engine queued "
-            f"{ov['steps_ahead_on']} of its {ov['decode_steps_on']} decode steps ahead (the off engine "
-            f"{ov['steps_ahead_off']}).")
-    lines = _ab_md(f"## Overlapped decode (EngineConfig.overlap) vs synchronous steps (same run, context "
-                   f"{ov['context']} + {ov['new_tokens']})", note, "overlap", "off", ov["rows"], "slower")
-    return lines + _graph_ratio_lines("overlap", "off", ov["rows"])
+    return _engine_ab_md("## Overlapped decode (EngineConfig.overlap) vs synchronous steps (same run, "
+                         f"context {ov['context']} + {ov['new_tokens']})", "overlap", "off", ov["rows"],
+                         ov["reps"],
+                         f"The overlap engine queued {ov['steps_ahead_on']} of its {ov['decode_steps_on']} "
+                         f"decode steps ahead (the off engine {ov['steps_ahead_off']}).")
 
 
 def _attention_merge_md(am: dict | None) -> list[str]:
     if not am:
         return []
-    note = (f"Engine tok/s, medians of {am['reps']} alternating repeats per side; 'slower' is every 'o_proj' "
-            "repeat slower than every 'combine' repeat (rank test, U = 0). The batch-1 graph deferred "
-            f"{_f(am.get('deferred_per_layer'), '.2f')} merges per layer to the o_proj GEMV (1: one "
-            "combine launch fewer per layer).")
-    lines = _ab_md("## Attention split merge in the o_proj GEMV (EngineConfig.attention_merge=\"o_proj\") "
-                   f"vs the combine kernel (same run, context {am['context']} + {am['new_tokens']})", note,
-                   "o_proj", "combine", am["rows"], "slower")
-    return lines + _graph_ratio_lines("o_proj", "combine", am["rows"])
+    return _engine_ab_md("## Attention split merge in the o_proj GEMV "
+                         "(EngineConfig.attention_merge=\"o_proj\") vs the combine kernel "
+                         f"(same run, context {am['context']} + {am['new_tokens']})",
+                         "o_proj", "combine", am["rows"], am["reps"],
+                         f"The batch-1 graph deferred {_f(am.get('deferred_per_layer'), '.2f')} merges per "
+                         "layer to the o_proj GEMV (1: one combine launch fewer per layer).")
 
 
 def _lm_head_md(lh: dict | None, read_gbps: float | None) -> list[str]:
     if not lh:
         return []
-    note = (f"Engine tok/s, medians of {lh['reps']} alternating repeats per side; 'slower' is every 'int4' "
-            "repeat slower than every 'bf16' repeat (rank test, U = 0). Bytes per token at the last step: "
-            f"int4 {lh['bytes_per_token_a'] / 1e9:.3f} GB, bf16 {lh['bytes_per_token_b'] / 1e9:.3f} GB. "
-            f"lm_head path of the int4 side's batch-1 graph: {_lm_head_path(lh.get('graph_paths_a'))}.")
-    lines = _ab_md("## INT4 lm_head (`nanoqwen-quant pack --lm-head int4`) vs bf16 (same run, context "
-                   f"{lh['context']} + {lh['new_tokens']})", note, "int4", "bf16", lh["rows"], "slower")
-    lines += _graph_ratio_lines("int4", "bf16", lh["rows"])
+    lines = _engine_ab_md("## INT4 lm_head (`nanoqwen-quant pack --lm-head int4`) vs bf16 (same run, context "
+                          f"{lh['context']} + {lh['new_tokens']})", "int4", "bf16", lh["rows"], lh["reps"],
+                          f"Bytes per token at the last step: int4 {lh['bytes_per_token_a'] / 1e9:.3f} GB, "
+                          f"bf16 {lh['bytes_per_token_b'] / 1e9:.3f} GB. lm_head path of the int4 side's "
+                          f"batch-1 graph: {_lm_head_path(lh.get('graph_paths_a'))}.")
     lines += ["", "| batch | graph replay int4, % of the read roofline | bf16 |", "| --- | --- | --- |"]
     read_bps = read_gbps * 1e9 if read_gbps else None
     for r in lh["rows"]:
@@ -350,12 +352,9 @@ def _post_attention_md(pa: dict | None) -> list[str]:
     lines = []
     for variant, res in pa.get("variants", {}).items():
         what = "o_proj + gate_up + down" + (" + the next qkv" if variant == "block+qkv" else "")
-        note = (f"Engine tok/s, medians of {pa['reps']} alternating repeats per side; 'slower' is every "
-                f"'{variant}' repeat slower than every 'off' repeat (rank test, U = 0).")
-        lines += _ab_md(f"## {what} as one persistent launch (EngineConfig.post_attention_kernel="
-                        f"\"{variant}\") vs the GEMVs (same run, context 128 + 128)", note, variant, "off",
-                        res["rows"], "slower")
-        lines += _graph_ratio_lines(variant, "off", res["rows"])
+        lines += _engine_ab_md(f"## {what} as one persistent launch (EngineConfig.post_attention_kernel="
+                               f"\"{variant}\") vs the GEMVs (same run, context 128 + 128)", variant, "off",
+                               res["rows"], pa["reps"])
     return lines
 
 
