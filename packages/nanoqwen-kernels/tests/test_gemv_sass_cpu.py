@@ -1,6 +1,6 @@
 """CPU CI: the instruction count of the g128 decode GEMVs' main loop in the staged-scale build (issue 13,
 stage 1: the loop's issue rate limited them on the H200, bench/kernels/CEILINGS.md section 5;
-`gemv.register_staged()`, opt-in since it measured 2.7% slower on the H100), from the SASS of the cubin
+`gemv.staged_spec()`, opt-in since it measured 2.7% slower on the H100), from the SASS of the cubin
 nvcc builds for sm_90a, disassembled by nvdisasm and counted by bench/kernels/ceilings/ceilings_report.py's
 `hot_loop_counts` (the loop body that holds the most HMMA). The build's hot kernels must not spill either.
 
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 from nanoqwen_kernels import build, gemv
-from nanoqwen_kernels.specs import SPECS
 
 CEILINGS = Path(__file__).resolve().parents[3] / "bench" / "kernels" / "ceilings" / "ceilings_report.py"
 FLOOR = 88 + 8 + 7 + 4  # dequantisation, mma, loads, scale fmas (module docstring)
@@ -53,13 +52,7 @@ def _ceilings_report():
 def g128_loops(tmp_path_factory) -> dict[str, tuple[float, int]]:
     """Per g128 GEMV kernel: (SASS instructions per tile-column of its hot loop, HMMA in that loop)."""
     cr = _ceilings_report()
-    staged = SPECS[gemv.STAGED_FAMILY] if gemv.STAGED_FAMILY in SPECS else None
-    family = gemv.register_staged()
-    try:
-        spec = SPECS[family]
-    finally:
-        if staged is None:  # registered here only: the registry is global (test_build.py iterates it)
-            del SPECS[family]
+    spec = gemv.staged_spec()  # not registered: the registry is global (test_build.py iterates it)
     cubin, report = build.compile_nvcc(spec, tmp_path_factory.mktemp("gemv_sass"))
     spilled = {k: report[k] for k in spec.hot_kernels if report[k].uses_local_memory}
     assert not spilled, f"the staged build's hot kernels use local memory: {spilled}"

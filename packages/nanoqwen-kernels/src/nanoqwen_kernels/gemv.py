@@ -165,17 +165,23 @@ class GemvPlan:
         return self.splits * m * self.n if self.splits > 1 else 0
 
 
-def register_staged() -> str:
-    """Register the staged-scale build of csrc/gemv.cu as the op family STAGED_FAMILY (not in the
-    registry by default: `launch.warm_up` would compile it at every engine start) and return its name.
-    Its hot kernels are the g128 ones (no spills, like the default build's)."""
+def staged_spec():
+    """The staged-scale build of csrc/gemv.cu (STAGED_OPTION) as a `build.KernelSpec` named
+    STAGED_FAMILY; its hot kernels are the g128 ones (no spills, like the default build's)."""
     from .build import KernelSpec
     from .specs import SPECS
 
-    if STAGED_FAMILY not in SPECS:
-        base = SPECS[FAMILY]
-        hot = tuple(k for k in base.hot_kernels if k.startswith("gemv_int4_g128_"))
-        SPECS[STAGED_FAMILY] = KernelSpec(STAGED_FAMILY, base.sources, (*base.options, STAGED_OPTION), hot)
+    base = SPECS[FAMILY]
+    hot = tuple(k for k in base.hot_kernels if k.startswith("gemv_int4_g128_"))
+    return KernelSpec(STAGED_FAMILY, base.sources, (*base.options, STAGED_OPTION), hot)
+
+
+def register_staged() -> str:
+    """Register `staged_spec()` as the op family STAGED_FAMILY (not in the registry by default:
+    `launch.warm_up` would compile it at every engine start) and return its name."""
+    from .specs import SPECS
+
+    SPECS.setdefault(STAGED_FAMILY, staged_spec())
     return STAGED_FAMILY
 
 

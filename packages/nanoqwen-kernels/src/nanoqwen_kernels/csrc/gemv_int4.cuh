@@ -514,11 +514,24 @@ NQ_DEVICE float sum_splits(const float* __restrict__ ws, int M, int N, int S, in
 template <bool ASYM>
 struct StagedRecord {
   using type = uint2;  // {scale0, scale1}
+  static constexpr int WORDS = 2;
 };
 template <>
 struct StagedRecord<true> {
   using type = uint4;  // {scale0, scale1, zero pair0, zero pair1}
+  static constexpr int WORDS = 4;
 };
+
+// Block row r's record of tile-column j (the layout above), from the row's raw 16-bit scale s and zero
+// point z: the fp32 scale at word 0 of the returned slot, the zero pair (asymmetric) at word 2. row_ok
+// false (a row past N): scale 0 and zero pair 0.
+template <bool ASYM, typename ST>
+NQ_DEVICE void write_record(u32* sz, int r, int j, bool row_ok, u16 s, u32 z) {
+  constexpr int W = StagedRecord<ASYM>::WORDS;
+  u32* rec = sz + j * ROWS_PER_BLOCK * (W / 2) + ((r >> 4) * 8 + (r & 7)) * W + ((r >> 3) & 1);
+  rec[0] = row_ok ? __float_as_uint(ST::to_f32(s)) : 0u;
+  if constexpr (ASYM) rec[2] = row_ok ? neg_zero_pair(z) : 0u;
+}
 
 // Thread t stages the records of block row r = t % 128, tile-columns j = t / 128 + 2 u (u = 0, 1, ...),
 // RECORD_BATCH of them per batch: all of a batch's loads are issued before any record is written, and
@@ -554,14 +567,10 @@ struct ScaleStager {
   NQ_DEVICE void store(u32* sz, int jb) const {
     const int r = threadIdx.x & (ROWS_PER_BLOCK - 1);
     const bool row_ok = row() < N;
-    u32* rec = sz + ((r >> 4) * 8 + (r & 7)) * (ASYM ? 4 : 2) + ((r >> 3) & 1);
 #pragma unroll
     for (int u = 0; u < RECORD_BATCH; ++u) {
       const int j = jb + j0() + 2 * u;
-      if (j < ncol) {
-        rec[j * ROWS_PER_BLOCK * (ASYM ? 2 : 1)] = row_ok ? __float_as_uint(ST::to_f32((u16)s[u])) : 0u;
-        if constexpr (ASYM) rec[j * ROWS_PER_BLOCK * 2 + 2] = row_ok ? neg_zero_pair(z[u]) : 0u;
-      }
+      if (j < ncol) write_record<ASYM, ST>(sz, r, j, row_ok, (u16)s[u], z[u]);
     }
   }
   // Write the first batch (loaded), then load and write the others (kc > 2 RECORD_BATCH).
@@ -583,11 +592,8 @@ NQ_DEVICE void stage_records_serial(u32* sz, const u16* __restrict__ scales, con
   for (int i = threadIdx.x; i < ROWS_PER_BLOCK * ncol; i += blockDim.x) {
     const int r = i / ncol, j = i - r * ncol;  // j fastest: a row's scales are adjacent in global memory
     const int row = blockIdx.x * ROWS_PER_BLOCK + r;
-    u32* rec = sz + j * ROWS_PER_BLOCK * (ASYM ? 2 : 1) + ((r >> 4) * 8 + (r & 7)) * (ASYM ? 4 : 2)
-               + ((r >> 3) & 1);
     const i64 at = (i64)row * KG + tc_begin + j;
-    rec[0] = row < N ? __float_as_uint(ST::to_f32(scales[at])) : 0u;
-    if constexpr (ASYM) rec[2] = row < N ? neg_zero_pair(zeros[at]) : 0u;
+    write_record<ASYM, ST>(sz, r, j, row < N, scales[at], ASYM ? zeros[at] : 0u);
   }
 }
 
@@ -670,12 +676,13 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // across it, ptxas spilled 12-36 bytes in the merge kernels, so they write the records before it and
   // load the first weights after it.
   constexpr bool PREFETCH = XMODE != 3;
-  ScaleStager<ASYM, ST> records{{}, {}, scales, zeros, N, KG, tc_begin, tc_end - tc_begin};
+  ScaleStager<ASYM, ST> records{{}, {}, scales, zeros, N, KG, tc_begin, tc_end - tc_begin};  // STAGED only
+  auto load_first_weights = [&]() {  // STAGED: stage A, the weights of tile-column tc_begin
+    A.w0 = ld_stream_v4(w0p + (i64)tc_begin * 32);
+    A.w1 = ld_stream_v4(w1p + (i64)tc_begin * 32);
+  };
   if constexpr (STAGED) {
-    if (work && PREFETCH) {
-      A.w0 = ld_stream_v4(w0p + (i64)tc_begin * 32);
-      A.w1 = ld_stream_v4(w1p + (i64)tc_begin * 32);
-    }
+    if (work && PREFETCH) load_first_weights();
     if constexpr (PREFETCH) records.load(0);
     else stage_records_serial<ASYM, ST>(sz, scales, zeros, N, KG, tc_begin, tc_end - tc_begin);
   } else if (work) {
@@ -687,17 +694,15 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     stage_x_normed<false, STAGED ? 4 : 1>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
   } else if constexpr (XMODE == 3) {
     stage_x_merged<MERGE_HD>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, mi,
-                             reinterpret_cast<float*>(sz + (STAGED ? kc * ROWS_PER_BLOCK * (ASYM ? 2 : 1) : 0)));
+                             reinterpret_cast<float*>(sz + (STAGED ? kc * ROWS_PER_BLOCK * StagedRecord<ASYM>::WORDS / 2
+                                                                   : 0)));
   } else {
     stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
   }
   if constexpr (STAGED && PREFETCH) records.store_all(sz);
   __syncthreads();
   if constexpr (STAGED) {
-    if (work && !PREFETCH) {
-      A.w0 = ld_stream_v4(w0p + (i64)tc_begin * 32);
-      A.w1 = ld_stream_v4(w1p + (i64)tc_begin * 32);
-    }
+    if (work && !PREFETCH) load_first_weights();
     if (work) {
       // Two tile-columns per trip, the per-column loop's math in its order (the same bits): the weights
       // from two running pointers, the records and x at constant offsets from running shared-memory
