@@ -2,10 +2,11 @@
 kernels' own CUDA source compiled for the host), against the fp32 reference, for each
 `EngineConfig.post_attention_kernel`: "off" (the GEMVs with their fused prologues and epilogues),
 "block" (o_proj, gate_up and down as one persistent launch) and "block+qkv" (the next layer's qkv
-projection, RoPE and paged K/V write in that launch too). It is test_engine_gpu.py's
-`test_post_attention_kernel_matches_reference` on the CPU: the model step's plumbing of the fused
-paths (`ops.fuses_post_attention`, the qkv projection skipped after "block+qkv", the residual and
-statistics handed between launches) with the kernels' real outputs.
+projection, RoPE and paged K/V write in that launch too); and `EngineConfig.gemv_build` "int8" (the
+decode GEMVs on the int8 tensor cores, x rounded to 16-bit block floating point: within the same bound).
+It is test_engine_gpu.py's `test_post_attention_kernel_matches_reference` on the CPU: the model step's
+plumbing of the fused paths (`ops.fuses_post_attention`, the qkv projection skipped after "block+qkv",
+the residual and statistics handed between launches) with the kernels' real outputs.
 
 What is emulated: every gemv, block and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
 prologue, the qkv RoPE / K/V epilogue and the residual epilogue, the block kernel, the prefill's
@@ -55,7 +56,7 @@ def _config(**kw):
 
 
 def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
-                attention_merge: str = "combine") -> Engine:
+                attention_merge: str = "combine", gemv_build: str = "bf16") -> Engine:
     """The CUDA engine's kernel backend on CPU tensors, its launches on the emulator (the caller holds
     `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`."""
     from nanoqwen_kernels import attention as kattn
@@ -90,18 +91,20 @@ def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
                         lambda config, geom: ops_class(geom, config, torch.device("cpu")))
     cfg = _config()
     cfg.backend, cfg.post_attention_kernel = "kernels", variant  # after validation (it wants CUDA)
-    cfg.attention_merge = attention_merge
+    cfg.attention_merge, cfg.gemv_build = attention_merge, gemv_build
     from nanoqwen_runtime.engine.loader import load
 
     model = load(path, "cpu")
     return Engine(model.geometry, model.weights, cfg)
 
 
-@pytest.mark.parametrize("variant, kernel_attention",
-                         [("off", False), ("block", False), ("block+qkv", False), ("block+qkv", True)],
-                         ids=["off", "block", "block+qkv", "block+qkv-attention-sampling"])
+@pytest.mark.parametrize("variant, kernel_attention, gemv_build",
+                         [("off", False, "bf16"), ("block", False, "bf16"), ("block+qkv", False, "bf16"),
+                          ("block+qkv", True, "bf16"), ("off", True, "int8")],
+                         ids=["off", "block", "block+qkv", "block+qkv-attention-sampling",
+                              "off-gemv-int8-attention-sampling"])
 def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch, variant,
-                                                             kernel_attention):
+                                                             kernel_attention, gemv_build):
     from nanoqwen_kernels import attention as kattn
     from nanoqwen_kernels import emu
     from nanoqwen_kernels import sampling as ksamp
@@ -118,7 +121,7 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
             emu.launch(family, kernel, *args, **kw)
 
         kattn.launch = ksamp.launch = counted  # emulated() puts the real launchers back on exit
-        engine = _emu_engine(tiny_path, monkeypatch, variant, kernel_attention)
+        engine = _emu_engine(tiny_path, monkeypatch, variant, kernel_attention, gemv_build=gemv_build)
         run = teacher_forced(engine, prompts, ref.tokens, batch=2)
     decided = 0
     for p in range(len(prompts)):
@@ -133,6 +136,9 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     paths = engine.ops.paths
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
+    # gemv_build "int8": every decode GEMV (4 per layer and step, g128) on the int8 tensor cores
+    int8_gemvs = 4 * layers * decode_steps if gemv_build == "int8" else 0
+    assert paths.get("gemv_int8_mma", 0) == int8_gemvs, paths
     if variant == "off":
         assert "post_attention_block" not in paths and paths["residual_epilogue"] > 0
     else:

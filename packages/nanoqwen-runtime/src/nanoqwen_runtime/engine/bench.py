@@ -31,8 +31,8 @@ on the same weights, one with both features and one without, decode tok/s at bat
 alternately; a regression is every "on" repeat slower than every "off" repeat (`ab_decode`). With
 the synthetic model, `layout_speed` compares the default layout (g128 asym) with g128 sym the same way,
 and the engine options of issue 13 are compared with their defaults (`overlap_ab`, `attention_merge_ab`,
-`post_attention_ab`), as is an INT4 lm_head with the bf16 one (`lm_head_ab`, each side's fraction of
-the read roofline). `only` (`nanoqwen-cli bench --only a,b`) runs just the named sections.
+`post_attention_ab`, `gemv_build_ab`), as is an INT4 lm_head with the bf16 one (`lm_head_ab`, each
+side's fraction of the read roofline). `only` (`nanoqwen-cli bench --only a,b`) runs just the named sections.
 
 Results: bench.json and bench.md (`bench_report.py` builds both from the raw numbers collected here;
 they are rewritten after every section, so a run cut short keeps what it measured) and two plots.
@@ -306,6 +306,23 @@ def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] =
            "deferred_per_layer": on.runner.graph_paths[(1, cls)].get("attention_merge_o_proj", 0)
            / geom.num_hidden_layers}
     del on, off
+    torch.cuda.empty_cache()
+    return out
+
+
+def gemv_build_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
+                  reps: int = AB_REPS) -> dict:
+    """Issue 13's GEMV loop: `EngineConfig.gemv_build` "int8" (a: the decode GEMVs on the int8 tensor
+    cores) against "bf16" (b), same weights, features off, `ab_decode` at context 128 + 128; plus each
+    engine's batch-1 graph paths (the int8 side's must count its GEMVs as "gemv_int8_mma")."""
+    ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None, gemv_build="int8")
+    eb = _ab_engine(geom, weights, prefix_caching=False, speculation=None, gemv_build="bf16")
+    cls = ea.runner.context_classes[0]
+    rows = ab_decode(ea, eb, batches=batches, reps=reps)
+    out = {"rows": rows, "reps": reps, "a": "int8", "b": "bf16", "context": 128, "new_tokens": 128,
+           "graph_paths_a": dict(ea.runner.graph_paths[(1, cls)]),
+           "graph_paths_b": dict(eb.runner.graph_paths[(1, cls)])}
+    del ea, eb
     torch.cuda.empty_cache()
     return out
 
@@ -602,6 +619,11 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
             log(f"attention_merge o_proj/combine batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
                 f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
                 f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
+        gb = run.section("gemv_build_ab", gemv_build_ab, geom, weights_ref)
+        for r in (gb or {}).get("rows", []):
+            log(f"gemv_build int8/bf16 batch {r['batch']}: engine {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} "
+                f"tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / {r['b_graph_tok_s']:.0f}"
+                + ("  SLOWER" if r["a_slower"] else ""))
         lh = run.section("lm_head_ab", lm_head_ab, geom, weights_ref)
         for r in (lh or {}).get("rows", []):
             frac = (f" = {100 * r['a_graph_tok_s'] * lh['bytes_per_token_a'] / read_bps:.0f}% of the read "

@@ -33,6 +33,8 @@ raw = {
   "overlap_ab": bench.overlap_ab(...) result (EngineConfig.overlap on vs off, synthetic model only),
   "attention_merge_ab": bench.attention_merge_ab(...) result (EngineConfig.attention_merge "o_proj" vs
       "combine", synthetic model only),
+  "gemv_build_ab": bench.gemv_build_ab(...) result (EngineConfig.gemv_build "int8" vs "bf16", synthetic
+                   model only),
   "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel "block" and
                        "block+qkv" each vs "off", synthetic model only),
   "errors": {section: message},
@@ -129,7 +131,7 @@ def build_report(raw: dict) -> dict:
     rep["speculation"] = meta.get("speculation")
     for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
               "prefix_cache", "engine_stats", "features_cost", "layout_speed", "overlap_ab",
-              "attention_merge_ab", "lm_head_ab", "post_attention_ab"):
+              "attention_merge_ab", "gemv_build_ab", "lm_head_ab", "post_attention_ab"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -221,6 +223,7 @@ def markdown(rep: dict) -> str:
     lines += _layout_md(rep.get("layout_speed"))
     lines += _overlap_md(rep.get("overlap_ab"))
     lines += _attention_merge_md(rep.get("attention_merge_ab"))
+    lines += _gemv_build_md(rep.get("gemv_build_ab"))
     lines += _lm_head_md(rep.get("lm_head_ab"), rep.get("read_bandwidth_GBps"))
     lines += _post_attention_md(rep.get("post_attention_ab"))
     lines += ["", "## Graph vs eager (context 128, engine wall time)", "",
@@ -316,6 +319,17 @@ def _attention_merge_md(am: dict | None) -> list[str]:
                          "o_proj", "combine", am["rows"], am["reps"],
                          f"The batch-1 graph deferred {_f(am.get('deferred_per_layer'), '.2f')} merges per "
                          "layer to the o_proj GEMV (1: one combine launch fewer per layer).")
+
+
+def _gemv_build_md(gb: dict | None) -> list[str]:
+    if not gb:
+        return []
+    paths = gb.get("graph_paths_a") or {}
+    title = ("## Decode GEMVs on the int8 tensor cores (EngineConfig.gemv_build=\"int8\") vs bf16 "
+             f"(same run, context {gb['context']} + {gb['new_tokens']})")
+    note = (f"The int8 side's batch-1 graph ran {paths.get('gemv_int8_mma', 0)} of its "
+            f"{paths.get('gemv_int4', 0)} GEMVs on the int8 tensor cores.")
+    return _engine_ab_md(title, "int8", "bf16", gb["rows"], gb["reps"], note)
 
 
 def _lm_head_md(lh: dict | None, read_gbps: float | None) -> list[str]:

@@ -23,6 +23,8 @@ GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 POST_ATTENTION_KERNELS = ("off", "block", "block+qkv")
 # EngineConfig.attention_merge's values: who merges the split rows of decode attention
 ATTENTION_MERGES = ("combine", "o_proj")
+# EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16 or on int8 tensor cores
+GEMV_BUILDS = ("bf16", "int8")
 
 
 @dataclass
@@ -85,6 +87,13 @@ class EngineConfig:
     # 1-8 on the H200); other steps launch the combine kernel. "combine" until the A/B of `nanoqwen-cli
     # bench` (`attention_merge_ab`) has measured "o_proj" on the GPU.
     attention_merge: str = "combine"
+    # Kernel backend, explicit option, "bf16": the build of the decode GEMVs (M <= 8) on g128 weights.
+    # "bf16": the nibbles become bf16 and multiply the bf16 input exactly (the kernel tests' reference,
+    # bit for bit in fp32 products). "int8": the nibbles multiply the input rounded to 16-bit block floating
+    # point per 128 columns on the int8 tensor cores (nanoqwen_kernels gemv.INT8_MMA_FAMILY: 3 instead
+    # of 11 instructions of dequantisation per 8 weights; x off by at most 2^-15 of its group's largest
+    # |x|), so the logits move within the agreement bound, not bitwise. "bf16" until measured faster.
+    gemv_build: str = "bf16"
     # Overlapped decode (engine.py's header): in a run of plain decode steps, plan and queue step n+1
     # before reading step n's tokens back (its rows take their ids from step n's output on the device),
     # so the host's work between steps (commit, events, planning, inputs) runs while the device
@@ -144,6 +153,10 @@ class EngineConfig:
                              f"got {self.attention_merge!r}")
         if self.attention_merge != "combine" and self.backend != "kernels":
             raise ValueError("EngineConfig.attention_merge='o_proj' needs backend='kernels'")
+        if self.gemv_build not in GEMV_BUILDS:
+            raise ValueError(f"EngineConfig.gemv_build must be one of {GEMV_BUILDS}, got {self.gemv_build!r}")
+        if self.gemv_build != "bf16" and self.backend != "kernels":
+            raise ValueError("EngineConfig.gemv_build='int8' needs backend='kernels'")
         if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
             raise ValueError(f"EngineConfig.speculation must be a SpeculationConfig or None, "
                              f"got {self.speculation!r}")

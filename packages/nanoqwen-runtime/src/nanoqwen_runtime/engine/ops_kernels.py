@@ -96,6 +96,8 @@ class KernelOps:
                                                           group_size=128 if g128 else 64)
                       for n, k in shapes for silu in (False, True) for g128 in (False, True)}
         self.workspace = kgemv.GemvWorkspace.allocate(self.plans.values(), device)
+        # EngineConfig.gemv_build: the kernel family of the decode GEMVs
+        self.gemv_family = kgemv.register_int8_mma() if cfg.gemv_build == "int8" else kgemv.FAMILY
         # the GEMM's split-K scratch, for every M class and group size (plans are cached per shape)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self._sms = sms
@@ -136,7 +138,7 @@ class KernelOps:
         # (dequantize into scratch + cuBLAS); and, counted in "gemv_int4" too, "qkv_rope_fused" (a qkv
         # GEMV that also applied RoPE and wrote q and the paged K/V), "norm_prologue" (a GEMV whose input
         # was RMSNorm of the residual, made while staging) and "residual_epilogue" (a GEMV that added
-        # its output into the residual).
+        # its output into the residual), "gemv_int8_mma" (a GEMV on the int8 tensor cores: gemv_build "int8").
         self.paths: collections.Counter[str] = collections.Counter()
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -167,7 +169,9 @@ class KernelOps:
         return 0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size()
 
     def warm_up(self) -> None:
-        klaunch.warm_up(FAMILIES + (("block",) if self.block_plan is not None else ()), self.device)
+        extra = (("block",) if self.block_plan is not None else ()) + (
+            (self.gemv_family,) if self.gemv_family != kgemv.FAMILY else ())
+        klaunch.warm_up(FAMILIES + extra, self.device)
 
     def check_weights(self, weights) -> None:
         """Refuse what the kernels cannot run; build the bf16 weight cache when configured."""
@@ -267,10 +271,9 @@ class KernelOps:
         `fuses_norm`, else materialised first."""
         if isinstance(x, NormedInput):
             if self.fuses_norm(x, lin):
-                w = self._int4(lin)
-                self.paths["gemv_int4"] += 1
+                w = self._int4_gemv(lin)
                 kgemv.gemv_int4(x.residual, w, out, bias, self.workspace, self._gemv_plan(w, False),
-                                norm=self._norm_prologue(x), pdl=self.cfg.pdl)
+                                family=self.gemv_family, norm=self._norm_prologue(x), pdl=self.cfg.pdl)
                 return
             x = self.norm(x)
         m = x.shape[0]
@@ -297,11 +300,11 @@ class KernelOps:
             return
         if not isinstance(lin, Int4Linear):
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
-        w = self._int4(lin)
         path = self.int4_path(m)
+        w = self._int4_gemv(lin) if path == "gemv_int4" else self._int4(lin)
         if path == "gemv_int4":
-            self.paths["gemv_int4"] += 1
-            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False), pdl=self.cfg.pdl)
+            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False),
+                            family=self.gemv_family, pdl=self.cfg.pdl)
         elif path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
             # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMM)
             self.paths["int4_gemm"] += 1
@@ -318,6 +321,15 @@ class KernelOps:
             return "gemv_int4"
         return "int4_gemm" if m <= INT4_GEMM_MAX_ROWS else PREFILL_PATH
 
+    def _int4_gemv(self, lin: Int4Linear) -> kgemv.Int4Weight:
+        """The kernel view of an INT4 linear about to run as a decode GEMV, counted as path "gemv_int4",
+        and as "gemv_int8_mma" where the int8 build's loop multiplies it (gemv_build "int8", G = 128)."""
+        w = self._int4(lin)
+        self.paths["gemv_int4"] += 1
+        if self.gemv_family != kgemv.FAMILY and w.group_size == 128:
+            self.paths["gemv_int8_mma"] += 1
+        return w
+
     def _gemv_plan(self, w: kgemv.Int4Weight, silu_input: bool) -> kgemv.GemvPlan:
         return self.plans[(w.n, w.k, silu_input, w.group_size == 128)]
 
@@ -330,11 +342,10 @@ class KernelOps:
         else out = x @ W^T with the add pending (the next norm makes it). merge: what `attention_run` left
         to this GEMV (x is then its output, whose split rows the GEMV merges while staging them)."""
         if self.fuses_residual(lin, x.shape[0]):
-            w = self._int4(lin)
-            self.paths["gemv_int4"] += 1
+            w = self._int4_gemv(lin)
             epilogue, update = self._residual_epilogue(residual)
-            kgemv.gemv_int4(x, w, None, None, self.workspace, self._gemv_plan(w, False), residual=epilogue,
-                            merge=merge, pdl=self.cfg.pdl)
+            kgemv.gemv_int4(x, w, None, None, self.workspace, self._gemv_plan(w, False),
+                            family=self.gemv_family, residual=epilogue, merge=merge, pdl=self.cfg.pdl)
             return update
         if merge is not None:  # attention_run defers only to a GEMV that fuses (fuses_attention_merge)
             raise AssertionError("an attention merge was left to an o projection that is not a fused GEMV")
@@ -350,11 +361,10 @@ class KernelOps:
         # plain kernel's time at M = 32 / 64 (bench/engine/NOTES.md, session 11): one silu_mul pass,
         # then the plain linear (INT4 GEMM or dequantize + cuBLAS).
         if self.fuses_silu_down(down, gate_up.shape[0]):
-            w = self._int4(down)
-            self.paths["gemv_int4"] += 1
+            w = self._int4_gemv(down)
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(gate_up, w, None, None, self.workspace, self._gemv_plan(w, True),
-                            silu_mul_input=True, residual=epilogue, pdl=self.cfg.pdl)
+                            silu_mul_input=True, family=self.gemv_family, residual=epilogue, pdl=self.cfg.pdl)
             return update
         kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
         return self.linear_residual(act, down, out, residual)
@@ -406,18 +416,17 @@ class KernelOps:
         norm as its prologue where `fuses_norm`; otherwise `linear` + `qkv_rope_kv_write`."""
         rows = x.rows if isinstance(x, NormedInput) else x.shape[0]
         if self.fuses_qkv_rope(qkv_w, rows):
-            w = self._int4(qkv_w)
+            w = self._int4_gemv(qkv_w)
             norm = None
             if isinstance(x, NormedInput):
                 if self.fuses_norm(x, qkv_w):
                     norm, x = self._norm_prologue(x), x.residual
                 else:
                     x = self.norm(x)
-            self.paths["gemv_int4"] += 1
             self.paths["qkv_rope_fused"] += 1
             kgemv.gemv_int4_qkv_rope(x, w, bias, self.shape, positions, slot_mapping, self.inv_freq, q_out,
-                                     k_cache, v_cache, self.workspace, self._gemv_plan(w, False), norm=norm,
-                                     pdl=self.cfg.pdl)
+                                     k_cache, v_cache, self.workspace, self._gemv_plan(w, False),
+                                     self.gemv_family, norm=norm, pdl=self.cfg.pdl)
             return
         self.linear(x, qkv_w, qkv, bias=bias)
         self.qkv_rope_kv_write(qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv)
