@@ -56,6 +56,8 @@ VARIANTS = {
     # the same with the exact loop in every kernel (80-89 SASS instructions per tile-column; the sym
     # ones 99-103.5 without it; spills 4 bytes in four norm-prologue kernels)
     "gemv_i8mma_exact": ("-DNQ_GEMV_INT8_MMA=1", "-DNQ_GEMV_MIN_BLOCKS_G128=3", "-DNQ_GEMV_EXACT_LOOP"),
+    # the int8 loop with the staged scale records (67.5-71 instructions per tile-column, unspilled)
+    "gemv_i8mma_staged": ("-DNQ_GEMV_INT8_MMA=1", "-DNQ_GEMV_STAGED_SCALES=1", "-DNQ_GEMV_MIN_BLOCKS_G128=3"),
 }
 
 

@@ -17,7 +17,8 @@ What must hold, and why:
   build's): the residual epilogue = bf16(y + residual); the norm prologue = rms_norm, then the plain kernel;
   the qkv epilogue = the plain kernel, then qkv_rope_kv_write (the attention merge prologue:
   attention_merge_testkit with `family`).
-Outputs start NaN-poisoned; split-K counters must be back at 0.
+Outputs start NaN-poisoned; split-K counters must be back at 0. Each check takes the family (the build:
+INT8_MMA_FAMILY, or INT8_MMA_STAGED_FAMILY with the staged scale records).
 """
 
 from __future__ import annotations
@@ -58,22 +59,23 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_plain(x, w, plan: GemvPlan, launch, bias=None, silu=False, seed=0) -> torch.Tensor:
+def run_plain(x, w, plan: GemvPlan, launch, bias=None, silu=False, seed=0, family=I8) -> torch.Tensor:
     out = torch.full((x.shape[0], w.n), float("nan"), dtype=torch.bfloat16, device=x.device)
     ws = GemvWorkspace.allocate([plan], x.device)
     with launch(seed=seed):
-        gemv.gemv_int4(x, w, out, bias, workspace=ws, plan=plan, silu_mul_input=silu, family=I8)
+        gemv.gemv_int4(x, w, out, bias, workspace=ws, plan=plan, silu_mul_input=silu, family=family)
     _sync(x.device)
     assert int(ws.counters.abs().sum()) == 0, "split-K counters not reset"
     return out
 
 
-def check_plain(n, k, plan, m, symmetric, scale_dtype, gen, device, launch=no_context, silu=False) -> None:
+def check_plain(n, k, plan, m, symmetric, scale_dtype, gen, device, launch=no_context, silu=False,
+                family=I8) -> None:
     w = random_int4(n, k, 128, symmetric, gen, device, scale_dtype)
     x = (torch.randn(m, 2 * k, generator=gen, device=device).to(torch.bfloat16) if silu
          else wide_range_x(m, k, gen, device))
     bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
-    out = run_plain(x, w, plan, launch, bias, silu=silu, seed=m)
+    out = run_plain(x, w, plan, launch, bias, silu=silu, seed=m, family=family)
     xin = R.silu_mul(x).to(torch.bfloat16) if silu else x
     xq = R.int8_planes_input(xin)
     if not silu:
@@ -82,30 +84,30 @@ def check_plain(n, k, plan, m, symmetric, scale_dtype, gen, device, launch=no_co
     R.assert_close(out, R.linear(xq, dense, bias), what=f"int8 GEMV [{n}, {k}] M={m} {plan}")
 
 
-def check_non_finite_rows(gen, device, launch=no_context) -> None:
+def check_non_finite_rows(gen, device, launch=no_context, family=I8) -> None:
     n, k, m = 136, 512, 4
     w = random_int4(n, k, 128, False, gen, device)
     x = wide_range_x(m, k, gen, device)
     plan = GemvPlan(n, k, 2, 2)
-    clean = run_plain(x, w, plan, launch)
+    clean = run_plain(x, w, plan, launch, family=family)
     x[1, 200] = float("inf")
     x[3, 511] = float("nan")
-    dirty = run_plain(x, w, plan, launch)
+    dirty = run_plain(x, w, plan, launch, family=family)
     assert bool(dirty[[1, 3]].isnan().all()), "a row with Inf / NaN input must come out NaN"
     same_bits(dirty[[0, 2]], clean[[0, 2]], "rows without non-finite input")
 
 
 def check_residual_epilogue(n, k, plan, m, silu, symmetric, scale_dtype, gen, device,
-                            launch=no_context) -> None:
+                            launch=no_context, family=I8) -> None:
     w = random_int4(n, k, 128, symmetric, gen, device, scale_dtype)
     x = torch.randn(m, 2 * k if silu else k, generator=gen, device=device).to(torch.bfloat16)
-    y = run_plain(x, w, plan, launch, silu=silu, seed=m)
+    y = run_plain(x, w, plan, launch, silu=silu, seed=m, family=family)
     residual = (4 * torch.randn(m, n, generator=gen, device=device)).to(torch.bfloat16)
     fused = residual.clone()
     stats = torch.full(gemv.norm_stats_shape(m, n), float("nan"), device=device)
     ws = GemvWorkspace.allocate([plan], device)
     with launch(seed=m):
-        gemv.gemv_int4(x, w, None, workspace=ws, plan=plan, silu_mul_input=silu, family=I8,
+        gemv.gemv_int4(x, w, None, workspace=ws, plan=plan, silu_mul_input=silu, family=family,
                        residual=ResidualEpilogue(fused, stats))
     _sync(device)
     same_bits(fused, (y.float() + residual.float()).to(torch.bfloat16), f"residual epilogue, plan {plan}")
@@ -120,22 +122,23 @@ def _normed(residual, weight, launch) -> torch.Tensor:
     return out
 
 
-def check_norm_prologue(n, k, plan, m, symmetric, scale_dtype, gen, device, launch=no_context) -> None:
+def check_norm_prologue(n, k, plan, m, symmetric, scale_dtype, gen, device, launch=no_context,
+                        family=I8) -> None:
     w = random_int4(n, k, 128, symmetric, gen, device, scale_dtype)
     residual = half_integers(m, k, gen, device)
     weight = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(torch.bfloat16)
-    unfused = run_plain(_normed(residual, weight, launch), w, plan, launch, seed=m)
+    unfused = run_plain(_normed(residual, weight, launch), w, plan, launch, seed=m, family=family)
     fused = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
     with launch(seed=m):
         gemv.gemv_int4(residual, w, fused, workspace=GemvWorkspace.allocate([plan], device), plan=plan,
-                       family=I8, norm=NormPrologue(weight, R.residual_stats(residual), EPS))
+                       family=family, norm=NormPrologue(weight, R.residual_stats(residual), EPS))
     _sync(device)
     assert not bool(fused.isnan().any())
     same_bits(fused, unfused, f"norm prologue, plan {plan}")
 
 
 def check_qkv_epilogue(shape: layer_ops.AttentionShape, k, plan, m, symmetric, scale_dtype, gen, device,
-                       launch=no_context) -> None:
+                       launch=no_context, family=I8) -> None:
     """The qkv kernel (norm prologue + RoPE / paged K/V epilogue) against the plain kernel on the normed
     input, then qkv_rope_kv_write."""
     n, block_size, blocks = shape.qkv_width, 16, 2 * m + 3
@@ -154,14 +157,14 @@ def check_qkv_epilogue(shape: layer_ops.AttentionShape, k, plan, m, symmetric, s
                             dtype=torch.bfloat16, device=device) for _ in range(2)]
         return q, *cache
 
-    qkv = run_plain(_normed(residual, weight, launch), w, plan, launch, bias, seed=m)
+    qkv = run_plain(_normed(residual, weight, launch), w, plan, launch, bias, seed=m, family=family)
     unfused = buffers()
     with launch(seed=m):
         layer_ops.qkv_rope_kv_write(qkv, shape, positions, slots, inv_freq, *unfused)
     fused = buffers()
     with launch(seed=m):
         gemv.gemv_int4_qkv_rope(residual, w, bias, shape, positions, slots, inv_freq, *fused,
-                                GemvWorkspace.allocate([plan], device), plan, family=I8,
+                                GemvWorkspace.allocate([plan], device), plan, family=family,
                                 norm=NormPrologue(weight, R.residual_stats(residual), EPS))
     _sync(device)
     assert not bool(fused[0].isnan().any())

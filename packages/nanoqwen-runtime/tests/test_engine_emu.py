@@ -100,9 +100,10 @@ def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
 
 @pytest.mark.parametrize("variant, kernel_attention, gemv_build",
                          [("off", False, "bf16"), ("block", False, "bf16"), ("block+qkv", False, "bf16"),
-                          ("block+qkv", True, "bf16"), ("off", True, "int8")],
+                          ("block+qkv", True, "bf16"), ("off", True, "int8"),
+                          ("off", False, "int8-staged")],
                          ids=["off", "block", "block+qkv", "block+qkv-attention-sampling",
-                              "off-gemv-int8-attention-sampling"])
+                              "off-gemv-int8-attention-sampling", "off-gemv-int8-staged"])
 def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch, variant,
                                                              kernel_attention, gemv_build):
     from nanoqwen_kernels import attention as kattn
@@ -136,8 +137,8 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     paths = engine.ops.paths
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
-    # gemv_build "int8": every decode GEMV (4 per layer and step, g128) on the int8 tensor cores
-    int8_gemvs = 4 * layers * decode_steps if gemv_build == "int8" else 0
+    # gemv_build "int8" / "int8-staged": every decode GEMV (4 per layer and step, g128) on the int8 tensor cores
+    int8_gemvs = 4 * layers * decode_steps if gemv_build != "bf16" else 0
     assert paths.get("gemv_int8_mma", 0) == int8_gemvs, paths
     if variant == "off":
         assert "post_attention_block" not in paths and paths["residual_epilogue"] > 0

@@ -80,6 +80,9 @@ INT8_MMA_OPTION = "-DNQ_GEMV_INT8_MMA=1"
 # its plain-input g128 kernels at 3 blocks per SM (<= 85 registers): at 4 (64 registers) the asym ones
 # spilled 4-136 bytes (nvcc 13.0)
 INT8_MMA_BLOCKS_OPTION = "-DNQ_GEMV_MIN_BLOCKS_G128=3"
+# the same with the staged scale records (STAGED_OPTION) and their two-column loop: 67.5-71 instructions
+# per tile-column in every g128 kernel, no spills at 3 blocks per SM
+INT8_MMA_STAGED_FAMILY = "gemv_i8mma_staged"
 SCALE_DTYPES = (torch.bfloat16, torch.float16)  # Int4Weight.scales: layouts int4-...-v1 / int4-...-f16s-v1
 
 
@@ -180,13 +183,11 @@ class GemvPlan:
         return self.kc * 64
 
     def launch_shared_bytes(self, m: int, weight: Int4Weight, family: str, merge_head_dim: int = 0) -> int:
-        """Dynamic shared memory of one launch at M = m: x, then the staged records (and the merge
-        prologue's scratch after them, `merge_head_dim` > 0), or the int8 build's plane table over that
-        scratch."""
-        after_x = self.staged_record_bytes(weight, family)
-        if merge_head_dim:
-            after_x += merge_shared_bytes(m, self.kc, merge_head_dim)
-        return self.shared_bytes(m) + max(after_x, self.plane_table_bytes(weight, family))
+        """Dynamic shared memory of one launch at M = m: x, then the staged records, then the merge
+        prologue's scratch (`merge_head_dim` > 0) or the int8 build's plane table over it."""
+        merge = merge_shared_bytes(m, self.kc, merge_head_dim) if merge_head_dim else 0
+        return (self.shared_bytes(m) + self.staged_record_bytes(weight, family)
+                + max(merge, self.plane_table_bytes(weight, family)))
 
     def workspace_floats(self, m: int) -> int:
         return self.splits * m * self.n if self.splits > 1 else 0
@@ -233,14 +234,17 @@ def staged_scales(family: str) -> bool:
     return _built_with(family, STAGED_OPTION)
 
 
-def int8_mma_spec():
-    """The int8 tensor-core build of csrc/gemv.cu (INT8_MMA_OPTION), family INT8_MMA_FAMILY."""
+def int8_mma_spec(staged: bool = False):
+    """The int8 tensor-core build of csrc/gemv.cu (INT8_MMA_OPTION), family INT8_MMA_FAMILY; staged: with
+    the staged scale records too, family INT8_MMA_STAGED_FAMILY."""
+    if staged:
+        return _variant_spec(INT8_MMA_STAGED_FAMILY, INT8_MMA_OPTION, STAGED_OPTION, INT8_MMA_BLOCKS_OPTION)
     return _variant_spec(INT8_MMA_FAMILY, INT8_MMA_OPTION, INT8_MMA_BLOCKS_OPTION)
 
 
-def register_int8_mma() -> str:
-    """Register `int8_mma_spec()` as the op family INT8_MMA_FAMILY and return its name."""
-    return _register(int8_mma_spec())
+def register_int8_mma(staged: bool = False) -> str:
+    """Register `int8_mma_spec(staged)` as its op family and return the family's name."""
+    return _register(int8_mma_spec(staged))
 
 
 def int8_mma(family: str) -> bool:

@@ -731,7 +731,6 @@ constexpr bool STAGED_SCALES = NQ_GEMV_STAGED_SCALES;
 #define NQ_GEMV_INT8_MMA 0  // opt-in (gemv.py INT8_MMA_FAMILY): the int8 tensor-core loop of the g128 kernels
 #endif
 constexpr bool INT8_MMA = NQ_GEMV_INT8_MMA;
-static_assert(!(INT8_MMA && STAGED_SCALES), "the int8 loop is built on the per-column loop");
 
 template <int G, bool ASYM, int XMODE, typename ST, bool EXACT, int EPI = 0, bool NORM = false, int MERGE_HD = 0>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
@@ -782,7 +781,8 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   auto load = [&](TileColumn<G>& st, int tc) {
     load_tile_column<G, ASYM>(st, w0p, w1p, s0p, s1p, z0p, z1p, tc);
   };
-  u32* tab = reinterpret_cast<u32*>(xs + M * xs_stride);  // I8: the plane table (stage_x_planes)
+  // I8: the plane table (stage_x_planes), after the staged records if any, over the merge scratch
+  u32* tab = reinterpret_cast<u32*>(xs + M * xs_stride) + (STAGED ? kc * ROWS_PER_BLOCK * StagedRecord<ASYM>::WORDS / 2 : 0);
   const u32* tabt = tab + 4 * t;                           // I8: the lane's rows m = 2t, 2t + 1 in it
   // tile-column j of the block (tc_begin + j)
   auto compute = [&](const TileColumn<G>& st, int j) {
@@ -850,30 +850,36 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
       using Rec = typename StagedRecord<ASYM>::type;
       const Rec* rec = reinterpret_cast<const Rec*>(sz) + warp * 8 + g;  // column j at rec[64 j]
       const bf16_t* xt = xsl;
-      auto col = [&](const uint4& w0v, const uint4& w1v, const Rec& r, const bf16_t* xc) {
+      const u32* tb = tabt;  // I8: the lane's plane-table entries of the next column
+      auto col = [&](const uint4& w0v, const uint4& w1v, const Rec& r, const bf16_t* xc, const u32* tc) {
         u32 nz0 = neg_zero_pair(8u), nz1 = nz0;
         if constexpr (ASYM) {
           nz0 = r.z;
           nz1 = r.w;
         }
-        mma_col_scaled(acc, w0v, w1v, __uint_as_float(r.x), __uint_as_float(r.y), nz0, nz1, xc);
+        if constexpr (I8)  // the zero point is the pair's low byte (bf16 -(128 + z): z < 128 is its mantissa)
+          mma_col_int8(acc, w0v, w1v, __uint_as_float(r.x), __uint_as_float(r.y), ASYM ? (int)(nz0 & 0xffu) : 8,
+                       ASYM ? (int)(nz1 & 0xffu) : 8, xc, tc);
+        else
+          mma_col_scaled(acc, w0v, w1v, __uint_as_float(r.x), __uint_as_float(r.y), nz0, nz1, xc);
       };
       int left = tc_end - tc_begin;  // columns not yet computed; stage A holds the next one
       for (; left >= 2; left -= 2) {
         B.w0 = ld_stream_v4(p0 + 32);
         B.w1 = ld_stream_v4(p1 + 32);
-        col(A.w0, A.w1, rec[0], xt);
+        col(A.w0, A.w1, rec[0], xt, tb);
         if (left > 2) {  // warp-uniform
           A.w0 = ld_stream_v4(p0 + 64);
           A.w1 = ld_stream_v4(p1 + 64);
         }
-        col(B.w0, B.w1, rec[64], xt + 128);
+        col(B.w0, B.w1, rec[64], xt + 128, tb + PLANE_TAB_WORDS);
         p0 += 64;
         p1 += 64;
         rec += 128;
         xt += 256;
+        if constexpr (I8) tb += 2 * PLANE_TAB_WORDS;
       }
-      if (left) col(A.w0, A.w1, rec[0], xt);
+      if (left) col(A.w0, A.w1, rec[0], xt, tb);
     }
   } else if (work && !EXACT) {
     // Per-column guards (warp-uniform): 150 (sym) / 160 (asym) SASS instructions per tile-column at

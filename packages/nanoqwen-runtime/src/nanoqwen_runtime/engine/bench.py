@@ -312,17 +312,21 @@ def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] =
 
 def gemv_build_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
                   reps: int = AB_REPS) -> dict:
-    """Issue 13's GEMV loop: `EngineConfig.gemv_build` "int8" (a: the decode GEMVs on the int8 tensor
-    cores) against "bf16" (b), same weights, features off, `ab_decode` at context 128 + 128; plus each
-    engine's batch-1 graph paths (the int8 side's must count its GEMVs as "gemv_int8_mma")."""
-    ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None, gemv_build="int8")
+    """Issue 13's GEMV loop: `EngineConfig.gemv_build` "int8" and "int8-staged" (the decode GEMVs on the
+    int8 tensor cores), each (a) against "bf16" (b), same weights, features off, `ab_decode` at context
+    128 + 128; plus each engine's batch-1 graph paths (an int8 side's must count its GEMVs as
+    "gemv_int8_mma")."""
     eb = _ab_engine(geom, weights, prefix_caching=False, speculation=None, gemv_build="bf16")
-    cls = ea.runner.context_classes[0]
-    rows = ab_decode(ea, eb, batches=batches, reps=reps)
-    out = {"rows": rows, "reps": reps, "a": "int8", "b": "bf16", "context": 128, "new_tokens": 128,
-           "graph_paths_a": dict(ea.runner.graph_paths[(1, cls)]),
-           "graph_paths_b": dict(eb.runner.graph_paths[(1, cls)])}
-    del ea, eb
+    cls = eb.runner.context_classes[0]
+    out = {"reps": reps, "b": "bf16", "context": 128, "new_tokens": 128,
+           "graph_paths_bf16": dict(eb.runner.graph_paths[(1, cls)]), "variants": {}}
+    for variant in ("int8", "int8-staged"):
+        ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None, gemv_build=variant)
+        out["variants"][variant] = {"rows": ab_decode(ea, eb, batches=batches, reps=reps),
+                                    "graph_paths": dict(ea.runner.graph_paths[(1, cls)])}
+        del ea
+        torch.cuda.empty_cache()
+    del eb
     torch.cuda.empty_cache()
     return out
 
@@ -620,10 +624,11 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
                 f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
                 f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
         gb = run.section("gemv_build_ab", gemv_build_ab, geom, weights_ref)
-        for r in (gb or {}).get("rows", []):
-            log(f"gemv_build int8/bf16 batch {r['batch']}: engine {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} "
-                f"tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / {r['b_graph_tok_s']:.0f}"
-                + ("  SLOWER" if r["a_slower"] else ""))
+        for variant, res in (gb or {}).get("variants", {}).items():
+            for r in res["rows"]:
+                log(f"gemv_build {variant}/bf16 batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
+                    f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
+                    f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
         lh = run.section("lm_head_ab", lm_head_ab, geom, weights_ref)
         for r in (lh or {}).get("rows", []):
             frac = (f" = {100 * r['a_graph_tok_s'] * lh['bytes_per_token_a'] / read_bps:.0f}% of the read "

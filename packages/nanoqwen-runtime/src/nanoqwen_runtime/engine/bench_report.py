@@ -33,8 +33,8 @@ raw = {
   "overlap_ab": bench.overlap_ab(...) result (EngineConfig.overlap on vs off, synthetic model only),
   "attention_merge_ab": bench.attention_merge_ab(...) result (EngineConfig.attention_merge "o_proj" vs
       "combine", synthetic model only),
-  "gemv_build_ab": bench.gemv_build_ab(...) result (EngineConfig.gemv_build "int8" vs "bf16", synthetic
-                   model only),
+  "gemv_build_ab": bench.gemv_build_ab(...) result (EngineConfig.gemv_build "int8" and "int8-staged" each
+                   vs "bf16", synthetic model only),
   "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel "block" and
                        "block+qkv" each vs "off", synthetic model only),
   "errors": {section: message},
@@ -324,12 +324,15 @@ def _attention_merge_md(am: dict | None) -> list[str]:
 def _gemv_build_md(gb: dict | None) -> list[str]:
     if not gb:
         return []
-    paths = gb.get("graph_paths_a") or {}
-    title = ("## Decode GEMVs on the int8 tensor cores (EngineConfig.gemv_build=\"int8\") vs bf16 "
-             f"(same run, context {gb['context']} + {gb['new_tokens']})")
-    note = (f"The int8 side's batch-1 graph ran {paths.get('gemv_int8_mma', 0)} of its "
-            f"{paths.get('gemv_int4', 0)} GEMVs on the int8 tensor cores.")
-    return _engine_ab_md(title, "int8", "bf16", gb["rows"], gb["reps"], note)
+    lines = []
+    for variant, res in gb.get("variants", {}).items():
+        paths = res.get("graph_paths") or {}
+        title = (f"## Decode GEMVs on the int8 tensor cores (EngineConfig.gemv_build=\"{variant}\") vs bf16 "
+                 f"(same run, context {gb['context']} + {gb['new_tokens']})")
+        note = (f"The {variant} side's batch-1 graph ran {paths.get('gemv_int8_mma', 0)} of its "
+                f"{paths.get('gemv_int4', 0)} GEMVs on the int8 tensor cores.")
+        lines += _engine_ab_md(title, variant, "bf16", res["rows"], gb["reps"], note)
+    return lines
 
 
 def _lm_head_md(lh: dict | None, read_gbps: float | None) -> list[str]:

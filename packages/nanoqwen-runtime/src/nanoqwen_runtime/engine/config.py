@@ -23,8 +23,9 @@ GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 POST_ATTENTION_KERNELS = ("off", "block", "block+qkv")
 # EngineConfig.attention_merge's values: who merges the split rows of decode attention
 ATTENTION_MERGES = ("combine", "o_proj")
-# EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16 or on int8 tensor cores
-GEMV_BUILDS = ("bf16", "int8")
+# EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16 or on int8 tensor cores (and the
+# latter with the staged scale records)
+GEMV_BUILDS = ("bf16", "int8", "int8-staged")
 
 
 @dataclass
@@ -92,7 +93,9 @@ class EngineConfig:
     # bit for bit in fp32 products). "int8": the nibbles multiply the input rounded to 16-bit block floating
     # point per 128 columns on the int8 tensor cores (nanoqwen_kernels gemv.INT8_MMA_FAMILY: 3 instead
     # of 11 instructions of dequantisation per 8 weights; x off by at most 2^-15 of its group's largest
-    # |x|), so the logits move within the agreement bound, not bitwise. "bf16" until measured faster.
+    # |x|), so the logits move within the agreement bound, not bitwise. "int8-staged": the same with the
+    # rows' scales and zero points staged in shared memory (INT8_MMA_STAGED_FAMILY: 67.5-71 instead of
+    # 80-110 instructions per tile-column). "bf16" until one of them is measured faster.
     gemv_build: str = "bf16"
     # Overlapped decode (engine.py's header): in a run of plain decode steps, plan and queue step n+1
     # before reading step n's tokens back (its rows take their ids from step n's output on the device),
@@ -156,7 +159,7 @@ class EngineConfig:
         if self.gemv_build not in GEMV_BUILDS:
             raise ValueError(f"EngineConfig.gemv_build must be one of {GEMV_BUILDS}, got {self.gemv_build!r}")
         if self.gemv_build != "bf16" and self.backend != "kernels":
-            raise ValueError("EngineConfig.gemv_build='int8' needs backend='kernels'")
+            raise ValueError(f"EngineConfig.gemv_build={self.gemv_build!r} needs backend='kernels'")
         if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
             raise ValueError(f"EngineConfig.speculation must be a SpeculationConfig or None, "
                              f"got {self.speculation!r}")

@@ -97,7 +97,8 @@ class KernelOps:
                       for n, k in shapes for silu in (False, True) for g128 in (False, True)}
         self.workspace = kgemv.GemvWorkspace.allocate(self.plans.values(), device)
         # EngineConfig.gemv_build: the kernel family of the decode GEMVs
-        self.gemv_family = kgemv.register_int8_mma() if cfg.gemv_build == "int8" else kgemv.FAMILY
+        self.gemv_family = (kgemv.FAMILY if cfg.gemv_build == "bf16"
+                            else kgemv.register_int8_mma(staged=cfg.gemv_build == "int8-staged"))
         # the GEMM's split-K scratch, for every M class and group size (plans are cached per shape)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self._sms = sms
@@ -323,7 +324,8 @@ class KernelOps:
 
     def _int4_gemv(self, lin: Int4Linear) -> kgemv.Int4Weight:
         """The kernel view of an INT4 linear about to run as a decode GEMV, counted as path "gemv_int4",
-        and as "gemv_int8_mma" where the int8 build's loop multiplies it (gemv_build "int8", G = 128)."""
+        and as "gemv_int8_mma" where an int8 build's loop multiplies it (gemv_build "int8" or
+        "int8-staged", G = 128)."""
         w = self._int4(lin)
         self.paths["gemv_int4"] += 1
         if self.gemv_family != kgemv.FAMILY and w.group_size == 128:
