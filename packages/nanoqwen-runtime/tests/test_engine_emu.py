@@ -137,7 +137,7 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     paths = engine.ops.paths
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
-    # gemv_build "int8" / "int8-staged": every decode GEMV (4 per layer and step, g128) on the int8 tensor cores
+    # gemv_build "int8" / "int8-staged": every decode GEMV (4 per layer and step, g128) on the int8 cores
     int8_gemvs = 4 * layers * decode_steps if gemv_build != "bf16" else 0
     assert paths.get("gemv_int8_mma", 0) == int8_gemvs, paths
     if variant == "off":
