@@ -178,6 +178,27 @@ def test_post_attention_kernel_matches_reference(container, variant, batch):
     assert engine.kv_blocks_used() == 0
 
 
+@pytest.mark.parametrize("variant", ["int8", "int8-staged"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_int8_gemv_build_matches_reference(container, variant, batch):
+    """EngineConfig.gemv_build "int8" / "int8-staged": the decode GEMVs on the int8 tensor cores (x rounded
+    to 16-bit block floating point per 128 columns, at most 2^-15 of the group's largest |x|: far below
+    the bound's bf16 noise); teacher-forced decode within the reference bound, and the graph of the
+    batch's bucket ran every layer's four GEMVs on the int8 build."""
+    name, path = container
+    prompts = prompts_of(LENGTHS, seed=3)
+    ref, bound = oracle(path, prompts)
+    engine = Engine.from_file(path, gpu_config(gemv_build=variant))
+    run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
+    worst, decided = check_against_reference(f"{name}/{variant}/b{batch}", run, ref, bound)
+    print(f"\n[{name} gemv_build={variant} batch {batch}] worst position at {worst:.2f} of its bound; "
+          f"{decided} clear positions decided")
+    assert decided >= len(prompts) * STEPS // 4
+    graph = engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
+    assert graph.get("gemv_int8_mma") == 4 * engine.geom.num_hidden_layers, graph
+    assert engine.kv_blocks_used() == 0
+
+
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_attention_merge_in_o_proj_gives_the_same_logits(container, batch):
     """EngineConfig.attention_merge="o_proj" against "combine": contexts of 1-490 tokens, within the
