@@ -22,6 +22,9 @@ def half_ulp(v: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     dev = torch.device("cuda")
+    n = torch.arange(-126, 120, device=dev).double()
+    exact = torch.equal(torch.pow(2.0, n).cpu(), torch.pow(2.0, n.cpu()))
+    print(f"torch.pow(2.0, n) on the GPU equals the CPU's (exact powers of two): {exact}", flush=True)
     for staged in (False, True):
         fam = gemv.register_int8_mma(staged=staged)
         for seed in range(4):

@@ -182,7 +182,9 @@ def int8_planes_input(x: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     bits = x.contiguous().view(torch.int16).to(torch.int32) & 0x7FFF
     e = (bits.view(m, k // 128, 128).amax(dim=2) >> 7).clamp(min=15)
-    p = torch.pow(2.0, (e - 141).double())[..., None]
+    # p from its bits: exact on every device (torch.pow(2.0, n) on a GPU may be an ulp off, and an ulp off
+    # turns a rounding tie of x / p into a one-sided rounding)
+    p = ((e.to(torch.int64) - 141 + 1023) << 52).view(torch.float64)[..., None]
     xq = torch.round(x.double().view(m, k // 128, 128) / p) * p
     return xq.view(m, k).float()
 
