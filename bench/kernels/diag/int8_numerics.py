@@ -43,8 +43,9 @@ def main() -> None:
                 exact_x = (x.double().cpu() @ dense.double().cpu().T + bias.double().cpu()).float()
                 hu = half_ulp(cpu64)
                 err = (out - cpu64).abs()
+                err_bf = (ref_bf - exact_x).abs()
                 print("  per-row max |int8 - fp64|:", [f"{v:.1e}" for v in err.amax(dim=1).tolist()],
-                      " bf16 build - fp64(x):", [f"{v:.1e}" for v in (ref_bf - exact_x).abs().amax(dim=1).tolist()])
+                      " bf16 build - fp64(x):", [f"{v:.1e}" for v in err_bf.amax(dim=1).tolist()])
                 for name, a, b in (("int8 vs fp64(xq)", out, cpu64), ("gpu fp32 ref vs fp64", gpu32, cpu64),
                                    ("bf16 build vs fp64(x)", ref_bf, exact_x),
                                    ("xq vs x (fp64 refs)", cpu64, exact_x)):

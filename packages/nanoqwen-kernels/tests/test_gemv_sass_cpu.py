@@ -16,6 +16,14 @@ columns per trip): 116. The default build's per-column loop takes 141.5-161; a c
 recompute addresses in the staged loop again (session 25: 151 -> 113 for gate_up's kernel) fails here,
 before any device time is spent. Needs nvcc and nvdisasm (the `nvidia-cuda-nvdisasm` wheel, a test dependency
 in noxfile.py); skips with the reason where either is missing.
+
+The int8 build with staged records (`gemv.int8_mma_spec(staged=True)`, session 26; the loop body that
+holds the most IMMA), per tile-column:
+- the dequantisation: per 32-bit word 1 SHF + 2 LOP3, 8 words: 24;
+- 8 IMMA (4 words x the lo and hi planes);
+- 4 LDS.128 of x's planes, 1 LDS.128 of the plane table, 1 LDS of the records, 2 LDG.128 of weights: 8;
+- per output of the fragment: 256 hi + lo, + z (-sum X), float(), x p, fma with the scale: 5 x 4 = 20;
+which is 60, plus the loop's 9 and 2 LOP3 that take the asymmetric zero points out of their records: 71.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ CEILINGS = Path(__file__).resolve().parents[3] / "bench" / "kernels" / "ceilings
 FLOOR = 88 + 8 + 7 + 4  # dequantisation, mma, loads, scale fmas (module docstring)
 LOOP_ALLOWANCE = 9
 HMMA_PER_TRIP = 16  # two tile-columns per trip
+INT8_FLOOR = 24 + 8 + 8 + 20  # the int8 staged build (module docstring)
+INT8_ALLOWANCE = LOOP_ALLOWANCE + 2
 
 pytestmark = [
     pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed on this machine"),
@@ -48,22 +58,32 @@ def _ceilings_report():
     return mod
 
 
-@pytest.fixture(scope="module")
-def g128_loops(tmp_path_factory) -> dict[str, tuple[float, int]]:
-    """Per g128 GEMV kernel: (SASS instructions per tile-column of its hot loop, HMMA in that loop)."""
+def _loops(spec, tmp_dir: Path, marker: str) -> dict[str, tuple[float, int]]:
+    """Per g128 GEMV kernel of the build `spec`: (SASS instructions per tile-column of its hot loop, the
+    `marker` mma instructions in that loop, 8 per tile-column). Its hot kernels must not spill."""
     cr = _ceilings_report()
-    spec = gemv.staged_spec()  # not registered: the registry is global (test_build.py iterates it)
-    cubin, report = build.compile_nvcc(spec, tmp_path_factory.mktemp("gemv_sass"))
+    cubin, report = build.compile_nvcc(spec, tmp_dir)
     spilled = {k: report[k] for k in spec.hot_kernels if report[k].uses_local_memory}
-    assert not spilled, f"the staged build's hot kernels use local memory: {spilled}"
+    assert not spilled, f"the {spec.name} build's hot kernels use local memory: {spilled}"
     text = subprocess.run([build.nvdisasm_path(), "-c", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
     out = {}
     for name, lines in cr.parse_sass(text).items():
         if name.startswith("gemv_int4_g128_"):
-            counts, hmma = cr.hot_loop_counts(lines)
-            out[name] = (sum(counts.values()) / (hmma / 8), hmma)
+            counts, mma = cr.hot_loop_counts(lines, marker)
+            out[name] = (sum(counts.values()) / (mma / 8), mma)
     return out
+
+
+@pytest.fixture(scope="module")
+def g128_loops(tmp_path_factory) -> dict[str, tuple[float, int]]:
+    # not registered: the registry is global (test_build.py iterates it)
+    return _loops(gemv.staged_spec(), tmp_path_factory.mktemp("gemv_sass"), "HMMA")
+
+
+@pytest.fixture(scope="module")
+def int8_loops(tmp_path_factory) -> dict[str, tuple[float, int]]:
+    return _loops(gemv.int8_mma_spec(staged=True), tmp_path_factory.mktemp("gemv_i8_sass"), "IMMA")
 
 
 def test_every_g128_gemv_loop_is_within_the_derived_bound(g128_loops):
@@ -80,3 +100,10 @@ def test_the_engines_decode_kernels_are_counted(g128_loops):
     for name in ("gemv_int4_g128_asym_norm_rope", "gemv_int4_g128_asym_resid", "gemv_int4_g128_asym_norm",
                  "gemv_int4_g128_asym_silu_resid"):
         assert FLOOR <= g128_loops[name][0] <= FLOOR + LOOP_ALLOWANCE, (name, g128_loops[name])
+
+
+def test_every_int8_gemv_loop_is_within_the_derived_bound(int8_loops):
+    assert len(int8_loops) == 36, sorted(int8_loops)
+    assert {mma for _, mma in int8_loops.values()} == {HMMA_PER_TRIP}, "not the two-column staged loop"
+    over = {k: v for k, (v, _) in int8_loops.items() if v > INT8_FLOOR + INT8_ALLOWANCE}
+    assert not over, f"instructions per tile-column above {INT8_FLOOR} + {INT8_ALLOWANCE}: {over}"
