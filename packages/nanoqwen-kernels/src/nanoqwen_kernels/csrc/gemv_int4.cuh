@@ -34,6 +34,9 @@
 // with -DNQ_GEMV_STAGED_SCALES=1 (opt-in), the g128 block stages its rows' fp32 scales and zero pairs in
 // shared memory beside x (ScaleStager) and a pipeline stage is the weights alone: 113 / 115
 // instructions per tile-column, the same bits, but 2.7% slower on the H100 (NOTES.md, session 25).
+// Built with -DNQ_GEMV_INT8_MMA=1 (opt-in, below: stage_x_planes, mma_col_int8), the g128 loop runs on the
+// int8 tensor cores, x rounded to 16-bit block floating point: 67.5-110 instructions per tile-column, not
+// the same bits (NOTES.md, session 26).
 // Split-K: when N alone gives too few blocks for 132 SMs, gridDim.y = S blocks share each block's
 // rows, each over kc tile-columns; they write fp32 partials to a workspace [S, M, N] and the last
 // block to finish (an atomic counter per block row, reset to 0 by that block: graph-replay safe)
