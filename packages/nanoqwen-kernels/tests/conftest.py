@@ -37,6 +37,18 @@ def emu_compiler():
         pytest.skip(str(e))
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["i8mma", "i8mma-staged"])
+def int8_family(request):
+    """The int8 GEMV build (and the one with the staged scale records), registered for the requesting
+    module only (the registry is global: test_build.py iterates it); yields the family's name."""
+    from nanoqwen_kernels import gemv
+    from nanoqwen_kernels.specs import SPECS
+
+    name = gemv.register_int8_mma(staged=request.param)
+    yield name
+    del SPECS[name]
+
+
 @pytest.fixture
 def gen(request, device):
     """A CUDA generator seeded from the test's name: fresh random data per test, reproducible."""

@@ -29,6 +29,13 @@ def random_int4(n, k, group_size, symmetric, gen, device, scale_dtype=torch.bflo
     return w
 
 
+def kc_plan(n: int, k: int, kc: int):
+    """A GemvPlan of kc tile-columns per block (the last split takes what is left)."""
+    from nanoqwen_kernels.gemv import GemvPlan
+
+    return GemvPlan(n, k, -(-(k // 128) // kc), kc)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     """a and b hold the same bits (bf16 or fp32, compared as integers: NaN payloads and the sign of zero
     count); the message says how many elements differ and where the first is."""

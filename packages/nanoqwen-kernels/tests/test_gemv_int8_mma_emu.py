@@ -16,9 +16,9 @@ import int8_mma_testkit as kit
 import pytest
 import torch
 from attention_merge_testkit import check_merge_prologue_equals_combine
-from nanoqwen_kernels import emu, gemv, layer_ops
+from int4_testkit import kc_plan
+from nanoqwen_kernels import emu, layer_ops
 from nanoqwen_kernels import reference as R
-from nanoqwen_kernels.gemv import GemvPlan
 
 pytestmark = pytest.mark.usefixtures("emu_compiler")
 CPU = torch.device("cpu")
@@ -28,25 +28,9 @@ TWO_LAYOUTS, TWO_LAYOUT_IDS = [LAYOUTS[0], LAYOUTS[3]], [LAYOUT_IDS[0], LAYOUT_I
 LAUNCH = functools.partial(emu.emulated, sms=4)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["i8mma", "i8mma-staged"])
-def family(request):
-    """The int8 build (and the one with the staged scale records), registered for this module only
-    (the registry is global)."""
-    from nanoqwen_kernels.specs import SPECS
-
-    name = gemv.register_int8_mma(staged=request.param)
-    yield name
-    del SPECS[name]
-
-
 @pytest.fixture
 def gen(request) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-def _plan(n: int, k: int, kc: int) -> GemvPlan:
-    kt = k // 128
-    return GemvPlan(n, k, -(-kt // kc), kc)
 
 
 # (n, k, kc, m): n = 136 is 17 tiles (the last warp has tile 0 only); kc odd / even / a last split of one
@@ -56,14 +40,15 @@ PLAIN_CASES = [(136, 384, 3, 1), (136, 512, 4, 5), (264, 896, 3, 8), (256, 1024,
 
 @pytest.mark.parametrize("symmetric,scale_dtype", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("n,k,kc,m", PLAIN_CASES)
-def test_plain_gemv_matches_the_rounded_input_reference(n, k, kc, m, symmetric, scale_dtype, gen, family):
-    kit.check_plain(n, k, _plan(n, k, kc), m, symmetric, scale_dtype, gen, CPU, LAUNCH, family=family)
+def test_plain_gemv_matches_the_rounded_input_reference(n, k, kc, m, symmetric, scale_dtype, gen,
+                                                        int8_family):
+    kit.check_plain(n, k, kc_plan(n, k, kc), m, symmetric, scale_dtype, gen, CPU, LAUNCH, family=int8_family)
 
 
 @pytest.mark.parametrize("symmetric,scale_dtype", TWO_LAYOUTS, ids=TWO_LAYOUT_IDS)
-def test_silu_input_gemv_matches_its_reference(symmetric, scale_dtype, gen, family):
-    kit.check_plain(264, 1152, _plan(264, 1152, 3), 5, symmetric, scale_dtype, gen, CPU, LAUNCH, silu=True,
-                    family=family)
+def test_silu_input_gemv_matches_its_reference(symmetric, scale_dtype, gen, int8_family):
+    kit.check_plain(264, 1152, kc_plan(264, 1152, 3), 5, symmetric, scale_dtype, gen, CPU, LAUNCH, silu=True,
+                    family=int8_family)
 
 
 def test_the_rounding_stays_within_its_documented_bound():
@@ -82,36 +67,36 @@ def test_the_rounding_stays_within_its_documented_bound():
     assert bool((err[1, 1] <= 2.0**-127).all()), "below the clamp: multiples of 2^-126"
 
 
-def test_a_non_finite_group_makes_its_row_nan(gen, family):
-    kit.check_non_finite_rows(gen, CPU, LAUNCH, family=family)
+def test_a_non_finite_group_makes_its_row_nan(gen, int8_family):
+    kit.check_non_finite_rows(gen, CPU, LAUNCH, family=int8_family)
 
 
 @pytest.mark.parametrize("symmetric,scale_dtype", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("silu", [False, True], ids=["o", "down"])
-def test_residual_epilogue_equals_plain_then_add(silu, symmetric, scale_dtype, gen, family):
+def test_residual_epilogue_equals_plain_then_add(silu, symmetric, scale_dtype, gen, int8_family):
     """o: K split, even kc, M = 1; down: the SiLU*mul input, K split, odd kc, M = 5."""
     n, k, kc, m = (264, 1152, 3, 5) if silu else (256, 1024, 2, 1)
-    kit.check_residual_epilogue(n, k, _plan(n, k, kc), m, silu, symmetric, scale_dtype, gen, CPU, LAUNCH,
-                                family=family)
+    kit.check_residual_epilogue(n, k, kc_plan(n, k, kc), m, silu, symmetric, scale_dtype, gen, CPU, LAUNCH,
+                                family=int8_family)
 
 
 @pytest.mark.parametrize("symmetric,scale_dtype", LAYOUTS, ids=LAYOUT_IDS)
-def test_norm_prologue_equals_rms_norm_then_plain(symmetric, scale_dtype, gen, family):
+def test_norm_prologue_equals_rms_norm_then_plain(symmetric, scale_dtype, gen, int8_family):
     """gate_up's kernel: unsplit, an odd tile count, M = 8."""
-    kit.check_norm_prologue(392, 640, _plan(392, 640, 5), 8, symmetric, scale_dtype, gen, CPU, LAUNCH,
-                            family=family)
+    kit.check_norm_prologue(392, 640, kc_plan(392, 640, 5), 8, symmetric, scale_dtype, gen, CPU, LAUNCH,
+                            family=int8_family)
 
 
 @pytest.mark.parametrize("symmetric,scale_dtype", TWO_LAYOUTS, ids=TWO_LAYOUT_IDS)
-def test_qkv_epilogue_equals_plain_then_rope_kv_write(symmetric, scale_dtype, gen, family):
+def test_qkv_epilogue_equals_plain_then_rope_kv_write(symmetric, scale_dtype, gen, int8_family):
     """K split with an odd kc, M = 5."""
     shape = layer_ops.AttentionShape(4, 2, 64)
-    kit.check_qkv_epilogue(shape, 640, _plan(shape.qkv_width, 640, 3), 5, symmetric, scale_dtype, gen, CPU,
-                           LAUNCH, family=family)
+    kit.check_qkv_epilogue(shape, 640, kc_plan(shape.qkv_width, 640, 3), 5, symmetric, scale_dtype, gen, CPU,
+                           LAUNCH, family=int8_family)
 
 
-def test_merge_prologue_equals_combine_then_resid(request, family):
+def test_merge_prologue_equals_combine_then_resid(request, int8_family):
     seed = zlib.crc32(request.node.nodeid.encode()) % 100_000
     with emu.emulated(sms=132, seed=seed, timeout_s=60.0):
         check_merge_prologue_equals_combine((8, 2, 128), [1, 64, 129, 333, 512, 0], CPU, max_context_len=512,
-                                            seed=seed, family=family)
+                                            seed=seed, family=int8_family)

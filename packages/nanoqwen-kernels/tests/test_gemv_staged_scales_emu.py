@@ -22,9 +22,9 @@ import zlib
 
 import pytest
 import torch
-from int4_testkit import random_int4, same_bits
+from int4_testkit import kc_plan, random_int4, same_bits
 from nanoqwen_kernels import emu, gemv, layer_ops
-from nanoqwen_kernels.gemv import GemvPlan, GemvWorkspace, NormPrologue, ResidualEpilogue
+from nanoqwen_kernels.gemv import GemvWorkspace, NormPrologue, ResidualEpilogue
 
 pytestmark = pytest.mark.usefixtures("emu_compiler")
 CPU = torch.device("cpu")
@@ -48,11 +48,6 @@ def _gen(request) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-def _plan(n: int, k: int, kc: int) -> GemvPlan:
-    kt = k // 128
-    return GemvPlan(n, k, -(-kt // kc), kc)
-
-
 # (n, k, kc, m): n = 136 is 17 tiles (the last warp has tile 0 only); kc odd / even / a last split of one
 # column; k = 128 * kc: unsplit; kc = 21 > 2 x RECORD_BATCH (18): the records' second batch
 PLAIN_CASES = [(136, 384, 3, 1), (136, 512, 4, 5), (264, 896, 3, 8), (256, 1024, 2, 3), (136, 640, 5, 8),
@@ -66,7 +61,7 @@ def test_plain_gemv_staged_equals_per_column_loop(n, k, kc, m, symmetric, scale_
     w = random_int4(n, k, 128, symmetric, gen, CPU, scale_dtype)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    plan = _plan(n, k, kc)
+    plan = kc_plan(n, k, kc)
     outs = {}
     for family in (STAGED, "gemv"):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
@@ -93,7 +88,7 @@ def test_fused_gemvs_staged_equal_per_column_loop(kind, symmetric, scale_dtype, 
     gen = _gen(request)
     n, k, kc, m = {"down": (264, 1152, 3, 5), "gate_up": (392, 640, 5, 8), "o": (256, 1024, 2, 1)}[kind]
     w = random_int4(n, k, 128, symmetric, gen, CPU, scale_dtype)
-    plan = _plan(n, k, kc)
+    plan = kc_plan(n, k, kc)
     x = torch.randn(m, 2 * k if kind == "down" else k, generator=gen).to(torch.bfloat16)
     resid0 = torch.randn(m, n, generator=gen).to(torch.bfloat16)
     norm = None
@@ -130,7 +125,7 @@ def test_qkv_norm_rope_staged_equals_per_column_loop(symmetric, scale_dtype, req
     positions = torch.randint(0, 4000, (m,), generator=gen, dtype=torch.int32)
     slots = torch.tensor([3, 17, -1, 40, 63], dtype=torch.int32)
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
-    plan = _plan(n, k, 3)
+    plan = kc_plan(n, k, 3)
     results = {}
     for family in (STAGED, "gemv"):
         q = torch.full((m, shape.n_heads, shape.head_dim), float("nan"), dtype=torch.bfloat16)
