@@ -268,25 +268,34 @@ def layout_speed(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 8
     return out
 
 
+def _variants_ab(geom: Qwen2Config, weights, option: str, base: str, variants: tuple[str, ...], *,
+                 batches: tuple[int, ...], reps: int) -> dict:
+    """Each value in `variants` of the EngineConfig field `option` (a) against `base` (b), same weights,
+    features off, `ab_decode` (engine tok/s, and each side's graph replay); plus the path counts of each
+    engine's batch-1 graph: {"reps", "b": base, "graph_paths_<base>", "variants": {v: {"rows",
+    "graph_paths"}}}."""
+    eb = _ab_engine(geom, weights, prefix_caching=False, speculation=None, **{option: base})
+    cls = eb.runner.context_classes[0]
+    out = {"reps": reps, "b": base, f"graph_paths_{base}": dict(eb.runner.graph_paths[(1, cls)]),
+           "variants": {}}
+    for variant in variants:
+        ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None, **{option: variant})
+        out["variants"][variant] = {"rows": ab_decode(ea, eb, batches=batches, reps=reps),
+                                    "graph_paths": dict(ea.runner.graph_paths[(1, cls)])}
+        del ea
+        torch.cuda.empty_cache()
+    del eb
+    torch.cuda.empty_cache()
+    return out
+
+
 def post_attention_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2),
                       reps: int = AB_REPS) -> dict:
     """Issue 13: `EngineConfig.post_attention_kernel` "block" (each layer's o_proj, gate_up and down as
-    one persistent launch at 1..2 rows) and "block+qkv" (the next layer's qkv in it too), each (a)
-    against "off" (b, the GEMVs), same weights, features off, `ab_decode` (engine tok/s, and each side's
-    graph replay); plus the path counts of each engine's batch-1 graph."""
-    off = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
-    cls = off.runner.context_classes[0]
-    out = {"reps": reps, "b": "off", "graph_paths_off": dict(off.runner.graph_paths[(1, cls)]),
-           "variants": {}}
-    for variant in ("block", "block+qkv"):
-        on = _ab_engine(geom, weights, prefix_caching=False, speculation=None, post_attention_kernel=variant)
-        out["variants"][variant] = {"rows": ab_decode(on, off, batches=batches, reps=reps),
-                                    "graph_paths": dict(on.runner.graph_paths[(1, cls)])}
-        del on
-        torch.cuda.empty_cache()
-    del off
-    torch.cuda.empty_cache()
-    return out
+    one persistent launch at 1..2 rows) and "block+qkv" (the next layer's qkv in it too), each against
+    "off" (the GEMVs): `_variants_ab`."""
+    return _variants_ab(geom, weights, "post_attention_kernel", "off", ("block", "block+qkv"),
+                        batches=batches, reps=reps)
 
 
 def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
@@ -313,22 +322,11 @@ def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] =
 def gemv_build_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
                   reps: int = AB_REPS) -> dict:
     """Issue 13's GEMV loop: `EngineConfig.gemv_build` "int8" and "int8-staged" (the decode GEMVs on the
-    int8 tensor cores), each (a) against "bf16" (b), same weights, features off, `ab_decode` at context
-    128 + 128; plus each engine's batch-1 graph paths (an int8 side's must count its GEMVs as
-    "gemv_int8_mma")."""
-    eb = _ab_engine(geom, weights, prefix_caching=False, speculation=None, gemv_build="bf16")
-    cls = eb.runner.context_classes[0]
-    out = {"reps": reps, "b": "bf16", "context": 128, "new_tokens": 128,
-           "graph_paths_bf16": dict(eb.runner.graph_paths[(1, cls)]), "variants": {}}
-    for variant in ("int8", "int8-staged"):
-        ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None, gemv_build=variant)
-        out["variants"][variant] = {"rows": ab_decode(ea, eb, batches=batches, reps=reps),
-                                    "graph_paths": dict(ea.runner.graph_paths[(1, cls)])}
-        del ea
-        torch.cuda.empty_cache()
-    del eb
-    torch.cuda.empty_cache()
-    return out
+    int8 tensor cores), each against "bf16", at context 128 + 128: `_variants_ab` (an int8 side's graph
+    must count its GEMVs as "gemv_int8_mma")."""
+    out = _variants_ab(geom, weights, "gemv_build", "bf16", ("int8", "int8-staged"), batches=batches,
+                       reps=reps)
+    return {**out, "context": 128, "new_tokens": 128}
 
 
 def lm_head_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1,), reps: int = AB_REPS) -> dict:
