@@ -152,6 +152,23 @@ def test_teacher_forced_decode_matches_reference(container, mode, batch):
     assert engine.kv_blocks_used() == 0
 
 
+def _forced_within_bound(container, batch: int, **option):
+    """An engine with one EngineConfig option, teacher-forced on the LENGTHS prompts at `batch` rows:
+    within the reference bound at every position, a quarter of them decided at the least. Returns the
+    engine and the path counts of its graph for the batch's bucket."""
+    name, path = container
+    prompts = prompts_of(LENGTHS, seed=3)
+    ref, bound = oracle(path, prompts)
+    engine = Engine.from_file(path, gpu_config(**option))
+    run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
+    (key, value), = option.items()
+    worst, decided = check_against_reference(f"{name}/{value}/b{batch}", run, ref, bound)
+    print(f"\n[{name} {key}={value} batch {batch}] worst position at {worst:.2f} of its bound; "
+          f"{decided} clear positions decided")
+    assert decided >= len(prompts) * STEPS // 4
+    return engine, engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
+
+
 @pytest.mark.parametrize("variant", ["block", "block+qkv"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_post_attention_kernel_matches_reference(container, variant, batch):
@@ -159,17 +176,8 @@ def test_post_attention_kernel_matches_reference(container, variant, batch):
     persistent launch (nanoqwen_kernels.block), with "block+qkv" the next layer's qkv projection too;
     teacher-forced decode within the reference bound, and the graph of the batch's bucket ran it once
     per layer: the qkv GEMV runs for every layer ("block") or only for layer 0 ("block+qkv")."""
-    name, path = container
-    prompts = prompts_of(LENGTHS, seed=3)
-    ref, bound = oracle(path, prompts)
-    engine = Engine.from_file(path, gpu_config(post_attention_kernel=variant))
-    run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
-    worst, decided = check_against_reference(f"{name}/{variant}/b{batch}", run, ref, bound)
-    print(f"\n[{name} post_attention_kernel={variant} batch {batch}] worst position at {worst:.2f} of its "
-          f"bound; {decided} clear positions decided")
-    assert decided >= len(prompts) * STEPS // 4
+    engine, graph = _forced_within_bound(container, batch, post_attention_kernel=variant)
     layers = engine.geom.num_hidden_layers
-    graph = engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
     assert graph.get("post_attention_block") == layers, graph
     qkv_gemvs = layers if variant == "block" else 1
     assert graph.get("gemv_int4") == qkv_gemvs, graph
@@ -185,16 +193,7 @@ def test_int8_gemv_build_matches_reference(container, variant, batch):
     to 16-bit block floating point per 128 columns, at most 2^-15 of the group's largest |x|: far below
     the bound's bf16 noise); teacher-forced decode within the reference bound, and the graph of the
     batch's bucket ran every layer's four GEMVs on the int8 build."""
-    name, path = container
-    prompts = prompts_of(LENGTHS, seed=3)
-    ref, bound = oracle(path, prompts)
-    engine = Engine.from_file(path, gpu_config(gemv_build=variant))
-    run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
-    worst, decided = check_against_reference(f"{name}/{variant}/b{batch}", run, ref, bound)
-    print(f"\n[{name} gemv_build={variant} batch {batch}] worst position at {worst:.2f} of its bound; "
-          f"{decided} clear positions decided")
-    assert decided >= len(prompts) * STEPS // 4
-    graph = engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
+    engine, graph = _forced_within_bound(container, batch, gemv_build=variant)
     assert graph.get("gemv_int8_mma") == 4 * engine.geom.num_hidden_layers, graph
     assert engine.kv_blocks_used() == 0
 
