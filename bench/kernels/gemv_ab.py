@@ -97,8 +97,8 @@ def time_gemv(label: str, variant: str | None, target_blocks: int | None = None,
     if variant:
         SPECS[variant] = build.KernelSpec(variant, ("gemv.cu",), VARIANTS[variant])
         family = variant
-    # a tree from before the int8 build (2026-12-05) has neither the option nor gemv.int8_mma
-    int8_planes = "-DNQ_GEMV_INT8_MMA=1" in SPECS[family].options
+    # (a tree from before the int8 build, 2026-12-05, has no gemv.int8_mma: nothing rounds x there)
+    int8_planes = getattr(gemv, "int8_mma", lambda _family: False)(family)
     dev = torch.device("cuda")
     read_bps = read_bandwidth(dev)["bytes_per_s"]
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -302,11 +302,13 @@ class KernelOps:
         if not isinstance(lin, Int4Linear):
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
         path = self.int4_path(m)
-        w = self._int4_gemv(lin) if path == "gemv_int4" else self._int4(lin)
         if path == "gemv_int4":
+            w = self._int4_gemv(lin)
             kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False),
                             family=self.gemv_family, pdl=self.cfg.pdl)
-        elif path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
+            return
+        w = self._int4(lin)
+        if path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
             # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMM)
             self.paths["int4_gemm"] += 1
             kgemm.gemm_int4(x, w, out, bias, self.gemm_workspace, self._gemm_plan(w, m), pdl=self.cfg.pdl)
