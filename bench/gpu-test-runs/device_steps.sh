@@ -166,9 +166,9 @@ PY
       PYTHONPATH=$pp timeout 170 python3 -m nanoqwen_cli.main bench --quick --out $OUT/engine-$side 2>&1 \
         | grep -i "tok/s\|decode\|prefill" | head -12 || true
     done ;;
-  int8-check)  # the int8 GEMV build (session 26): its GPU tests, then the engine A/B (gemv_build_ab)
-    PYTHONPATH=$SRC timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -x \
-      packages/nanoqwen-kernels/tests/test_gemv_int8_mma.py 2>&1 | tee $OUT/int8-gpu-tests.log | tail -6
+  int8-check)  # the int8 GEMV builds (session 26): bench/kernels/int8_check_device.sh (their GPU tests and
+    # the engine's), then the engine A/B (gemv_build_ab)
+    bash bench/kernels/int8_check_device.sh
     PYTHONPATH=$SRC timeout 330 python3 -m nanoqwen_cli.main bench --quick --only ${2:-gemv_build_ab} \
       --out $OUT/engine-int8 2>&1 | grep -i "tok/s\|error\|gemv_build" | head -20 || true ;;
   gemv-plans)  # this tree's decode GEMV: default build and plans against other split targets and builds
