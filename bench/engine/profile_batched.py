@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     rb = read_bandwidth(device)
     weights = random_weights(QWEN25_CODER_7B, device, seed=0, symmetric=False)
     engine = Engine(QWEN25_CODER_7B, weights, EngineConfig(kv_memory_bytes=4 << 30, max_model_len=4096,
-                                                           mode="eager", dense_weight_cache=False))
+                                                           mode="eager", dense_weight_cache=False,
+                                                           overlap=False))
     args.out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     doc = {"date": now, "device": torch.cuda.get_device_name(device),

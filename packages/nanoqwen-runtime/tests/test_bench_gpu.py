@@ -25,7 +25,7 @@ def weights():
 
 def test_profile_of_eager_decode_steps(weights):
     eng = Engine(GEOM, weights, EngineConfig(kv_memory_bytes=1 << 30, max_model_len=2048, mode="eager",
-                                             dense_weight_cache=False))
+                                             dense_weight_cache=False, overlap=False))
     p = profile_decode_ops(eng, steps=3, prompt=64)
     assert eng.kv_blocks_used() == 0 and eng.runner.ops is eng.ops
     assert p["starved_chunks"] == 0, p  # every chunk was queued before its wait ended
@@ -62,7 +62,7 @@ def test_profile_of_batched_eager_decode_steps_runs_the_int4_gemm(weights, batch
     from nanoqwen_kernels.gemm import KERNELS, plan_gemm
 
     eng = Engine(GEOM, weights, EngineConfig(kv_memory_bytes=1 << 30, max_model_len=2048, mode="eager",
-                                             dense_weight_cache=False))
+                                             dense_weight_cache=False, overlap=False))
     p = profile_decode_ops(eng, steps=3, prompt=64, batch=batch)
     assert p["batch"] == batch and eng.kv_blocks_used() == 0 and not eng.has_work
     kernels = {k["kernel"]: k for k in p["kernels"]}

@@ -230,7 +230,7 @@ def tiny_path(tmp_path_factory):
 
 def cpu_engine(path) -> Engine:
     cfg = EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=64, block_size=16,
-                       max_model_len=256, prefill_chunk=48, max_batch=8)
+                       max_model_len=256, prefill_chunk=48, max_batch=8, overlap=False)
     return Engine.from_file(path, cfg)
 
 
@@ -417,7 +417,8 @@ def test_profile_marks_every_launch_of_the_kernel_backend(tiny_path, monkeypatch
                         lambda config, geom: ops_kernels.KernelOps(geom, config, torch.device("cpu")))
     m = load(tiny_path, "cpu")
     cfg = EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=64, block_size=16,
-                       max_model_len=256, prefill_chunk=48, max_batch=8, dense_weight_cache=False)
+                       max_model_len=256, prefill_chunk=48, max_batch=8, dense_weight_cache=False,
+                       overlap=False)
     cfg.backend = "kernels"  # after validation: the launches are mocked, so CPU tensors are fine
     engine = EngineCls(m.geometry, m.weights, cfg)
 
@@ -457,7 +458,8 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     def cpu_cfg(cfg):
         return EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=2048, block_size=16,
                             max_model_len=None, prefill_chunk=256, max_batch=64, dense_weight_cache=False,
-                            prefix_caching=cfg.prefix_caching, speculation=cfg.speculation)
+                            prefix_caching=cfg.prefix_caching, speculation=cfg.speculation,
+                            overlap=cfg.overlap)  # the bench's eager engine must be synchronous
 
     class CpuEngine(RealEngine):
         def __init__(self, geom, weights, config, **kw):
@@ -539,3 +541,14 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     assert "## Time per op of a batch-1 decode step" in md
     assert "## Time per op of a batch-64 decode step" in md
     assert json.loads((tmp_path / "bench.json").read_text())["device"] == "fake GPU"
+
+
+def test_profile_refuses_an_overlapped_engine(tiny_path):
+    """An overlapped engine's step() returns with the step it queued still running: its marks are not
+    complete when the profile reads them (the H100 run of session 27 failed there), so the profile asks
+    for a synchronous engine instead of timing half-finished steps."""
+    cfg = EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=64, block_size=16,
+                       max_model_len=256, prefill_chunk=48, max_batch=8)
+    assert cfg.overlap  # the default
+    with pytest.raises(ValueError, match="overlap=False"):
+        bench_profile.profile_decode_ops(Engine.from_file(tiny_path, cfg), steps=1, prompt=20)

@@ -581,9 +581,10 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
     del engine
     torch.cuda.empty_cache()
 
-    # eager: batch <= 8 runs the INT4 GEMVs either way, so no bf16 dense cache (saves 13 GB at 7B)
+    # eager: batch <= 8 runs the INT4 GEMVs either way, so no bf16 dense cache (saves 13 GB at 7B);
+    # synchronous steps, which the per-op profile needs (as every eager figure before session 23)
     eager = Engine(geom, weights_ref, EngineConfig(kv_memory_bytes=4 << 30, max_model_len=4096, mode="eager",
-                                                   dense_weight_cache=False))
+                                                   dense_weight_cache=False, overlap=False))
     for b in (1, 8):
         r = run.section(f"eager{b}", decode_at_context, eager, 128, 32, batch=b, seed=200, into="eager")
         if r is not None:

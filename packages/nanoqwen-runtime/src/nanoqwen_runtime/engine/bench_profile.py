@@ -343,10 +343,15 @@ def profile_decode_ops(engine, steps: int = 5, prompt: int = 128, timeline: Time
     of `prompt` tokens, so the context is ~`prompt`): at batch 1 the GEMV path, above 8 rows the INT4
     GEMM's (the `kernels` list names which kernels ran).
 
-    `engine` must run eagerly (EngineConfig(mode="eager")), idle, with `max_batch >= batch`; it is left
-    as it was found (the requests run to their end)."""
+    `engine` must run eagerly and synchronously (EngineConfig(mode="eager", overlap=False)), idle, with
+    `max_batch >= batch`; it is left as it was found (the requests run to their end). Synchronously:
+    an overlapped engine's `step()` returns with the step it queued still running, so the closing mark
+    of the step is not complete when the step is read (and a step stays in flight after the profile);
+    the GPU time of each op is the same either way."""
     if engine.config.mode != "eager":
         raise ValueError("profile_decode_ops times eager steps: build the engine with mode='eager'")
+    if engine.config.overlap:
+        raise ValueError("profile_decode_ops times synchronous steps: build the engine with overlap=False")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if not 1 <= batch <= engine.config.max_batch:
