@@ -194,6 +194,27 @@ def test_attention_merge_ab_is_reported():
     assert "| 8 | 470 | 460 | 1.022 | 1.0% / 2.0% | slower |" in md
 
 
+def test_gemv_build_ab_reaches_the_report():
+    """The synthetic run's int8-vs-bf16 GEMV build section reaches bench.json and bench.md: one table per
+    int8 variant, with how many of its batch-1 graph's GEMVs ran on the int8 tensor cores."""
+    row = {"batch": 1, "a_tok_s": 480.0, "b_tok_s": 460.0, "a_over_b": 480 / 460, "spread_a": 0.01,
+           "spread_b": 0.02, "a_all": [480.0] * 4, "b_all": [460.0] * 4, "a_slower": False,
+           "a_graph_tok_s": 485.0, "b_graph_tok_s": 462.0}
+    raw = fake_raw()
+    paths = {"gemv_int4": 112, "gemv_int8_mma": 112}
+    variants = {"int8": {"rows": [row], "graph_paths": paths},
+                "int8-m1": {"rows": [row, dict(row, batch=8, a_slower=True)], "graph_paths": paths}}
+    raw["gemv_build_ab"] = {"reps": 4, "b": "bf16", "graph_paths_bf16": {"gemv_int4": 112}, "context": 128,
+                            "new_tokens": 128, "variants": variants}
+    rep = build_report(raw)
+    assert rep["gemv_build_ab"]["variants"]["int8-m1"]["rows"][1]["batch"] == 8
+    md = markdown(rep)
+    for variant in ("int8", "int8-m1"):
+        assert f'(EngineConfig.gemv_build="{variant}") vs bf16' in md
+        assert f"The {variant} side's batch-1 graph ran 112 of its 112 GEMVs on the int8 tensor cores." in md
+    assert "| 8 | 480 | 460 | 1.043 | 1.0% / 2.0% | slower |" in md
+
+
 def test_lm_head_ab_is_reported_with_each_sides_roofline_fraction():
     """The synthetic run's int4-vs-bf16 lm_head section reaches bench.json and bench.md: each side's graph
     replay as a fraction of the read roofline from its own bytes per token (issue 13's 900 tok/s goal),

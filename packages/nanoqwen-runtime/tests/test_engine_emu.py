@@ -101,9 +101,9 @@ def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
 @pytest.mark.parametrize("variant, kernel_attention, gemv_build",
                          [("off", False, "bf16"), ("block", False, "bf16"), ("block+qkv", False, "bf16"),
                           ("block+qkv", True, "bf16"), ("off", True, "int8"),
-                          ("off", False, "int8-staged")],
+                          ("off", False, "int8-staged"), ("off", False, "int8-m1")],
                          ids=["off", "block", "block+qkv", "block+qkv-attention-sampling",
-                              "off-gemv-int8-attention-sampling", "off-gemv-int8-staged"])
+                              "off-gemv-int8-attention-sampling", "off-gemv-int8-staged", "off-gemv-int8-m1"])
 def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch, variant,
                                                              kernel_attention, gemv_build):
     from nanoqwen_kernels import attention as kattn
@@ -123,7 +123,8 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
 
         kattn.launch = ksamp.launch = counted  # emulated() puts the real launchers back on exit
         engine = _emu_engine(tiny_path, monkeypatch, variant, kernel_attention, gemv_build=gemv_build)
-        run = teacher_forced(engine, prompts, ref.tokens, batch=2)
+        # "int8-m1" takes the int8 loop at one-row steps only: the prompts one at a time
+        run = teacher_forced(engine, prompts, ref.tokens, batch=1 if gemv_build == "int8-m1" else 2)
     decided = 0
     for p in range(len(prompts)):
         diff = (run.logits[p] - ref.logits[p]).abs().amax(dim=-1)
@@ -137,7 +138,8 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     paths = engine.ops.paths
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
-    # gemv_build "int8" / "int8-staged": every decode GEMV (4 per layer and step, g128) on the int8 cores
+    # gemv_build "int8" / "int8-staged" / "int8-m1" (one-row steps here): every decode GEMV (4 per layer
+    # and step, g128) on the int8 cores
     int8_gemvs = 4 * layers * decode_steps if gemv_build != "bf16" else 0
     assert paths.get("gemv_int8_mma", 0) == int8_gemvs, paths
     if variant == "off":
@@ -201,3 +203,23 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
     combine = "paged_attention_combine_hd64"
     assert launches["combine"].count(combine) - launches["o_proj"].count(combine) == layers * steps
     assert len(launches["combine"]) - len(launches["o_proj"]) == layers * steps
+
+
+@pytest.mark.parametrize("gemv_build", ["bf16", "int8", "int8-staged", "int8-m1"])
+def test_gemv_family_by_rows(tiny_path, monkeypatch, gemv_build):
+    """Which kernel family runs a decode GEMV step of 1..8 rows: the bf16 build, an int8 build at every
+    row count ("int8", "int8-staged"), or the int8 build at one row and bf16 at 2..8 ("int8-m1")."""
+    from nanoqwen_kernels import emu
+    from nanoqwen_kernels import gemv as kgemv
+
+    try:
+        emu.compiler()
+    except emu.EmulatorError as e:
+        pytest.skip(str(e))
+    with emu.emulated(sms=4, seed=5, timeout_s=60.0):  # the engine's start launches kernels
+        ops = _emu_engine(tiny_path, monkeypatch, "off", False, gemv_build=gemv_build).ops
+    families = [ops.gemv_family(rows) for rows in range(1, kgemv.MAX_M + 1)]
+    int8 = kgemv.register_int8_mma(staged=gemv_build == "int8-staged")
+    expected = {"bf16": [kgemv.FAMILY] * 8, "int8": [int8] * 8, "int8-staged": [int8] * 8,
+                "int8-m1": [int8] + [kgemv.FAMILY] * 7}[gemv_build]
+    assert families == expected

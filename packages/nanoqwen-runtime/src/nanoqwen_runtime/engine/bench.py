@@ -321,11 +321,11 @@ def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] =
 
 def gemv_build_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
                   reps: int = AB_REPS) -> dict:
-    """Issue 13's GEMV loop: `EngineConfig.gemv_build` "int8" and "int8-staged" (the decode GEMVs on the
-    int8 tensor cores), each against "bf16", at context 128 + 128: `_variants_ab` (an int8 side's graph
-    must count its GEMVs as "gemv_int8_mma")."""
-    out = _variants_ab(geom, weights, "gemv_build", "bf16", ("int8", "int8-staged"), batches=batches,
-                       reps=reps)
+    """Issue 13's GEMV loop: `EngineConfig.gemv_build` "int8", "int8-staged" and "int8-m1" (the decode
+    GEMVs on the int8 tensor cores; the last at one-row steps only), each against "bf16", at context
+    128 + 128: `_variants_ab` (an int8 side's batch-1 graph must count its GEMVs as "gemv_int8_mma")."""
+    out = _variants_ab(geom, weights, "gemv_build", "bf16", ("int8", "int8-staged", "int8-m1"),
+                       batches=batches, reps=reps)
     return {**out, "context": 128, "new_tokens": 128}
 
 

@@ -23,9 +23,9 @@ GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 POST_ATTENTION_KERNELS = ("off", "block", "block+qkv")
 # EngineConfig.attention_merge's values: who merges the split rows of decode attention
 ATTENTION_MERGES = ("combine", "o_proj")
-# EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16 or on int8 tensor cores (and the
-# latter with the staged scale records)
-GEMV_BUILDS = ("bf16", "int8", "int8-staged")
+# EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16 or on int8 tensor cores (the
+# latter with the staged scale records, or at one-row steps only)
+GEMV_BUILDS = ("bf16", "int8", "int8-staged", "int8-m1")
 
 
 @dataclass
@@ -95,7 +95,11 @@ class EngineConfig:
     # of 11 instructions of dequantisation per 8 weights; x off by at most 2^-15 of its group's largest
     # |x|), so the logits move within the agreement bound, not bitwise. "int8-staged": the same with the
     # rows' scales and zero points staged in shared memory (INT8_MMA_STAGED_FAMILY: 67.5-71 instead of
-    # 80-110 instructions per tile-column). "bf16" until one of them is measured faster.
+    # 80-110 instructions per tile-column). "int8-m1": "int8" at steps of one row, "bf16" at 2-8 rows,
+    # where the kernels were measured (two H100s, sessions 26-27): at M = 1 the int8 loop takes 0.90-0.91x
+    # the time on gate_up and the INT4 lm_head, at M = 8 1.01-1.12x (every block rounds all M rows of x to
+    # the planes; bench/kernels/results/session27-h100-2026-12-05/). "bf16" until one of them is measured
+    # faster in the engine (`nanoqwen-cli bench`'s gemv_build_ab).
     gemv_build: str = "bf16"
     # Overlapped decode (engine.py's header): in a run of plain decode steps, plan and queue step n+1
     # before reading step n's tokens back (its rows take their ids from step n's output on the device),

@@ -96,9 +96,11 @@ class KernelOps:
                                                           group_size=128 if g128 else 64)
                       for n, k in shapes for silu in (False, True) for g128 in (False, True)}
         self.workspace = kgemv.GemvWorkspace.allocate(self.plans.values(), device)
-        # EngineConfig.gemv_build: the kernel family of the decode GEMVs
-        self.gemv_family = (kgemv.FAMILY if cfg.gemv_build == "bf16"
-                            else kgemv.register_int8_mma(staged=cfg.gemv_build == "int8-staged"))
+        # EngineConfig.gemv_build: the kernel family of the decode GEMVs of steps up to `_int8_max_rows`
+        # rows (the bf16 family above; gemv_family(rows))
+        self._int8_family = (None if cfg.gemv_build == "bf16"
+                             else kgemv.register_int8_mma(staged=cfg.gemv_build == "int8-staged"))
+        self._int8_max_rows = 1 if cfg.gemv_build == "int8-m1" else kgemv.MAX_M
         # the GEMM's split-K scratch, for every M class and group size (plans are cached per shape)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self._sms = sms
@@ -171,7 +173,7 @@ class KernelOps:
 
     def warm_up(self) -> None:
         extra = (("block",) if self.block_plan is not None else ()) + (
-            (self.gemv_family,) if self.gemv_family != kgemv.FAMILY else ())
+            (self._int8_family,) if self._int8_family is not None else ())
         klaunch.warm_up(FAMILIES + extra, self.device)
 
     def check_weights(self, weights) -> None:
@@ -272,9 +274,9 @@ class KernelOps:
         `fuses_norm`, else materialised first."""
         if isinstance(x, NormedInput):
             if self.fuses_norm(x, lin):
-                w = self._int4_gemv(lin)
+                w, family = self._int4_gemv(lin, x.rows)
                 kgemv.gemv_int4(x.residual, w, out, bias, self.workspace, self._gemv_plan(w, False),
-                                family=self.gemv_family, norm=self._norm_prologue(x), pdl=self.cfg.pdl)
+                                family=family, norm=self._norm_prologue(x), pdl=self.cfg.pdl)
                 return
             x = self.norm(x)
         m = x.shape[0]
@@ -303,9 +305,9 @@ class KernelOps:
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
         path = self.int4_path(m)
         if path == "gemv_int4":
-            w = self._int4_gemv(lin)
-            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False),
-                            family=self.gemv_family, pdl=self.cfg.pdl)
+            w, family = self._int4_gemv(lin, m)
+            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False), family=family,
+                            pdl=self.cfg.pdl)
             return
         w = self._int4(lin)
         if path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
@@ -324,15 +326,23 @@ class KernelOps:
             return "gemv_int4"
         return "int4_gemm" if m <= INT4_GEMM_MAX_ROWS else PREFILL_PATH
 
-    def _int4_gemv(self, lin: Int4Linear) -> kgemv.Int4Weight:
-        """The kernel view of an INT4 linear about to run as a decode GEMV, counted as path "gemv_int4",
-        and as "gemv_int8_mma" where an int8 build's loop multiplies it (gemv_build "int8" or
-        "int8-staged", G = 128)."""
+    def gemv_family(self, rows: int) -> str:
+        """The kernel family of a decode GEMV step of `rows` rows (EngineConfig.gemv_build): an int8 build
+        up to its row limit ("int8-m1": 1), else the bf16 one."""
+        if self._int8_family is not None and rows <= self._int8_max_rows:
+            return self._int8_family
+        return kgemv.FAMILY
+
+    def _int4_gemv(self, lin: Int4Linear, rows: int) -> tuple[kgemv.Int4Weight, str]:
+        """The kernel view of an INT4 linear about to run as a decode GEMV of `rows` rows and the kernel
+        family that runs it; counted as path "gemv_int4", and as "gemv_int8_mma" where an int8 build's
+        loop multiplies it (`gemv_family(rows)`, G = 128: the int8 builds are g128 only)."""
         w = self._int4(lin)
+        family = self.gemv_family(rows)
         self.paths["gemv_int4"] += 1
-        if self.gemv_family != kgemv.FAMILY and w.group_size == 128:
+        if family != kgemv.FAMILY and w.group_size == 128:
             self.paths["gemv_int8_mma"] += 1
-        return w
+        return w, family
 
     def _gemv_plan(self, w: kgemv.Int4Weight, silu_input: bool) -> kgemv.GemvPlan:
         return self.plans[(w.n, w.k, silu_input, w.group_size == 128)]
@@ -346,10 +356,10 @@ class KernelOps:
         else out = x @ W^T with the add pending (the next norm makes it). merge: what `attention_run` left
         to this GEMV (x is then its output, whose split rows the GEMV merges while staging them)."""
         if self.fuses_residual(lin, x.shape[0]):
-            w = self._int4_gemv(lin)
+            w, family = self._int4_gemv(lin, x.shape[0])
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(x, w, None, None, self.workspace, self._gemv_plan(w, False),
-                            family=self.gemv_family, residual=epilogue, merge=merge, pdl=self.cfg.pdl)
+                            family=family, residual=epilogue, merge=merge, pdl=self.cfg.pdl)
             return update
         if merge is not None:  # attention_run defers only to a GEMV that fuses (fuses_attention_merge)
             raise AssertionError("an attention merge was left to an o projection that is not a fused GEMV")
@@ -365,10 +375,10 @@ class KernelOps:
         # plain kernel's time at M = 32 / 64 (bench/engine/NOTES.md, session 11): one silu_mul pass,
         # then the plain linear (INT4 GEMM or dequantize + cuBLAS).
         if self.fuses_silu_down(down, gate_up.shape[0]):
-            w = self._int4_gemv(down)
+            w, family = self._int4_gemv(down, gate_up.shape[0])
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(gate_up, w, None, None, self.workspace, self._gemv_plan(w, True),
-                            silu_mul_input=True, family=self.gemv_family, residual=epilogue, pdl=self.cfg.pdl)
+                            silu_mul_input=True, family=family, residual=epilogue, pdl=self.cfg.pdl)
             return update
         kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
         return self.linear_residual(act, down, out, residual)
@@ -420,7 +430,7 @@ class KernelOps:
         norm as its prologue where `fuses_norm`; otherwise `linear` + `qkv_rope_kv_write`."""
         rows = x.rows if isinstance(x, NormedInput) else x.shape[0]
         if self.fuses_qkv_rope(qkv_w, rows):
-            w = self._int4_gemv(qkv_w)
+            w, family = self._int4_gemv(qkv_w, rows)
             norm = None
             if isinstance(x, NormedInput):
                 if self.fuses_norm(x, qkv_w):
@@ -430,7 +440,7 @@ class KernelOps:
             self.paths["qkv_rope_fused"] += 1
             kgemv.gemv_int4_qkv_rope(x, w, bias, self.shape, positions, slot_mapping, self.inv_freq, q_out,
                                      k_cache, v_cache, self.workspace, self._gemv_plan(w, False),
-                                     self.gemv_family, norm=norm, pdl=self.cfg.pdl)
+                                     family, norm=norm, pdl=self.cfg.pdl)
             return
         self.linear(x, qkv_w, qkv, bias=bias)
         self.qkv_rope_kv_write(qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv)
