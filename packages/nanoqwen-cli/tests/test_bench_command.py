@@ -61,7 +61,7 @@ def cpu_bench(monkeypatch):
         seen.setdefault("kv_memory_bytes", cfg.kv_memory_bytes)
         return EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=2048, block_size=16,
                             max_model_len=None, prefill_chunk=256, max_batch=64,
-                            dense_weight_cache=False)
+                            dense_weight_cache=False, overlap=cfg.overlap)  # the profile's is synchronous
 
     graph_engines = []
 

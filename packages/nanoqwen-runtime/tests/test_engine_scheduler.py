@@ -343,35 +343,46 @@ def test_plan_ahead_refuses_what_schedule_would_plan_otherwise():
     assert s.plan_ahead(ahead) is None  # a would need a page
 
 
-def test_plan_ahead_with_drafters_only_through_a_backoff():
-    """A sequence with a prompt-lookup drafter goes ahead only while its drafter backs off (then
-    propose() returns [] whatever the token, and changes nothing); a pending backoff, which starts at
-    the next propose() call, keeps the step synchronous."""
+def test_plan_ahead_with_drafters_while_none_is_expected():
+    """A sequence with a prompt-lookup drafter goes ahead while its drafter backs off (propose() returns []
+    whatever the token, and changes nothing) or while its context as last committed has no n-gram match
+    (`NgramDrafter.idle_at`: none expected). A match in the context, or a pending backoff (it starts at
+    the next propose() call), keeps the step synchronous, so that `schedule()` drafts."""
     from nanoqwen_runtime.speculative import SpeculationConfig
 
     bm = BlockManager(BlockAllocator(32), 32, 4)
     s = Scheduler(bm, max_batch=8, max_model_len=128, prefill_chunk=64,
                   speculation=SpeculationConfig(k=2, window=1, min_acceptance=1.0, backoff_steps=3))
-    model = FakeModel(s, 0.0, random.Random(0))
     seq = s.add(Request([1, 2, 3, 4], SamplingParams(max_tokens=40)))
     plan = s.schedule()
-    s.commit(plan, model.step(plan))
+    s.commit(plan, {seq.seq_id: 7})  # context 1 2 3 4 7: 7 has no earlier occurrence
     plan = s.schedule()
-    assert not plan.has_drafts  # no match in the context yet
-    assert s.plan_ahead(plan) is None  # the drafter may find one once the token is known
-    seq.drafter.record(2, 0)  # a verify step with no draft accepted: the backoff is pending
-    assert not seq.drafter.silent_at(seq.num_generated + 1) and s.plan_ahead(plan) is None
-    s.commit(plan, model.step(plan))
-    plan = s.schedule()  # its propose() starts the backoff: no drafts for 3 generated tokens
+    assert not plan.has_drafts and seq.drafter.idle_at(seq.num_generated + 1)
+    ahead = s.plan_ahead(plan)
+    assert ahead is not None and not ahead.has_drafts  # none expected: it goes ahead
+    s.commit(plan, {seq.seq_id: 2})  # 1 2 3 4 7 2: the suffix "2" occurred, followed by 3
+    assert not seq.drafter.idle_at(seq.num_generated + 1)
+    assert s.plan_ahead(ahead) is None  # a draft is expected after it: synchronous
+    s.commit(ahead, {seq.seq_id: 9})  # 1 2 3 4 7 2 9: no match again
+    plan = s.schedule()
+    assert not plan.has_drafts and s.plan_ahead(plan) is not None
+    s.commit(plan, {seq.seq_id: 3})  # ... 9 3: "3" occurred, followed by 4
+    plan = s.schedule()
+    assert plan.drafts == [[4, 7]]  # what the synchronous step drafts (k = 2)
+    assert s.plan_ahead(plan) is None  # a verify step: its tokens decide the next step
+    s.commit(plan, {seq.seq_id: [5, 5, 5]})  # no draft accepted: the backoff is pending
     g = seq.num_generated
+    assert not seq.drafter.idle_at(g + 1)  # pending, whatever the context holds
+    plan = s.schedule()  # its propose() starts the backoff: no drafts for 3 generated tokens
+    assert not plan.has_drafts
     assert seq.drafter.silent_at(g + 1) and seq.drafter.silent_at(g + 2) and not seq.drafter.silent_at(g + 3)
     ahead = s.plan_ahead(plan)
     assert ahead is not None
-    s.commit(plan, model.step(plan))
+    s.commit(plan, {seq.seq_id: 4})  # ... 5 4: "4" occurred (followed by 7), but the drafter backs off
     after = s.plan_ahead(ahead)  # generated length g + 2: still backing off
     assert after is not None
-    s.commit(ahead, {seq.seq_id: 500})
-    assert s.plan_ahead(after) is None  # at g + 3 the drafter may draft again
+    s.commit(ahead, {seq.seq_id: 7})  # ... 4 7: "4 7" occurred, followed by 2
+    assert s.plan_ahead(after) is None  # at g + 3 the drafter may draft again, and a match is expected
 
 
 def _decode_token(seq, pos: int) -> int:

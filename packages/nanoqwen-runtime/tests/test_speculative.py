@@ -106,6 +106,40 @@ def test_incremental_calls_agree_with_one_call_and_with_a_brute_force_scan():
         assert NgramDrafter(cfg, prompt).propose(gen, limit) == _brute_force(prompt + gen, cfg, limit)
 
 
+def test_observe_tells_whether_the_context_has_a_match_and_changes_no_draft():
+    """observe() takes in tokens without drafting: idle_at() is then True exactly when the context has no
+    match (the brute-force scan's draft is empty), and interleaving observe() calls changes nothing
+    propose() returns. Random contexts over small vocabularies, both ways of feeding the tokens."""
+    rng = random.Random(77)
+    for trial in range(200):
+        n_max = rng.randint(1, 5)
+        cfg = SpeculationConfig(k=rng.randint(1, MAX_DRAFT), ngram_max=n_max, ngram_min=rng.randint(1, n_max))
+        vocab = rng.randint(2, 12)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 20))]
+        gen = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+        watched, plain = NgramDrafter(cfg, prompt), NgramDrafter(cfg, prompt)
+        for t in range(1, len(gen) + 1):
+            watched.observe(gen[:t])
+            assert watched.idle_at(t) == (_brute_force(prompt + gen[:t], cfg, 1) == []), (trial, t)
+            if rng.random() < 0.5:  # the engine drafts at some steps only
+                assert watched.propose(gen[:t], 4) == plain.propose(gen[:t], 4), (trial, t)
+
+
+def test_idle_at_is_false_while_a_backoff_is_pending():
+    """A pending backoff starts at the next propose(): a step going ahead would skip that call and move
+    the backoff's start, so idle_at() does not let it go ahead, whatever the context; once the backoff
+    runs, idle_at() follows silent_at()."""
+    cfg = SpeculationConfig(k=2, ngram_max=1, ngram_min=1, min_acceptance=1.0, window=1, backoff_steps=2)
+    d = NgramDrafter(cfg, [1, 2, 3])
+    d.observe([9])  # 1 2 3 9: no match
+    assert d.idle_at(2)
+    d.record(2, 0)  # the backoff is pending
+    assert not d.idle_at(2) and not d.silent_at(2)
+    assert d.propose([9], 4) == []  # the backoff starts here: generated lengths 1 and 2 draft nothing
+    d.observe([9, 1])  # 1 2 3 9 1: "1" occurred, followed by 2
+    assert d.idle_at(2) and d.silent_at(2) and not d.idle_at(3)
+
+
 def test_generated_may_not_shrink():
     d = NgramDrafter(SpeculationConfig(), [1, 2, 3])
     d.propose([4, 5], 4)

@@ -133,6 +133,7 @@ class NgramDrafter:
         self._backoff_pending = False
         self._resume_at = -1  # drafting resumes once len(generated) >= this
         self.backoffs = 0     # times the drafter stopped drafting (for stats and tests)
+        self._cold = False    # observe(): the context as last observed had no n-gram match
 
     def _index_new_tokens(self) -> None:
         """Enter the tokens appended since the last call: token `end` gives the n-grams that end just
@@ -166,13 +167,8 @@ class NgramDrafter:
         """
         if not _is_int(limit) or limit < 0:
             raise ValueError(f"limit must be an integer >= 0, got {limit!r}")
-        n_gen = len(generated)
-        if n_gen < self._n_gen:
-            raise ValueError(f"generated shrank from {self._n_gen} to {n_gen} tokens: one NgramDrafter "
-                             "per request, fed the request's whole generated sequence")
-        if n_gen > self._n_gen:
-            self._ctx.extend(generated[self._n_gen:])
-            self._n_gen = n_gen
+        self._extend(generated)
+        n_gen = self._n_gen
         if self._backoff_pending:
             self._backoff_pending = False
             self._resume_at = n_gen + self.config.backoff_steps
@@ -181,6 +177,26 @@ class NgramDrafter:
         want = min(self.config.k, limit)
         if want == 0:
             return []
+        return self._lookup(want)
+
+    def observe(self, generated: Sequence[int]) -> None:
+        """Take in newly generated tokens without drafting (the scheduler calls it after every commit):
+        the context grows and is indexed as propose() would do it, and `idle_at` learns whether the
+        context now ends in a suffix with a match. No backoff state changes."""
+        self._extend(generated)
+        self._cold = not self._lookup(1)
+
+    def _extend(self, generated: Sequence[int]) -> None:
+        n_gen = len(generated)
+        if n_gen < self._n_gen:
+            raise ValueError(f"generated shrank from {self._n_gen} to {n_gen} tokens: one NgramDrafter "
+                             "per request, fed the request's whole generated sequence")
+        if n_gen > self._n_gen:
+            self._ctx.extend(generated[self._n_gen:])
+            self._n_gen = n_gen
+
+    def _lookup(self, want: int) -> list[int]:
+        """The draft of up to `want` (>= 1) tokens for the context as it is: [] when no suffix matches."""
         self._index_new_tokens()
         ctx = self._ctx
         L = len(ctx)
@@ -217,6 +233,15 @@ class NgramDrafter:
         would have appended to the context are appended by the next one). The engine's overlapped
         decode plans a step before its tokens are known only then (`Scheduler.plan_ahead`)."""
         return not self._backoff_pending and n_gen < self._resume_at
+
+    def idle_at(self, n_gen: int) -> bool:
+        """True when `silent_at(n_gen)`, or when the drafter expects no match then: the context as last
+        observed (`observe`) ends in a suffix with no earlier occurrence, and no backoff is pending. The
+        second case is a prediction, not a guarantee: the token still to come may give the suffix a
+        match. The engine's overlapped decode plans a step ahead, without drafts, through either case
+        (`Scheduler.plan_ahead`); a match the token in flight would have given is then drafted from one
+        step later, once `observe` has seen it (greedy verification emits the same tokens either way)."""
+        return self.silent_at(n_gen) or (self._cold and not self._backoff_pending)
 
     @property
     def backing_off(self) -> bool:

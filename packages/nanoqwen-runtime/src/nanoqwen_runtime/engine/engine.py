@@ -28,8 +28,12 @@ decode steps the engine plans step n+1 (`Scheduler.plan_ahead`) and queues it BE
 back; step n+1's rows take their token ids from step n's sampled tokens on the device. So `step()`
 queues step n+1 and returns step n's events, and the host's work between steps runs while the
 device computes. The tokens are those of the synchronous engine (the same steps with the same
-inputs) as long as no sequence ends with a step in flight; a step that cannot be planned ahead
-(prefill, admission, preemption, eviction, drafts) is run synchronously. A sequence that step n's token
+inputs) as long as no sequence ends with a step in flight and no speculating sequence's drafter
+finds a match; a step that cannot be planned ahead (prefill, admission, preemption, eviction, drafts
+expected) is run synchronously. A drafter with no match in its context as last committed is expected
+to have none after the token in flight either: the step goes ahead without drafts, and a match that
+token does give is drafted one step later (greedy verification emits the same tokens; the verify steps
+fall elsewhere than the synchronous engine's). A sequence that step n's token
 ends (EOS, stop string), or that is aborted, computes one row more in step n+1, which is dropped; that
 step then has a row more than the synchronous engine's, which can move the other rows' logits in their
 last bits (a different graph bucket or kernel path): their tokens are the same up to a near-tie. At

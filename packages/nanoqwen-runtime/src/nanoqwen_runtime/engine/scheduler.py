@@ -194,15 +194,19 @@ class Scheduler:
         - the pages for one more token each are free now without evicting a cached block (no
           preemption or eviction ahead: `schedule()` decides those after the commit, when the pages of
           sequences that leave are back);
-        - no sequence would get drafts: its drafter backs off through that step (propose() would
-          return [] and change no state), or the step has at least `verify_max_rows` rows (no room for
-          drafts; if a token ends a sequence, the step it would have drafted in runs without drafts).
+        - no sequence is expected to get drafts: its drafter backs off through that step (propose()
+          would return [] and change no state), or its context as last committed has no n-gram match
+          (`NgramDrafter.idle_at`: a prediction; if the token in flight gives it one, that draft is
+          made one step later than `schedule()` would make it, with the same tokens emitted), or the
+          step has at least `verify_max_rows` rows (no room for drafts; if a token ends a sequence,
+          the step it would have drafted in runs without drafts).
         A sequence that `plan`'s token ends (EOS, stop) or that is aborted still computes one row in the
         step planned ahead: its output is dropped at commit (the sequence is no longer running), its
         K/V row lands past its end in a page it released, which a later owner writes before reading
-        (the device runs the steps in launch order). That row is the one difference from `schedule()`:
-        the step has a row more than the synchronous engine's, which can change its graph bucket or
-        kernel path and so the other rows' logits in their last bits (the tokens up to a near-tie)."""
+        (the device runs the steps in launch order). That row and a draft made a step later are the
+        differences from `schedule()`: the step has a row more than the synchronous engine's, which can
+        change its graph bucket or kernel path and so the other rows' logits in their last bits (the
+        tokens up to a near-tie); the verify steps of speculating sequences can fall elsewhere."""
         if plan.kind != "decode" or plan.has_drafts or any(not s.in_decode for s in self.running):
             return None
         live = [(row, s) for row, s in enumerate(plan.seqs) if s.status is SeqStatus.RUNNING]
@@ -215,7 +219,7 @@ class Scheduler:
             return None
         if self.waiting and not self._admission_blocked([s for _, s in keep], [s for _, s in live]):
             return None
-        if len(keep) < self.verify_max_rows and any(not _drafter_silent_next(s) for _, s in keep):
+        if len(keep) < self.verify_max_rows and any(not _drafter_idle_next(s) for _, s in keep):
             return None
         # only free blocks, no eviction: before the commit, the pages of sequences leaving are not yet
         # released, and `schedule()` after it could take one of those instead of evicting a cached block
@@ -399,6 +403,7 @@ class Scheduler:
                 self.spec_accepted_tokens += accepted
                 seq.num_computed += 1 + accepted
                 seq.tokens.extend(new)
+                seq.drafter.observe(seq.tokens[seq.num_prompt:])
                 self.blocks.shrink(seq, len(seq.tokens))
             else:
                 seq.num_computed += q
@@ -410,6 +415,8 @@ class Scheduler:
                 if len(new) != 1:
                     raise AssertionError(f"seq {seq.seq_id}: {len(new)} tokens for a step without drafts")
                 seq.tokens.extend(new)
+                if seq.drafter is not None:
+                    seq.drafter.observe(seq.tokens[seq.num_prompt:])
             seq.num_new_tokens = len(new)
             self.blocks.register(seq)
             out.append(seq)
@@ -425,8 +432,9 @@ class Scheduler:
         seq.finish_reason = reason
 
 
-def _drafter_silent_next(seq: Sequence) -> bool:
-    """Whether `seq` gets no draft in the decode step after the next commit, whatever the token: it has
-    no drafter, or its drafter backs off through that generated length without a pending change."""
+def _drafter_idle_next(seq: Sequence) -> bool:
+    """Whether `seq` may go without drafts in the decode step after the next commit: it has no drafter,
+    or its drafter backs off through that generated length (no draft whatever the token), or expects no
+    match (`NgramDrafter.idle_at`: its context as last committed has none)."""
     d = seq.drafter
-    return d is None or d.silent_at(seq.num_generated + 1)
+    return d is None or d.idle_at(seq.num_generated + 1)
