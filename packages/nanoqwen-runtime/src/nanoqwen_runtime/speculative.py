@@ -133,7 +133,6 @@ class NgramDrafter:
         self._backoff_pending = False
         self._resume_at = -1  # drafting resumes once len(generated) >= this
         self.backoffs = 0     # times the drafter stopped drafting (for stats and tests)
-        self._cold = False    # observe(): the context as last observed had no n-gram match
 
     def _index_new_tokens(self) -> None:
         """Enter the tokens appended since the last call: token `end` gives the n-grams that end just
@@ -179,12 +178,13 @@ class NgramDrafter:
             return []
         return self._lookup(want)
 
-    def observe(self, generated: Sequence[int]) -> None:
-        """Take in newly generated tokens without drafting (the scheduler calls it after every commit):
-        the context grows and is indexed as propose() would do it, and `idle_at` learns whether the
-        context now ends in a suffix with a match. No backoff state changes."""
-        self._extend(generated)
-        self._cold = not self._lookup(1)
+    def observe(self, new_tokens: Sequence[int]) -> None:
+        """Append the tokens generated since the last call, without drafting (the scheduler calls it at
+        every commit, so that `idle_at` sees the context as committed; a later propose() gets the whole
+        generated sequence as always and finds them there). O(len(new_tokens)): the index is brought up
+        to date only when a lookup needs it. No backoff state changes."""
+        self._ctx.extend(new_tokens)
+        self._n_gen += len(new_tokens)
 
     def _extend(self, generated: Sequence[int]) -> None:
         n_gen = len(generated)
@@ -236,12 +236,12 @@ class NgramDrafter:
 
     def idle_at(self, n_gen: int) -> bool:
         """True when `silent_at(n_gen)`, or when the drafter expects no match then: the context as last
-        observed (`observe`) ends in a suffix with no earlier occurrence, and no backoff is pending. The
-        second case is a prediction, not a guarantee: the token still to come may give the suffix a
-        match. The engine's overlapped decode plans a step ahead, without drafts, through either case
-        (`Scheduler.plan_ahead`); a match the token in flight would have given is then drafted from one
-        step later, once `observe` has seen it (greedy verification emits the same tokens either way)."""
-        return self.silent_at(n_gen) or (self._cold and not self._backoff_pending)
+        seen (propose() or `observe`) ends in a suffix with no earlier occurrence, and no backoff is
+        pending. The second case is a prediction, not a guarantee: the token still to come may give the
+        suffix a match. The engine's overlapped decode plans a step ahead, without drafts, through either
+        case (`Scheduler.plan_ahead`); a match the token in flight would have given is then drafted one
+        step later, once it is committed (greedy verification emits the same tokens either way)."""
+        return self.silent_at(n_gen) or (not self._backoff_pending and not self._lookup(1))
 
     @property
     def backing_off(self) -> bool:
