@@ -9,6 +9,7 @@ measures in one process:
 - "gemv": per layer, the engine's decode path at M <= 8 before this kernel: o_proj GEMV with the residual
   epilogue, gate_up GEMV with the norm prologue, down GEMV with the SiLU input and the residual epilogue;
   "gemv+qkv": the same and the next layer's qkv GEMV (norm prologue, RoPE / paged K/V epilogue);
+  "gemv:i8", "gemv+qkv:i8": the same with the GEMVs' int8 build (gemv.register_int8_mma);
 - "block[:BUILD]" / "block+qkv[:BUILD]": per layer, one `post_attention_block` launch without / with the
   next layer's qkv, for each build in --builds (BUILDS below: warps per CTA, tile-columns per ring
   slot, ring slots per warp).
@@ -29,7 +30,9 @@ from pathlib import Path
 H, INTER, KQ = 3584, 18944, 3584
 HQ, HKV, D = 28, 4, 128
 EPS = 1e-6
-# name -> (warps per CTA, tile-columns per slot, slots per warp); "default" is the header's build
+# name -> (warps per CTA, tile-columns per slot, slots per warp[, the int8 loop]) (block.BlockBuild);
+# "default" is the header's build, "i8" block.INT8_MMA_BUILD (the int8 tensor-core chunk step; 2 slots:
+# with 3 the 7B's shared memory is 384 bytes over the limit)
 BUILDS = {
     "default": (16, 3, 3),
     "w16c4r2": (16, 4, 2),
@@ -38,6 +41,9 @@ BUILDS = {
     "w20c2r3": (20, 2, 3),
     "w20c3r2": (20, 3, 2),
     "w8c4r4": (8, 4, 4),
+    "i8": (16, 3, 2, True),
+    "i8c4r2": (16, 4, 2, True),
+    "i8w20c3r2": (20, 3, 2, True),
 }
 
 
@@ -97,29 +103,33 @@ def run(out_dir: Path, builds: list[str], layers: int) -> dict:
         for m in (1, 2):
             st = Step(weights, m, gen)
 
-            def gemv_layer(i, st=st, qkv=False):
+            def gemv_layer(i, st=st, qkv=False, family=gemv.FAMILY):
                 w_o, w_gu, w_d, w_q = st.layers[i % layers]
-                gemv.gemv_int4(st.attn, w_o, None, None, g_ws, g_plans[0],
+                gemv.gemv_int4(st.attn, w_o, None, None, g_ws, g_plans[0], family=family,
                                residual=gemv.ResidualEpilogue(st.resid, st.stats))
-                gemv.gemv_int4(st.resid, w_gu, st.gate_up, None, g_ws, g_plans[1],
+                gemv.gemv_int4(st.resid, w_gu, st.gate_up, None, g_ws, g_plans[1], family=family,
                                norm=gemv.NormPrologue(st.norm_w, st.stats, EPS))
                 gemv.gemv_int4(st.gate_up, w_d, None, None, g_ws, g_plans[2], silu_mul_input=True,
-                               residual=gemv.ResidualEpilogue(st.resid, st.stats))
+                               family=family, residual=gemv.ResidualEpilogue(st.resid, st.stats))
                 if qkv:
                     gemv.gemv_int4_qkv_rope(st.resid, w_q, st.bias, st.shape, st.positions, st.slots,
-                                            st.inv_freq, st.q, st.kc, st.vc, g_ws, g_plans[3],
+                                            st.inv_freq, st.q, st.kc, st.vc, g_ws, g_plans[3], family,
                                             norm=gemv.NormPrologue(st.in_norm_w, st.stats, EPS))
 
             st.reset()
             gemv_layer(0, qkv=True)
             want = (st.resid.clone(), st.gate_up.clone(), st.q.clone())
-            for qkv, nbytes in ((False, nbytes3), (True, nbytes4)):
-                t = time_graph(lambda i, qkv=qkv: gemv_layer(i, qkv=qkv), reps=layers)
-                path = "gemv+qkv" if qkv else "gemv"
-                rows.append({"path": path, "kind": kind, "m": m, "us": t * 1e6,
-                             "frac_read": nbytes / t / read_bps})
-                print(f"{path:18s} {kind:4s} M={m} {t * 1e6:8.2f} us/layer {rows[-1]['frac_read']:6.1%}",
-                      flush=True)
+            # the GEMV path with the bf16 loop ("gemv", every row's baseline) and, beside it, with the int8
+            # build (gemv.register_int8_mma: what an int8 block build replaces)
+            for family, tag in ((gemv.FAMILY, ""), (gemv.register_int8_mma(), ":i8")):
+                for qkv, nbytes in ((False, nbytes3), (True, nbytes4)):
+                    t = time_graph(lambda i, qkv=qkv, family=family: gemv_layer(i, qkv=qkv, family=family),
+                                   reps=layers)
+                    path = ("gemv+qkv" if qkv else "gemv") + tag
+                    rows.append({"path": path, "kind": kind, "m": m, "us": t * 1e6,
+                                 "frac_read": nbytes / t / read_bps})
+                    print(f"{path:18s} {kind:4s} M={m} {t * 1e6:8.2f} us/layer "
+                          f"{rows[-1]['frac_read']:6.1%}", flush=True)
             for name in builds:
                 family = "block" if name == "default" else f"block_{name}"
                 for qkv, nbytes in ((False, nbytes3), (True, nbytes4)):
@@ -168,7 +178,7 @@ def report(r: dict) -> str:
              f"weights per layer ({r['bytes_per_layer_with_qkv'] / 1e6:.1f} MB with the next qkv); "
              f"{r['layers']} layers per graph.\n",
              "| path | kind | M | us / layer | of read BW | vs the GEMVs |", "|---|---|---|---|---|---|"]
-    base = {(x["path"], x["kind"], x["m"]): x["us"] for x in r["rows"] if x["path"].startswith("gemv")}
+    base = {(x["path"], x["kind"], x["m"]): x["us"] for x in r["rows"] if x["path"] in ("gemv", "gemv+qkv")}
     for x in r["rows"]:
         ref = base[("gemv+qkv" if "qkv" in x["path"] else "gemv", x["kind"], x["m"])]
         lines.append(f"| {x['path']} | {x['kind']} | {x['m']} | {x['us']:.2f} | {x['frac_read']:.1%} | "

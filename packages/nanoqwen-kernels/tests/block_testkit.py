@@ -37,6 +37,14 @@ What must hold, and why:
 - **Determinism:** two launches give the same bits; the counters are back at zero after each launch;
   a captured graph replays on new inputs with the eager launch's bits.
 Outputs and statistics are NaN-poisoned first, with a poisoned tail that must stay so.
+
+The int8 build (`int8=True`: block.register_int8_mma(), x rounded to the int8 GEMV build's planes) is
+compared with the int8 GEMV build's launches (gemv.register_int8_mma()), with the same bounds and one
+term more for gate_up: o_proj's input (half-integers within a factor 8 of each other) is exact in the
+planes, so o_proj stays bitwise; down's and qkv's inputs are the same bits on both sides (the kernel's
+own gate_up / residual), so are their planes; gate_up's normalised input may differ by an ulp between
+the sides, and each side rounds it to its planes by at most 2^-15 of the element's 128-column group's
+largest |x| (gemv_int4.cuh): |dy| gains 2^-14 sum_k |W[n, k]| gmax(k).
 """
 
 from __future__ import annotations
@@ -99,10 +107,25 @@ def _half_integers(m, k, gen, device):
     return (mag * sign).to(torch.bfloat16)
 
 
-class Layer:
-    """One layer's post-attention weights and a decode step's inputs."""
+def families(int8: bool) -> tuple[str, str]:
+    """(the block kernel's family, the family of the GEMVs it is compared with): the bf16 builds, or both
+    int8 builds (module docstring)."""
+    from nanoqwen_kernels import block, gemv
 
-    def __init__(self, geom, m, symmetric, scale_dtype, gen, device, zero_down=False):
+    if int8:
+        return block.register_int8_mma(), gemv.register_int8_mma()
+    return block.FAMILY, gemv.FAMILY
+
+
+class Layer:
+    """One layer's post-attention weights and a decode step's inputs; int8: run and compare the int8 builds
+    (`families`)."""
+
+    def __init__(self, geom, m, symmetric, scale_dtype, gen, device, zero_down=False, int8=False,
+                 block_family=None):
+        self.int8 = int8
+        self.block_family, self.gemv_family = families(int8)
+        self.block_family = block_family or self.block_family  # a benchmark build of the same loop
         self.name, h, inter, kq = geom
         self.h, self.inter, self.kq, self.m = h, inter, kq, m
         self.w_o = _exact_o_weight(h, kq, symmetric, scale_dtype, gen, device)
@@ -116,7 +139,7 @@ class Layer:
     def plan(self, device):
         from nanoqwen_kernels.block import plan_post_attention
 
-        return plan_post_attention(self.h, self.inter, self.kq, device)
+        return plan_post_attention(self.h, self.inter, self.kq, device, family=self.block_family)
 
     def run_block(self, plan, ws, resid=None):
         """One launch into poisoned outputs; returns (resid, gate_up, stats) and checks the tails."""
@@ -141,7 +164,7 @@ class Layer:
         resid = self.resid0.clone()
         stats = torch.empty(norm_stats_shape(self.m, self.h), dtype=torch.float32, device=dev)
         gemv_int4(self.attn, self.w_o, None, None, GemvWorkspace.allocate([plan], dev), plan,
-                  residual=ResidualEpilogue(resid, stats))
+                  family=self.gemv_family, residual=ResidualEpilogue(resid, stats))
         return resid, stats
 
     def gemv_gate_up(self, resid1, stats128):
@@ -149,7 +172,7 @@ class Layer:
         plan = plan_gemv(2 * self.inter, self.h, dev)
         y = torch.empty(self.m, 2 * self.inter, dtype=torch.bfloat16, device=dev)
         gemv_int4(resid1, self.w_gu, y, None, GemvWorkspace.allocate([plan], dev), plan,
-                  norm=NormPrologue(self.norm_w, stats128, EPS))
+                  family=self.gemv_family, norm=NormPrologue(self.norm_w, stats128, EPS))
         return y
 
     def gemv_down(self, gate_up, resid1):
@@ -158,10 +181,10 @@ class Layer:
         plan = plan_gemv(self.h, self.inter, dev, silu_input=True)
         ws = GemvWorkspace.allocate([plan], dev)
         y = torch.empty(self.m, self.h, dtype=torch.bfloat16, device=dev)
-        gemv_int4(gate_up, self.w_d, y, None, ws, plan, silu_mul_input=True)
+        gemv_int4(gate_up, self.w_d, y, None, ws, plan, silu_mul_input=True, family=self.gemv_family)
         resid = resid1.clone()
         stats = torch.empty(norm_stats_shape(self.m, self.h), dtype=torch.float32, device=dev)
-        gemv_int4(gate_up, self.w_d, None, None, ws, plan, silu_mul_input=True,
+        gemv_int4(gate_up, self.w_d, None, None, ws, plan, silu_mul_input=True, family=self.gemv_family,
                   residual=ResidualEpilogue(resid, stats))
         return y, resid
 
@@ -182,8 +205,13 @@ def _assert_gate_up(got, want, resid1, layer, what):
 
     normed = torch.empty_like(resid1)
     rms_norm(resid1, layer.norm_w, normed, EPS)
-    mass = normed.float().abs() @ _dense(layer.w_gu).abs().t()
+    w_abs = _dense(layer.w_gu).abs()
+    mass = normed.float().abs() @ w_abs.t()
     bound = 2**-7 * mass + 2**-7 * want.float().abs()
+    if layer.int8:  # each side's planes round x by <= 2^-15 of its group's largest |x| (module docstring)
+        m, k = normed.shape
+        gmax = normed.float().abs().view(m, k // 128, 128).amax(dim=-1).repeat_interleave(128, dim=-1)
+        bound = bound + 2**-14 * (gmax @ w_abs.t())
     assert not bool(got.isnan().any()), f"{what}: gate_up not written"
     over = (got.float() - want.float()).abs() / bound
     assert bool((over <= 1).all()), f"{what}: gate_up off by {float(over.max()):.2f}x the derived bound"
@@ -197,12 +225,13 @@ def _assert_down(resid2, resid2_ref, y_ref, gate_up, layer, what):
     assert bool((over <= 1).all()), f"{what}: residual off by {float(over.max()):.2f}x the derived bound"
 
 
-def check_o_proj_and_gate_up(geom, m, symmetric, scale_dtype, gen, device):
+def check_o_proj_and_gate_up(geom, m, symmetric, scale_dtype, gen, device, int8=False, block_family=None):
     """Down adds exactly 0: the final residual is the residual after o_proj (bitwise the GEMV's), and
     gate_up is within the chain's derived bound."""
     from nanoqwen_kernels.block import BlockWorkspace
 
-    layer = Layer(geom, m, symmetric, scale_dtype, gen, device, zero_down=True)
+    layer = Layer(geom, m, symmetric, scale_dtype, gen, device, zero_down=True, int8=int8,
+                  block_family=block_family)
     plan = layer.plan(device)
     ws = BlockWorkspace.allocate(plan, device)
     resid, gate_up, stats = layer.run_block(plan, ws)
@@ -213,12 +242,12 @@ def check_o_proj_and_gate_up(geom, m, symmetric, scale_dtype, gen, device):
     _assert_gate_up(gate_up, layer.gemv_gate_up(resid1, stats128), resid1, layer, what)
 
 
-def check_down_and_determinism(geom, m, symmetric, scale_dtype, gen, device):
+def check_down_and_determinism(geom, m, symmetric, scale_dtype, gen, device, int8=False, block_family=None):
     """The whole block: down from the kernel's own gate_up within its derived bound; the statistics;
     a second launch gives the same bits."""
     from nanoqwen_kernels.block import BlockWorkspace
 
-    layer = Layer(geom, m, symmetric, scale_dtype, gen, device)
+    layer = Layer(geom, m, symmetric, scale_dtype, gen, device, int8=int8, block_family=block_family)
     plan = layer.plan(device)
     ws = BlockWorkspace.allocate(plan, device)
     resid, gate_up, stats = layer.run_block(plan, ws)
@@ -287,7 +316,7 @@ class NextLayer:
                        q, kc, vc)
 
 
-def check_next_qkv_op(geom, m, symmetric, scale_dtype, gen, device):
+def check_next_qkv_op(geom, m, symmetric, scale_dtype, gen, device, int8=False, block_family=None):
     """The `_qkv` kernels: ops 0-2 give the bits of the kernel without the qkv op (the same work
     partition), and q / the K/V slots are within the qkv GEMV's derived bound (below) of
     `gemv_int4_qkv_rope` with the norm prologue, run on the kernel's own final residual and statistics
@@ -300,11 +329,12 @@ def check_next_qkv_op(geom, m, symmetric, scale_dtype, gen, device):
     from nanoqwen_kernels.block import BlockWorkspace, plan_post_attention, post_attention_block
     from nanoqwen_kernels.layer_ops import rms_norm
 
-    layer = Layer(geom, m, symmetric, scale_dtype, gen, device)
+    layer = Layer(geom, m, symmetric, scale_dtype, gen, device, int8=int8, block_family=block_family)
     nxt = NextLayer(layer, symmetric, scale_dtype, gen, device)
     base_plan = layer.plan(device)
     want = layer.run_block(base_plan, BlockWorkspace.allocate(base_plan, device))
-    plan = plan_post_attention(layer.h, layer.inter, layer.kq, device, qkv_dim=nxt.shape.qkv_width)
+    plan = plan_post_attention(layer.h, layer.inter, layer.kq, device, family=layer.block_family,
+                               qkv_dim=nxt.shape.qkv_width)
     ws = BlockWorkspace.allocate(plan, device)
     resid = layer.resid0.clone()
     gate_up = _poisoned((m, 2 * layer.inter), device)[0]
@@ -323,10 +353,10 @@ def check_next_qkv_op(geom, m, symmetric, scale_dtype, gen, device):
     gws = GemvWorkspace.allocate([gplan], device)
     norm = NormPrologue(nxt.norm_w, stats, EPS)
     pre = torch.empty(m, nxt.w.n, dtype=torch.bfloat16, device=device)
-    gemv_int4(resid, nxt.w, pre, nxt.bias, gws, gplan, norm=norm)
+    gemv_int4(resid, nxt.w, pre, nxt.bias, gws, gplan, family=layer.gemv_family, norm=norm)
     q_ref, kc_ref, vc_ref = nxt.outputs(m, device)
     gemv_int4_qkv_rope(resid, nxt.w, nxt.bias, nxt.shape, nxt.positions, nxt.slots, nxt.inv_freq, q_ref,
-                       kc_ref, vc_ref, gws, gplan, norm=norm)
+                       kc_ref, vc_ref, gws, gplan, layer.gemv_family, norm=norm)
     normed = torch.empty_like(resid)
     rms_norm(resid, nxt.norm_w, normed, EPS)
     mass = normed.float().abs() @ _dense(nxt.w).abs().t()  # [M, N]

@@ -3,7 +3,8 @@ it replaces (o_proj with the residual epilogue, gate_up with the norm prologue, 
 and the residual epilogue: the engine's decode path for M <= 8, itself tested against the fp32
 reference in test_gemv*.py). The checks and the derivation of their bounds are in block_testkit.py,
 shared with test_block_emu.py (the same checks on the CPU emulator); here they run on the GPU at the
-7B, 0.5B and odd geometries, plus graph replay and compute-sanitizer, which only a GPU has.
+7B, 0.5B and odd geometries, plus graph replay and compute-sanitizer, which only a GPU has. The int8
+build (block.register_int8_mma) runs the same checks against the int8 GEMV build.
 """
 
 from __future__ import annotations
@@ -34,15 +35,17 @@ GEOM_IDS = [g[0] for g in GEOMETRIES]
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("symmetric,scale_dtype", LAYOUTS, ids=LAYOUT_IDS)
-def test_o_proj_and_gate_up(geom, m, symmetric, scale_dtype, gen, device):
-    check_o_proj_and_gate_up(geom, m, symmetric, scale_dtype, gen, device)
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_o_proj_and_gate_up(geom, m, symmetric, scale_dtype, int8, gen, device):
+    check_o_proj_and_gate_up(geom, m, symmetric, scale_dtype, gen, device, int8=int8)
 
 
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("symmetric,scale_dtype", LAYOUTS, ids=LAYOUT_IDS)
-def test_down_and_determinism(geom, m, symmetric, scale_dtype, gen, device):
-    check_down_and_determinism(geom, m, symmetric, scale_dtype, gen, device)
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_down_and_determinism(geom, m, symmetric, scale_dtype, int8, gen, device):
+    check_down_and_determinism(geom, m, symmetric, scale_dtype, gen, device, int8=int8)
 
 
 @pytest.mark.parametrize("geom", GEOMETRIES[:2], ids=GEOM_IDS[:2])
@@ -53,8 +56,9 @@ def test_randomised_delays_change_nothing(geom, gen, device):
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=GEOM_IDS)
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("symmetric,scale_dtype", LAYOUTS, ids=LAYOUT_IDS)
-def test_next_qkv_op(geom, m, symmetric, scale_dtype, gen, device):
-    check_next_qkv_op(geom, m, symmetric, scale_dtype, gen, device)
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
+def test_next_qkv_op(geom, m, symmetric, scale_dtype, int8, gen, device):
+    check_next_qkv_op(geom, m, symmetric, scale_dtype, gen, device, int8=int8)
 
 
 def test_block_rejects_what_it_cannot_run(gen, device):

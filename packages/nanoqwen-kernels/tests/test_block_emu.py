@@ -15,7 +15,6 @@ heads of 128 columns (the 7B's head size), at a small width.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from pathlib import Path
 
@@ -64,29 +63,31 @@ def cpu_gen(request):
 
 
 def _cases(test):
-    """Every (SM count, M, layout) case."""
+    """Every (SM count, M, layout) case, with the bf16 build and the int8 one (`block_testkit.families`)."""
     for name, values, ids in (("symmetric,scale_dtype", LAYOUTS, LAYOUT_IDS), ("m", [1, 2], None),
-                              ("sms", SMS, None)):
+                              ("sms", SMS, None), ("int8", [False, True], ["bf16", "int8"])):
         test = pytest.mark.parametrize(name, values, ids=ids)(test)
     return test
 
 
 @_cases
-def test_o_proj_and_gate_up(sms, m, symmetric, scale_dtype, cpu_gen):
+def test_o_proj_and_gate_up(sms, m, symmetric, scale_dtype, int8, cpu_gen):
     with emu.emulated(sms=sms, seed=m, timeout_s=TIMEOUT_S):
-        check_o_proj_and_gate_up(ODD, m, symmetric, scale_dtype, cpu_gen, CPU)
+        check_o_proj_and_gate_up(ODD, m, symmetric, scale_dtype, cpu_gen, CPU, int8=int8)
+    if int8:  # the int8 builds' launches ran (both sides of the comparison)
+        assert {"block_i8mma", "gemv_i8mma"} <= set(emu.loaded_families())
 
 
 @_cases
-def test_down_and_determinism(sms, m, symmetric, scale_dtype, cpu_gen):
+def test_down_and_determinism(sms, m, symmetric, scale_dtype, int8, cpu_gen):
     with emu.emulated(sms=sms, seed=10 + m, timeout_s=TIMEOUT_S):
-        check_down_and_determinism(ODD, m, symmetric, scale_dtype, cpu_gen, CPU)
+        check_down_and_determinism(ODD, m, symmetric, scale_dtype, cpu_gen, CPU, int8=int8)
 
 
 @_cases
-def test_next_qkv_op(sms, m, symmetric, scale_dtype, cpu_gen):
+def test_next_qkv_op(sms, m, symmetric, scale_dtype, int8, cpu_gen):
     with emu.emulated(sms=sms, seed=20 + m, timeout_s=TIMEOUT_S):
-        check_next_qkv_op(ODD, m, symmetric, scale_dtype, cpu_gen, CPU)
+        check_next_qkv_op(ODD, m, symmetric, scale_dtype, cpu_gen, CPU, int8=int8)
 
 
 # heads of 128 columns (the 7B's: 8 pairs per head meet on a head counter) at a small width: H = 384,
@@ -94,10 +95,11 @@ def test_next_qkv_op(sms, m, symmetric, scale_dtype, cpu_gen):
 D128 = ("d128", 384, 640, 384)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
 @pytest.mark.parametrize("m", [1, 2])
-def test_next_qkv_op_with_heads_of_128(m, cpu_gen):
+def test_next_qkv_op_with_heads_of_128(m, int8, cpu_gen):
     with emu.emulated(sms=4, seed=30 + m, timeout_s=TIMEOUT_S):
-        check_next_qkv_op(D128, m, False, torch.bfloat16, cpu_gen, CPU)
+        check_next_qkv_op(D128, m, False, torch.bfloat16, cpu_gen, CPU, int8=int8)
 
 
 def test_randomised_delays_change_nothing(cpu_gen):
@@ -112,17 +114,17 @@ def test_block_rejects_what_it_cannot_run(cpu_gen):
 
 
 @pytest.mark.parametrize("name", sorted(AB_BUILDS))
-def test_benchmark_builds_compute_what_the_default_does(name, cpu_gen, monkeypatch):
-    """Every build block_ab.py times on the GPU (warps per CTA, tile-columns per slot, slots per ring)
-    passes the down and `_qkv` checks here first: a wrong build would be timed, not tested, there."""
+def test_benchmark_builds_compute_what_the_default_does(name, cpu_gen):
+    """Every build block_ab.py times on the GPU (warps per CTA, tile-columns per slot, slots per ring, the
+    int8 loop or not) passes the down and `_qkv` checks here first: a wrong build would be timed, not
+    tested, there."""
     from nanoqwen_kernels import block
 
     family = f"block_{name}"
+    build = block.BlockBuild(*AB_BUILDS[name])
     if family not in block.BUILDS:
-        block.register_build(family, block.BlockBuild(*AB_BUILDS[name]))
-    plan = functools.partial(block.plan_post_attention, family=family)
-    monkeypatch.setattr(block, "plan_post_attention", plan)
+        block.register_build(family, build)
     with emu.emulated(sms=4, seed=40, timeout_s=TIMEOUT_S):
-        check_down_and_determinism(ODD, 2, False, torch.bfloat16, cpu_gen, CPU)
-        check_next_qkv_op(ODD, 2, False, torch.bfloat16, cpu_gen, CPU)
+        check_down_and_determinism(ODD, 2, False, torch.bfloat16, cpu_gen, CPU, build.int8, family)
+        check_next_qkv_op(ODD, 2, False, torch.bfloat16, cpu_gen, CPU, build.int8, family)
     assert family in emu.loaded_families()  # the launches ran this build

@@ -300,6 +300,13 @@ def test_plan_refuses_what_the_kernel_cannot_run():
     assert plan.warps == (2112, 2112, 2112) and plan.max_pairs == 2368
     # x staged whole: 2 rows of the 18944-column down input + the rings fit the 227 KB an H100/H200 CTA gets
     assert plan.shared_bytes(2) + 1024 <= 227 * 1024
+    # the int8 build adds the planes' table (64 bytes per 128 columns of x): it fits with 2 ring slots per
+    # warp, and would not with the default build's 3
+    i8 = block.plan_post_attention(3584, 18944, 3584, cpu, sms=132, family=block.register_int8_mma())
+    assert i8.build.int8 and i8.build.ring == 2 and i8.warps == plan.warps
+    assert i8.shared_bytes(2) == plan.shared_bytes(2) - 16 * 3072 + 18944 // 128 * 64
+    assert i8.shared_bytes(2) + 1024 <= 227 * 1024
+    assert block.BlockBuild(ring=3, int8=True).shared_bytes(2, 18944) + 1024 > 227 * 1024
 
 
 @pytest.mark.skipif(kbuild.nvcc_path() is None, reason="nvcc not installed on this machine")

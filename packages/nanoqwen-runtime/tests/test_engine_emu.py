@@ -101,9 +101,11 @@ def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
 @pytest.mark.parametrize("variant, kernel_attention, gemv_build",
                          [("off", False, "bf16"), ("block", False, "bf16"), ("block+qkv", False, "bf16"),
                           ("block+qkv", True, "bf16"), ("off", True, "int8"),
-                          ("off", False, "int8-staged"), ("off", False, "int8-m1")],
+                          ("off", False, "int8-staged"), ("off", False, "int8-m1"), ("block", False, "int8"),
+                          ("block+qkv", False, "int8-m1")],
                          ids=["off", "block", "block+qkv", "block+qkv-attention-sampling",
-                              "off-gemv-int8-attention-sampling", "off-gemv-int8-staged", "off-gemv-int8-m1"])
+                              "off-gemv-int8-attention-sampling", "off-gemv-int8-staged", "off-gemv-int8-m1",
+                              "block-int8", "block+qkv-int8-m1"])
 def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch, variant,
                                                              kernel_attention, gemv_build):
     from nanoqwen_kernels import attention as kattn
@@ -138,10 +140,14 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     paths = engine.ops.paths
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
-    # gemv_build "int8" / "int8-staged" / "int8-m1" (one-row steps here): every decode GEMV (4 per layer
-    # and step, g128) on the int8 cores
-    int8_gemvs = 4 * layers * decode_steps if gemv_build != "bf16" else 0
-    assert paths.get("gemv_int8_mma", 0) == int8_gemvs, paths
+    # gemv_build "int8" / "int8-staged" / "int8-m1" (one-row steps here): every decode GEMV (g128; per step
+    # 4 per layer, or with the block kernel qkv only: 1 per layer, or layer 0's with "block+qkv") on the int8
+    # cores, and every block launch its int8 build
+    int8_steps = decode_steps if gemv_build != "bf16" else 0
+    gemvs = {"off": 4 * layers, "block": layers, "block+qkv": 1}[variant]
+    assert paths.get("gemv_int8_mma", 0) == gemvs * int8_steps, paths
+    blocks_int8 = 0 if variant == "off" else layers * int8_steps
+    assert paths.get("post_attention_block_int8", 0) == blocks_int8, paths
     if variant == "off":
         assert "post_attention_block" not in paths and paths["residual_epilogue"] > 0
     else:

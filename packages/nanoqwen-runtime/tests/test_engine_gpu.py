@@ -153,7 +153,7 @@ def test_teacher_forced_decode_matches_reference(container, mode, batch):
 
 
 def _forced_within_bound(container, batch: int, **option):
-    """An engine with one EngineConfig option, teacher-forced on the LENGTHS prompts at `batch` rows:
+    """An engine with EngineConfig options, teacher-forced on the LENGTHS prompts at `batch` rows:
     within the reference bound at every position, a quarter of them decided at the least. Returns the
     engine and the path counts of its graph for the batch's bucket."""
     name, path = container
@@ -161,24 +161,28 @@ def _forced_within_bound(container, batch: int, **option):
     ref, bound = oracle(path, prompts)
     engine = Engine.from_file(path, gpu_config(**option))
     run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
-    (key, value), = option.items()
-    worst, decided = check_against_reference(f"{name}/{value}/b{batch}", run, ref, bound)
-    print(f"\n[{name} {key}={value} batch {batch}] worst position at {worst:.2f} of its bound; "
+    label = ",".join(f"{key}={value}" for key, value in option.items())
+    worst, decided = check_against_reference(f"{name}/{label}/b{batch}", run, ref, bound)
+    print(f"\n[{name} {label} batch {batch}] worst position at {worst:.2f} of its bound; "
           f"{decided} clear positions decided")
     assert decided >= len(prompts) * STEPS // 4
     return engine, engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
 
 
+@pytest.mark.parametrize("gemv_build", ["bf16", "int8"])
 @pytest.mark.parametrize("variant", ["block", "block+qkv"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_post_attention_kernel_matches_reference(container, variant, batch):
+def test_post_attention_kernel_matches_reference(container, variant, batch, gemv_build):
     """EngineConfig.post_attention_kernel: at 1 and 2 rows each layer's o_proj, gate_up and down are one
     persistent launch (nanoqwen_kernels.block), with "block+qkv" the next layer's qkv projection too;
     teacher-forced decode within the reference bound, and the graph of the batch's bucket ran it once
-    per layer: the qkv GEMV runs for every layer ("block") or only for layer 0 ("block+qkv")."""
-    engine, graph = _forced_within_bound(container, batch, post_attention_kernel=variant)
+    per layer: the qkv GEMV runs for every layer ("block") or only for layer 0 ("block+qkv"). With
+    gemv_build "int8", every block launch is the block's int8 build."""
+    engine, graph = _forced_within_bound(container, batch, post_attention_kernel=variant,
+                                         gemv_build=gemv_build)
     layers = engine.geom.num_hidden_layers
     assert graph.get("post_attention_block") == layers, graph
+    assert graph.get("post_attention_block_int8", 0) == (layers if gemv_build == "int8" else 0), graph
     qkv_gemvs = layers if variant == "block" else 1
     assert graph.get("gemv_int4") == qkv_gemvs, graph
     assert graph.get("post_attention_qkv", 0) == layers - qkv_gemvs, graph

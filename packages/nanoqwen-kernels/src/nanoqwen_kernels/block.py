@@ -52,6 +52,7 @@ class BlockBuild:
     warps: int = 16
     chunk: int = 3
     ring: int = 3
+    int8: bool = False  # the int8 tensor-core chunk step (csrc/block_int4.cuh, -DNQ_BLOCK_INT8_MMA=1)
     extra_options: tuple[str, ...] = ()  # e.g. ("-DNQ_BLOCK_STRESS_DELAY_NS=4000",): the tests' stress build
 
     @property
@@ -61,16 +62,23 @@ class BlockBuild:
     @property
     def options(self) -> tuple[str, ...]:
         return (f"-DNQ_BLOCK_WARPS={self.warps}", f"-DNQ_BLOCK_CHUNK={self.chunk}",
-                f"-DNQ_BLOCK_RING={self.ring}", *self.extra_options)
+                f"-DNQ_BLOCK_RING={self.ring}", *(("-DNQ_BLOCK_INT8_MMA=1",) if self.int8 else ()),
+                *self.extra_options)
 
     def shared_bytes(self, m: int, k_max: int) -> int:
-        """Dynamic shared memory: the warps' rings, then x staged as M rows of k_max + XPAD bf16."""
-        return self.warps * self.ring * 2 * self.chunk * TILE_BYTES + m * (k_max + XPAD) * 2
+        """Dynamic shared memory: the warps' rings, then x staged as M rows of k_max + XPAD bf16, then (int8)
+        the planes' table, gemv.PLANE_TAB_BYTES per 128 columns."""
+        table = k_max // 128 * gemv.PLANE_TAB_BYTES if self.int8 else 0
+        return self.warps * self.ring * 2 * self.chunk * TILE_BYTES + m * (k_max + XPAD) * 2 + table
 
 
 # family name -> its build; "block" is specs.py's (the header's defaults). Benchmarks add variants with
 # `register_build`.
 BUILDS: dict[str, BlockBuild] = {FAMILY: BlockBuild()}
+# the int8 build (`register_int8_mma`): 2 ring slots per warp, as the bf16 build's w20c3r2 / w16c4r2 (with
+# 3 the 7B's M = 2 staging, its plane table and the rings pass the 227 KB of shared memory by 384 bytes)
+INT8_MMA_FAMILY = "block_i8mma"
+INT8_MMA_BUILD = BlockBuild(ring=2, int8=True)
 
 
 def register_build(family: str, build: BlockBuild) -> None:
@@ -80,6 +88,13 @@ def register_build(family: str, build: BlockBuild) -> None:
 
     specs.SPECS[family] = KernelSpec(family, ("block.cu",), build.options)
     BUILDS[family] = build
+
+
+def register_int8_mma() -> str:
+    """Register the int8 build (INT8_MMA_BUILD) as family INT8_MMA_FAMILY and return the family's name."""
+    if INT8_MMA_FAMILY not in BUILDS:
+        register_build(INT8_MMA_FAMILY, INT8_MMA_BUILD)
+    return INT8_MMA_FAMILY
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,6 +83,9 @@ INT8_MMA_BLOCKS_OPTION = "-DNQ_GEMV_MIN_BLOCKS_G128=3"
 # the same with the staged scale records (STAGED_OPTION) and their two-column loop: 67.5-71 instructions
 # per tile-column in every g128 kernel, no spills at 3 blocks per SM
 INT8_MMA_STAGED_FAMILY = "gemv_i8mma_staged"
+# the int8 loop's plane table in shared memory, per tile-column of x: 8 rows m x (p bits, -sum(X)) as u32
+# (csrc/gemv_int4.cuh PLANE_TAB_WORDS = 16)
+PLANE_TAB_BYTES = 64
 SCALE_DTYPES = (torch.bfloat16, torch.float16)  # Int4Weight.scales: layouts int4-...-v1 / int4-...-f16s-v1
 
 
@@ -180,7 +183,7 @@ class GemvPlan:
         It overlays the merge prologue's scratch, which is used up before it is written."""
         if weight.group_size != 128 or not int8_mma(family):
             return 0
-        return self.kc * 64
+        return self.kc * PLANE_TAB_BYTES
 
     def launch_shared_bytes(self, m: int, weight: Int4Weight, family: str, merge_head_dim: int = 0) -> int:
         """Dynamic shared memory of one launch at M = m: x, then the staged records, then the merge

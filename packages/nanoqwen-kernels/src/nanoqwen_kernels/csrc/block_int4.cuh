@@ -40,6 +40,13 @@
 // wait that orders it: L1 is not coherent, and an SM may hold older lines of the residual or the
 // statistics from an earlier op's staging.
 //
+// The int8 build (-DNQ_BLOCK_INT8_MMA=1, block.py's BlockBuild(int8=True)): each op's staged input is
+// rewritten as the GEMV int8 build's two 8-bit planes of 16-bit block floating point (stage_x_planes,
+// its table of per-group scales and sums after x) and the chunk step is the GEMV's mma_col_int8 on the
+// int8 tensor cores: 3 instructions of dequantisation per 32-bit word instead of 11, so each warp's chain
+// per chunk is shorter (the default build was latency-bound at 16 warps per SM: NOTES.md, session 23).
+// Not the same bits as the bf16 build: x is rounded as the int8 GEMVs round it (gemv_int4.cuh).
+//
 // Epilogues. o_proj and down add y into the residual as the GEMV's residual epilogue does (bf16(bf16(y)
 // + resid)) and write the new residual's sums of squares per row and 128 columns, stats [M, H / 128],
 // as the GEMV's residual epilogue does (what the norm prologue of gate_up here, and of the next layer's
@@ -62,12 +69,16 @@ using namespace nq_gemv;
 #ifndef NQ_BLOCK_RING
 #define NQ_BLOCK_RING 3
 #endif
+#ifndef NQ_BLOCK_INT8_MMA
+#define NQ_BLOCK_INT8_MMA 0
+#endif
 constexpr int WARPS = NQ_BLOCK_WARPS;
 constexpr int THREADS = WARPS * 32;
 constexpr int CHUNK = NQ_BLOCK_CHUNK;  // tile-columns per ring slot
 constexpr int RING = NQ_BLOCK_RING;    // slots per warp
 constexpr int TILE_BYTES = 512;
 constexpr int SLOT_BYTES = 2 * CHUNK * TILE_BYTES;
+constexpr bool I8 = NQ_BLOCK_INT8_MMA;  // the int8 tensor-core chunk step (header)
 constexpr int MAX_M = 2;  // a pair's outputs, 16 rows x M, are one value per lane
 constexpr int MAX_OPS = 4;  // o_proj, gate_up, down, and the next layer's qkv in the QKV kernels
 // counters: op_done[MAX_OPS], the exit count, one arrival count per 128-column block of the residual
@@ -363,6 +374,12 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2, 
     else if (op == 2) stage_x<1, true>(xs, xs_stride, a.gate_up, M, o.K, 0, o.K);
     else stage_x_normed<true>(xs, xs_stride, a.resid, M, o.K, 0, o.K, NormIn{a.in_norm_w, a.stats, a.eps, stat_blocks});
     __syncthreads();
+    // I8: the planes over the staged x, the table after it (block.py's BlockBuild.shared_bytes)
+    const u32* tabt = reinterpret_cast<const u32*>(xs + M * xs_stride) + 4 * t;  // the lane's rows m = 2t, 2t + 1
+    if constexpr (I8) {
+      stage_x_planes(xs, xs_stride, M, o.K, reinterpret_cast<u32*>(xs + M * xs_stride));
+      __syncthreads();
+    }
 
     const bf16_t* xsl = xs + min(g, M - 1) * xs_stride + 8 * t;
     const int kt = o.KT;
@@ -390,8 +407,13 @@ NQ_DEVICE void post_attention_block(const BlockArgs& a, Op op0, Op op1, Op op2, 
         if (j < nc) {
           const uint4 w0 = *reinterpret_cast<const uint4*>(slot + j * TILE_BYTES);
           const uint4 w1 = *reinterpret_cast<const uint4*>(slot + (CHUNK + j) * TILE_BYTES);
-          mma_tile_column<128, ASYM, ST>(acc, w0, w1, cur.s0[j], cur.s1[j], cur.z0[j], cur.z1[j],
-                                         xsl + (tc + j) * 128, c3);
+          if constexpr (I8)
+            mma_col_int8(acc, w0, w1, ST::to_f32((u16)cur.s0[j]), ST::to_f32((u16)cur.s1[j]),
+                         ASYM ? (int)cur.z0[j] : 8, ASYM ? (int)cur.z1[j] : 8, xsl + (tc + j) * 128,
+                         tabt + (tc + j) * PLANE_TAB_WORDS);
+          else
+            mma_tile_column<128, ASYM, ST>(acc, w0, w1, cur.s0[j], cur.s1[j], cur.z0[j], cur.z1[j],
+                                           xsl + (tc + j) * 128, c3);
         }
       }
       fence_proxy_async_shared();  // this lane's reads of the slot before the copy that refills it

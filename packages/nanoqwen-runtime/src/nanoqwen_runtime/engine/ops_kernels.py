@@ -31,7 +31,8 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   `EngineConfig.post_attention_kernel="block"` at 1..2 rows: o_proj, gate_up and down are then one
   persistent launch, `post_attention_block`, path counter "post_attention_block"; two, attention and
   that launch, with "block+qkv", where it also makes the next layer's qkv projection with RoPE and the
-  K/V write, path counter "post_attention_qkv"). Otherwise (more rows,
+  K/V write, path counter "post_attention_qkv"; with an int8 `gemv_build` the block's int8 build runs the
+  steps whose GEMVs would be int8, path counter "post_attention_block_int8"). Otherwise (more rows,
   or a linear that is not INT4) the add stays pending and the norm is one fused_add_rms_norm launch;
   layer 0's input norm and the final norm are plain `rms_norm` launches (nothing fused made their
   statistics, or nothing consumes them fused).
@@ -48,6 +49,7 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import torch
 from nanoqwen_kernels import attention as kattn
@@ -113,6 +115,8 @@ class KernelOps:
         # EngineConfig.post_attention_kernel: the block kernel's plan and scratch (its residual statistics
         # go to _norm_stats, as the GEMV's residual epilogue's do)
         # ("block+qkv": a second plan with the next layer's qkv op, which the last layer does not run)
+        # (with an int8 gemv_build, the block's int8 build runs the steps that gemv_family(rows) gives to the
+        # int8 GEMVs: `_block_plan`; its plans have the bf16 ones' grid and warps, so one workspace serves)
         self.block_plan: kblock.BlockPlan | None = None
         self.block_plan_qkv: kblock.BlockPlan | None = None
         if cfg.post_attention_kernel != "off":
@@ -174,6 +178,8 @@ class KernelOps:
     def warm_up(self) -> None:
         extra = (("block",) if self.block_plan is not None else ()) + (
             (self._int8_family,) if self._int8_family is not None else ())
+        if self.block_plan is not None and self._int8_family is not None:
+            extra += (kblock.register_int8_mma(),)
         klaunch.warm_up(FAMILIES + extra, self.device)
 
     def check_weights(self, weights) -> None:
@@ -402,13 +408,18 @@ class KernelOps:
         mapping, q_out), the launch also makes that layer's qkv projection as `qkv_projection` would
         (path "post_attention_qkv"). Returns the update with the new residual's statistics for the next
         norm prologue, and whether the next layer's q and K/V were written."""
-        shape = kgemv.norm_stats_shape(attn.shape[0], self.g.hidden_size)
+        rows = attn.shape[0]
+        shape = kgemv.norm_stats_shape(rows, self.g.hidden_size)
         stats = self._norm_stats[: shape[0] * shape[1]].view(shape)
         self.paths["post_attention_block"] += 1
         w_o, w_gu, w_d = self._int4(lw.o_proj), self._int4(lw.gate_up), self._int4(lw.down)
         plan, nxt = self.block_plan, None
         if self.fuses_next_qkv(next_layer):
             plan = self.block_plan_qkv
+        if self.gemv_family(rows) != kgemv.FAMILY:  # the block's int8 build, as the GEMVs' (gemv_build)
+            plan = dataclasses.replace(plan, family=kblock.register_int8_mma())
+            self.paths["post_attention_block_int8"] += 1
+        if self.fuses_next_qkv(next_layer):
             nxt = kblock.NextQkv(self._int4(next_layer.qkv), next_layer.qkv_bias, next_layer.input_norm,
                                  self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache, v_cache)
             self.paths["post_attention_qkv"] += 1
