@@ -8,8 +8,9 @@
 `time` measures, in this process, the read bandwidth (nanoqwen_kernels.bench.read_bandwidth: 4 GiB,
 median of 30) and `gemv_int4` with its default plan at the Qwen2.5-Coder-7B decode shapes (qkv
 3584->4608, o 3584->3584, gate_up 3584->2x18944, down 18944->3584 with the fused SiLU*mul input, as the
-engine launches it), g128 sym and asym, M = 1 and 8. Timing as bench_kernels.py: R launches in one
-CUDA graph, each on another copy of the weights (> 256 MiB in all: cold L2), median of 15 replays.
+engine launches it), g128 sym and asym, M = 1 and 8 (`--ms`: other row counts). Timing as
+bench_kernels.py: R launches in one CUDA graph, each on another copy of the weights (> 256 MiB in all:
+cold L2), median of 15 replays.
 Bytes counted: the weight's packed bytes + scales (+ zeros) + x + out (`Int4Weight.nbytes` + I/O).
 Every timed output is first checked against the kernel tests' oracle (nanoqwen_kernels.reference:
 the fp32 product with the dequantized weight, bf16 tolerance from reference.TOLERANCES), so a variant
@@ -86,7 +87,7 @@ def _plan(gemv, n: int, k: int, silu: bool, target_blocks: int | None):
 
 
 def time_gemv(label: str, variant: str | None, target_blocks: int | None = None,
-              with_lm_head: bool = False) -> dict:
+              with_lm_head: bool = False, ms: tuple[int, ...] = (1, 8)) -> dict:
     import torch
     from bench_kernels import random_weight
     from nanoqwen_kernels import build, gemv
@@ -113,7 +114,7 @@ def time_gemv(label: str, variant: str | None, target_blocks: int | None = None,
             copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
             weights = [w0] + [random_weight(n, k, gen, symmetric) for _ in range(copies - 1)]
             plan = _plan(gemv, n, k, silu, target_blocks)
-            for m in (1, 8):
+            for m in ms:
                 x = torch.randn(m, 2 * k if silu else k, generator=gen, device="cuda").to(torch.bfloat16)
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                 gemv.gemv_int4(x, w0, out, workspace=ws, plan=plan, silu_mul_input=silu, family=family)
@@ -170,13 +171,18 @@ def main(argv=None) -> int:
     t.add_argument("--variant", choices=sorted(VARIANTS))
     t.add_argument("--target-blocks", type=int, help="plan_gemv's split-K target (blocks per SM)")
     t.add_argument("--with-lm-head", action="store_true", help="time the INT4 lm_head's GEMV too")
+    t.add_argument("--ms", default="1,8", help="row counts M to time, e.g. 1,2,4,8 (where the int8 loop's "
+                   "x conversion starts to cost more than its loop saves: EngineConfig.gemv_build int8-m1)")
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
     c.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "time":
-        res = time_gemv(args.label, args.variant, args.target_blocks, args.with_lm_head)
+        ms = tuple(int(v) for v in args.ms.split(","))
+        if not all(1 <= m <= 8 for m in ms):
+            p.error(f"--ms: row counts in 1..8 (the decode GEMV's), got {args.ms}")
+        res = time_gemv(args.label, args.variant, args.target_blocks, args.with_lm_head, ms)
         args.out.write_text(json.dumps(res, indent=1))
         return 0
     md = compare(json.loads(args.a.read_text()), json.loads(args.b.read_text()))
