@@ -268,20 +268,23 @@ def layout_speed(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 8
     return out
 
 
-def _variants_ab(geom: Qwen2Config, weights, option: str, base: str, variants: tuple[str, ...], *,
-                 batches: tuple[int, ...], reps: int) -> dict:
+def _variants_ab(geom: Qwen2Config, weights, option: str, base: str,
+                 variants: tuple[str | tuple[str, dict], ...], *, batches: tuple[int, ...],
+                 reps: int) -> dict:
     """Each value in `variants` of the EngineConfig field `option` (a) against `base` (b), same weights,
     features off, `ab_decode` (engine tok/s, and each side's graph replay); plus the path counts of each
     engine's batch-1 graph: {"reps", "b": base, "graph_paths_<base>", "variants": {v: {"rows",
-    "graph_paths"}}}."""
+    "graph_paths", "config"}}}. A variant may be (name, EngineConfig fields) instead of a value: several
+    fields at once."""
     eb = _ab_engine(geom, weights, prefix_caching=False, speculation=None, **{option: base})
     cls = eb.runner.context_classes[0]
     out = {"reps": reps, "b": base, f"graph_paths_{base}": dict(eb.runner.graph_paths[(1, cls)]),
            "variants": {}}
     for variant in variants:
-        ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None, **{option: variant})
-        out["variants"][variant] = {"rows": ab_decode(ea, eb, batches=batches, reps=reps),
-                                    "graph_paths": dict(ea.runner.graph_paths[(1, cls)])}
+        name, cfg = (variant, {option: variant}) if isinstance(variant, str) else variant
+        ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None, **cfg)
+        out["variants"][name] = {"rows": ab_decode(ea, eb, batches=batches, reps=reps),
+                                 "graph_paths": dict(ea.runner.graph_paths[(1, cls)]), "config": cfg}
         del ea
         torch.cuda.empty_cache()
     del eb
@@ -292,9 +295,11 @@ def _variants_ab(geom: Qwen2Config, weights, option: str, base: str, variants: t
 def post_attention_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2),
                       reps: int = AB_REPS) -> dict:
     """Issue 13: `EngineConfig.post_attention_kernel` "block" (each layer's o_proj, gate_up and down as
-    one persistent launch at 1..2 rows) and "block+qkv" (the next layer's qkv in it too), each against
-    "off" (the GEMVs): `_variants_ab`."""
-    return _variants_ab(geom, weights, "post_attention_kernel", "off", ("block", "block+qkv"),
+    one persistent launch at 1..2 rows), "block+qkv" (the next layer's qkv in it too) and "block" with
+    gemv_build "int8" (the block's int8 build, "block-int8"), each against "off" (the bf16 GEMVs; the int8
+    GEMVs against those are `gemv_build_ab`): `_variants_ab`."""
+    int8 = ("block-int8", {"post_attention_kernel": "block", "gemv_build": "int8"})
+    return _variants_ab(geom, weights, "post_attention_kernel", "off", ("block", "block+qkv", int8),
                         batches=batches, reps=reps)
 
 

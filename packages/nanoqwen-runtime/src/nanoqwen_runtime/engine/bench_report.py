@@ -368,10 +368,12 @@ def _post_attention_md(pa: dict | None) -> list[str]:
         return []
     lines = []
     for variant, res in pa.get("variants", {}).items():
-        what = "o_proj + gate_up + down" + (" + the next qkv" if variant == "block+qkv" else "")
-        lines += _engine_ab_md(f"## {what} as one persistent launch (EngineConfig.post_attention_kernel="
-                               f"\"{variant}\") vs the GEMVs (same run, context 128 + 128)", variant, "off",
-                               res["rows"], pa["reps"])
+        cfg = res.get("config") or {"post_attention_kernel": variant}
+        what = "o_proj + gate_up + down" + (" + the next qkv" if cfg["post_attention_kernel"] == "block+qkv"
+                                            else "")
+        fields = ", ".join(f'{k}="{v}"' for k, v in cfg.items())
+        lines += _engine_ab_md(f"## {what} as one persistent launch (EngineConfig {fields}) vs the GEMVs "
+                               "(same run, context 128 + 128)", variant, "off", res["rows"], pa["reps"])
     return lines
 
 
