@@ -109,3 +109,7 @@ SPECS: dict[str, KernelSpec] = {
         ),
     ),
 }
+
+# The families defined here, before any opt-in build (gemv.register_int8_mma, block.register_build, ...)
+# adds its spec to SPECS at run time: each .cu entry file belongs to exactly one of them.
+BASE_FAMILIES = tuple(SPECS)
