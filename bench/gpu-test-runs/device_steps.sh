@@ -148,9 +148,10 @@ PY
         --out "$OUT/attn-ab/$side.json" 2>&1 | tee "$OUT/attn-ab/$side.md" | grep "decode B=\|copy"
     done
     tar czf $OUT/attn-ab.tgz -C $OUT attn-ab && rm -rf $OUT/attn-ab ;;
-  block)  # the post-attention block kernel (issue 13): its GPU tests, then block_ab.py with builds "$2"
+  block)  # the post-attention block kernel (issue 13): its GPU tests (BLOCK_K: a -k filter, e.g. int8), then
+    # block_ab.py with builds "$2"
     timeout 300 python3 -m nox -s gpu_tests -- packages/nanoqwen-kernels/tests/test_block.py -x \
-      -p no:cacheprovider -rs -q 2>&1 | tee $OUT/test-block.log | tail -25 || true
+      ${BLOCK_K:+-k "$BLOCK_K"} -p no:cacheprovider -rs -q 2>&1 | tee $OUT/test-block.log | tail -25 || true
     PYTHONPATH=$SRC:/tmp/site timeout 270 python3 bench/kernels/block_ab.py --out $OUT --builds ${2:-default} 2>&1 \
       | tee $OUT/block_ab.log | tail -40 ;;
   block-ncu)  # ncu of the block kernel (7B, asym, M = 1, its 4th launch in block_ab.py): throughput, stalls
