@@ -3,7 +3,8 @@
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src:$PWD/packages/nanoqwen-kernels/src
 AB=bench/kernels/gemv_ab.py; mkdir -p $OUT/ab
-run() { PYTHONPATH=$F timeout 120 python3 $AB time --with-lm-head "$@" 2>&1 | tail -2; }
+# MS: the row counts to time (default 1,8; e.g. MS=1,2,4,8 for the int8 loop's crossover: gemv_build int8-m1)
+run() { PYTHONPATH=$F timeout 120 python3 $AB time --with-lm-head --ms ${MS:-1,8} "$@" 2>&1 | tail -2; }
 run --label default --out $OUT/ab/default.json
 run --label i8mma_staged --variant gemv_i8mma_staged --out $OUT/ab/i8mma_staged.json
 run --label i8mma --variant gemv_i8mma --out $OUT/ab/i8mma.json
