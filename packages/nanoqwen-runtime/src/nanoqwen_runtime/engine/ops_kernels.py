@@ -130,6 +130,14 @@ class KernelOps:
                                                                  qkv_dim=geom.qkv_dim)
                 sized_by = self.block_plan_qkv
             self.block_workspace = kblock.BlockWorkspace.allocate(sized_by, device)
+        # the same plans on the block's int8 build, for the steps gemv_family(rows) gives to the int8 loop
+        # (keyed by whether the plan has the next layer's qkv op)
+        self._block_plans_int8: dict[bool, kblock.BlockPlan] = {}
+        if self.block_plan is not None and self._int8_family is not None:
+            family = kblock.register_int8_mma()
+            self._block_plans_int8 = {qkv: dataclasses.replace(p, family=family)
+                                      for qkv, p in ((False, self.block_plan), (True, self.block_plan_qkv))
+                                      if p is not None}
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
@@ -413,13 +421,12 @@ class KernelOps:
         stats = self._norm_stats[: shape[0] * shape[1]].view(shape)
         self.paths["post_attention_block"] += 1
         w_o, w_gu, w_d = self._int4(lw.o_proj), self._int4(lw.gate_up), self._int4(lw.down)
-        plan, nxt = self.block_plan, None
-        if self.fuses_next_qkv(next_layer):
-            plan = self.block_plan_qkv
+        with_qkv, nxt = self.fuses_next_qkv(next_layer), None
+        plan = self.block_plan_qkv if with_qkv else self.block_plan
         if self.gemv_family(rows) != kgemv.FAMILY:  # the block's int8 build, as the GEMVs' (gemv_build)
-            plan = dataclasses.replace(plan, family=kblock.register_int8_mma())
+            plan = self._block_plans_int8[with_qkv]
             self.paths["post_attention_block_int8"] += 1
-        if self.fuses_next_qkv(next_layer):
+        if with_qkv:
             nxt = kblock.NextQkv(self._int4(next_layer.qkv), next_layer.qkv_bias, next_layer.input_norm,
                                  self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache, v_cache)
             self.paths["post_attention_qkv"] += 1
