@@ -403,7 +403,6 @@ class Scheduler:
                 self.spec_accepted_tokens += accepted
                 seq.num_computed += 1 + accepted
                 seq.tokens.extend(new)
-                seq.drafter.observe(new)
                 self.blocks.shrink(seq, len(seq.tokens))
             else:
                 seq.num_computed += q
@@ -415,8 +414,8 @@ class Scheduler:
                 if len(new) != 1:
                     raise AssertionError(f"seq {seq.seq_id}: {len(new)} tokens for a step without drafts")
                 seq.tokens.extend(new)
-                if seq.drafter is not None:
-                    seq.drafter.observe(new)
+            if seq.drafter is not None:  # what plan_ahead asks it about (NgramDrafter.idle_at)
+                seq.drafter.observe(new)
             seq.num_new_tokens = len(new)
             self.blocks.register(seq)
             out.append(seq)
