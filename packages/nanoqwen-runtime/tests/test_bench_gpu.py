@@ -42,8 +42,13 @@ def test_profile_of_eager_decode_steps(weights):
     # range (the NaN/Inf check) one torch reduction
     bucket = min(b for b, _ in eng.ops.decode_plans)  # the batch-1 step's plan (ops.attention_plan)
     plan = eng.ops.decode_plans[(bucket, eng.runner.context_class(64 + 3))]
-    assert p["kernel_launches_per_step"] == 4 + (4 + plan.launches) * 2
+    # a plan that splits into at most 16 leaves its merge to the o_proj GEMV (the default
+    # EngineConfig.attention_merge "o_proj"): no combine launch, the GEMV's `_merge_` build instead
+    deferred = int(eng.config.attention_merge == "o_proj" and plan.can_defer_merge)
+    assert p["kernel_launches_per_step"] == 4 + (4 + plan.launches - deferred) * 2
     kernels = {k["kernel"] for k in p["kernels"]}
+    assert ("paged_attention_combine_hd128" in kernels) == (plan.launches - deferred == 2), sorted(kernels)
+    assert any("_merge_hd128" in k for k in kernels) == bool(deferred), sorted(kernels)
     assert any(k.endswith("_rope") for k in kernels) and "qkv_rope_kv_write_bf16" not in kernels
     assert p["library_calls_per_step"] == 2 and any(k["kernel"] == LIBRARY for k in p["kernels"])
     assert ops["logits_range"]["calls_per_step"] == 1

@@ -604,5 +604,5 @@ def test_variant_sections_build_each_engine_from_its_config(monkeypatch):
     assert pa["variants"]["block"]["rows"] == [{"batch": 1}, {"batch": 2}] and pa["b"] == "off"
     built.clear()
     gb = bench.gemv_build_ab(TINY, None, batches=(1,), reps=2)
-    assert [c["gemv_build"] for c in built] == ["bf16", "int8", "int8-staged", "int8-m1"]
-    assert list(gb["variants"]) == ["int8", "int8-staged", "int8-m1"] and gb["context"] == 128
+    assert [c["gemv_build"] for c in built] == ["bf16", "int8", "int8-staged", "int8-m1", "int8-wide"]
+    assert list(gb["variants"]) == ["int8", "int8-staged", "int8-m1", "int8-wide"] and gb["context"] == 128

@@ -222,7 +222,7 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
 
         def run(self, q, k_cache, v_cache, page_table, context_lens, query_start_loc=None, out=None, *,
                 defer_merge=False, pdl=False):
-            assert not defer_merge  # EngineConfig.attention_merge is "combine" here
+            assert not defer_merge  # cpu_config made attention_merge "combine" (the torch backend's)
             b = page_table.shape[0]
             assert 1 <= b <= self.max_batch and context_lens.shape == (b,)
             assert page_table.dtype == context_lens.dtype == torch.int32
@@ -368,11 +368,15 @@ def test_config_validation_and_helpers():
         cpu_config(post_attention_kernel=True)
     with pytest.raises(ValueError, match="attention_merge='o_proj' needs backend='kernels'"):
         cpu_config(attention_merge="o_proj")
+    # the default: the o_proj GEMV merges on the kernel backend (a config of it needs no GPU to be made),
+    # the torch backend has nothing to merge
+    assert EngineConfig().attention_merge == "o_proj" and cpu_config().attention_merge == "combine"
+    assert EngineConfig(attention_merge="combine").attention_merge == "combine"
     with pytest.raises(ValueError, match="attention_merge must be one of"):
         cpu_config(attention_merge="gemv")
     with pytest.raises(ValueError, match="gemv_build must be one of"):
         cpu_config(gemv_build="int4")
-    for build in ("int8", "int8-staged", "int8-m1"):
+    for build in ("int8", "int8-staged", "int8-m1", "int8-wide"):
         with pytest.raises(ValueError, match=f"gemv_build='{build}' needs backend='kernels'"):
             cpu_config(gemv_build=build)
 

@@ -23,6 +23,8 @@ reference's wherever its top-2 gap is at least twice that.
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -100,22 +102,26 @@ def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
 
 @pytest.mark.parametrize("variant, kernel_attention, gemv_build",
                          [("off", False, "bf16"), ("block", False, "bf16"), ("block+qkv", False, "bf16"),
-                          ("block+qkv", True, "bf16"), ("off", True, "int8"),
-                          ("off", False, "int8-staged"), ("off", False, "int8-m1"), ("block", False, "int8"),
+                          ("block+qkv", True, "bf16"), ("off", True, "int8"), ("off", False, "int8-staged"),
+                          ("off", False, "int8-m1"), ("off", False, "int8-wide"), ("block", False, "int8"),
                           ("block+qkv", False, "int8-m1")],
                          ids=["off", "block", "block+qkv", "block+qkv-attention-sampling",
                               "off-gemv-int8-attention-sampling", "off-gemv-int8-staged", "off-gemv-int8-m1",
-                              "block-int8", "block+qkv-int8-m1"])
+                              "off-gemv-int8-wide", "block-int8", "block+qkv-int8-m1"])
 def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch, variant,
                                                              kernel_attention, gemv_build):
     from nanoqwen_kernels import attention as kattn
     from nanoqwen_kernels import emu
     from nanoqwen_kernels import sampling as ksamp
+    from nanoqwen_runtime.engine import ops_kernels
 
     try:
         emu.compiler()
     except emu.EmulatorError as e:
         pytest.skip(str(e))
+    # "int8-wide" at the tiny model's widths: gate_up (2 x 384 = 768 outputs) is the wide GEMV; qkv (512),
+    # o and down (256) are not, and its lm_head is bf16 (cuBLAS / torch)
+    monkeypatch.setattr(ops_kernels, "INT8_WIDE_MIN_N", 2 * TINY.intermediate_size)
     prompts, ref, bound = oracle
     launched: list[str] = []
     with emu.emulated(sms=4, seed=5, timeout_s=60.0):
@@ -142,9 +148,11 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     decode_steps = run.decode_steps
     # gemv_build "int8" / "int8-staged" / "int8-m1" (one-row steps here): every decode GEMV (g128; per step
     # 4 per layer, or with the block kernel qkv only: 1 per layer, or layer 0's with "block+qkv") on the int8
-    # cores, and every block launch its int8 build
+    # cores, and every block launch its int8 build; "int8-wide" (two-row steps here): gate_up only
     int8_steps = decode_steps if gemv_build != "bf16" else 0
     gemvs = {"off": 4 * layers, "block": layers, "block+qkv": 1}[variant]
+    if gemv_build == "int8-wide":
+        gemvs = layers
     assert paths.get("gemv_int8_mma", 0) == gemvs * int8_steps, paths
     blocks_int8 = 0 if variant == "off" else layers * int8_steps
     assert paths.get("post_attention_block_int8", 0) == blocks_int8, paths
@@ -209,12 +217,22 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
     combine = "paged_attention_combine_hd64"
     assert launches["combine"].count(combine) - launches["o_proj"].count(combine) == layers * steps
     assert len(launches["combine"]) - len(launches["o_proj"]) == layers * steps
+    # only a decode plan's merge is deferred: a prefill or verify chunk of <= 8 tokens on a plan that
+    # splits launches the combine kernel (the merge prologue was tested on decode rows only)
+    ops, o_proj = engines["o_proj"].ops, engines["o_proj"].weights.layers[0].o_proj
+    plan = next(iter(ops.decode_plans.values()))
+    assert ops.fuses_attention_merge(plan, o_proj, 2)
+    stand_in = types.SimpleNamespace(mode="prefill", can_defer_merge=True)
+    assert not ops.fuses_attention_merge(stand_in, o_proj, 2)
 
 
-@pytest.mark.parametrize("gemv_build", ["bf16", "int8", "int8-staged", "int8-m1"])
+@pytest.mark.parametrize("gemv_build", ["bf16", "int8", "int8-staged", "int8-m1", "int8-wide"])
 def test_gemv_family_by_rows(tiny_path, monkeypatch, gemv_build):
     """Which kernel family runs a decode GEMV step of 1..8 rows: the bf16 build, an int8 build at every
-    row count ("int8", "int8-staged"), or the int8 build at one row and bf16 at 2..8 ("int8-m1")."""
+    row count ("int8", "int8-staged"), or the int8 build at one row and bf16 at 2..8 ("int8-m1"); for each
+    weight alike but "int8-wide", which takes the int8 build at 1..4 rows on a weight of at least
+    INT8_WIDE_MIN_N outputs without the SiLU input, and bf16 for the rest and for a block launch
+    (no weight named)."""
     from nanoqwen_kernels import emu
     from nanoqwen_kernels import gemv as kgemv
 
@@ -224,8 +242,18 @@ def test_gemv_family_by_rows(tiny_path, monkeypatch, gemv_build):
         pytest.skip(str(e))
     with emu.emulated(sms=4, seed=5, timeout_s=60.0):  # the engine's start launches kernels
         ops = _emu_engine(tiny_path, monkeypatch, "off", False, gemv_build=gemv_build).ops
-    families = [ops.gemv_family(rows) for rows in range(1, kgemv.MAX_M + 1)]
-    int8 = kgemv.register_int8_mma(staged=gemv_build == "int8-staged")
-    expected = {"bf16": [kgemv.FAMILY] * 8, "int8": [int8] * 8, "int8-staged": [int8] * 8,
-                "int8-m1": [int8] + [kgemv.FAMILY] * 7}[gemv_build]
-    assert families == expected
+    from nanoqwen_runtime.engine.ops_kernels import INT8_WIDE_MAX_ROWS, INT8_WIDE_MIN_N
+
+    int8, bf16 = kgemv.register_int8_mma(staged=gemv_build == "int8-staged"), kgemv.FAMILY
+    rows = range(1, kgemv.MAX_M + 1)
+    expected = {"bf16": [bf16] * 8, "int8": [int8] * 8, "int8-staged": [int8] * 8,
+                "int8-m1": [int8] + [bf16] * 7, "int8-wide": [bf16] * 8}[gemv_build]
+    assert [ops.gemv_family(m) for m in rows] == expected
+    # the 7B's shapes: gate_up 37,888 and lm_head 152,064 outputs, qkv 4,608, o 3,584, down (SiLU input)
+    wide = ([int8] * INT8_WIDE_MAX_ROWS + [bf16] * (8 - INT8_WIDE_MAX_ROWS) if gemv_build == "int8-wide"
+            else expected)
+    for n, silu in ((INT8_WIDE_MIN_N, False), (37888, False), (152064, False)):
+        assert [ops.gemv_family(m, n, silu) for m in rows] == wide, (n, silu)
+    narrow = [bf16] * 8 if gemv_build == "int8-wide" else expected
+    for n, silu in ((INT8_WIDE_MIN_N - 1, False), (4608, False), (3584, False), (3584, True), (37888, True)):
+        assert [ops.gemv_family(m, n, silu) for m in rows] == narrow, (n, silu)

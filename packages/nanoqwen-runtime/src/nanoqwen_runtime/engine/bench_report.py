@@ -33,8 +33,8 @@ raw = {
   "overlap_ab": bench.overlap_ab(...) result (EngineConfig.overlap on vs off, synthetic model only),
   "attention_merge_ab": bench.attention_merge_ab(...) result (EngineConfig.attention_merge "o_proj" vs
       "combine", synthetic model only),
-  "gemv_build_ab": bench.gemv_build_ab(...) result (EngineConfig.gemv_build "int8", "int8-staged" and
-                   "int8-m1" each vs "bf16", synthetic model only),
+  "gemv_build_ab": bench.gemv_build_ab(...) result (EngineConfig.gemv_build "int8", "int8-staged",
+                   "int8-m1" and "int8-wide" each vs "bf16", synthetic model only),
   "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel "block" and
                        "block+qkv" each vs "off", synthetic model only),
   "errors": {section: message},

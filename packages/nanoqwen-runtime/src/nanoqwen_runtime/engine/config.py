@@ -24,8 +24,8 @@ POST_ATTENTION_KERNELS = ("off", "block", "block+qkv")
 # EngineConfig.attention_merge's values: who merges the split rows of decode attention
 ATTENTION_MERGES = ("combine", "o_proj")
 # EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16 or on int8 tensor cores (the
-# latter with the staged scale records, or at one-row steps only)
-GEMV_BUILDS = ("bf16", "int8", "int8-staged", "int8-m1")
+# latter with the staged scale records, at one-row steps only, or on the wide GEMVs of 1-4 rows only)
+GEMV_BUILDS = ("bf16", "int8", "int8-staged", "int8-m1", "int8-wide")
 
 
 @dataclass
@@ -80,14 +80,17 @@ class EngineConfig:
     # not bitwise. Off until it is measured faster on the GPU (bench/engine/NOTES.md, session 21).
     # Needs INT4 g128 layer linears of one layout; the engine refuses other weights with it on.
     post_attention_kernel: str = "off"
-    # Kernel backend, explicit option, "combine": who merges the rows that split-KV decode attention left
-    # in fp32 partials. "combine": the combine kernel, a launch of its own (six per decode layer). "o_proj":
-    # the o projection's GEMV, while it stages its input (nanoqwen_kernels gemv `_merge_resid`), with the
+    # Kernel backend: who merges the rows that split-KV decode attention left in fp32 partials.
+    # "combine": the combine kernel, a launch of its own (six per decode layer). "o_proj": the o
+    # projection's GEMV, while it stages its input (nanoqwen_kernels gemv `_merge_resid`), with the
     # combine kernel's arithmetic: the same bits, five launches per layer. It applies to decode steps of
     # at most 8 rows whose attention plan splits at most 16 ways (the 512-token context class at batches
-    # 1-8 on the H200); other steps launch the combine kernel. "combine" until the A/B of `nanoqwen-cli
-    # bench` (`attention_merge_ab`) has measured "o_proj" on the GPU.
-    attention_merge: str = "combine"
+    # 1-8 on 132 SMs); other steps launch the combine kernel. None (the default): "o_proj" on the kernel
+    # backend, measured faster there (`nanoqwen-cli bench`'s attention_merge_ab, H100, 2026-12-05: engine
+    # 1.012 / 1.012 / 1.002 the tok/s of "combine" at batch 1 / 2 / 8, every repeat of it faster at 1 and
+    # 2; bitwise equal logits, test_engine_gpu.py), "combine" on the torch backend (one attention op:
+    # nothing to merge), where "o_proj" is refused.
+    attention_merge: str | None = None
     # Kernel backend, explicit option, "bf16": the build of the decode GEMVs (M <= 8) on g128 weights.
     # "bf16": the nibbles become bf16 and multiply the bf16 input exactly (the kernel tests' reference,
     # bit for bit in fp32 products). "int8": the nibbles multiply the input rounded to 16-bit block floating
@@ -98,8 +101,13 @@ class EngineConfig:
     # 80-110 instructions per tile-column). "int8-m1": "int8" at steps of one row, "bf16" at 2-8 rows,
     # where the kernels were measured (two H100s, sessions 26-27): at M = 1 the int8 loop takes 0.90-0.91x
     # the time on gate_up and the INT4 lm_head, at M = 8 1.01-1.12x (every block rounds all M rows of x to
-    # the planes; bench/kernels/results/session27-h100-2026-12-05/). "bf16" until one of them is measured
-    # faster in the engine (`nanoqwen-cli bench`'s gemv_build_ab).
+    # the planes; bench/kernels/results/session27-h100-2026-12-05/). "int8-wide": "int8" only on the GEMVs
+    # with many weights per input element (N >= 8,192 outputs, no SiLU input: gate_up and an INT4
+    # lm_head) at steps of 1-4 rows, "bf16" elsewhere: the int8 loop's crossover per shape (H100, session
+    # 28, bench/kernels/results/session28-h100-2026-12-05/int8-ab-ms1248/): gate_up 0.91-0.93x the time
+    # at M = 1, 0.97-0.98x at 4, 1.02x at 8; the lm_head 0.91-0.93x at 1, 0.94-0.98x at 4, 1.10x at 8;
+    # down (N = 3,584) 1.02-1.12x, qkv and o (4,608 / 3,584) 1.00-1.05x at every M. "bf16" until one of
+    # them is measured faster in the engine (`nanoqwen-cli bench`'s gemv_build_ab).
     gemv_build: str = "bf16"
     # Overlapped decode (engine.py's header): in a run of plain decode steps, plan and queue step n+1
     # before reading step n's tokens back (its rows take their ids from step n's output on the device),
@@ -155,6 +163,8 @@ class EngineConfig:
                              f"got {self.post_attention_kernel!r}")
         if self.post_attention_kernel != "off" and self.backend != "kernels":
             raise ValueError("EngineConfig.post_attention_kernel needs backend='kernels'")
+        if self.attention_merge is None:
+            self.attention_merge = "o_proj" if self.backend == "kernels" else "combine"
         if self.attention_merge not in ATTENTION_MERGES:
             raise ValueError(f"EngineConfig.attention_merge must be one of {ATTENTION_MERGES}, "
                              f"got {self.attention_merge!r}")

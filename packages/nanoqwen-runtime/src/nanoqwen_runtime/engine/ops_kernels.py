@@ -22,25 +22,25 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   M = 32 / 64, bench/engine/NOTES.md session 11).
 - attention input: at M <= 8 the qkv GEMV applies RoPE and writes q and the paged K/V itself
   (`gemv_int4_qkv_rope`, path counter "qkv_rope_fused"); above, `linear` then `qkv_rope_kv_write`.
-- the residual stream (residual.py): at M <= 8 the o_proj and down GEMVs add their output into the
-  residual in their epilogue and leave its sums of squares in a small fp32 buffer of this backend
-  (`ResidualEpilogue`, path counter "residual_epilogue"); the next qkv / gate_up GEMV makes RMSNorm of
-  the residual as its input prologue from them (`NormPrologue`, "norm_prologue"). So a decode layer
-  launches no add + RMSNorm: six launches, the four GEMVs and attention's two (five with
-  `EngineConfig.attention_merge="o_proj"`, below: the o_proj GEMV merges the split attention rows; four with
-  `EngineConfig.post_attention_kernel="block"` at 1..2 rows: o_proj, gate_up and down are then one
-  persistent launch, `post_attention_block`, path counter "post_attention_block"; two, attention and
-  that launch, with "block+qkv", where it also makes the next layer's qkv projection with RoPE and the
+- the residual stream (residual.py): at M <= 8 the o_proj and down GEMVs add their output into the residual
+  in their epilogue and leave its sums of squares in a small fp32 buffer of this backend
+  (`ResidualEpilogue`, path counter "residual_epilogue"); the next qkv / gate_up GEMV makes RMSNorm of the
+  residual as its input prologue from them (`NormPrologue`, "norm_prologue"). So a decode layer launches no
+  add + RMSNorm: six launches, the four GEMVs and attention's two (five with
+  `EngineConfig.attention_merge="o_proj"`, the default, below: the o_proj GEMV merges the split attention
+  rows; four with `EngineConfig.post_attention_kernel="block"` at 1..2 rows: o_proj, gate_up and down are
+  then one persistent launch, `post_attention_block`, path counter "post_attention_block"; two, attention
+  and that launch, with "block+qkv", where it also makes the next layer's qkv projection with RoPE and the
   K/V write, path counter "post_attention_qkv"; with an int8 `gemv_build` the block's int8 build runs the
-  steps whose GEMVs would be int8, path counter "post_attention_block_int8"). Otherwise (more rows,
-  or a linear that is not INT4) the add stays pending and the norm is one fused_add_rms_norm launch;
-  layer 0's input norm and the final norm are plain `rms_norm` launches (nothing fused made their
-  statistics, or nothing consumes them fused).
-- attention: decode plans, one per graph bucket, planned for the longest context (`max_model_len`):
-  one graph serves every length. With `EngineConfig.attention_merge="o_proj"`, a plan that would launch
-  the combine kernel (and splits at most 16 ways) leaves the split rows to the o_proj GEMV, which merges
-  them while staging its input (the same bits, path counter "attention_merge_o_proj"): five launches per
-  decode layer. One prefill plan for chunks of up to `prefill_chunk` tokens.
+  steps whose GEMVs would be int8, path counter "post_attention_block_int8"). Otherwise (more rows, or a
+  linear that is not INT4) the add stays pending and the norm is one fused_add_rms_norm launch; layer 0's
+  input norm and the final norm are plain `rms_norm` launches (nothing fused made their statistics, or
+  nothing consumes them fused).
+- attention: decode plans, one per graph bucket, planned for the longest context (`max_model_len`): one
+  graph serves every length. With `EngineConfig.attention_merge="o_proj"` (the default), a plan that would
+  launch the combine kernel (and splits at most 16 ways) leaves the split rows to the o_proj GEMV, which
+  merges them while staging its input (the same bits, path counter "attention_merge_o_proj"): five launches
+  per decode layer. One prefill plan for chunks of up to `prefill_chunk` tokens.
 - logits range: `torch.aminmax` per row into static buffers (the engine's NaN/Inf check of the logits).
 - sampling: `sample_tokens` over the engine's static per-row parameter buffers (a `SamplingState`
   whose tensors ARE those buffers); the row's offset (tokens generated so far) is written each step.
@@ -71,6 +71,12 @@ from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 # M = 128 int4_gemm 540 us vs dequant_gemm 339 us.
 INT4_GEMM_MAX_ROWS = 64
 PREFILL_PATH = "dequant_gemm"  # above INT4_GEMM_MAX_ROWS: "dequant_gemm" or "int4_gemm"
+# EngineConfig.gemv_build "int8-wide": the int8 loop on the GEMVs of at least INT8_WIDE_MIN_N outputs
+# without the SiLU input, at steps of at most INT8_WIDE_MAX_ROWS rows (config.py has the measurements:
+# the 7B's gate_up, 37,888, and lm_head, 152,064, gained; qkv, 4,608, o and down, 3,584, lost; the 0.5B's
+# and 1.5B's gate_up, 9,728 / 17,920, are wide too)
+INT8_WIDE_MIN_N = 8192
+INT8_WIDE_MAX_ROWS = 4
 FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")  # + "block" with post_attention_kernel
 
 
@@ -102,7 +108,8 @@ class KernelOps:
         # rows (the bf16 family above; gemv_family(rows))
         self._int8_family = (None if cfg.gemv_build == "bf16"
                              else kgemv.register_int8_mma(staged=cfg.gemv_build == "int8-staged"))
-        self._int8_max_rows = 1 if cfg.gemv_build == "int8-m1" else kgemv.MAX_M
+        self._int8_max_rows = {"int8-m1": 1, "int8-wide": INT8_WIDE_MAX_ROWS}.get(cfg.gemv_build, kgemv.MAX_M)
+        self._int8_wide_only = cfg.gemv_build == "int8-wide"
         # the GEMM's split-K scratch, for every M class and group size (plans are cached per shape)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self._sms = sms
@@ -132,8 +139,9 @@ class KernelOps:
             self.block_workspace = kblock.BlockWorkspace.allocate(sized_by, device)
         # the same plans on the block's int8 build, for the steps gemv_family(rows) gives to the int8 loop
         # (keyed by whether the plan has the next layer's qkv op)
+        # ("int8-wide" has none: a block launch multiplies narrow weights too, so it stays bf16)
         self._block_plans_int8: dict[bool, kblock.BlockPlan] = {}
-        if self.block_plan is not None and self._int8_family is not None:
+        if self.block_plan is not None and self._int8_family is not None and not self._int8_wide_only:
             family = kblock.register_int8_mma()
             self._block_plans_int8 = {qkv: dataclasses.replace(p, family=family)
                                       for qkv, p in ((False, self.block_plan), (True, self.block_plan_qkv))
@@ -153,7 +161,8 @@ class KernelOps:
         # (dequantize into scratch + cuBLAS); and, counted in "gemv_int4" too, "qkv_rope_fused" (a qkv
         # GEMV that also applied RoPE and wrote q and the paged K/V), "norm_prologue" (a GEMV whose input
         # was RMSNorm of the residual, made while staging) and "residual_epilogue" (a GEMV that added
-        # its output into the residual), "gemv_int8_mma" (a GEMV on the int8 tensor cores: gemv_build "int8").
+        # its output into the residual), "gemv_int8_mma" (a GEMV on the int8 tensor cores: an int8
+        # gemv_build).
         self.paths: collections.Counter[str] = collections.Counter()
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -186,7 +195,7 @@ class KernelOps:
     def warm_up(self) -> None:
         extra = (("block",) if self.block_plan is not None else ()) + (
             (self._int8_family,) if self._int8_family is not None else ())
-        if self.block_plan is not None and self._int8_family is not None:
+        if self._block_plans_int8:
             extra += (kblock.register_int8_mma(),)
         klaunch.warm_up(FAMILIES + extra, self.device)
 
@@ -340,19 +349,25 @@ class KernelOps:
             return "gemv_int4"
         return "int4_gemm" if m <= INT4_GEMM_MAX_ROWS else PREFILL_PATH
 
-    def gemv_family(self, rows: int) -> str:
+    def gemv_family(self, rows: int, n: int | None = None, silu_input: bool = False) -> str:
         """The kernel family of a decode GEMV step of `rows` rows (EngineConfig.gemv_build): an int8 build
-        up to its row limit ("int8-m1": 1), else the bf16 one."""
-        if self._int8_family is not None and rows <= self._int8_max_rows:
-            return self._int8_family
-        return kgemv.FAMILY
+        up to its row limit ("int8-m1": 1; "int8-wide": INT8_WIDE_MAX_ROWS, and only for a weight of
+        n >= INT8_WIDE_MIN_N outputs without the SiLU input), else the bf16 one. n None: a launch of
+        several weights (the block kernel), which "int8-wide" leaves on bf16."""
+        if self._int8_family is None or rows > self._int8_max_rows:
+            return kgemv.FAMILY
+        if self._int8_wide_only and (n is None or n < INT8_WIDE_MIN_N or silu_input):
+            return kgemv.FAMILY
+        return self._int8_family
 
-    def _int4_gemv(self, lin: Int4Linear, rows: int) -> tuple[kgemv.Int4Weight, str]:
-        """The kernel view of an INT4 linear about to run as a decode GEMV of `rows` rows and the kernel
-        family that runs it; counted as path "gemv_int4", and as "gemv_int8_mma" where an int8 build's
-        loop multiplies it (`gemv_family(rows)`, G = 128: the int8 builds are g128 only)."""
+    def _int4_gemv(self, lin: Int4Linear, rows: int,
+                   silu_input: bool = False) -> tuple[kgemv.Int4Weight, str]:
+        """The kernel view of an INT4 linear about to run as a decode GEMV of `rows` rows (`silu_input`:
+        the down projection's SiLU*mul input) and the kernel family that runs it; counted as path
+        "gemv_int4", and as "gemv_int8_mma" where an int8 build's loop multiplies it (`gemv_family`,
+        G = 128: the int8 builds are g128 only)."""
         w = self._int4(lin)
-        family = self.gemv_family(rows)
+        family = self.gemv_family(rows, w.n, silu_input)
         self.paths["gemv_int4"] += 1
         if family != kgemv.FAMILY and w.group_size == 128:
             self.paths["gemv_int8_mma"] += 1
@@ -389,7 +404,7 @@ class KernelOps:
         # plain kernel's time at M = 32 / 64 (bench/engine/NOTES.md, session 11): one silu_mul pass,
         # then the plain linear (INT4 GEMM or dequantize + cuBLAS).
         if self.fuses_silu_down(down, gate_up.shape[0]):
-            w, family = self._int4_gemv(down, gate_up.shape[0])
+            w, family = self._int4_gemv(down, gate_up.shape[0], silu_input=True)
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(gate_up, w, None, None, self.workspace, self._gemv_plan(w, True),
                             silu_mul_input=True, family=family, residual=epilogue, pdl=self.cfg.pdl)
@@ -498,9 +513,11 @@ class KernelOps:
 
     def fuses_attention_merge(self, plan: kattn.PagedAttentionPlan, o_proj: Linear, m: int) -> bool:
         """Whether an attention run of m rows on `plan` leaves its split merge to the o projection's GEMV:
-        EngineConfig.attention_merge == "o_proj", the plan launches the combine kernel and splits at most
-        gemv.MERGE_MAX_SPLITS ways (`can_defer_merge`), and o_proj is a GEMV with the residual epilogue."""
-        return (self.cfg.attention_merge == "o_proj" and plan.can_defer_merge
+        EngineConfig.attention_merge == "o_proj", a decode plan (one query row per sequence: what the
+        merge was tested on; a prefill or verify chunk of <= 8 tokens launches the combine kernel) that
+        launches the combine kernel and splits at most gemv.MERGE_MAX_SPLITS ways (`can_defer_merge`),
+        and o_proj is a GEMV with the residual epilogue."""
+        return (self.cfg.attention_merge == "o_proj" and plan.mode == "decode" and plan.can_defer_merge
                 and self.fuses_residual(o_proj, m) and not self.fuses_post_attention(m))
 
     # ---- sampling ------------------------------------------------------------------------------------
