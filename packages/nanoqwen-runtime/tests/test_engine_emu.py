@@ -58,9 +58,10 @@ def _config(**kw):
 
 
 def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
-                attention_merge: str = "combine", gemv_build: str = "bf16") -> Engine:
+                attention_merge: str = "o_proj", gemv_build: str = "bf16") -> Engine:
     """The CUDA engine's kernel backend on CPU tensors, its launches on the emulator (the caller holds
-    `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`."""
+    `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`
+    (`attention_merge`: the kernel backend's default, "o_proj", unless given)."""
     from nanoqwen_kernels import attention as kattn
     from nanoqwen_runtime.engine import ops_kernels
 
@@ -166,6 +167,10 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     if kernel_attention:  # every layer's attention and every step's sampling ran on the emulator
         assert launched.count("paged_attention_decode_hd64") >= layers * decode_steps, launched
         assert "paged_attention_prefill_hd64" in launched and "sample_tokens_bf16" in launched, launched
+        # the kernel backend's default merge: the o_proj GEMV merges every decode step's split rows (its
+        # int8 build too); a block launch takes none (its o_proj is not a GEMV of its own)
+        merged = layers * decode_steps if variant == "off" else 0
+        assert paths.get("attention_merge_o_proj", 0) == merged, paths
     else:
         assert not launched
     assert engine.kv_blocks_used() == 0
