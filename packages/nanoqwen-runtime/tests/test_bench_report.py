@@ -22,7 +22,7 @@ from nanoqwen_runtime.engine.bench_report import (
     markdown,
     write_report,
 )
-from nanoqwen_runtime.engine.synthetic import write_container
+from nanoqwen_runtime.engine.synthetic import random_weights, write_container
 
 TINY = Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=64, intermediate_size=384, vocab_size=512, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -230,6 +230,10 @@ def test_lm_head_ab_is_reported_with_each_sides_roofline_fraction():
                          "new_tokens": 128, "bytes_per_token_a": 3.66e9, "bytes_per_token_b": 4.46e9,
                          "graph_paths_a": {"gemv_int4": 113, "attention": 28},
                          "graph_paths_b": {"gemv_int4": 112, "cublas_bf16": 1}}
+    raw["lm_head_int8_wide_ab"] = dict(raw["lm_head_ab"], gemv_build_a="int8-wide",
+                                       rows=[dict(row, a_tok_s=540.0, a_over_b=540 / 470,
+                                                  a_graph_tok_s=550.0)],
+                                       graph_paths_a={"gemv_int4": 113, "gemv_int8_mma": 29})
     rep = build_report(raw)
     assert rep["lm_head_ab"]["bytes_per_token_a"] == 3.66e9
     md = markdown(rep)
@@ -240,6 +244,43 @@ def test_lm_head_ab_is_reported_with_each_sides_roofline_fraction():
     read = raw["read_bandwidth"]["bytes_per_s"]
     frac_a, frac_b = 100 * 530 * 3.66e9 / read, 100 * 480 * 4.46e9 / read
     assert f"| 1 | {frac_a:.1f}% | {frac_b:.1f}% |" in md
+    # lm_head_int8_wide_ab: the int4 lm_head with the int8 loop on the wide GEMVs, against bf16
+    assert rep["lm_head_int8_wide_ab"]["gemv_build_a"] == "int8-wide"
+    assert ('## INT4 lm_head with EngineConfig.gemv_build="int8-wide" vs the bf16 lm_head and GEMVs (same '
+            "run, context 128 + 128)" in md)
+    assert "That graph ran 29 of its 113 GEMVs on the int8 tensor cores." in md
+    assert "| 1 | 540 | 470 | 1.149 | 1.0% / 2.0% | ok |" in md
+    assert "| batch | graph replay int4+int8-wide, % of the read roofline | bf16 |" in md
+    assert f"| 1 | {100 * 550 * 3.66e9 / read:.1f}% | {frac_b:.1f}% |" in md
+
+
+def test_lm_head_ab_builds_the_int4_side_with_its_gemv_build(monkeypatch):
+    """lm_head_ab: the int4-lm_head weights (a) with the section's gemv_build against the bf16 ones with
+    the bf16 GEMVs (b), both features off; run_bench runs it with "bf16" and with "int8-wide"."""
+    import types
+
+    built = []
+
+    def ab_engine(geom, weights, **cfg):
+        built.append((weights.lm_head, cfg))
+        runner = types.SimpleNamespace(context_class=lambda ctx: 512,
+                                       graph_paths={(1, 512): {"n": len(built)}})
+        return types.SimpleNamespace(runner=runner)
+
+    monkeypatch.setattr(bench, "_ab_engine", ab_engine)
+    monkeypatch.setattr(bench, "ab_decode", lambda a, b, batches, reps: [{"batch": x} for x in batches])
+    monkeypatch.setattr(bench, "bytes_per_token", lambda engine, ctx: {"all": 1})
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    weights = random_weights(TINY, "cpu", seed=1)
+    off = {"prefix_caching": False, "speculation": None}
+    for build in ("bf16", "int8-wide"):
+        built.clear()
+        lh = bench.lm_head_ab(TINY, weights, batches=(1,), reps=2, gemv_build=build)
+        (head_a, cfg_a), (head_b, cfg_b) = built
+        assert (cfg_a, cfg_b) == (dict(off, gemv_build=build), off)
+        assert head_b is weights.lm_head and head_a is not weights.lm_head and head_a.n == TINY.vocab_size
+        assert lh["gemv_build_a"] == build and lh["rows"] == [{"batch": 1}]
+        assert (lh["graph_paths_a"], lh["graph_paths_b"]) == ({"n": 1}, {"n": 2})
 
 
 # ---------------------------------------------------------------------------------------------------

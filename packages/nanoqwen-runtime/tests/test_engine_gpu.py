@@ -418,6 +418,26 @@ def test_overlap_with_eos_matches_the_reference(container):
           f"EOS, {engine.num_rows_dropped} rows dropped")
 
 
+def test_int8_wide_with_an_int4_lm_head_matches_reference(tmp_path):
+    """An `--lm-head int4` container (7B width, 2 layers) with gemv_build "int8-wide": gate_up and the
+    INT4 lm_head (152,064 outputs) on the int8 loop at batches 1 and 3, the rest on bf16 (what
+    `nanoqwen-cli bench`'s lm_head_ab times as its fastest batch-1 step); teacher-forced decode within
+    the noise bound, and the batch-1 graph ran one int8 GEMV per layer plus the lm_head."""
+    path = write_container(tmp_path / "int4-head.nanoqwen", GEOMS["7b-width-2layers"], seed=9, lm_head="int4",
+                           device="cuda")
+    prompts = prompts_of((300, 41, 7), seed=4)
+    ref, bound = oracle(path, prompts, steps=8)
+    engine = Engine.from_file(path, gpu_config(gemv_build="int8-wide"))
+    for batch in (3, 1):
+        run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
+        worst, decided = check_against_reference(f"int4-head-int8-wide/b{batch}", run, ref, bound)
+        assert decided >= len(prompts) * 8 // 4  # a quarter of the positions at the least, as below
+    graph = engine.runner.graph_paths[(1, engine.runner.context_classes[0])]
+    layers = engine.geom.num_hidden_layers
+    assert graph.get("gemv_int8_mma") == layers + 1 and graph.get("gemv_int4") == 4 * layers + 1, graph
+    assert "cublas_bf16" not in graph and engine.kv_blocks_used() == 0
+
+
 def test_int8_lm_head_matches_reference(tmp_path):
     """An `--lm-head int8` container (7B width, 2 layers) runs on the INT8 GEMV: teacher-forced decode
     of 3 prompts at batch 3 (lm_head rows M = 3) and batch 1 (M = 1), within the noise bound, which

@@ -37,6 +37,8 @@ raw = {
                    "int8-m1" and "int8-wide" each vs "bf16", synthetic model only),
   "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel "block" and
                        "block+qkv" each vs "off", synthetic model only),
+  "lm_head_ab": bench.lm_head_ab(...) result (an INT4 lm_head vs bf16, synthetic model only),
+  "lm_head_int8_wide_ab": the same with the INT4 side's gemv_build "int8-wide",
   "errors": {section: message},
 }
 """
@@ -131,7 +133,8 @@ def build_report(raw: dict) -> dict:
     rep["speculation"] = meta.get("speculation")
     for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
               "prefix_cache", "engine_stats", "features_cost", "layout_speed", "overlap_ab",
-              "attention_merge_ab", "gemv_build_ab", "lm_head_ab", "post_attention_ab"):
+              "attention_merge_ab", "gemv_build_ab", "lm_head_ab", "lm_head_int8_wide_ab",
+              "post_attention_ab"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -225,6 +228,7 @@ def markdown(rep: dict) -> str:
     lines += _attention_merge_md(rep.get("attention_merge_ab"))
     lines += _gemv_build_md(rep.get("gemv_build_ab"))
     lines += _lm_head_md(rep.get("lm_head_ab"), rep.get("read_bandwidth_GBps"))
+    lines += _lm_head_md(rep.get("lm_head_int8_wide_ab"), rep.get("read_bandwidth_GBps"))
     lines += _post_attention_md(rep.get("post_attention_ab"))
     lines += ["", "## Graph vs eager (context 128, engine wall time)", "",
               "| batch | graph-mode tok/s | eager tok/s |",
@@ -338,12 +342,22 @@ def _gemv_build_md(gb: dict | None) -> list[str]:
 def _lm_head_md(lh: dict | None, read_gbps: float | None) -> list[str]:
     if not lh:
         return []
-    lines = _engine_ab_md("## INT4 lm_head (`nanoqwen-quant pack --lm-head int4`) vs bf16 (same run, context "
-                          f"{lh['context']} + {lh['new_tokens']})", "int4", "bf16", lh["rows"], lh["reps"],
-                          f"Bytes per token at the last step: int4 {lh['bytes_per_token_a'] / 1e9:.3f} GB, "
-                          f"bf16 {lh['bytes_per_token_b'] / 1e9:.3f} GB. lm_head path of the int4 side's "
-                          f"batch-1 graph: {_lm_head_path(lh.get('graph_paths_a'))}.")
-    lines += ["", "| batch | graph replay int4, % of the read roofline | bf16 |", "| --- | --- | --- |"]
+    build = lh.get("gemv_build_a", "bf16")
+    name = "int4" if build == "bf16" else f"int4+{build}"
+    title = ("## INT4 lm_head (`nanoqwen-quant pack --lm-head int4`) vs bf16 (same run, context "
+             f"{lh['context']} + {lh['new_tokens']})")
+    if build != "bf16":
+        title = (f"## INT4 lm_head with EngineConfig.gemv_build=\"{build}\" vs the bf16 lm_head and GEMVs "
+                 f"(same run, context {lh['context']} + {lh['new_tokens']})")
+    paths = lh.get("graph_paths_a") or {}
+    note = (f"Bytes per token at the last step: int4 {lh['bytes_per_token_a'] / 1e9:.3f} GB, "
+            f"bf16 {lh['bytes_per_token_b'] / 1e9:.3f} GB. lm_head path of the int4 side's "
+            f"batch-1 graph: {_lm_head_path(paths)}.")
+    if build != "bf16":
+        note += (f" That graph ran {paths.get('gemv_int8_mma', 0)} of its {paths.get('gemv_int4', 0)} "
+                 "GEMVs on the int8 tensor cores.")
+    lines = _engine_ab_md(title, name, "bf16", lh["rows"], lh["reps"], note)
+    lines += ["", f"| batch | graph replay {name}, % of the read roofline | bf16 |", "| --- | --- | --- |"]
     read_bps = read_gbps * 1e9 if read_gbps else None
     for r in lh["rows"]:
         cells = []
