@@ -343,17 +343,17 @@ def _lm_head_md(lh: dict | None, read_gbps: float | None) -> list[str]:
     if not lh:
         return []
     build = lh.get("gemv_build_a", "bf16")
-    name = "int4" if build == "bf16" else f"int4+{build}"
-    title = ("## INT4 lm_head (`nanoqwen-quant pack --lm-head int4`) vs bf16 (same run, context "
-             f"{lh['context']} + {lh['new_tokens']})")
-    if build != "bf16":
-        title = (f"## INT4 lm_head with EngineConfig.gemv_build=\"{build}\" vs the bf16 lm_head and GEMVs "
-                 f"(same run, context {lh['context']} + {lh['new_tokens']})")
     paths = lh.get("graph_paths_a") or {}
+    run = f"(same run, context {lh['context']} + {lh['new_tokens']})"
     note = (f"Bytes per token at the last step: int4 {lh['bytes_per_token_a'] / 1e9:.3f} GB, "
             f"bf16 {lh['bytes_per_token_b'] / 1e9:.3f} GB. lm_head path of the int4 side's "
             f"batch-1 graph: {_lm_head_path(paths)}.")
-    if build != "bf16":
+    if build == "bf16":
+        name, title = "int4", f"## INT4 lm_head (`nanoqwen-quant pack --lm-head int4`) vs bf16 {run}"
+    else:
+        name = f"int4+{build}"
+        title = (f"## INT4 lm_head with EngineConfig.gemv_build=\"{build}\" vs the bf16 lm_head and "
+                 f"GEMVs {run}")
         note += (f" That graph ran {paths.get('gemv_int8_mma', 0)} of its {paths.get('gemv_int4', 0)} "
                  "GEMVs on the int8 tensor cores.")
     lines = _engine_ab_md(title, name, "bf16", lh["rows"], lh["reps"], note)

@@ -123,7 +123,8 @@ class KernelOps:
         # go to _norm_stats, as the GEMV's residual epilogue's do)
         # ("block+qkv": a second plan with the next layer's qkv op, which the last layer does not run)
         # (with an int8 gemv_build, the block's int8 build runs the steps that gemv_family(rows) gives to the
-        # int8 GEMVs: `_block_plan`; its plans have the bf16 ones' grid and warps, so one workspace serves)
+        # int8 GEMVs: `_block_plans_int8`; its plans have the bf16 ones' grid and warps, so one workspace
+        # serves)
         self.block_plan: kblock.BlockPlan | None = None
         self.block_plan_qkv: kblock.BlockPlan | None = None
         if cfg.post_attention_kernel != "off":
@@ -195,8 +196,7 @@ class KernelOps:
     def warm_up(self) -> None:
         extra = (("block",) if self.block_plan is not None else ()) + (
             (self._int8_family,) if self._int8_family is not None else ())
-        if self._block_plans_int8:
-            extra += (kblock.register_int8_mma(),)
+        extra += tuple({p.family for p in self._block_plans_int8.values()})  # the block's int8 build
         klaunch.warm_up(FAMILIES + extra, self.device)
 
     def check_weights(self, weights) -> None:
