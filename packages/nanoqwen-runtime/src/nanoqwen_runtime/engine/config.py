@@ -106,8 +106,10 @@ class EngineConfig:
     # lm_head) at steps of 1-4 rows, "bf16" elsewhere: the int8 loop's crossover per shape (H100, session
     # 28, bench/kernels/results/session28-h100-2026-12-05/int8-ab-ms1248/): gate_up 0.91-0.93x the time
     # at M = 1, 0.97-0.98x at 4, 1.02x at 8; the lm_head 0.91-0.93x at 1, 0.94-0.98x at 4, 1.10x at 8;
-    # down (N = 3,584) 1.02-1.12x, qkv and o (4,608 / 3,584) 1.00-1.05x at every M. "bf16" until one of
-    # them is measured faster in the engine (`nanoqwen-cli bench`'s gemv_build_ab).
+    # down (N = 3,584) 1.02-1.12x, qkv and o (4,608 / 3,584) 1.00-1.05x at every M. In the engine
+    # (`nanoqwen-cli bench`'s gemv_build_ab, H100, session 29): "int8-wide" 1.019 / 1.008 / 1.001 the
+    # tok/s of "bf16" at batch 1 / 2 / 8, "int8-m1" 1.010 / 1.000 / 1.002. "bf16" stays the default until
+    # the default path's GPU tests have run with "int8-wide" (bench/engine/NOTES.md, session 29).
     gemv_build: str = "bf16"
     # Overlapped decode (engine.py's header): in a run of plain decode steps, plan and queue step n+1
     # before reading step n's tokens back (its rows take their ids from step n's output on the device),
