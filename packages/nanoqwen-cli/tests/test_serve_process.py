@@ -15,10 +15,11 @@ import sys
 
 import httpx
 import pytest
-from nanoqwen_cli.server.app import AppConfig, _Framer, _sse, create_app
+from nanoqwen_cli.server.app import AppConfig, create_app
 from nanoqwen_cli.server.engine_process import EngineProcess, Finish, NotReady
 from nanoqwen_cli.server.fake_engine import TOKEN_TEXT, FakeEngineSpec
 from nanoqwen_cli.server.metrics import Metrics
+from nanoqwen_cli.server.sse import Framer, sse
 from nanoqwen_cli.server.testing import ServerProcess
 from nanoqwen_runtime.engine.sequence import Request
 from nanoqwen_runtime.sampling import SamplingParams
@@ -130,12 +131,12 @@ def test_framer_bytes_equal_the_whole_chunk_encoded(text):
     """The streamed chunk framed around the JSON-encoded text is byte for byte the chunk encoded whole,
     also when the model name holds the slot's characters."""
     model = "m\x00nanoqwen-slot\x00"
-    for choice in ({"index": 0, "delta": {"content": _Framer.SLOT}, "logprobs": None, "finish_reason": None},
-                   {"index": 0, "text": _Framer.SLOT, "logprobs": None, "finish_reason": None}):
+    for choice in ({"index": 0, "delta": {"content": Framer.SLOT}, "logprobs": None, "finish_reason": None},
+                   {"index": 0, "text": Framer.SLOT, "logprobs": None, "finish_reason": None}):
         template = {"id": "x", "object": "o", "created": 1, "model": model, "choices": [choice]}
-        whole = json.loads(json.dumps(template).replace(json.dumps(_Framer.SLOT), json.dumps(text)))
+        whole = json.loads(json.dumps(template).replace(json.dumps(Framer.SLOT), json.dumps(text)))
         whole["model"] = model
-        assert _Framer(template)(text) == _sse(whole)
+        assert Framer(template)(text) == sse(whole)
 
 
 # ---- through the CLI ------------------------------------------------------------------------------------
