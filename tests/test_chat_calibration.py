@@ -1,6 +1,6 @@
-"""CPU: the chat calibration text, `nanoqwen-quant pack`'s default since 2026-12-04
+"""CPU: the chat calibration text, `nanoqwen-quant pack`'s default
 (nanoqwen_quant/calib_chat.py), and bench/quality/chat_calib.py, which writes the same conversations to
-files (the set the H200 measurement that chose the default was calibrated on). Function extraction on
+files (the set the measurement that chose the default was calibrated on). Function extraction on
 hand-written sources (documented functions kept, undocumented, decorated, too short and docstring-only
 ones left out, methods dedented), the rendered conversation with the tiny container's Qwen template, the
 split it reads (calibration only, never the held-out files), that `build_calibration` keeps the

@@ -1,5 +1,5 @@
-"""CPU: bench/quality/humaneval.py, the HumanEval pass-rate harness of issue 16 (its GPU run is the
-lead's, on the H200). Program extraction on hand-written answers, scoring of a hand-written problem
+"""CPU: bench/quality/humaneval.py, the HumanEval pass-rate harness of issue 16 (its real runs are on
+a GPU). Program extraction on hand-written answers, scoring of a hand-written problem
 set (a correct answer passes; a wrong one, and one that loops forever, fail), the exact McNemar
 p-value against values worked out by hand, the report of `score`, and `generate --device cpu` on the
 runtime's tiny random container (its text is noise: only the rows' form is checked). The sampling

@@ -1,13 +1,13 @@
 """The default recipe of `nanoqwen-quant pack` (`PackOptions()`: GPTQ asym g128, 65,536 calibration tokens
-of the chat text, chosen by the HumanEval pass rate in bench/quality/README.md) and its quality on the
-real Qwen2.5-Coder-0.5B, measured as bench/quality/run_quality.py measures the H200 table: held-out
+of the chat text, chosen by the HumanEval pass rate in bench/RESULTS.md) and its quality on the
+real Qwen2.5-Coder-0.5B, measured as bench/quality/run_quality.py measures the GPU table: held-out
 perplexity within +4% of the `--method none` pack (issue 16's proxy goal for the 0.5B) and greedy
 next-token agreement with it. The calibration-free recipe (`--method rtn`) is tested on the real 0.5B
 on the CPU, in CI: test_quality_rtn_asym.py.
 
-The quality test runs on the GPU only (`nox -s gpu_tests`; about 60 s of pack on the H200, two 8,192-token
-evaluations of a few seconds; under 2 minutes in all). On a CPU the same pack takes about 2 minutes per
-layer (bench/quality/README.md).
+The quality test runs on the GPU only (`nox -s gpu_tests`; about 60 s of pack on a Hopper GPU, two
+8,192-token evaluations of a few seconds; under 2 minutes in all). On a CPU the same pack takes about 2
+minutes per layer.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from nanoqwen_quant.options import PackOptions
 from nanoqwen_quant.pack import pack
 from nanoqwen_quant.sources import open_source
 
-# The H200 table's evaluation (bench/quality/README.md, run_quality.py --eval-tokens 8192 --seq-len 1024,
-# its text heldout_text(6 * eval_tokens)): the GPU test re-measures its gptq-asym-chat row of the 0.5B.
+# The GPU table's evaluation (bench/RESULTS.md, run_quality.py --eval-tokens 8192 --seq-len 1024, its
+# text heldout_text(6 * eval_tokens)): the GPU test re-measures its gptq-asym-chat row of the 0.5B.
 EVAL_TOKENS = 8192
 SEQ_LEN = 1024
 SCORED = 8 * (SEQ_LEN - 1)  # 8 windows of 1,024 tokens, each scoring 1,023 next-token positions
 # Issue 16's goal for the 0.5B: held-out perplexity within +4% of none. Measured for this recipe on these
-# tokens: +2.86% (H200, 2026-12-04, bench/quality/results/humaneval-h200-2026-12-04-chat/quality-0.5b.md).
+# tokens: +2.86% (bench/RESULTS.md, "Quality of the INT4 recipes").
 # The goal itself is the bound, not the measurement plus a margin.
 PPL_GOAL = 0.04
 # Agreement measured in that row: 90.98%. A rerun on the same machine image differs from the table only by
@@ -34,7 +34,7 @@ PPL_GOAL = 0.04
 # flip a code's rounding or an argmax only where two values are within rounding of each other; we allow 1
 # point (82 of the 8,184 positions) for that. The bound still separates the recipe from the
 # calibration-free ones on the same tokens (RTN asym 88.28%, RTN sym 85.31%). (The chat text is built
-# from the running Python's standard library: the row was measured with the H200 image's Python 3.12.)
+# from the running Python's standard library: the row was measured with Python 3.12.)
 AGREEMENT_MIN = 0.9098 - 0.01
 
 

@@ -1,7 +1,7 @@
-"""The calibration-free recipe (`--method rtn`: RTN asym g128; the default for part of 2026-12-04,
-bench/quality/README.md) keeps the real Qwen2.5-Coder-0.5B's quality on a CI-sized text, measured as
-bench/quality/run_quality.py measures it: held-out perplexity within +4% of the
-`--method none` pack and greedy next-token agreement with it above a threshold derived from the table.
+"""The calibration-free recipe (`--method rtn`: RTN asym g128; bench/RESULTS.md) keeps the real
+Qwen2.5-Coder-0.5B's quality on a CI-sized text, measured as bench/quality/run_quality.py measures it:
+held-out perplexity within +4% of the `--method none` pack and greedy next-token agreement with it above
+a threshold derived from the table.
 (The default recipe, GPTQ on the chat text, is tested on the GPU: test_quality_default.py.)
 
 Cheap: RTN needs no calibration, so both containers are the session's cached `qwen05b_packed` packs
@@ -24,11 +24,11 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 EVAL_TOKENS = 2048
 SEQ_LEN = 1024
 # Issue 16's goal for the 0.5B: held-out perplexity within +4% of none (measured: +2.42% on these 2,048
-# tokens). On 8,192 tokens (the H200 table, bench/quality/README.md) the same recipe measured +4.59%:
+# tokens). On 8,192 tokens (the GPU table, bench/RESULTS.md) the same recipe measured +4.59%:
 # this test guards the recipe against regressions on a CI-sized text; it does not prove the goal, which
 # this recipe misses on 8,192 tokens (the default, GPTQ on the chat text, meets it there: +2.86%).
 PPL_GOAL = 0.04
-# Agreement measured in the table (bench/quality/README.md, 0.5B on CPU): 91.59% for RTN asym g128,
+# Agreement measured in the table (bench/RESULTS.md, 0.5B on CPU): 91.59% for RTN asym g128,
 # 90.13% for the old default (RTN g128 sym). The measurement is deterministic up to fp32 summation order
 # (another BLAS or thread count), which can flip only positions whose top two logits are within
 # rounding of each other; we allow 1 point (20 of the 2,046 scored positions) for that, which still

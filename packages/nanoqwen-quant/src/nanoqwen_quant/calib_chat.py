@@ -3,8 +3,8 @@
 Why: GPTQ fits each layer's rounding to the calibration activations. Calibrated on raw standard-library
 code it won the held-out perplexity of raw code and lost 4.5 points of HumanEval pass rate to `none` on
 the real 1.5B; calibrated on the same functions asked for and answered in the model's chat template, it
-gained 1.7 (6.3 points over the raw-code calibration, p = 0.002: bench/quality/README.md, H200,
-2026-12-04). A model is prompted the way it is deployed, so it is calibrated that way.
+gained 1.7 (6.3 points over the raw-code calibration, p = 0.002; bench/RESULTS.md). A model is prompted
+the way it is deployed, so it is calibrated that way.
 
 What: each conversation is one documented function of the standard library's *calibration* split
 (`calib.stdlib_files("calib")`, in its hash order; never the held-out split that the perplexity proxy

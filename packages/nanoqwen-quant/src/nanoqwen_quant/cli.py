@@ -14,7 +14,7 @@ and write the held-out evaluation text.
 
 SRC is a GGUF file, a local HF folder (safetensors + config.json + tokenizer.json), or an HF hub id.
 Without --method: GPTQ asym g128 calibrated on chat conversations in the model's own template
-(`PackOptions`' defaults, chosen by the pass rate in bench/quality/README.md), or `import` for an
+(`PackOptions`' defaults, chosen by the pass rate in bench/RESULTS.md), or `import` for an
 already-quantized GPTQ/AWQ checkpoint or a GGUF whose decoder linears are all Q4_0. A calibrated pack
 (GPTQ, or `--awq`) on the CPU prints one notice first (its cost, and `--method rtn`, the
 calibration-free recipe).

@@ -85,13 +85,13 @@ class PackOptions:
     (gptq_layers.py) for rtn too."""
 
     # GPTQ asym g128 calibrated on chat conversations, by the pass rate (the measure issue 16's goal is
-    # stated in; bench/quality/README.md, HumanEval on the real 1.5B, H200, 2026-12-04, 164 problems x 20
-    # samples at temperature 0.2): +1.7 points against none (95% CI -1.1..+4.6), where RTN asym g128
+    # stated in; HumanEval on the real 1.5B, 164 problems x 20 samples at temperature 0.2,
+    # bench/RESULTS.md): +1.7 points against none (95% CI -1.1..+4.6), where RTN asym g128
     # loses 1.5 (CI -4.8..+1.6) and GPTQ asym calibrated on raw stdlib code loses 4.5 (CI -8.6..-0.4;
     # the chat text gains 6.3 points over it, p = 0.002). It also meets both perplexity proxies
     # (+2.93% on the 1.5B, +2.86% on the 0.5B; RTN asym +4.22% / +4.59%). Cost: the calibrated layer
-    # loop, ~1 minute for the 0.5B and ~6 for the 7B on an H200, ~2 minutes per 0.5B layer on a 2-core
-    # CPU (`pack` prints a notice there); `method="rtn"` is the calibration-free recipe.
+    # loop, ~1 minute for the 0.5B and ~6 for the 7B on a Hopper GPU, ~2 minutes per 0.5B layer on a
+    # 2-core CPU (`pack` prints a notice there); `method="rtn"` is the calibration-free recipe.
     method: str = "gptq"
     group_size: int = 128
     # asymmetric (a zero point per group) by the same table: RTN g128 asym +4.59% on the 0.5B vs sym

@@ -10,13 +10,11 @@ Why: the engine's step is host-bound on small models (Python scheduling, graph r
 ~3 ms per decode step of the 0.5B at batch 32, about half of it Python). The HTTP process streams
 every token (SSE framing, socket writes: ~0.3-0.5 of a core at 32 streams) and wakes on every step
 message; when the scheduler runs it where the engine's thread was, or migrates that thread, the
-engine's steps slow down (bench/server/NOTES.md: the server's decode steps ran 0.13-0.21 ms slower
-than the same engine's alone). The engine process gets two hardware threads: until session 17 two of
-its threads worked every step (the stepping thread, and a sender thread that pickled and sent the
-step's message), and on one CPU they took turns (H200 host, 16 vCPUs, no SMT siblings visible: 64 us
-between two decode steps instead of 6). Since then the stepping thread sends the message itself,
-inside the next step (engine_worker.py); two CPUs stay, the configuration every overhead figure was
-measured with (torch's own threads and the kernel's work on the process's behalf run beside it).
+engine's steps slow down (measured: the server's decode steps ran 0.13-0.21 ms slower than the same
+engine's alone). The engine process gets two hardware threads, the configuration every overhead
+figure in bench/RESULTS.md was measured with: torch's own threads and the kernel's work on the
+process's behalf run beside the stepping thread, which sends each step's message itself, inside the
+next step (engine_worker.py).
 
 The last cores are taken rather than the first because the first CPUs of a host usually take the
 most interrupts. One server per GPU on a host: each engine process takes the slot of its GPU (`slot`

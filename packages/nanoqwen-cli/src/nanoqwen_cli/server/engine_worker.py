@@ -34,9 +34,9 @@ while the host would otherwise wait for the read-back (~3 ms per decode step of 
 pickling and sending a 32-token message takes tens of microseconds); before an eager step (a prefill
 chunk), whose host-bound launches would delay the message, it is sent first. When no step follows (the
 engine goes idle, or the step had nothing to run) the message is sent at once. One thread does
-everything, so nothing competes with the step for the GIL: until session 17 a sender thread sent the
-message while the next step's host work ran, and each hand-over of the GIL between the two threads
-(one CPU waking the other) landed on that step's critical path (bench/server/NOTES.md, session 17).
+everything, so nothing competes with the step for the GIL: with a sender thread, each hand-over of
+the GIL between the two threads (one CPU waking the other) would land on the step's critical path
+(measured slower: packages/nanoqwen-cli/DESIGN.md).
 Tokens reach the HTTP process one step's host preparation later (about 0.1-0.3 ms), the last ones of
 a burst at once. The process ignores SIGINT and SIGTERM (the HTTP process owns shutdown and drains
 first) and exits when told to stop or when its pipe closes (the HTTP process died).
@@ -70,8 +70,8 @@ __all__ = ["Finish", "StepTrace", "TRACE_ENV", "worker_main"]
 
 TRACE_ENV = "NANOQWEN_ENGINE_TRACE"
 # An idle engine woken by a submit takes commands while they come ADMIT_QUIET_S apart or closer, for at
-# most ADMIT_MAX_S, then steps. The HTTP process hands a burst's requests over ~0.45 ms apart (H200
-# host: 32 in 14-17 ms, bench/server/NOTES.md session 15); a burst split in two costs a second
+# most ADMIT_MAX_S, then steps. The HTTP process hands a burst's requests over ~0.45 ms apart
+# (measured on a 16-CPU GPU host: 32 in 14-17 ms); a burst split in two costs a second
 # prefill (12-30 ms, host-bound at the 0.5B) and a decode step. So: a lone request pays 2 ms of TTFT,
 # the first of a 32-request burst up to ~17 ms, and the other 31 no longer wait behind its prefill.
 ADMIT_QUIET_S = 0.002
@@ -152,7 +152,7 @@ def freeze_startup_objects() -> None:
     the life of the process (`gc.freeze`, as vLLM does after its graph capture). A full collection then
     walks only what serving allocates: 2 us instead of 38-47 ms, which otherwise lands in a step (engine
     process) or an event-loop turn (HTTP process) every time the objects promoted since the last one
-    pass a quarter of the old ones (bench/server/NOTES.md, session 9)."""
+    pass a quarter of the old ones."""
     gc.collect()
     gc.freeze()
 

@@ -12,8 +12,8 @@ decode step and gets its first token from it. With `prefill_s` > 0 a prefill is 
 in the CUDA engine's scheduler: when requests wait and the last step was a decode (or none runs), the
 step admits them (up to `max_batch` running), spins for `prefill_s` and emits each admitted request's
 first token; the running ones get none. The cost is fixed, whatever the number of prompts: on the
-0.5B on the H200 a prefill is ~9-14 ms of mostly host work, nearly the same for 1 prompt as for 32,
-so a burst that reaches the engine in two parts pays it twice (bench/server/NOTES.md, session 7).
+0.5B on a Hopper GPU a prefill is ~9-14 ms of mostly host work, nearly the same for 1 prompt as for
+32, so a burst that reaches the engine in two parts pays it twice.
 `num_steps` counts the "prefill" and "decode" steps, like the CUDA engine's (the step trace reads it).
 
 The busy parts are a fixed amount of work (a loop whose length is calibrated when the engine is built
@@ -21,7 +21,7 @@ to take `busy_s` or `prefill_s` on an idle core), not a spin until a deadline: w
 takes the GIL in the middle of it, the step gets longer, as the real engine's does.
 
 It exists so that bench/server/overhead_sim.py can measure the server's overhead on a machine without
-a GPU, with a step cost like the H200's on the 0.5B (~3 ms, about half of it host-bound). Nothing in
+a GPU, with a step cost like the CUDA engine's on the 0.5B (~3 ms, about half of it host-bound). Nothing in
 the CLI can select it: only `run_server(FakeEngineSpec(...), ...)` does.
 """
 

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["Metrics"]
 
-# Token latencies span ~1 ms (H200 decode) to seconds (CPU prefill under load).
+# Token latencies span ~1 ms (GPU decode) to seconds (CPU prefill under load).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
 
