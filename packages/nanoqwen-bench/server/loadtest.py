@@ -1,7 +1,7 @@
 """Load test of `nanoqwen-cli serve`: N concurrent streaming clients, and the server's overhead against
 `Engine.generate` on the same requests. Loopback only; bounded in request count and time.
 
-    python bench/server/loadtest.py MODEL.nanoqwen --out bench/server/results/h200 \
+    python packages/nanoqwen-bench/server/loadtest.py MODEL.nanoqwen --out bench/out/server \
         [--clients 256] [--max-tokens 128] [--time-limit 300] [--overhead-clients 32] [--kv-memory 16GiB]
 
 Phases (one server subprocess, `--device cuda`, started by this script on a free loopback port):

@@ -1,7 +1,7 @@
 """The server's overhead without a GPU: HTTP throughput over a fake engine against that engine's own loop.
 
-    python bench/server/overhead_sim.py [--clients 32] [--max-tokens 512] [--busy-ms 1.5] [--sleep-ms 1.5]
-        [--prefill-ms 0] [--repeats 3] [--out FILE.json]
+    python packages/nanoqwen-bench/server/overhead_sim.py [--clients 32] [--max-tokens 512] [--busy-ms 1.5]
+        [--sleep-ms 1.5] [--prefill-ms 0] [--repeats 3] [--out FILE.json]
         [--server-package nanoqwen_cli.server --design process]   (default: this checkout's server)
         [--server-package nanoqwen_server_thread --design thread --pythonpath DIR]   (an old copy)
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nanoqwen_bench.engine.bench import bytes_per_token, decode_at_context, memory
+from nanoqwen_bench.engine.bench_profile import LIBRARY, profile_decode_ops
+from nanoqwen_bench.engine.bench_report import REQUIRED_KEYS, build_report, markdown
 from nanoqwen_model import QWEN25_CODER_7B
 from nanoqwen_runtime.engine import Engine, EngineConfig
-from nanoqwen_runtime.engine.bench import bytes_per_token, decode_at_context, memory
-from nanoqwen_runtime.engine.bench_profile import LIBRARY, profile_decode_ops
-from nanoqwen_runtime.engine.bench_report import REQUIRED_KEYS, build_report, markdown
 from nanoqwen_runtime.engine.synthetic import random_weights
 
 pytestmark = pytest.mark.gpu

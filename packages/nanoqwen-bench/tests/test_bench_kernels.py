@@ -1,8 +1,8 @@
-"""GPU: the benchmark kernels (csrc/bench.cu). read_xor reads every word (its XOR equals numpy's, at odd
-sizes and at several MB), refuses inputs it cannot read with 16-byte loads; spin holds the stream for
-at least the asked time; read_bandwidth reports a rate only after its own correctness check;
-l2_prefetch changes no byte of what it prefetches (any length, a tail shorter than its chunk) and
-refuses ranges a bulk prefetch cannot take."""
+"""GPU: the benchmark kernels (nanoqwen-kernels' csrc/bench.cu, launched by nanoqwen_bench.gpu). read_xor
+reads every word (its XOR equals numpy's, at odd sizes and at several MB), refuses inputs it cannot read with
+16-byte loads; spin holds the stream for at least the asked time; read_bandwidth reports a rate only after its
+own correctness check; l2_prefetch changes no byte of what it prefetches (any length, a tail shorter than its
+chunk) and refuses ranges a bulk prefetch cannot take."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def words(n, gen, device):
 
 @pytest.mark.parametrize("n_words", [4, 4 * 1001, 4 * 257 * 33, (1 << 22) + 12])
 def test_read_xor_is_the_xor_of_every_word(n_words, gen, device):
-    from nanoqwen_kernels.bench import read_xor
+    from nanoqwen_bench.gpu import read_xor
 
     data = words(n_words, gen, device)
     sink = torch.zeros(1, dtype=torch.int32, device=device)
@@ -31,7 +31,7 @@ def test_read_xor_is_the_xor_of_every_word(n_words, gen, device):
 
 
 def test_read_xor_refuses_what_it_cannot_read(gen, device):
-    from nanoqwen_kernels.bench import read_xor
+    from nanoqwen_bench.gpu import read_xor
 
     data = words(64, gen, device)
     sink = torch.zeros(1, dtype=torch.int32, device=device)
@@ -45,7 +45,7 @@ def test_read_xor_refuses_what_it_cannot_read(gen, device):
 @pytest.mark.parametrize("n_words,chunk", [(4, 16), (4 * 1001, 1 << 10), ((1 << 22) + 12, 32 << 10)])
 @pytest.mark.parametrize("evict_last", [False, True])
 def test_l2_prefetch_changes_nothing(n_words, chunk, evict_last, gen, device):
-    from nanoqwen_kernels.bench import l2_prefetch
+    from nanoqwen_bench.gpu import l2_prefetch
 
     data = words(n_words, gen, device)
     before = data.clone()
@@ -55,7 +55,7 @@ def test_l2_prefetch_changes_nothing(n_words, chunk, evict_last, gen, device):
 
 
 def test_l2_prefetch_refuses_what_a_bulk_prefetch_cannot_take(gen, device):
-    from nanoqwen_kernels.bench import l2_prefetch
+    from nanoqwen_bench.gpu import l2_prefetch
 
     data = words(64, gen, device)
     for bad in (data[1:5], data[:6], data.view(8, 8)[:, :4]):
@@ -67,7 +67,7 @@ def test_l2_prefetch_refuses_what_a_bulk_prefetch_cannot_take(gen, device):
 
 
 def test_spin_holds_the_stream(device):
-    from nanoqwen_kernels.bench import spin
+    from nanoqwen_bench.gpu import spin
 
     spin(0, device)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -79,7 +79,7 @@ def test_spin_holds_the_stream(device):
 
 
 def test_read_bandwidth_reports_a_plausible_rate(device):
-    from nanoqwen_kernels.bench import read_bandwidth
+    from nanoqwen_bench.gpu import read_bandwidth
 
     r = read_bandwidth(device, nbytes=512 << 20, reps=5)
     assert r["nbytes"] == 512 << 20 and r["min_s"] <= r["median_s"] <= r["max_s"]

@@ -12,9 +12,8 @@ import time
 
 import pytest
 import torch
-from nanoqwen_model import Qwen2Config
-from nanoqwen_runtime.engine import Engine, EngineConfig, bench, bench_profile
-from nanoqwen_runtime.engine.bench_report import (
+from nanoqwen_bench.engine import bench, bench_profile
+from nanoqwen_bench.engine.bench_report import (
     DECODE1_KEYS,
     MEMORY_KEYS,
     REQUIRED_KEYS,
@@ -22,6 +21,8 @@ from nanoqwen_runtime.engine.bench_report import (
     markdown,
     write_report,
 )
+from nanoqwen_model import Qwen2Config
+from nanoqwen_runtime.engine import Engine, EngineConfig
 from nanoqwen_runtime.engine.synthetic import random_weights, write_container
 
 TINY = Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -487,7 +488,7 @@ def test_profile_marks_every_launch_of_the_kernel_backend(tiny_path, monkeypatch
     cfg.backend = "kernels"  # after validation: the launches are mocked, so CPU tensors are fine
     engine = EngineCls(m.geometry, m.weights, cfg)
 
-    def spin(ns):  # goes through launch() as nanoqwen_kernels.bench.spin does
+    def spin(ns):  # goes through launch() as nanoqwen_bench.gpu.spin does
         klaunch.launch("bench", "spin_ns", 0, (1,), (1,), ())
 
     tl = bench_profile.Timeline(event_factory=HostEvent, spin_fn=spin)
@@ -517,7 +518,7 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     the torch backend, and the graph replay time is faked. Sections that cannot run on the tiny model
     (4K context, prefills of 512 and 4K, 2K TTFT: over its 512-token limit) must be recorded as errors
     while the rest completes and the report (json + md) is written with every key."""
-    import nanoqwen_kernels.bench as kbench
+    import nanoqwen_bench.gpu as kbench
     from nanoqwen_runtime.engine.engine import Engine as RealEngine
 
     def cpu_cfg(cfg):

@@ -1,5 +1,5 @@
-"""CPU smoke test of the workload benchmark (engine/bench_workload.py): the runner drives the engine
-(torch op backend, tiny random container with the byte-level test tokenizer and the Qwen chat
+"""CPU smoke test of the workload benchmark (nanoqwen_bench.engine.bench_workload): the runner drives the
+engine (torch op backend, tiny random container with the byte-level test tokenizer and the Qwen chat
 template) through both workloads, speculation off and on, and writes reports with the right keys and
 self-consistent values. Its figures mean nothing on random weights; the real ones come from the H200
 (`nanoqwen-cli bench --model ... --workload code-edit --workload free-form`)."""
@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
+from nanoqwen_bench.engine.bench_workload import GOALS, first_divergence, run_workloads
+from nanoqwen_bench.workloads import code_edit_prompts, free_form_prompts, prompt_set_sha256
 from nanoqwen_runtime.engine import Engine, EngineConfig
-from nanoqwen_runtime.engine.bench_workload import GOALS, first_divergence, run_workloads
 from nanoqwen_runtime.speculative import SpeculationConfig
 from nanoqwen_runtime.testing import write_tiny_container
-from nanoqwen_runtime.workloads import code_edit_prompts, free_form_prompts, prompt_set_sha256
 
 K = 4
 MAX_TOKENS = 12

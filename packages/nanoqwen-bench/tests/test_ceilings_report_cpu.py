@@ -1,29 +1,14 @@
-"""CPU: the pure-Python half of bench/kernels/decode_ceilings.py (issue 13, stage 0): the ncu CSV
+"""CPU: the pure-Python half of nanoqwen_bench.kernels.decode_ceilings: the ncu CSV
 parsers, the stall breakdown, the replay timeline's gaps, the SASS loop counter, the markdown tables,
 and `--ncu-summary` end to end on hand-written ncu output (the GPU half runs on the H200 only)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "kernels"
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-CR = _load("ceilings_report", BENCH / "ceilings" / "ceilings_report.py")
-DC = _load("decode_ceilings", BENCH / "decode_ceilings.py")
+from nanoqwen_bench.kernels import decode_ceilings as DC
+from nanoqwen_bench.kernels.ceilings import ceilings_report as CR
 
 HEAD = (
     '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'

@@ -1,4 +1,4 @@
-"""The benchmark prompt sets (nanoqwen_runtime.workloads): function extraction with `ast`, the
+"""The benchmark prompt sets (nanoqwen_bench.workloads): function extraction with `ast`, the
 deterministic draw from the standard library, prompt shape. No model, no torch."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import ast
 import textwrap
 
 import pytest
-from nanoqwen_runtime import workloads as W
+from nanoqwen_bench import workloads as W
 
 SAMPLE = textwrap.dedent('''\
     import os

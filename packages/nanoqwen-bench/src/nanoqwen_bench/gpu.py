@@ -1,4 +1,5 @@
-"""Benchmark-only kernels (csrc/bench.cu): the read-bandwidth ceiling and a GPU-side wait.
+"""Benchmark-only kernels (nanoqwen_kernels' csrc/bench.cu, op family "bench"): the read-bandwidth
+ceiling and a GPU-side wait, and the CUDA-graph / CUDA-event timing the benchmarks share.
 
     bw = read_bandwidth(torch.device("cuda"))          # bytes read per second, median of the reps
     read_xor(buf, sink)                                # one pass over buf; sink ^= XOR of its words
@@ -23,8 +24,7 @@ import statistics
 
 import numpy as np
 import torch
-
-from .launch import check, launch, ptr, require_sm90
+from nanoqwen_kernels.launch import check, launch, ptr, require_sm90
 
 FAMILY = "bench"
 READ_THREADS = 256

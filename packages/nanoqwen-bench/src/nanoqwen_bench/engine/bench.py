@@ -3,7 +3,7 @@
 Everything is measured in one run, on one model (synthetic Qwen2.5-Coder-7B geometry built on the
 GPU, or a given .nanoqwen file):
 
-- read bandwidth: a kernel that only reads a 4 GiB buffer (nanoqwen_kernels.bench.read_bandwidth),
+- read bandwidth: a kernel that only reads a 4 GiB buffer (nanoqwen_bench.gpu.read_bandwidth),
   median of 30 launches: the roofline of every decode number below is this bandwidth over the bytes
   one step must read. The device-to-device copy bandwidth (2 GiB, bytes read + written) is measured
   beside it and reported, but it is no ceiling for a step that only reads;
@@ -51,13 +51,13 @@ from pathlib import Path
 
 import torch
 from nanoqwen_model import QWEN25_CODER_7B, Qwen2Config
+from nanoqwen_runtime.engine.config import EngineConfig
+from nanoqwen_runtime.engine.engine import Engine, FinishEvent, TokenEvent
+from nanoqwen_runtime.engine.scheduler import Request
+from nanoqwen_runtime.sampling import SamplingParams
+from nanoqwen_runtime.speculative import SpeculationConfig
 
-from ..sampling import SamplingParams
-from ..speculative import SpeculationConfig
 from .bench_report import build_report, write_report
-from .config import EngineConfig
-from .engine import Engine, FinishEvent, TokenEvent
-from .scheduler import Request
 
 Log = Callable[[str], None]
 
@@ -119,7 +119,7 @@ def _decode_rate(log, skip: int = 3) -> float:
 def replay_time(engine: Engine, bucket: int, context: int, reps: int = 50) -> float:
     """Median GPU time (s) of one replay of the decode graph of `bucket` at `context` tokens, with the
     step buffers as the last step left them."""
-    from nanoqwen_kernels.bench import median_replay_seconds
+    from nanoqwen_bench.gpu import median_replay_seconds
 
     return median_replay_seconds(engine.runner.graphs[(bucket, engine.runner.context_class(context))], reps)
 
@@ -254,7 +254,7 @@ def layout_speed(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 8
     asymmetric g128: the default recipe's layout, a uint8 zero point per group) (a) against symmetric
     g128 weights of the same geometry (b), features off on both, `ab_decode`; plus each side's weight
     bytes read per token."""
-    from .synthetic import random_weights
+    from nanoqwen_runtime.engine.synthetic import random_weights
 
     sym = random_weights(geom, weights.embed_tokens.device, seed=0, symmetric=True)
     ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
@@ -348,7 +348,7 @@ def lm_head_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1,), r
     kernels have)."""
     import dataclasses
 
-    from .synthetic import random_int4
+    from nanoqwen_runtime.engine.synthetic import random_int4
 
     device = weights.embed_tokens.device
     gen = torch.Generator(device=device).manual_seed(1)
@@ -403,7 +403,7 @@ def memory(engine: Engine) -> dict:
     """`Engine.memory_report()` as a dict, with the weights-on-GPU total and the device's size; and the
     KV pool in tokens, with the tokens a bf16 dense weight cache would take from it (2 bytes per
     quantized weight, x `kv_memory_fraction` as `_size_pool` budgets): what running INT4 frees."""
-    from .ops_kernels import KernelOps
+    from nanoqwen_runtime.engine.ops_kernels import KernelOps
 
     m = engine.memory_report()
     free, total = torch.cuda.mem_get_info(engine.device)
@@ -420,8 +420,8 @@ def load_time(geometry: Qwen2Config, folder: Path) -> dict:
     the file was just written) side by side: "plain" (verify=False, the CLI's --no-verify) and "verify"
     (the default: checksums hashed beside the copies, NaN/Inf check on the device). The file is removed
     afterwards."""
-    from .loader import load
-    from .synthetic import write_container
+    from nanoqwen_runtime.engine.loader import load
+    from nanoqwen_runtime.engine.synthetic import write_container
 
     path = folder / "synthetic-bench.nanoqwen"
     t0 = time.perf_counter()
@@ -505,10 +505,11 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
     `features=False` turns prefix caching and speculation off (the no-regression baseline). `only`: run
     just these sections (their keys in raw / the errors, e.g. "decode_ctx128", "batch8", "lm_head_ab";
     the bandwidths always run, the engines are still built); a name no section has is an error."""
-    from nanoqwen_kernels.bench import read_bandwidth
+    from nanoqwen_runtime.engine.synthetic import random_weights
+
+    from nanoqwen_bench.gpu import read_bandwidth
 
     from .bench_profile import profile_decode_ops
-    from .synthetic import random_weights
 
     device = torch.device("cuda")
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

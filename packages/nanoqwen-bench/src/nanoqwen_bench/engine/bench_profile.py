@@ -14,7 +14,7 @@ that follows it, up to the next mark; a closing mark follows the step's last op 
 Timing eager work with events has one trap: the host launches slower (~20 us per launch) than the
 GPU runs small kernels (2-7 us), so the GPU would idle between kernels and every event interval would
 measure the host. So the GPU is held back: before the step and then every `SPIN_EVERY` marks, a
-one-thread kernel (`nanoqwen_kernels.bench.spin`) waits on the GPU for longer than the host needs to
+one-thread kernel (`nanoqwen_bench.gpu.spin`) waits on the GPU for longer than the host needs to
 queue the next chunk of marks and launches; the chunk then runs back to back from the queue, at the
 GPU's pace. The wait itself is a segment of its own ("<spin>") and is left out of every sum. The
 host time to queue each chunk is checked against the wait: a chunk the host did not queue in time
@@ -35,11 +35,10 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 
 import torch
-
-from ..events import TokenEvent
-from ..sampling import SamplingParams
-from .residual import NormedInput
-from .scheduler import Request
+from nanoqwen_runtime.engine.residual import NormedInput
+from nanoqwen_runtime.engine.scheduler import Request
+from nanoqwen_runtime.events import TokenEvent
+from nanoqwen_runtime.sampling import SamplingParams
 
 SPIN_EVERY = 64  # marks per chunk queued behind one GPU-side wait
 SPIN_FACTOR = 4.0  # the wait is this many times the host's measured time to queue a chunk
@@ -63,7 +62,7 @@ class Timeline:
                  clock: Callable[[], float] = time.perf_counter):
         self._event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
         if spin_fn is None:
-            from nanoqwen_kernels.bench import spin as spin_fn
+            from nanoqwen_bench.gpu import spin as spin_fn
         self._spin_fn = spin_fn
         self._clock = clock
         self.marks: list[tuple[object, str, str | None]] = []

@@ -1,7 +1,7 @@
 """The workload benchmark behind `nanoqwen-cli bench --workload code-edit|free-form`: prompt-lookup
 speculation off against on, on real prompts, in one run on one engine.
 
-For each workload (prompt sets from `nanoqwen_runtime.workloads`, rendered with the container's chat
+For each workload (prompt sets from `nanoqwen_bench.workloads`, rendered with the container's chat
 template) every prompt runs alone (batch 1), greedy, up to `max_tokens` generated tokens (EOS ends it:
 these are real answers), once with speculation off and once on; speculation is per request
 (`Request.speculation`), so both runs share the engine, its graphs and its warm caches. The order
@@ -34,13 +34,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from nanoqwen_runtime.engine.config import EngineConfig
+from nanoqwen_runtime.engine.engine import Engine, FinishEvent
+from nanoqwen_runtime.engine.scheduler import FinishReason, Request
+from nanoqwen_runtime.sampling import SamplingParams
+from nanoqwen_runtime.speculative import SpeculationConfig
 
-from ..sampling import SamplingParams
-from ..speculative import SpeculationConfig
 from ..workloads import WorkloadPrompt, prompt_set_sha256, python_version, stdlib_dir, workload_prompts
-from .config import EngineConfig
-from .engine import Engine, FinishEvent
-from .scheduler import FinishReason, Request
 
 Log = Callable[[str], None]
 
@@ -195,8 +195,8 @@ def run_workloads(engine: Engine, container: str | Path, workloads: list[str], o
                   seed: int = 0, log: Log = print) -> dict[str, dict]:
     """Run each workload on `engine` (loaded from `container`, whose tokenizer and chat template render
     the prompts); write workload-<name>.json and .md into `out_dir`; return the reports by name."""
-    from ..generate import Pipeline
-    from .backend import EngineBackend
+    from nanoqwen_runtime.engine.backend import EngineBackend
+    from nanoqwen_runtime.generate import Pipeline
 
     if n_prompts < 1 or max_tokens < 1:
         raise ValueError(f"need n_prompts >= 1 and max_tokens >= 1, got {n_prompts}, {max_tokens}")

@@ -1,6 +1,6 @@
 """Benchmark of the .nanoqwen reader on a Qwen2.5-Coder-7B-shaped file (about 5.5 GB).
 
-    python packages/nanoqwen-format/bench/bench_container.py [--dir DIR] [--keep] [--reuse] [--repeat N]
+    python -m nanoqwen_bench.format.bench_container [--dir DIR] [--keep] [--reuse] [--repeat N]
 
 1. Writes a container with the 7B tensor set: 28 layers of int4-g128 qkv [4608, 3584],
    o_proj [3584, 3584], gate_up [37888, 3584], down [3584, 18944], bf16 norms and biases, bf16

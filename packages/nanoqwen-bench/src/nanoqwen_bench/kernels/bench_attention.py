@@ -1,7 +1,7 @@
 """Microbenchmarks of paged attention on the GPU, against ceilings measured in the same run.
 
     PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-model/src:packages/nanoqwen-kernels/src \
-        python packages/nanoqwen-kernels/bench/attention/bench_attention.py --out results.json
+        python -m nanoqwen_bench.kernels.bench_attention --out bench/out/attention.json
 
 Ceilings: device-to-device copy bandwidth (1 GiB, bytes read + written) and a random 8192^3 bf16
 torch matmul. Decode (Qwen2.5-Coder-7B heads 28/4/128, page size 16) at batch 1 and 32 for contexts
@@ -23,7 +23,8 @@ import statistics
 import torch
 from nanoqwen_kernels import attention, build, launch, specs
 from nanoqwen_kernels.attention import AttentionGeometry, plan_decode, plan_prefill
-from nanoqwen_kernels.bench import event_seconds
+
+from ..gpu import event_seconds
 
 GEOM = AttentionGeometry(n_heads=28, n_kv_heads=4, head_dim=128, block_size=16)
 

@@ -1,7 +1,7 @@
 """Microbenchmark of the INT4 GEMM (M > 8) against cuBLAS bf16 and dequantize + cuBLAS, on one GPU.
 
-    PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-model/src:packages/nanoqwen-kernels/src \
-        python bench/kernels/bench_gemm.py --out bench/kernels/gemm [--quick]
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) \
+        python -m nanoqwen_bench.kernels.bench_gemm --out bench/out/gemm [--quick]
 
 For the four Qwen2.5-Coder-7B layer linears (qkv 3584->4608, o 3584->3584, gate+up 3584->2x18944,
 down 18944->3584; INT4 g128 symmetric) and M in {16, 32, 64, 128, 512, 2048}, three ways to compute
@@ -16,7 +16,7 @@ y[M, N] = x[M, K] @ W^T:
 
 Method as bench_kernels.py: R launches captured in one CUDA graph, each on a different copy of the
 weights (together > 4x the L2, so weights come from HBM), median of 15 replays. The read bandwidth
-(nanoqwen_kernels.bench.read_bandwidth, 1 GiB) is measured first in the same run. Reported: time,
+(nanoqwen_bench.gpu.read_bandwidth, 1 GiB) is measured first in the same run. Reported: time,
 TFLOP/s (2 M N K per product), and the achieved bandwidth of each path's minimum bytes (weights +
 scales + x + out, each once) as a fraction of the read bandwidth (the roofline for M <= 64). The
 crossover between int4_gemm and dequant_gemm (summed over the four shapes) is printed: it is what
@@ -48,11 +48,10 @@ from pathlib import Path
 
 import torch
 from nanoqwen_kernels import gemm, gemv
-from nanoqwen_kernels.bench import read_bandwidth, time_graph
+from nanoqwen_kernels import reference as R
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import random_weight  # noqa: E402
-from gemv_ab import check_output  # noqa: E402
+from ..gpu import read_bandwidth, time_graph
+from .bench_kernels import random_weight
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
 # the layer linears of the real test models (`--model`), for plans measured beyond the 7B
@@ -64,6 +63,13 @@ MODEL_SHAPES = {
 MS = (16, 32, 64, 128, 512, 2048)
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
+
+
+def check_output(out, x, w) -> None:
+    """out (bf16 [M, N]) against the kernel tests' oracle: the fp32 product of x with the dequantized
+    weight (nanoqwen_kernels.reference), within the bf16 tolerance of reference.TOLERANCES."""
+    dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
+    R.assert_close(out, R.linear(x, dense, None), what="bench_gemm output")
 
 def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False, splits=None, asym=False,
                 check=True, multi_nt=None):

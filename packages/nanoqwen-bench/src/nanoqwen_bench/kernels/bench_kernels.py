@@ -1,9 +1,9 @@
 """Microbenchmarks of the nanoqwen kernels on one GPU (`nox -s bench` runs them before the engine bench).
 
-    PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src \
-        python bench/kernels/bench_kernels.py --out bench/kernels [--quick] [--all-variants]
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) \
+        python -m nanoqwen_bench.kernels --out bench/out/kernels [--quick] [--all-variants]
 
-Ceilings, measured first in the same run: the READ bandwidth (nanoqwen_kernels.bench.read_bandwidth:
+Ceilings, measured first in the same run: the READ bandwidth (nanoqwen_bench.gpu.read_bandwidth:
 a kernel that only reads a 4 GiB buffer, median of 30 launches), which is the roofline of a GEMV (it
 reads its weights and writes almost nothing), and the device-to-device copy bandwidth (bytes read +
 written, best of three methods), reported beside it as before.
@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 from nanoqwen_kernels import build, gemv, layer_ops, sampling
-from nanoqwen_kernels.bench import read_bandwidth, time_graph
 from nanoqwen_kernels.specs import SPECS
+
+from ..gpu import read_bandwidth, time_graph
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944),
           ("lm_head", 152064, 3584)]  # fmt: skip
@@ -272,7 +273,7 @@ def markdown(meta: dict, rows: list[Row]) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/kernels", help="folder for bench_kernels.json and .md")
+    ap.add_argument("--out", default="bench/out/kernels", help="folder for bench_kernels.json and .md")
     ap.add_argument("--quick", action="store_true", help="M = 1 and 8 only; fewer variants")
     ap.add_argument("--gemv-only", action="store_true")
     ap.add_argument("--all-variants", action="store_true",

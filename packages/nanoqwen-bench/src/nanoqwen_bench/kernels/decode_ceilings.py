@@ -1,13 +1,14 @@
 """Issue 13, stage 0: measure the batch-1 decode step before changing it (bench/kernels/CEILINGS.md).
 
-    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 bench/kernels/decode_ceilings.py --out DIR
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) \
+        python3 -m nanoqwen_bench.kernels.decode_ceilings --out DIR
     ... decode_ceilings.py --ncu-target --out DIR        # build the 7B decode graph, replay it once
                                                          # between cudaProfilerStart/Stop (wrap in ncu)
     ... decode_ceilings.py --gemv-target gate_up         # 3 launches of one decode GEMV (wrap in ncu)
     ... decode_ceilings.py --ncu-summary DIR             # parse the ncu outputs in DIR into the report
 
 The default mode measures, in one process, each against the read bandwidth of the same run
-(nanoqwen_kernels.bench.read_bandwidth, 4 GiB, median of 30):
+(nanoqwen_bench.gpu.read_bandwidth, 4 GiB, median of 30):
 1. `launch`: the cost of an empty (and a dependent) kernel in a replayed graph (ceilings/ceilings_micro.py);
 2. `decode`: the engine's batch-1 decode graph on the synthetic 7B geometry: replay time (CUDA events)
    against the sum of its kernels' own durations: from a torch.profiler (CUPTI) trace of replays when
@@ -37,10 +38,7 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "ceilings"))
-
-import ceilings_report as CR  # noqa: E402
+from .ceilings import ceilings_report as CR
 
 GEMV_SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 NCU_TARGET_JSON = "ncu_target.json"
@@ -80,9 +78,10 @@ def decode_graph(device, context: int = 128, new: int = 16):
     lm_head), as `nanoqwen-cli bench` builds them."""
     import torch
     from nanoqwen_model import QWEN25_CODER_7B
-    from nanoqwen_runtime.engine.bench import decode_at_context
     from nanoqwen_runtime.engine.engine import Engine
     from nanoqwen_runtime.engine.synthetic import random_weights
+
+    from nanoqwen_bench.engine.bench import decode_at_context
 
     weights = random_weights(QWEN25_CODER_7B, device, seed=0)
     torch.cuda.synchronize()
@@ -95,10 +94,11 @@ def decode_graph(device, context: int = 128, new: int = 16):
 def decode_section(device, read_bps: float, out_dir: Path) -> dict:
     """Replay time of the batch-1 decode graph vs the sum of its kernels (see the module docstring)."""
     import torch
-    from nanoqwen_kernels.bench import median_replay_seconds
-    from nanoqwen_runtime.engine.bench import bytes_per_token
-    from nanoqwen_runtime.engine.bench_profile import profile_decode_ops
     from nanoqwen_runtime.engine.engine import Engine
+
+    from nanoqwen_bench.engine.bench import bytes_per_token
+    from nanoqwen_bench.engine.bench_profile import profile_decode_ops
+    from nanoqwen_bench.gpu import median_replay_seconds
 
     t0 = time.perf_counter()
     engine, weights, geom, graph, key = decode_graph(device)
@@ -200,7 +200,8 @@ def ncu_target(device, out_dir: Path) -> None:
     """Build the decode graph, time it (outside the profiled range), then replay it once between
     cudaProfilerStart/Stop for `ncu --profile-from-start off --graph-profiling node`."""
     import torch
-    from nanoqwen_kernels.bench import median_replay_seconds
+
+    from nanoqwen_bench.gpu import median_replay_seconds
 
     engine, _, geom, graph, key = decode_graph(device)
     replay = median_replay_seconds(graph, 100)
@@ -220,10 +221,11 @@ def gemv_target(device, shape: str, m: int, symmetric: bool, launches: int = 3) 
     """`launches` launches of the decode GEMV `shape` as the engine runs it (g128, the default plan;
     `down` takes the gate_up output and fuses SiLU*mul, like ops_kernels.mlp_down), each on its own
     copy of the weights (cold in L2 even with ncu --cache-control none)."""
-    import ceilings_micro as micro
     import torch
     from nanoqwen_kernels import gemv as kgemv
     from nanoqwen_kernels.launch import warm_up
+
+    from .ceilings import ceilings_micro as micro
 
     n, k = GEMV_SHAPES[shape]
     gen = torch.Generator(device=device)
@@ -585,7 +587,7 @@ def sass_section(cubins: dict[str, Path]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/kernels/results/ceilings"))
+    ap.add_argument("--out", type=Path, default=Path("bench/out/ceilings"))
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument(
         "--ncu-target",
@@ -622,15 +624,16 @@ def main(argv=None) -> int:
         gemv_target(device, args.gemv_target, args.m, not args.asym)
         return 0
 
-    import ceilings_micro as micro
     from nanoqwen_kernels import build
-    from nanoqwen_kernels.bench import read_bandwidth
     from nanoqwen_kernels.specs import SPECS
+
+    from ..gpu import read_bandwidth
+    from .ceilings import ceilings_micro as micro
 
     only = set(args.only.split(","))
     raw = {
         "meta": {
-            "command": "python3 bench/kernels/decode_ceilings.py " + " ".join(argv or sys.argv[1:]),
+            "command": "python3 -m nanoqwen_bench.kernels.decode_ceilings " + " ".join(argv or sys.argv[1:]),
             "device": torch.cuda.get_device_name(device),
             "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),

@@ -8,7 +8,7 @@ conversations with transformers from the source, and tokenizes them to the same 
 files (tests/test_chat_calibration.py). The HumanEval run that chose the default (bench/quality/README.md,
 H200, 2026-12-04) calibrated on files written by this script.
 
-    python bench/quality/chat_calib.py MODEL.nanoqwen --out DIR [--conversations 2000]
+    python -m nanoqwen_bench.quality.chat_calib MODEL.nanoqwen --out DIR [--conversations 2000]
 
 Each file DIR/chat-NNNNN.txt is one conversation, in the split's order.
 """

@@ -87,12 +87,12 @@ Commands (OUT holds NAME.completions.jsonl, NAME.generate.json, NAME.results.jso
 humaneval.json; a model whose completions file exists is not generated again, and one generated with
 other settings (samples, temperature, top-p, seed, max_tokens) is refused: another --out or --force):
 
-    python bench/quality/humaneval.py generate --model NAME=PATH.nanoqwen [...] --out OUT
+    python -m nanoqwen_bench.quality.humaneval generate --model NAME=PATH.nanoqwen [...] --out OUT
         [--device cuda] [--limit N] [--problems PATH] [--max-tokens 512] [--kv-memory 16GiB]
         [--samples 1] [--temperature 0.8] [--top-p 0.95] [--seed 0]   (the last three: sampling only)
-    python bench/quality/humaneval.py score --out OUT [--baseline none] [--timeout 10] [--jobs N]
+    python -m nanoqwen_bench.quality.humaneval score --out OUT [--baseline none] [--timeout 10] [--jobs N]
         (every OUT/*.completions.jsonl; the same problems and samples per problem in all)
-    python bench/quality/humaneval.py run ...   generate, then score
+    python -m nanoqwen_bench.quality.humaneval run ...   generate, then score
 
 On the H200 (device tool): `bench/gpu-test-runs/device_steps.sh humaneval 1.5b none,gptq-asym` (greedy;
 `... none,gptq-asym "--samples 20"` sampled, in /tmp/humaneval/1.5b-samples-20) after

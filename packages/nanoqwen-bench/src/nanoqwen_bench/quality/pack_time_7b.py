@@ -1,9 +1,9 @@
 """Pack time of a recipe on the Qwen2.5-Coder-7B geometry (synthetic weights, real calibration tokens).
 
-    python bench/quality/pack_time_7b.py --recipe awq-clipact [--layers 4] [--device cuda]
+    python -m nanoqwen_bench.quality.pack_time_7b --recipe awq-clipact [--layers 4] [--device cuda]
 
-Reuses bench/quant/gptq_7b_h200.py's synthetic source (the 7B's shapes, random well-scaled bf16
-weights generated on the GPU) and its committed calibration tokens (bench/quant/prepared: 65,536
+Reuses nanoqwen_bench/quant/gptq_7b_h200.py's synthetic source (the 7B's shapes, random well-scaled bf16
+weights generated on the GPU) and its committed calibration tokens (nanoqwen_bench/quant/prepared: 65,536
 stdlib tokens in windows of 2,048), packs the first `--layers` decoder layers with the recipe of
 run_quality.RECIPES, and prints one JSON line: the measured seconds and the 28-layer estimate
 total x 28 / layers. The estimate is an upper bound: the fixed costs (embeddings, lm_head, the
@@ -13,7 +13,6 @@ calibration embedding) are scaled with the layers too. Quality needs real weight
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -22,16 +21,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
 LAYERS_7B = 28
-
-
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> int:
@@ -43,14 +33,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/7b-recipe.nanoqwen"))
     a = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    rq = _load(HERE / "run_quality.py", "run_quality")
-    g7 = _load(HERE.parent / "quant" / "gptq_7b_h200.py", "gptq_7b_h200")
     import hashlib
 
     import numpy as np
     from nanoqwen_quant.calib import CalibrationSet
     from nanoqwen_quant.options import PackOptions
     from nanoqwen_quant.pack import pack
+
+    from ..quant import gptq_7b_h200 as g7
+    from . import run_quality as rq
 
     kw = dict(rq.RECIPES[a.recipe])
     dev = torch.device(a.device)

@@ -1,6 +1,6 @@
 """The quality table: every INT4 recipe of `nanoqwen-quant pack` on a real model, evaluated against `none`.
 
-    python bench/quality/run_quality.py --gguf 0.5b=PATH [--gguf 1.5b=PATH] --out DIR [--device cuda]
+    python -m nanoqwen_bench.quality.run_quality --gguf 0.5b=PATH [--gguf 1.5b=PATH] --out DIR [--device cuda]
         [--recipes none,rtn,...] [--eval-tokens 8192] [--seq-len 1024] [--calib-tokens 65536]
 
 For each model: the GGUF is read once into memory (its dequantization is a fixed cost of every pack,

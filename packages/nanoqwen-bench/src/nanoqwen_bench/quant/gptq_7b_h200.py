@@ -4,13 +4,13 @@ calibration text (Python stdlib code tokenized with the real Qwen2 tokenizer). G
 Two steps, because the GPU machine has no registry, no model file and no network:
 
  1. here (CPU machine, with the 0.5B GGUF cached):
-        .venv/bin/python bench/quant/gptq_7b_h200.py prepare [--tokens 65536 --seq-len 2048]
+        python -m nanoqwen_bench.quant.gptq_7b_h200 prepare [--tokens 65536 --seq-len 2048]
     tokenizes the default calibration set (the stdlib "calib" split, see nanoqwen_quant.calib) and
-    writes bench/quant/prepared/calib_tokens.npy + calib.json (256 KB; committed, so this step is
+    writes nanoqwen_bench/quant/prepared/calib_tokens.npy + calib.json (256 KB; committed, so this step is
     only needed to change the token count).
  2. on the GPU machine:
-        PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-model/src:packages/nanoqwen-quant/src \
-            python bench/quant/gptq_7b_h200.py run --out /tmp/7b-gptq.nanoqwen
+        PYTHONPATH=$(ls -d packages/*/src | paste -sd:) \
+            python -m nanoqwen_bench.quant.gptq_7b_h200 run --out /tmp/7b-gptq.nanoqwen
     builds a `SyntheticSource` (the shapes of nanoqwen_model's QWEN25_CODER_7B, random well-scaled
     bf16 weights generated on the GPU from
     a per-tensor seed, so a layer is regenerated identically when the container is assembled),
@@ -18,7 +18,7 @@ Two steps, because the GPU machine has no registry, no model file and no network
     with the GPTQ-loop time, the total time (including assembling and writing the container), the
     peak GPU memory and the file size; the output and the checkpoint folder are deleted unless --keep.
     Smoke test on CPU (what was run before handing it over):
-        .venv/bin/python bench/quant/gptq_7b_h200.py run --device cpu --layers 1 --max-seqs 1
+        python -m nanoqwen_bench.quant.gptq_7b_h200 run --device cpu --layers 1 --max-seqs 1
 """
 
 from __future__ import annotations

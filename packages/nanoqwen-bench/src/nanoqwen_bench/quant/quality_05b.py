@@ -1,7 +1,7 @@
 """Quality table of the README: perplexity of bf16 / RTN-g128 / GPTQ-g128 (and lm_head variants) of the
 real Qwen2.5-Coder-0.5B-Instruct on held-out stdlib code, through the `nanoqwen-quant` CLI.
 
-    .venv/bin/python bench/quant/quality_05b.py [--workdir /tmp/nanoqwen-quality] [--eval-tokens 8192]
+    python -m nanoqwen_bench.quant.quality_05b [--workdir /tmp/nanoqwen-quality] [--eval-tokens 8192]
         [--calib-tokens 16384] [--lm-head-variants]
 
 Steps (each skipped when its output already exists in --workdir, so an interrupted run continues):

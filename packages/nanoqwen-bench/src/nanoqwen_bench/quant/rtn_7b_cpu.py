@@ -6,7 +6,7 @@ bias) and random well-scaled bf16 weights (never zeros) on local disk, in 4-laye
 with an index, then runs `nanoqwen-quant pack DIR -o OUT --method rtn` as a child process and reports
 its wall time and peak RSS (getrusage of the child: ru_maxrss). The folder and output are deleted afterwards.
 
-    .venv/bin/python bench/quant/rtn_7b_cpu.py [--workdir /tmp] [--keep] [--extra-args "..."]
+    python -m nanoqwen_bench.quant.rtn_7b_cpu [--workdir /tmp] [--keep] [--extra-args "..."]
 
 The tokenizer is the real Qwen2 one when the 0.5B GGUF is cached (converted by transformers), else a
 small trained byte-level BPE: the tokenizer does not affect RTN.

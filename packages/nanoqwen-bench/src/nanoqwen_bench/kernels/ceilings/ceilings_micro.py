@@ -1,5 +1,5 @@
 """GPU microbenchmarks of issue 13, stage 0, on the kernels of ceilings.cu (CEILINGS.md says what each
-measures). Called by bench/kernels/decode_ceilings.py; every function returns plain dicts for its JSON.
+measures). Called by nanoqwen_bench.kernels.decode_ceilings; every function returns plain dicts for its JSON.
 
 - `CeilingKernels`: ceilings.cu compiled by NVRTC for sm_90a (the package's csrc/ on the include path,
   so the GEMV loop shares csrc/gemv_int4.cuh's helpers), cached as a cubin keyed by the source hash,
@@ -27,7 +27,8 @@ import torch
 from nanoqwen_kernels import build
 from nanoqwen_kernels import gemv as kgemv
 from nanoqwen_kernels import launch as klaunch
-from nanoqwen_kernels.bench import (
+
+from nanoqwen_bench.gpu import (
     READ_BLOCKS_PER_SM,
     capture_graph,
     event_seconds,

@@ -1,4 +1,4 @@
-"""Pure-Python half of bench/kernels/decode_ceilings.py: parsers and tables, no torch, no GPU.
+"""Pure-Python half of nanoqwen_bench.kernels.decode_ceilings: parsers and tables, no torch, no GPU.
 
 - `parse_ncu_csv(text)`: Nsight Compute's `--csv` output of the details page (one row per metric per
   kernel: "ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value", ...) -> one dict per

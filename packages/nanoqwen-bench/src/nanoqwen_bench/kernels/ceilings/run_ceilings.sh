@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 13, stage 0, in one device call (bench/kernels/CEILINGS.md):
-#   bash bench/kernels/ceilings/run_ceilings.sh [main|ncu|all]     (writes under $OUT)
+#   bash packages/nanoqwen-bench/src/nanoqwen_bench/kernels/ceilings/run_ceilings.sh [main|ncu|all]     (writes under $OUT)
 # main: decode_ceilings.py's default mode (launch cost, streaming and compute ceilings, SASS counts, the
 #       decode graph's replay and CUPTI timeline), ~2-4 min.
 # ncu:  the decode graph under ncu (per-node durations), the four GEMVs under ncu (stall reasons), then
@@ -12,7 +12,7 @@ OUT=${OUT:-ceilings_out}
 mkdir -p "$OUT/raw"
 PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
 export PYTHONPATH PYTHONUNBUFFERED=1 NANOQWEN_KERNEL_CACHE=/tmp/nq_kernel_cache
-S=bench/kernels/decode_ceilings.py
+S="-m nanoqwen_bench.kernels.decode_ceilings"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/raw/smi.txt"
 status=0
 if [ "$mode" != ncu ]; then
