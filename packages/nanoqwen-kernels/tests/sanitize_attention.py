@@ -1,6 +1,6 @@
 """Reduced paged-attention workload for compute-sanitizer (racecheck, synccheck, memcheck).
 
-    compute-sanitizer --tool racecheck python bench/attention/sanitize_attention.py
+    compute-sanitizer --tool racecheck python packages/nanoqwen-kernels/tests/sanitize_attention.py
 
 Covers both kernels, both head dims, partial tail pages, split-KV by the actual context (merged by
 the last split and by the combine kernel), on poisoned shuffled caches (see
