@@ -22,7 +22,7 @@ from nox.command import CommandFailed
 ROOT = Path(__file__).parent
 PACKAGES = [
     "nanoqwen-format", "nanoqwen-model", "nanoqwen-quant", "nanoqwen-kernels", "nanoqwen-runtime",
-    "nanoqwen-cli",
+    "nanoqwen-bench", "nanoqwen-cli",
 ]
 # torch first and pinned: on the CPU machines `torch==2.13.0` is a CPU build on local disk, while an
 # unpinned requirement can pull a multi-GB CUDA build.
@@ -99,15 +99,17 @@ def gpu_tests(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Kernel microbenchmarks, then the engine benchmark, on the GPU, in its existing environment.
 
-    Writes bench/kernels/bench_kernels.{json,md} and bench/engine/bench.{json,md} (+ plots). Arguments
-    after `--` go to `nanoqwen-cli bench` (e.g. `--quick`, `--load-test /tmp`); `--quick` also makes
-    the kernel run quick. A failing benchmark does not stop the other; the session fails at the end."""
+    Both are nanoqwen-bench's (`python -m nanoqwen_bench.kernels`, then `nanoqwen-cli bench`, which runs
+    `nanoqwen_bench.engine`). Writes bench/out/kernels/bench_kernels.{json,md} and
+    bench/out/engine/bench.{json,md} (+ plots); bench/out is git-ignored. Arguments after `--` go to
+    `nanoqwen-cli bench` (e.g. `--quick`, `--load-test /tmp`); `--quick` also makes the kernel run quick.
+    A failing benchmark does not stop the other; the session fails at the end."""
     env = {"PYTHONPATH": _src_pythonpath(), "PYTHONUNBUFFERED": "1"}
     quick = ["--quick"] if "--quick" in session.posargs else []
     runs = {
-        "kernel microbenchmarks": ["python", "bench/kernels/bench_kernels.py", "--out", "bench/kernels",
+        "kernel microbenchmarks": ["python", "-m", "nanoqwen_bench.kernels", "--out", "bench/out/kernels",
                                    *quick],
-        "engine benchmark": ["python", "-m", "nanoqwen_cli.main", "bench", "--out", "bench/engine",
+        "engine benchmark": ["python", "-m", "nanoqwen_cli.main", "bench", "--out", "bench/out/engine",
                              *session.posargs],
     }
     failed = []
@@ -123,7 +125,7 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "packages", "tools", "bench", "noxfile.py", "conftest.py",
+    session.run("ruff", "check", "packages", "tools", "noxfile.py", "conftest.py",
                 *[p for p in _test_paths() if p == "tests"])
 
 

@@ -1,5 +1,5 @@
 """CPU: the chat calibration text, `nanoqwen-quant pack`'s default
-(nanoqwen_quant/calib_chat.py), and bench/quality/chat_calib.py, which writes the same conversations to
+(nanoqwen_quant/calib_chat.py), and nanoqwen_bench.quality.chat_calib, which writes the same conversations to
 files (the set the measurement that chose the default was calibrated on). Function extraction on
 hand-written sources (documented functions kept, undocumented, decorated, too short and docstring-only
 ones left out, methods dedented), the rendered conversation with the tiny container's Qwen template, the
@@ -13,23 +13,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-CC = _load("chat_calib", ROOT / "bench" / "quality" / "chat_calib.py")
+CC = importlib.import_module("nanoqwen_bench.quality.chat_calib")
 CHAT = importlib.import_module("nanoqwen_quant.calib_chat")
 
 SOURCE = '''
@@ -166,7 +156,7 @@ def test_reads_the_calibration_split_only(monkeypatch, tmp_path):
 
 
 def _same_ids_through_files_and_in_memory(container: Path, tmp_path: Path, n_tokens: int, seq_len: int):
-    """The calibration ids of the chat text two ways: bench/quality/chat_calib.py's files (the runtime's
+    """The calibration ids of the chat text two ways: nanoqwen_bench.quality.chat_calib's files (the runtime's
     ChatTemplate of `container`) read as --calib, and `pack`'s default (transformers' rendering)."""
     import nanoqwen_format as nqf
     from nanoqwen_quant.calib import build_calibration, stdlib_files
@@ -206,7 +196,7 @@ def test_run_quality_recipes_name_their_calibration_text():
     other calibrated recipe keeps the text it was measured on, the stdlib code."""
     from nanoqwen_quant.options import PackOptions
 
-    rq = _load("run_quality", ROOT / "bench" / "quality" / "run_quality.py")
+    rq = importlib.import_module("nanoqwen_bench.quality.run_quality")
     chat = PackOptions(**rq.RECIPES["gptq-asym-chat"])
     assert chat.chat_calibration and chat.method == PackOptions().method
     assert (chat.method, chat.symmetric, chat.group_size) == ("gptq", False, 128)

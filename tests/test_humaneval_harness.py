@@ -1,4 +1,4 @@
-"""CPU: bench/quality/humaneval.py, the HumanEval pass-rate harness of issue 16 (its real runs are on
+"""CPU: nanoqwen_bench.quality.humaneval, the HumanEval pass-rate harness of issue 16 (its real runs are on
 a GPU). Program extraction on hand-written answers, scoring of a hand-written problem
 set (a correct answer passes; a wrong one, and one that loops forever, fail), the exact McNemar
 p-value against values worked out by hand, the report of `score`, and `generate --device cpu` on the
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,16 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-HE = _load("humaneval_harness", ROOT / "bench" / "quality" / "humaneval.py")
+HE = importlib.import_module("nanoqwen_bench.quality.humaneval")
 
 ADD = {"task_id": "T/0", "entry_point": "add",
        "prompt": 'def add(a, b):\n    """Return a + b."""\n',

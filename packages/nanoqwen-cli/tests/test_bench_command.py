@@ -15,9 +15,10 @@ import time
 
 import pytest
 import torch
+from nanoqwen_bench.engine import bench, bench_profile
 from nanoqwen_cli.main import app
 from nanoqwen_model import Qwen2Config
-from nanoqwen_runtime.engine import EngineConfig, bench, bench_profile
+from nanoqwen_runtime.engine import EngineConfig
 from nanoqwen_runtime.engine.synthetic import write_container
 from typer.testing import CliRunner
 
@@ -52,7 +53,7 @@ def tiny_path(tmp_path_factory):
 @pytest.fixture
 def cpu_bench(monkeypatch):
     """run_bench on the CPU: engines on the torch backend, device calls faked, fewer decode tokens."""
-    import nanoqwen_kernels.bench as kbench
+    import nanoqwen_bench.gpu as kbench
     from nanoqwen_runtime.engine.engine import Engine as RealEngine
 
     seen: dict = {}

@@ -11,8 +11,9 @@ import json
 
 import pytest
 import torch
+from nanoqwen_bench.engine import bench_workload
 from nanoqwen_cli.main import app
-from nanoqwen_runtime.engine import EngineConfig, bench_workload
+from nanoqwen_runtime.engine import EngineConfig
 from nanoqwen_runtime.engine.engine import Engine as RealEngine
 from nanoqwen_runtime.testing import write_tiny_container
 from typer.testing import CliRunner

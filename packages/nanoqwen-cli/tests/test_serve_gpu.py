@@ -1,6 +1,7 @@
 """`nanoqwen-cli serve --device cuda` on the real 0.5B (RTN) on the H200: the CPU smoke against the CUDA
-engine, and the load test (bench/server/loadtest.py) with 256 concurrent streaming clients: every
-request completes or gets a 429 with Retry-After, the KV blocks end at zero, the server exits 0."""
+engine, and the load test (packages/nanoqwen-bench/server/loadtest.py) with 256 concurrent streaming
+clients: every request completes or gets a 429 with Retry-After, the KV blocks end at zero, the server
+exits 0."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def test_sixteen_concurrent_clients_and_disconnect(client, server):
 
 
 def test_loadtest_256_clients_no_loss(qwen05b_packed, tmp_path):
-    spec = importlib.util.spec_from_file_location("loadtest", ROOT / "bench" / "server" / "loadtest.py")
+    path = ROOT / "packages" / "nanoqwen-bench" / "server" / "loadtest.py"
+    spec = importlib.util.spec_from_file_location("loadtest", path)
     loadtest = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = loadtest  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(loadtest)

@@ -33,7 +33,7 @@ from nanoqwen_kernels.reference_attention import make_paged_case
 
 pytestmark = pytest.mark.gpu
 
-SANITIZE_SCRIPT = Path(__file__).parents[1] / "bench" / "attention" / "sanitize_attention.py"
+SANITIZE_SCRIPT = Path(__file__).parent / "sanitize_attention.py"
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """CPU CI: the instruction count of the g128 decode GEMVs' main loop in the staged-scale build (issue 13,
 stage 1: the loop's issue rate limited them on the H200, bench/kernels/CEILINGS.md section 5;
 `gemv.staged_spec()`, opt-in since it measured 2.7% slower on the H100), from the SASS of the cubin
-nvcc builds for sm_90a, disassembled by nvdisasm and counted by bench/kernels/ceilings/ceilings_report.py's
-`hot_loop_counts` (the loop body that holds the most HMMA). The build's hot kernels must not spill either.
+nvcc builds for sm_90a, disassembled by nvdisasm and counted by
+nanoqwen_bench/kernels/ceilings/ceilings_report.py's `hot_loop_counts` (the loop body that holds the
+most HMMA). The build's hot kernels must not spill either.
 
 The bound is derived, per tile-column (1 KiB of weights) and warp, from what the staged-scale loop must
 issue (csrc/gemv_int4.cuh):
@@ -36,7 +37,8 @@ from pathlib import Path
 import pytest
 from nanoqwen_kernels import build, gemv
 
-CEILINGS = Path(__file__).resolve().parents[3] / "bench" / "kernels" / "ceilings" / "ceilings_report.py"
+CEILINGS = (Path(__file__).resolve().parents[2] / "nanoqwen-bench" / "src" / "nanoqwen_bench" / "kernels"
+            / "ceilings" / "ceilings_report.py")
 FLOOR = 88 + 8 + 7 + 4  # dequantisation, mma, loads, scale fmas (module docstring)
 LOOP_ALLOWANCE = 9
 HMMA_PER_TRIP = 16  # two tile-columns per trip

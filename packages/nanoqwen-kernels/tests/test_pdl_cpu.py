@@ -87,7 +87,7 @@ def _kernel_bodies(text: str):
 
 # Families whose kernels are never launched with PDL, with the launchers that prove it (none takes a
 # `pdl` argument; checked below, so the exemption ends the day one does).
-NO_PDL_FAMILIES = {"bench": ("nanoqwen_kernels.bench", ("read_xor", "spin"))}  # benchmark tools
+NO_PDL_FAMILIES = {"bench": ("nanoqwen_bench.gpu", ("read_xor", "spin"))}  # benchmark tools
 
 
 def test_every_kernel_entry_waits_before_touching_dependent_memory():

@@ -1,6 +1,6 @@
 """The default recipe of `nanoqwen-quant pack` (`PackOptions()`: GPTQ asym g128, 65,536 calibration tokens
 of the chat text, chosen by the HumanEval pass rate in bench/RESULTS.md) and its quality on the
-real Qwen2.5-Coder-0.5B, measured as bench/quality/run_quality.py measures the GPU table: held-out
+real Qwen2.5-Coder-0.5B, measured as nanoqwen_bench.quality.run_quality measures the GPU table: held-out
 perplexity within +4% of the `--method none` pack (issue 16's proxy goal for the 0.5B) and greedy
 next-token agreement with it. The calibration-free recipe (`--method rtn`) is tested on the real 0.5B
 on the CPU, in CI: test_quality_rtn_asym.py.

@@ -1,5 +1,5 @@
 """The calibration-free recipe (`--method rtn`: RTN asym g128; bench/RESULTS.md) keeps the real
-Qwen2.5-Coder-0.5B's quality on a CI-sized text, measured as bench/quality/run_quality.py measures it:
+Qwen2.5-Coder-0.5B's quality on a CI-sized text, measured as nanoqwen_bench.quality.run_quality measures it:
 held-out perplexity within +4% of the `--method none` pack and greedy next-token agreement with it above
 a threshold derived from the table.
 (The default recipe, GPTQ on the chat text, is tested on the GPU: test_quality_default.py.)
@@ -19,7 +19,7 @@ from nanoqwen_quant.options import PackOptions
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-# The evaluation of bench/quality/run_quality.py --eval-tokens 2048 --seq-len 1024 (its text is
+# The evaluation of nanoqwen_bench.quality.run_quality --eval-tokens 2048 --seq-len 1024 (its text is
 # heldout_text(6 * eval_tokens)), so this test re-measures a row of the table on the same tokens.
 EVAL_TOKENS = 2048
 SEQ_LEN = 1024

@@ -1,7 +1,7 @@
 """Prompt-lookup speculation and prefix caching in the CUDA engine on the real Qwen2.5-Coder-0.5B (RTN
 INT4), kernel backend, CUDA graphs, against the fp32 reference (the oracle).
 
-Eight code-edit prompts (nanoqwen_runtime.workloads, chat template), 64 greedy tokens each. The
+Eight code-edit prompts (nanoqwen_bench.workloads, chat template), 64 greedy tokens each. The
 reference decodes them one token per step; the bound per position is `engine.agreement.noise_bound`
 (twice the distance of the engine's torch backend from the reference, teacher-forced, plus one bf16
 ulp), and a near-tie is a reference top-2 gap below twice it. Both free-running engine runs, with
@@ -25,13 +25,13 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_testkit import gpu_reference, noise_bounds
+from nanoqwen_bench.workloads import code_edit_prompts
 from nanoqwen_runtime.engine import Engine, EngineConfig, Request, TokenEvent
 from nanoqwen_runtime.engine.agreement import greedy_agreement, noise_bound, reference_decode, teacher_forced
 from nanoqwen_runtime.generate import Pipeline
 from nanoqwen_runtime.reference import ReferenceModel
 from nanoqwen_runtime.sampling import SamplingParams
 from nanoqwen_runtime.speculative import SpeculationConfig
-from nanoqwen_runtime.workloads import code_edit_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 

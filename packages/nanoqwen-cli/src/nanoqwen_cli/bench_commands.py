@@ -3,17 +3,21 @@ GPU memory, bytes per token against the read bandwidth measured in the same run,
 
     nanoqwen-cli bench                         synthetic Qwen2.5-Coder-7B geometry built on the GPU
     nanoqwen-cli bench --model m.nanoqwen      a given container
-    nanoqwen-cli bench --out bench/engine      where bench.json, bench.md and the plots go
+    nanoqwen-cli bench --out bench/out/engine  where bench.json, bench.md and the plots go
     nanoqwen-cli bench --model m.nanoqwen --workload code-edit --workload free-form [--speculate ngram:K]
         [--prompts 16] [--max-tokens 256]
                                                prompt-lookup speculation off vs on on real prompts
-                                               (engine/bench_workload.py): workload-<name>.json/.md
+                                               (nanoqwen_bench.engine.bench_workload):
+                                               workload-<name>.json/.md
 
 Needs a Hopper GPU; on a machine without one it exits 1 with that reason (no CPU fallback). The
 options and the --model file are checked first (a GGUF or an HF folder gets the command that packs
 it); nothing is written before the GPU is found. With --workload only the workload benchmark runs
 (it needs --model: a workload on random weights means nothing); --speculate picks its speculative
 side (default `ngram`), and is an error without --workload (the engine sections run without it).
+
+The benchmark itself is nanoqwen-bench's (`nanoqwen_bench.engine`), imported only when the command
+runs, so that `nanoqwen-cli --help` and the other commands do not load it.
 """
 
 from __future__ import annotations
@@ -26,14 +30,14 @@ import typer
 from .errors import CliError, UsageError
 from .inputs import check_model_path
 
-WORKLOAD_NAMES = ("code-edit", "free-form")  # nanoqwen_runtime.workloads.WORKLOADS (no import at startup)
+WORKLOAD_NAMES = ("code-edit", "free-form")  # nanoqwen_bench.workloads.WORKLOADS (no import at startup)
 
 
 def bench(
     model: Annotated[Path | None, typer.Option(help="a .nanoqwen container (default: synthetic 7B weights "
                                                     "built on the GPU)")] = None,
     out: Annotated[Path, typer.Option(help="output folder for bench.json, bench.md, plots")] = Path(
-        "bench/engine"),
+        "bench/out/engine"),
     kv_memory: Annotated[str, typer.Option(help="KV pool size, e.g. 24GiB")] = "24GiB",
     quick: Annotated[bool, typer.Option(help="skip the 32K context (a faster smoke run)")] = False,
     load_test: Annotated[Path | None, typer.Option(
@@ -101,7 +105,7 @@ def bench(
         _run_workloads(model, out, kv_bytes, list(dict.fromkeys(workload)), spec, prompts or 16,
                        max_tokens or 256)
         return
-    from nanoqwen_runtime.engine.bench import run_bench
+    from nanoqwen_bench.engine.bench import run_bench
 
     rep = run_bench(model=str(model) if model else None, out_dir=out, kv_memory=kv_bytes,
                     quick=quick, log=lambda s: typer.echo(s, err=True), load_test_dir=load_test,
@@ -149,7 +153,7 @@ def _check_workload_options(model, workload, speculate, prompts, max_tokens):
 
 def _run_workloads(model: Path, out: Path, kv_bytes: int, workloads: list[str], spec, n_prompts: int,
                    max_tokens: int) -> None:
-    from nanoqwen_runtime.engine.bench_workload import run_workload_bench
+    from nanoqwen_bench.engine.bench_workload import run_workload_bench
     from nanoqwen_runtime.engine.config import EngineConfig
 
     reports = run_workload_bench(model, out, workloads, config=EngineConfig(kv_memory_bytes=kv_bytes),

@@ -18,7 +18,7 @@ Rendering: the source's own chat template (`Source.chat_template`), through tran
 `apply_chat_template` (the renderer the runtime's `ChatTemplate` is tested byte-identical to), with
 `add_generation_prompt=False`. `calib.build_calibration` tokenizes the conversations in order, each
 followed by a blank line, exactly as it reads user files, so the token stream equals the one measured
-through files written by bench/quality/chat_calib.py (tests/test_chat_calibration.py).
+through files written by nanoqwen_bench.quality.chat_calib (tests/test_chat_calibration.py).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ With `NANOQWEN_ENGINE_TRACE=PATH` in its environment the process records one row
 step's kind and tokens, when the iteration ended; `time.perf_counter`, which
 is CLOCK_MONOTONIC and so comparable with other processes' on the host) and writes them to PATH as
 JSON lines when it exits. The load test reads them to split the server's overhead between the
-engine's steps and what lies around them (bench/server/loadtest.py).
+engine's steps and what lies around them (packages/nanoqwen-bench/server/loadtest.py).
 """
 
 from __future__ import annotations

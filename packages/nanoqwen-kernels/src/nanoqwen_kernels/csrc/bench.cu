@@ -1,4 +1,5 @@
-// bench.cu: kernels the benchmarks measure with, not kernels of the model.
+// bench.cu: kernels the benchmarks measure with, not kernels of the model (launched by nanoqwen-bench's
+// nanoqwen_bench/gpu.py; built here, as op family "bench", because kernels compile from this folder).
 //
 //   read_xor_u32x4   reads a buffer once and nothing else: the read-only bandwidth ceiling that every
 //                    decode roofline is measured against (a decode step reads weights and KV and
@@ -7,13 +8,13 @@
 //   l2_prefetch      asks the L2 to fetch a byte range (cp.async.bulk.prefetch.L2, one bulk request per
 //                    `chunk` bytes; optionally with an evict_last cache policy) and returns without
 //                    waiting for it: the measurement behind a weight prefetch that runs ahead of the
-//                    GEMVs (bench/kernels/l2_prefetch.py).
+//                    GEMVs (nanoqwen_bench.gpu.l2_prefetch launches it).
 //   spin_ns          one thread waits `ns` nanoseconds of %globaltimer: it holds a stream busy while
 //                    the host queues work behind it, so that queued kernels then run back to back
 //                    at the GPU's pace (the engine benchmark's per-op timing of eager steps).
 //
 // read_xor_u32x4: data is `n_vec` 16-byte vectors (16-byte aligned); launch with a grid that fills
-// the chip (nanoqwen_kernels/bench.py: 8 blocks of 256 threads per SM, 2048 threads, the SM's limit).
+// the chip (nanoqwen-bench's gpu.py: 8 blocks of 256 threads per SM, 2048 threads, the SM's limit).
 // Thread t of the grid reads vectors t, t + S, t + 2S, ... (S = grid threads), four independent
 // 16-byte loads per loop trip before any is used: 2048 threads x 64 bytes = 128 KB in flight per SM,
 // several times the ~30 KB that Little's law asks for (HBM3e latency ~0.7 us x ~36 GB/s per SM).

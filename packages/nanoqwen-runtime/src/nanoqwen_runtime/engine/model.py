@@ -21,7 +21,8 @@ rows; ops_kernels.py says what runs above that):
 plus, per step: embedding gather, final norm, row gather, lm_head GEMV, the logits' range per row,
 sampling. The residual stream and the norms between the linears travel as `residual.ResidualUpdate`
 and `residual.NormedInput` values, so a backend can fuse them or not (the torch backend launches
-each op on its own). `bench_profile.profile_decode_ops` counts and times the launches of a step.
+each op on its own). nanoqwen-bench's `bench_profile.profile_decode_ops` counts and times the launches
+of a step.
 
 The logits' range (`ops.logits_range`: one min/max reduction over the step's B x V bf16 logits, 0.3 MB
 at batch 1 for V = 152064) is written to static buffers beside the sampled tokens; `run()` reads

@@ -1,0 +1,207 @@
+"""Microbenchmark of the INT4 GEMM (M > 8) against cuBLAS bf16 and dequantize + cuBLAS, on one GPU.
+
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) \
+        python -m nanoqwen_bench.kernels.bench_gemm --out bench/out/gemm [--quick]
+
+For the four Qwen2.5-Coder-7B layer linears (qkv 3584->4608, o 3584->3584, gate+up 3584->2x18944,
+down 18944->3584; INT4 g128 symmetric) and M in {16, 32, 64, 128, 512, 2048}, three ways to compute
+y[M, N] = x[M, K] @ W^T:
+
+- int4_gemm:     nanoqwen_kernels.gemm.gemm_int4 on the packed INT4 weights (the engine's path for
+                 9 <= M <= ops_kernels.INT4_GEMM_MAX_ROWS);
+- cublas_bf16:   torch.mm on a bf16 weight (what a bf16 copy of the weights buys: the ceiling the INT4
+                 GEMM must approach at large M, and beat at small M);
+- dequant_gemm:  gemv.linear_int4_prefill = dequantize into one bf16 scratch + torch.mm (the engine's
+                 path above INT4_GEMM_MAX_ROWS when PREFILL_PATH says so).
+
+Method as bench_kernels.py: R launches captured in one CUDA graph, each on a different copy of the
+weights (together > 4x the L2, so weights come from HBM), median of 15 replays. The read bandwidth
+(nanoqwen_bench.gpu.read_bandwidth, 1 GiB) is measured first in the same run. Reported: time,
+TFLOP/s (2 M N K per product), and the achieved bandwidth of each path's minimum bytes (weights +
+scales + x + out, each once) as a fraction of the read bandwidth (the roofline for M <= 64). The
+crossover between int4_gemm and dequant_gemm (summed over the four shapes) is printed: it is what
+ops_kernels.INT4_GEMM_MAX_ROWS / PREFILL_PATH should say. Writes bench_gemm.json and bench_gemm.md
+under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a build of the "gemm" family with
+those -D options as int4_gemm; `--splits S` replaces the planner's K split count of every M <= 64 plan
+by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8 NT as M blocks of 8 NT rows
+(unsplit, or with `--splits S` each M <= 64 block split about S ways along K); `--asym` times
+asymmetric weights; every timed build's output is first checked against the fp32 reference (except
+the probes'); `--int4-only` skips the other paths; `--ms 16,32` picks the M
+values; `--model 1.5b|0.5b` the real test models' shapes instead of the 7B's. Timing probes (wrong
+outputs, tests never build them), each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from
+registers, no ldmatrix), `NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD`
+(weights made in registers, no global loads), `NQ_GEMM_PROBE_NO_X` (no activation copies; the chunk
+waits and barriers stay), `NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers). Runs in
+well under a minute on the H200 once the kernels are compiled (first use: NVRTC).
+"""
+
+# ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from nanoqwen_kernels import gemm, gemv
+from nanoqwen_kernels import reference as R
+
+from ..gpu import read_bandwidth, time_graph
+from .bench_kernels import random_weight
+
+SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
+# the layer linears of the real test models (`--model`), for plans measured beyond the 7B
+MODEL_SHAPES = {
+    "7b": SHAPES,
+    "1.5b": [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("down", 1536, 8960)],
+    "0.5b": [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)],
+}
+MS = (16, 32, 64, 128, 512, 2048)
+L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
+
+
+
+def check_output(out, x, w) -> None:
+    """out (bf16 [M, N]) against the kernel tests' oracle: the fp32 product of x with the dequantized
+    weight (nanoqwen_kernels.reference), within the bf16 tolerance of reference.TOLERANCES."""
+    dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
+    R.assert_close(out, R.linear(x, dense, None), what="bench_gemm output")
+
+def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False, splits=None, asym=False,
+                check=True, multi_nt=None):
+    w0 = random_weight(n, k, gen, symmetric=not asym)
+    copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
+    weights = [w0] + [random_weight(n, k, gen, symmetric=not asym) for _ in range(copies - 1)]
+    dense_copies = max(2, math.ceil(L2_ROTATE_BYTES / (2 * n * k)))
+    dense = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(dense_copies)]
+    scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plans = {m: gemm.plan_gemm(n, k, m) for m in ms}
+    if multi_nt:  # blocks of 8 NT rows, several per M; M <= 64 split about --splits ways (M > 64 never)
+        multi_splits = {m: splits if splits and m <= gemm.MBLOCK else 1 for m in ms}
+        plans = {m: gemm.GemmPlan.of(n, k, 128, multi_nt, gemm.m_class(m), multi_splits[m])
+                 if m > 8 * multi_nt else p for m, p in plans.items()}  # fmt: skip
+    elif splits:
+        plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
+    ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values()),
+                                 torch.device("cuda"))
+    for m in ms:
+        x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        plan = plans[m]
+        act = 2 * m * (n + k)  # x read + out written, bf16
+        paths = {
+            "int4_gemm": (lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, plan,
+                                                   family=family), copies, w0.nbytes() + act),
+            "cublas_bf16": (lambda i: torch.mm(x, dense[i % dense_copies].t(), out=out), dense_copies,
+                            2 * n * k + act),
+            "dequant_gemm": (lambda i: gemv.linear_int4_prefill(x, weights[i % copies], out, scratch),
+                             copies, w0.nbytes() + act),
+        }  # fmt: skip
+        if int4_only:
+            paths = {"int4_gemm": paths["int4_gemm"]}
+        if check:  # a timing probe's outputs are wrong by design
+            gemm.gemm_int4(x, w0, out, None, ws, plan, family=family)
+            torch.cuda.synchronize()
+            check_output(out, x, w0)
+        for path, (fn, reps, nbytes) in paths.items():
+            t = time_graph(fn, reps)
+            row = {"shape": name, "n": n, "k": k, "m": m, "path": path, "us": t * 1e6,
+                   "tflops": 2 * m * n * k / t / 1e12, "bytes": nbytes, "frac_read_bw": nbytes / t / read_bw}
+            if path == "int4_gemm":
+                row["plan"] = (f"{plan.kernel} NT={plan.n_tiles} S={plan.splits} kc={plan.kc} "
+                               f"grid={plan.grid(m)}")
+            rows.append(row)
+            print(f"{name:8s} M={m:5d} {path:13s} {t * 1e6:9.1f} us {row['tflops']:7.1f} TFLOP/s "
+                  f"{row['frac_read_bw']:6.1%} of read BW  {row.get('plan', '')}", flush=True)
+
+
+def crossover(rows) -> dict:
+    """Per M: the sum over the shapes of each path's time, and which quantized path is faster."""
+    out = {}
+    timed = {r["path"] for r in rows}
+    for m in sorted({r["m"] for r in rows}):
+        tot = {p: sum(r["us"] for r in rows if r["m"] == m and r["path"] == p)
+               for p in ("int4_gemm", "dequant_gemm", "cublas_bf16")}
+        quantized = [p for p in ("int4_gemm", "dequant_gemm") if p in timed]
+        faster = min(quantized, key=tot.__getitem__) if len(quantized) > 1 else None
+        out[m] = tot | {"faster_quantized": faster}
+    return out
+
+
+def markdown(rep) -> str:
+    lines = [f"# INT4 GEMM microbenchmark ({rep['date']})", "", f"- device: {rep['device']}",
+             f"- read bandwidth: {rep['read_bandwidth_GBps']:.0f} GB/s (1 GiB, median of 30 launches)",
+             f"- weights: INT4 g128 {'asymmetric' if rep.get('asym') else 'symmetric'}; "
+             "bytes = weights (+ scales) + x + out, each once", "",
+             "| shape | M | path | us | TFLOP/s | % of read BW | vs cuBLAS bf16 | plan |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    cub = {(r["shape"], r["m"]): r["us"] for r in rep["rows"] if r["path"] == "cublas_bf16"}
+    for r in rep["rows"]:
+        vs = f"{cub[(r['shape'], r['m'])] / r['us']:.2f}x" if cub else "-"  # --int4-only: no cuBLAS
+        lines.append(f"| {r['shape']} | {r['m']} | {r['path']} | {r['us']:.1f} | {r['tflops']:.1f} | "
+                     f"{r['frac_read_bw']:.1%} | {vs} | {r.get('plan', '')} |")
+    lines += ["", "Sum over the four shapes (us), and the faster quantized path:", "",
+              "| M | int4_gemm | dequant_gemm | cublas_bf16 | faster |", "| --- | --- | --- | --- | --- |"]
+    for m, c in rep["crossover"].items():
+        lines.append(f"| {m} | {c['int4_gemm']:.1f} | {c['dequant_gemm']:.1f} | {c['cublas_bf16']:.1f} | "
+                     f"{c['faster_quantized']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for bench_gemm.json / bench_gemm.md")
+    ap.add_argument("--quick", action="store_true", help="M = 16, 64, 512 only")
+    ap.add_argument("--ms", help="comma-separated M values instead (e.g. 16,32,64)")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                    help="build the GEMM with -DNAME[=VALUE] (repeatable) and time that build")
+    ap.add_argument("--splits", type=int, help="about this many K splits in every M <= 64 plan")
+    ap.add_argument("--int4-only", action="store_true", help="time only int4_gemm")
+    ap.add_argument("--multi-nt", type=int, choices=(2, 4, 8),
+                    help="every M > 8 NT: unsplit M blocks of 8 NT rows (the M > 64 class's plan at NT)")
+    ap.add_argument("--asym", action="store_true",
+                    help="asymmetric weights (zero points), the default recipe's")
+    ap.add_argument("--model", choices=sorted(MODEL_SHAPES), default="7b", help="whose layer shapes (7b)")
+    args = ap.parse_args(argv)
+    family = None  # the plan's kernel family (mma.sync "gemm" or wgmma "gemm_ws", gemm.KERNELS)
+    if args.define:
+        from nanoqwen_kernels import build
+        from nanoqwen_kernels.specs import SPECS
+
+        options = tuple(f"-D{d}" for d in args.define)
+        family = "gemm-" + hashlib.sha256("|".join(options).encode()).hexdigest()[:10]
+        SPECS[family] = build.KernelSpec(family, ("gemm.cu",), options)
+    t0 = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rb = read_bandwidth(torch.device("cuda"), nbytes=1 << 30)
+    read_bw = rb["bytes_per_s"]
+    print(f"read bandwidth {read_bw / 1e9:.0f} GB/s", flush=True)
+    rows: list[dict] = []
+    ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (16, 64, 512) if args.quick else MS
+    for name, n, k in MODEL_SHAPES[args.model]:
+        bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only, args.splits, args.asym,
+                    multi_nt=args.multi_nt, check=not any(d.startswith("NQ_GEMM_PROBE") for d in args.define))
+        torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
+    rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "defines": args.define, "splits": args.splits, "model": args.model, "asym": args.asym,
+           "multi_nt": args.multi_nt,
+           "device": torch.cuda.get_device_name(0), "command": " ".join(sys.argv),
+           "read_bandwidth_GBps": read_bw / 1e9, "read_bandwidth": rb, "rows": rows,
+           "crossover": crossover(rows)}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_gemm.json").write_text(json.dumps(rep, indent=1))
+    (args.out / "bench_gemm.md").write_text(markdown(rep))
+    for m, c in rep["crossover"].items():
+        print(f"M={m:5d}: int4_gemm {c['int4_gemm']:9.1f} us, dequant_gemm {c['dequant_gemm']:9.1f} us, "
+              f"cublas_bf16 {c['cublas_bf16']:9.1f} us -> {c['faster_quantized']}")
+    print(f"wrote {args.out}/bench_gemm.json and .md in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

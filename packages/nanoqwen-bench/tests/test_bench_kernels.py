@@ -1,0 +1,86 @@
+"""GPU: the benchmark kernels (nanoqwen-kernels' csrc/bench.cu, launched by nanoqwen_bench.gpu). read_xor
+reads every word (its XOR equals numpy's, at odd sizes and at several MB), refuses inputs it cannot read with
+16-byte loads; spin holds the stream for at least the asked time; read_bandwidth reports a rate only after its
+own correctness check; l2_prefetch changes no byte of what it prefetches (any length, a tail shorter than its
+chunk) and refuses ranges a bulk prefetch cannot take."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def words(n, gen, device):
+    return torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("n_words", [4, 4 * 1001, 4 * 257 * 33, (1 << 22) + 12])
+def test_read_xor_is_the_xor_of_every_word(n_words, gen, device):
+    from nanoqwen_bench.gpu import read_xor
+
+    data = words(n_words, gen, device)
+    sink = torch.zeros(1, dtype=torch.int32, device=device)
+    read_xor(data, sink)
+    want = np.bitwise_xor.reduce(data.cpu().numpy().view(np.uint32)).view(np.int32)
+    assert int(sink.item()) == int(want)
+    read_xor(data, sink)  # XOR-accumulates: twice over the same data gives 0
+    assert int(sink.item()) == 0
+
+
+def test_read_xor_refuses_what_it_cannot_read(gen, device):
+    from nanoqwen_bench.gpu import read_xor
+
+    data = words(64, gen, device)
+    sink = torch.zeros(1, dtype=torch.int32, device=device)
+    for bad in (data[1:5], data[:6], data.view(8, 8)[:, :4]):
+        with pytest.raises(ValueError, match="16-byte"):
+            read_xor(bad, sink)
+    with pytest.raises(TypeError):
+        read_xor(data, torch.zeros(1, dtype=torch.int64, device=device))
+
+
+@pytest.mark.parametrize("n_words,chunk", [(4, 16), (4 * 1001, 1 << 10), ((1 << 22) + 12, 32 << 10)])
+@pytest.mark.parametrize("evict_last", [False, True])
+def test_l2_prefetch_changes_nothing(n_words, chunk, evict_last, gen, device):
+    from nanoqwen_bench.gpu import l2_prefetch
+
+    data = words(n_words, gen, device)
+    before = data.clone()
+    l2_prefetch(data, chunk=chunk, evict_last=evict_last)
+    torch.cuda.synchronize(device)
+    assert torch.equal(data, before)
+
+
+def test_l2_prefetch_refuses_what_a_bulk_prefetch_cannot_take(gen, device):
+    from nanoqwen_bench.gpu import l2_prefetch
+
+    data = words(64, gen, device)
+    for bad in (data[1:5], data[:6], data.view(8, 8)[:, :4]):
+        with pytest.raises(ValueError, match="16-byte"):
+            l2_prefetch(bad)
+    for chunk in (0, 24):
+        with pytest.raises(ValueError, match="chunk"):
+            l2_prefetch(data, chunk=chunk)
+
+
+def test_spin_holds_the_stream(device):
+    from nanoqwen_bench.gpu import spin
+
+    spin(0, device)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    spin(3_000_000, device)
+    b.record()
+    b.synchronize()
+    assert a.elapsed_time(b) >= 2.9  # ms
+
+
+def test_read_bandwidth_reports_a_plausible_rate(device):
+    from nanoqwen_bench.gpu import read_bandwidth
+
+    r = read_bandwidth(device, nbytes=512 << 20, reps=5)
+    assert r["nbytes"] == 512 << 20 and r["min_s"] <= r["median_s"] <= r["max_s"]
+    assert 0.5e12 < r["bytes_per_s"] < 10e12  # H100 / H200 HBM: a few TB/s
