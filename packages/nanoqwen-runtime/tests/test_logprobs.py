@@ -166,3 +166,65 @@ def test_bad_logprob_requests_are_refused(tiny_int4, model, kw, msg):
     eng = engine(tiny_int4, model)
     ev = eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=2), **kw))
     assert ev is not None and ev.reason == "refused" and msg in ev.detail
+
+
+# ---- the CUDA engine's logprob path, on the CPU (torch op backend, overlapped decode on) -------------
+# Its bound against the fp32 reference: logits within LOGIT_ATOL (engine_testkit, derived in
+# test_engine_cpu.py), so logprobs within 2 x LOGIT_ATOL (log-sum-exp is 1-Lipschitz in the max norm).
+
+
+@pytest.fixture(scope="module")
+def engine_path(tmp_path_factory):
+    from engine_testkit import TINY
+    from nanoqwen_runtime.engine.synthetic import write_container
+
+    return write_container(tmp_path_factory.mktemp("lp") / "tiny.nanoqwen", TINY, seed=1)
+
+
+def reference_logprobs(path, ids: list[int]) -> torch.Tensor:
+    """f32 [len(ids), V]: the fp32 reference's log-softmax at every position of `ids` (one prefill)."""
+    from nanoqwen_runtime.kv_cache import KVCacheSpec, PagedKVCache, build_step_metadata
+
+    ref = ReferenceModel.from_file(path, dtype=torch.float32)
+    cfg = ref.config
+    cache = PagedKVCache(KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 64, 16))
+    seq = cache.new_sequence()
+    meta = build_step_metadata([seq], [len(ids)])
+    return torch.log_softmax(ref.forward(torch.tensor(ids), meta, cache, all_logits=True), dim=-1)
+
+
+def test_engine_logprobs_match_reference(engine_path):
+    from engine_testkit import LOGIT_ATOL, cpu_config
+    from nanoqwen_runtime.engine import Engine
+
+    eng = Engine.from_file(engine_path, cpu_config())  # prefill_chunk 48: the prompt of 70 in 2 chunks
+    assert eng.config.overlap
+    g = torch.Generator().manual_seed(5)
+    p = torch.randint(10, 500, (70,), generator=g).tolist()
+    q = torch.randint(10, 500, (9,), generator=g).tolist()
+    reqs = [Request(q, SamplingParams(max_tokens=8), request_id="plain", ignore_eos=True),
+            Request(p, SamplingParams(max_tokens=8), request_id="lp", ignore_eos=True, logprobs=5,
+                    prompt_logprobs=True),
+            Request(q, SamplingParams(temperature=0.8, seed=3, max_tokens=8), request_id="sampled",
+                    ignore_eos=True, logprobs=0)]
+    toks, _ = run(eng, reqs)
+    assert eng.num_steps_ahead > 0  # decode steps were queued before their predecessor's read-back
+    assert all(ev.logprobs is None for ev in toks["plain"])
+    tol = 2 * LOGIT_ATOL
+    for rid, prompt_ids, k in (("lp", p, 5), ("sampled", q, 0)):
+        evs = toks[rid]
+        want = reference_logprobs(engine_path, prompt_ids + [ev.token_id for ev in evs])
+        for j, ev in enumerate(evs):
+            row = want[len(prompt_ids) - 1 + j]
+            assert abs(ev.logprobs.logprob - float(row[ev.token_id])) <= tol, (rid, j)
+            assert len(ev.logprobs.top_ids) == k
+            for i, v in zip(ev.logprobs.top_ids, ev.logprobs.top_logprobs, strict=True):
+                assert abs(v - float(row[i])) <= tol
+            assert list(ev.logprobs.top_logprobs) == sorted(ev.logprobs.top_logprobs, reverse=True)
+    pl = toks["lp"][0].prompt_logprobs
+    want = reference_logprobs(engine_path, p)
+    assert len(pl) == len(p) and pl[0] is None
+    for t in range(1, len(p)):
+        assert abs(pl[t].logprob - float(want[t - 1, p[t]])) <= tol
+        assert list(pl[t].top_logprobs) == sorted(pl[t].top_logprobs, reverse=True)
+    assert eng.kv_blocks_used() == 0 and not eng._prompt_lp

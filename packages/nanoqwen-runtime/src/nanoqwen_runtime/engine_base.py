@@ -34,6 +34,7 @@ class EngineBase(ABC):
     def __init__(self) -> None:
         self._streams: dict[int, RequestStream] = {}
         self._ids = 0
+        self._prompt_lp: dict = {}  # seq_id -> logprobs.PromptLogprobs, while its prompt is prefilled
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, request: Request) -> FinishEvent | None:
@@ -106,6 +107,7 @@ class EngineBase(ABC):
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq, reason)
         del self._streams[seq.seq_id]
+        self._prompt_lp.pop(seq.seq_id, None)
         return st.finish_event(reason, detail)
 
     # ---- introspection ----------------------------------------------------------------------------

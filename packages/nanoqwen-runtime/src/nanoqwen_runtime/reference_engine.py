@@ -113,7 +113,6 @@ class ReferenceEngine(EngineBase):
                                    speculation=config.speculation)
         EngineBase.__init__(self)
         self._samplers: dict[int, Sampler] = {}  # seq_id -> its CPU sampler (made at its first token)
-        self._prompt_lp: dict[int, PromptLogprobs] = {}  # seq_id -> its prompt logprobs, during prefill
         self.num_steps = {"prefill": 0, "decode": 0}
         dt = str(model.dtype).removeprefix("torch.")
         self.name = (f"reference engine (plain torch) on {self.device}, {dt} matmuls, "
@@ -238,5 +237,4 @@ class ReferenceEngine(EngineBase):
 
     def _finish(self, st: RequestStream, reason: FinishReason, detail: str = "") -> FinishEvent:
         self._samplers.pop(st.seq.seq_id, None)
-        self._prompt_lp.pop(st.seq.seq_id, None)
         return super()._finish(st, reason, detail)
