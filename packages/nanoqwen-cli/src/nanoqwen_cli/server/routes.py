@@ -3,6 +3,7 @@
 `Routes` holds what every handler needs (the app config, the engine loop, the metrics) and owns the
 path of a generation request: parse (protocol.py) -> tokens and sampling parameters (`engine_request`)
 -> submit to the engine (`generate`) -> one JSON answer (`complete`) or an SSE stream (`stream`).
+Requests with n > 1 choices, logprobs or echo take choices.py's path instead.
 app.py wires the methods to paths; the module docstring there lists the routes and their checks.
 """
 
@@ -19,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from . import choices
 from .engine_process import Draining, EngineProcess, Finish, NotReady, QueueFull, RequestHandle
 from .engine_spec import EngineInfo
 from .protocol import APIError, GenerationSpec, error_body, parse_chat, parse_completion
@@ -172,6 +174,8 @@ class Routes:
             raise APIError(503, str(e), type="server_error", code="unavailable") from None
 
     async def generate(self, request: Request, spec: GenerationSpec):
+        if choices.wants_choices(spec):  # n > 1, logprobs, echo: choices.py
+            return await choices.generate(self, request, spec)
         handle = self.submit(self.engine_request(spec, self.ready_engine()))
         try:
             first = await self.next_event_or_abort(handle, request)
