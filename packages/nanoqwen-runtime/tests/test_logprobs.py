@@ -187,7 +187,8 @@ def reference_logprobs(path, ids: list[int]) -> torch.Tensor:
 
     ref = ReferenceModel.from_file(path, dtype=torch.float32)
     cfg = ref.config
-    cache = PagedKVCache(KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 64, 16))
+    cache = PagedKVCache(KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 64, 16,
+                                     dtype=torch.float32))
     seq = cache.new_sequence()
     meta = build_step_metadata([seq], [len(ids)])
     return torch.log_softmax(ref.forward(torch.tensor(ids), meta, cache, all_logits=True), dim=-1)
