@@ -39,6 +39,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from .disconnect import CLIENT_GONE, DISCONNECT_POLL_S, ClientGone
 from .engine_process import Finish, RequestHandle
 from .engine_worker import TokenOut
 from .protocol import APIError, GenerationSpec, error_body
@@ -92,8 +93,6 @@ class _Group:
     async def next(self, poll: bool) -> tuple[int, Any]:
         """The next event of any choice; with `poll`, the client is looked at every DISCONNECT_POLL_S
         (routes.next_event) and a client that left aborts every choice (ClientGone)."""
-        from .routes import DISCONNECT_POLL_S, ClientGone
-
         while True:
             if poll and time.monotonic() - self.t_checked >= DISCONNECT_POLL_S:
                 self.t_checked = time.monotonic()
@@ -138,8 +137,6 @@ def _choice_requests(routes, spec: GenerationSpec, info) -> list:
 
 async def generate(routes, request: Request, spec: GenerationSpec):
     """The route's answer for a request that `wants_choices` (see the module header)."""
-    from .routes import CLIENT_GONE, ClientGone
-
     reqs = _choice_requests(routes, spec, routes.ready_engine())
     response_id = reqs[0].request_id.rsplit("-", 1)[0] if spec.n > 1 else reqs[0].request_id
     first_handle = routes.submit(reqs[0])

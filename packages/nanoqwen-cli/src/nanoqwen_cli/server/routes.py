@@ -21,19 +21,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import choices
+from .disconnect import CLIENT_GONE, DISCONNECT_POLL_S, ClientGone
 from .engine_process import Draining, EngineProcess, Finish, NotReady, QueueFull, RequestHandle
 from .engine_spec import EngineInfo
 from .protocol import APIError, GenerationSpec, error_body, parse_chat, parse_completion
 from .sse import Framer, finish_reason, sse, usage
 
 __all__ = ["CLIENT_GONE", "DISCONNECT_POLL_S", "Routes"]
-
-DISCONNECT_POLL_S = 0.25  # how often a request waiting for a token (not streaming yet) checks its client
-CLIENT_GONE = 499  # nginx's "client closed request": logged only, nobody is there to read it
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was sent (the request has been aborted)."""
 
 
 class Routes:

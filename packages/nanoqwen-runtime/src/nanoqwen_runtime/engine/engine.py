@@ -54,10 +54,11 @@ from nanoqwen_model import Qwen2Config
 from ..engine_base import EngineBase
 from ..events import TokenEvent, nonfinite_logits_message
 from ..kv_cache import BlockAllocator
-from ..logprobs import PromptLogprobs, step_logprobs, unpack
+from ..logprobs import PromptLogprobs, unpack
 from ..request_stream import Event, FinishEvent
 from .config import EngineConfig
 from .loader import LoadStats, load
+from .logprob_step import step_logprobs
 from .metadata import build_step_inputs, plan_rows
 from .model import LaunchedStep, ModelRunner, Workspace
 from .scheduler import VERIFY_MAX_ROWS, BlockManager, Scheduler, StepPlan
@@ -251,8 +252,10 @@ class Engine(EngineBase):
         """Run `plan` now and read it back (model.StepOutput); nothing may be in flight."""
         if self._in_flight is not None:
             raise AssertionError("a step is in flight: read it back (step()) before running another")
-        inputs = self._step_inputs(plan)
-        return self.runner.launch(inputs, side_work, step_logprobs(plan)).result()
+        inputs, lp = self._step_inputs(plan), step_logprobs(plan)
+        if lp is None:  # the plain step, exactly as without logprobs
+            return self.runner.run(inputs, side_work)
+        return self.runner.run(inputs, side_work, lp)
 
     def _launch(self, plan: StepPlan, side_work: Callable[[], None] | None = None) -> _InFlight:
         """Queue `plan` (and the copy of its output to the host); read it back with `.launched.result()`."""

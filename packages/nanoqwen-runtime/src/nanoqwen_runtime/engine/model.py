@@ -44,8 +44,9 @@ import numpy as np
 import torch
 from nanoqwen_model import Qwen2Config
 
-from ..logprobs import MAX_TOP_LOGPROBS, StepLogprobs, row_logprobs
+from ..logprobs import MAX_TOP_LOGPROBS, row_logprobs
 from .config import EngineConfig
+from .logprob_step import StepLogprobs
 from .metadata import DeviceStepBuffers, StepInputs
 from .residual import NO_UPDATE, NormedInput
 from .weights import ModelWeights
@@ -227,9 +228,11 @@ class ModelRunner:
                    ws.tokens[:B])
 
     # ---- steps -----------------------------------------------------------------------------------
-    def run(self, inputs: StepInputs, side_work: Callable[[], None] | None = None) -> StepOutput:
-        """Run one step; returns the sampled tokens and finite-logits flags of the real rows."""
-        return self.launch(inputs, side_work).result()
+    def run(self, inputs: StepInputs, side_work: Callable[[], None] | None = None,
+            logprobs: StepLogprobs | None = None) -> StepOutput:
+        """Run one step; returns the sampled tokens and finite-logits flags of the real rows (and the
+        logprobs `logprobs` asks for: `launch`)."""
+        return self.launch(inputs, side_work, logprobs).result()
 
     @torch.inference_mode()
     def launch(self, inputs: StepInputs, side_work: Callable[[], None] | None = None,
