@@ -229,3 +229,22 @@ def test_engine_logprobs_match_reference(engine_path):
         assert abs(pl[t].logprob - float(want[t - 1, p[t]])) <= tol
         assert list(pl[t].top_logprobs) == sorted(pl[t].top_logprobs, reverse=True)
     assert eng.kv_blocks_used() == 0 and not eng._prompt_lp
+
+
+def test_engine_verified_tokens_get_the_verification_logits(engine_path):
+    """The CUDA engine's code path with prompt-lookup speculation: a verify step's committed tokens
+    carry the logprobs of their own verify rows (the prompt repeats a random 6-gram; with this seed a
+    draft is accepted, asserted)."""
+    from engine_testkit import LOGIT_ATOL, cpu_config
+    from nanoqwen_runtime.engine import Engine
+
+    eng = Engine.from_file(engine_path, cpu_config(speculation=SpeculationConfig(k=4, ngram_min=1)))
+    g = torch.Generator().manual_seed(2)
+    p = torch.randint(10, 500, (6,), generator=g).tolist() * 4
+    toks, _ = run(eng, [Request(p, SamplingParams(max_tokens=24), request_id="r", ignore_eos=True,
+                                logprobs=1)])
+    assert eng.scheduler.spec_accepted_tokens > 0
+    evs = toks["r"]
+    want = reference_logprobs(engine_path, p + [ev.token_id for ev in evs])
+    for j, ev in enumerate(evs):
+        assert abs(ev.logprobs.logprob - float(want[len(p) - 1 + j, ev.token_id])) <= 2 * LOGIT_ATOL, j

@@ -19,10 +19,11 @@ top-p) take the OpenAI shapes:
 - chat: `choices[i].logprobs.content = [{token, logprob, bytes, top_logprobs: [{token, logprob,
   bytes}]}]`, one per generated token (an EOS token ends the answer and is not listed);
 - completions: `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`; the
-  top_logprobs dict also holds the sampled token (as vLLM); `text_offset` counts characters of the
-  returned text from 0. With `echo` the prompt's tokens come first, the first with a null logprob
-  and null alternatives; `max_tokens: 0` with echo returns the prompt alone (one token is generated
-  and dropped: the engine always samples one).
+  top_logprobs dict also holds the sampled token (as vLLM); `text_offset` is the running sum of the
+  token strings' lengths from 0 (the position in the returned text wherever tokens hold whole
+  characters; a token that splits a UTF-8 character is shown with U+FFFD). With `echo` the prompt's
+  tokens come first, the first with a null logprob and null alternatives; `max_tokens: 0` with echo
+  returns the prompt alone (one token is generated and dropped: the engine always samples one).
 Streamed, every chunk carries the logprobs of its token.
 """
 
