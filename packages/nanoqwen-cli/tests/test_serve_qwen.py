@@ -203,12 +203,17 @@ def test_n_choices_prefill_the_prompt_once(client, server):
     assert after[queried] - before.get(queried, 0.0) == 4 * n_prompt
     assert after[hits] - before.get(hits, 0.0) == 3 * full  # choice 0 prefilled it, 1..3 took it
     assert client.completions.create(**{**kw, "seed": 13}).choices[0].text == texts[2]
-    chunks = list(client.completions.create(**kw, n=2, stream=True, stream_options={"include_usage": True}))
+    chunks = list(client.completions.create(**kw, n=2, stream=True, stream_options={"include_usage": True},
+                                            logprobs=1))
     got = {0: "", 1: ""}
+    lp: dict[int, list] = {0: [], 1: []}
     for c in chunks:
         for ch in c.choices:
             got[ch.index] += ch.text
+            if ch.logprobs is not None:
+                lp[ch.index] += ch.logprobs.token_logprobs
     assert [got[0], got[1]] == texts[:2]  # reproducible, streamed or not
+    assert len(lp[0]) == len(lp[1]) == 4 and all(x <= 0 for x in lp[0] + lp[1])  # one per token
     assert chunks[-1].usage.prompt_tokens == n_prompt and chunks[-1].usage.completion_tokens == 8
 
 
