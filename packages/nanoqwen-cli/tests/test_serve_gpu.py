@@ -100,7 +100,8 @@ def test_logprobs_echo_and_n_choices_on_cuda(client, server):
     prefilled once (choices 1..3 take its full blocks from the prefix cache). Agreement of the values
     with the fp32 reference: nanoqwen-runtime tests/test_logprobs_gpu.py."""
     r = client.post("/chat/completions", json={
-        "model": NAME, "temperature": 0, "max_tokens": 8, "logprobs": True, "top_logprobs": 5,
+        "model": NAME, "temperature": 0, "max_tokens": 8, "ignore_eos": True, "logprobs": True,
+        "top_logprobs": 5,
         "messages": [{"role": "user", "content": "Write a haiku about GPUs."}]})
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
