@@ -229,6 +229,11 @@ def test_engine_logprobs_match_reference(engine_path):
         assert abs(pl[t].logprob - float(want[t - 1, p[t]])) <= tol
         assert list(pl[t].top_logprobs) == sorted(pl[t].top_logprobs, reverse=True)
     assert eng.kv_blocks_used() == 0 and not eng._prompt_lp
+    assert eng.num_logprob_requests == 0  # so the next steps build no logprob work at all
+    eng.submit(Request(q, SamplingParams(max_tokens=4), request_id="late", logprobs=1))
+    assert eng.num_logprob_requests == 1
+    eng.abort("late")
+    assert eng.num_logprob_requests == 0
 
 
 def test_engine_verified_tokens_get_the_verification_logits(engine_path):

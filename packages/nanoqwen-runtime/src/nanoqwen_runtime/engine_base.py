@@ -35,6 +35,7 @@ class EngineBase(ABC):
         self._streams: dict[int, RequestStream] = {}
         self._ids = 0
         self._prompt_lp: dict = {}  # seq_id -> logprobs.PromptLogprobs, while its prompt is prefilled
+        self.num_logprob_requests = 0  # live requests that asked for logprobs (none: steps skip the work)
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, request: Request) -> FinishEvent | None:
@@ -52,6 +53,8 @@ class EngineBase(ABC):
                                num_prompt_tokens=len(request.prompt_tokens))
         seq = self.scheduler.add(request)
         self._streams[seq.seq_id] = RequestStream.open(seq, self.tokenizer)
+        if request.logprobs is not None:
+            self.num_logprob_requests += 1
         return None
 
     def abort(self, request_id: str) -> FinishEvent | None:
@@ -108,6 +111,8 @@ class EngineBase(ABC):
             self.scheduler.finish(seq, reason)
         del self._streams[seq.seq_id]
         self._prompt_lp.pop(seq.seq_id, None)
+        if seq.request.logprobs is not None:
+            self.num_logprob_requests -= 1
         return st.finish_event(reason, detail)
 
     # ---- introspection ----------------------------------------------------------------------------

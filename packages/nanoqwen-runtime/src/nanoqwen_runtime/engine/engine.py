@@ -252,7 +252,7 @@ class Engine(EngineBase):
         """Run `plan` now and read it back (model.StepOutput); nothing may be in flight."""
         if self._in_flight is not None:
             raise AssertionError("a step is in flight: read it back (step()) before running another")
-        inputs, lp = self._step_inputs(plan), step_logprobs(plan)
+        inputs, lp = self._step_inputs(plan), self._step_logprobs(plan)
         if lp is None:  # the plain step, exactly as without logprobs
             return self.runner.run(inputs, side_work)
         return self.runner.run(inputs, side_work, lp)
@@ -260,7 +260,11 @@ class Engine(EngineBase):
     def _launch(self, plan: StepPlan, side_work: Callable[[], None] | None = None) -> _InFlight:
         """Queue `plan` (and the copy of its output to the host); read it back with `.launched.result()`."""
         inputs = self._step_inputs(plan)
-        return _InFlight(plan, self.runner.launch(inputs, side_work, step_logprobs(plan)))
+        return _InFlight(plan, self.runner.launch(inputs, side_work, self._step_logprobs(plan)))
+
+    def _step_logprobs(self, plan: StepPlan):
+        """The logprob work of `plan` (logprob_step.py); None at no cost while no live request asked."""
+        return step_logprobs(plan) if self.num_logprob_requests else None
 
     def _step_inputs(self, plan: StepPlan):
         pad_to = None
