@@ -69,8 +69,9 @@ def test_bad_input_table_over_http(server):
     cases = [
         (b"{oops", 400, "invalid_json"),
         ({"model": NAME, "prompt": "a", "max_tokens": "many"}, 400, "invalid_value"),
-        ({"model": NAME, "prompt": "a", "n": 3}, 400, "unsupported_parameter"),
-        ({"model": NAME, "prompt": "a", "logprobs": 1}, 400, "unsupported_parameter"),
+        ({"model": NAME, "prompt": "a", "n": 0}, 400, "invalid_value"),
+        ({"model": NAME, "prompt": "a", "logprobs": 21}, 400, "invalid_value"),
+        ({"model": NAME, "prompt": "a", "best_of": 2}, 400, "unsupported_parameter"),
         ({"model": "gpt-4o", "prompt": "a"}, 404, "model_not_found"),
         ({"model": NAME, "prompt": "x" * 3000}, 413, "request_too_large"),        # --max-body 2KiB
         ({"model": NAME, "prompt": [5] * 300}, 400, "context_length_exceeded"),  # context 256

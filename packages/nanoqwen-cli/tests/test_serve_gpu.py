@@ -95,6 +95,43 @@ def test_sixteen_concurrent_clients_and_disconnect(client, server):
     assert server.metrics()['nanoqwen_requests_total{status="aborted"}'] == aborted + 1
 
 
+def test_logprobs_echo_and_n_choices_on_cuda(client, server):
+    """The CUDA engine behind serve: chat logprobs (greedy: the token is the top alternative), echo with
+    max_tokens 0 (a logprob per prompt token after the first), and n=4 sampled choices whose prompt is
+    prefilled once (choices 1..3 take its full blocks from the prefix cache). Agreement of the values
+    with the fp32 reference: nanoqwen-runtime tests/test_logprobs_gpu.py."""
+    r = client.post("/chat/completions", json={
+        "model": NAME, "temperature": 0, "max_tokens": 8, "ignore_eos": True, "logprobs": True,
+        "top_logprobs": 5,
+        "messages": [{"role": "user", "content": "Write a haiku about GPUs."}]})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 8
+    for e in content:
+        assert e["top_logprobs"][0]["token"] == e["token"] and e["top_logprobs"][0]["logprob"] == e["logprob"]
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert tops == sorted(tops, reverse=True) and len(tops) == 5 and tops[0] <= 0
+    ids = [750, 15801, 1445, 982, 262, 470, 308, 353, 2240, 1445, 481, 220, 16, 8, 421, 308, 861, 220, 16]
+    r = client.post("/completions", json={"model": NAME, "prompt": ids, "echo": True, "logprobs": 1,
+                                          "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    assert all(x <= 0 for x in lp["token_logprobs"][1:])
+    prompt = ("# a GPU test of n choices: helpers for parsing simple INI files into dictionaries\n"
+              "import re\n\ndef")
+    before = server.metrics()
+    r = client.post("/completions", json={"model": NAME, "prompt": prompt, "n": 4, "max_tokens": 16,
+                                          "temperature": 1.0, "seed": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert len({c["text"] for c in body["choices"]}) == 4
+    n_prompt = body["usage"]["prompt_tokens"]
+    hits = "nanoqwen_prefix_cache_hit_tokens_total"
+    assert server.metrics()[hits] - before.get(hits, 0.0) == 3 * 16 * ((n_prompt - 1) // 16)
+
+
 def test_loadtest_256_clients_no_loss(qwen05b_packed, tmp_path):
     path = ROOT / "packages" / "nanoqwen-bench" / "server" / "loadtest.py"
     spec = importlib.util.spec_from_file_location("loadtest", path)

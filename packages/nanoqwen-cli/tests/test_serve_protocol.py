@@ -40,9 +40,14 @@ BAD = [
     (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "invalid_value"),
     (chat(stop=[""]), 400, "stop", "invalid_value"),
     (chat(max_tokens=5, max_completion_tokens=6), 400, "max_tokens", "invalid_value"),
-    (chat(n=2), 400, "n", "unsupported_parameter"),
-    (chat(logprobs=True), 400, "logprobs", "unsupported_parameter"),
-    (chat(top_logprobs=3), 400, "top_logprobs", "unsupported_parameter"),
+    (chat(n=0), 400, "n", "invalid_value"),
+    (chat(n=17), 400, "n", "invalid_value"),  # MAX_N
+    (chat(n="2"), 400, "n", "invalid_value"),
+    (chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "invalid_value"),
+    (chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs", "invalid_value"),
+    (chat(top_logprobs=3), 400, "top_logprobs", "invalid_value"),  # without logprobs: true
+    (chat(logprobs=3), 400, "logprobs", "invalid_value"),  # chat's logprobs is a boolean
+    (chat(logprobs="yes"), 400, "logprobs", "invalid_value"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
     (chat(tool_choice="auto"), 400, "tool_choice", "unsupported_parameter"),
     (chat(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
@@ -57,10 +62,16 @@ BAD_COMPLETION = [
     (completion(prompt=""), 400, "prompt", "invalid_value"),
     (completion(prompt=[]), 400, "prompt", "invalid_value"),
     (completion(prompt=[1, "a"]), 400, "prompt", "invalid_value"),
-    (completion(echo=True), 400, "echo", "unsupported_parameter"),
+    (completion(echo="yes"), 400, "echo", "invalid_value"),
+    (completion(echo=True, stream=True), 400, "echo", "unsupported_parameter"),
+    (completion(max_tokens=0), 400, "max_tokens", "invalid_value"),  # 0 only with echo
+    (completion(logprobs=21), 400, "logprobs", "invalid_value"),
+    (completion(logprobs=True), 400, "logprobs", "invalid_value"),  # an int on completions
+    (completion(logprobs=1.5), 400, "logprobs", "invalid_value"),
+    (completion(top_logprobs=2), 400, "top_logprobs", "unsupported_parameter"),
+    (completion(n=0), 400, "n", "invalid_value"),
     (completion(best_of=3), 400, "best_of", "unsupported_parameter"),
     (completion(suffix="x"), 400, "suffix", "unsupported_parameter"),
-    (completion(logprobs=2), 400, "logprobs", "unsupported_parameter"),
 ]
 
 
@@ -90,3 +101,14 @@ def test_good_bodies():
     c = parse_completion(completion(prompt=[1, 2, 3], max_tokens=4), MODEL)
     assert c.prompt == (1, 2, 3) and c.max_tokens == 4 and not c.stream and c.temperature is None
     assert parse_completion(completion(prompt=["one"]), MODEL).prompt == "one"
+    assert (c.n, c.logprobs, c.echo) == (1, None, False)
+
+
+def test_logprobs_n_and_echo_bodies():
+    s = parse_chat(chat(logprobs=True, top_logprobs=20, n=16), MODEL)
+    assert (s.logprobs, s.n) == (20, 16)
+    assert parse_chat(chat(logprobs=True), MODEL).logprobs == 0
+    assert parse_chat(chat(logprobs=False), MODEL).logprobs is None
+    c = parse_completion(completion(logprobs=0, echo=True, max_tokens=0), MODEL)
+    assert (c.logprobs, c.echo, c.max_tokens) == (0, True, 0)
+    assert parse_completion(completion(logprobs=20, n=3), MODEL).logprobs == 20

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
 from .engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from .request_stream import Event, FinishEvent, RequestStream
@@ -33,6 +34,8 @@ class EngineBase(ABC):
     def __init__(self) -> None:
         self._streams: dict[int, RequestStream] = {}
         self._ids = 0
+        self._prompt_lp: dict = {}  # seq_id -> logprobs.PromptLogprobs, while its prompt is prefilled
+        self.num_logprob_requests = 0  # live requests that asked for logprobs (none: steps skip the work)
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, request: Request) -> FinishEvent | None:
@@ -50,6 +53,8 @@ class EngineBase(ABC):
                                num_prompt_tokens=len(request.prompt_tokens))
         seq = self.scheduler.add(request)
         self._streams[seq.seq_id] = RequestStream.open(seq, self.tokenizer)
+        if request.logprobs is not None:
+            self.num_logprob_requests += 1
         return None
 
     def abort(self, request_id: str) -> FinishEvent | None:
@@ -80,12 +85,17 @@ class EngineBase(ABC):
         host only waits for the device there), else before the forward pass (host-bound: the caller's
         work should not wait for it)."""
 
-    def _emit(self, seq: Sequence) -> list[Event]:
+    def _emit(self, seq: Sequence, logprobs: list | None = None, prompt_logprobs: tuple | None = None
+              ) -> list[Event]:
         """Events of the tokens the last `scheduler.commit` appended to `seq` (RequestStream rules), and
-        the request's `FinishEvent` when one of them ends it."""
+        the request's `FinishEvent` when one of them ends it. `logprobs`: a `TokenLogprobs` per
+        committed token (requests that asked, logprobs.py); `prompt_logprobs` rides on token 0."""
         st = self._streams[seq.seq_id]
         events: list[Event] = []
         tokens, reason = st.emit_committed(self.geom.eos_token_id, self.max_model_len)
+        if logprobs is not None:
+            tokens = [replace(ev, logprobs=lp, prompt_logprobs=prompt_logprobs if ev.index == 0 else None)
+                      for ev, lp in zip(tokens, logprobs, strict=False)]
         events.extend(tokens)
         if reason is not None:
             events.append(self._finish(st, reason))
@@ -100,6 +110,9 @@ class EngineBase(ABC):
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq, reason)
         del self._streams[seq.seq_id]
+        self._prompt_lp.pop(seq.seq_id, None)
+        if seq.request.logprobs is not None:
+            self.num_logprob_requests -= 1
         return st.finish_event(reason, detail)
 
     # ---- introspection ----------------------------------------------------------------------------

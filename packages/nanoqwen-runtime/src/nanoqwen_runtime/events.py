@@ -10,7 +10,9 @@ The reference backend, the CUDA engine and the engine's `Backend` adapter all sp
 - `text`: newly printable text, where the producer detokenizes (the engine API for a request with
   `detokenize=True`); '' otherwise, and for EOS tokens. Through a `Backend`, text is the caller's job
   (`generate.Pipeline`), so it is decoded exactly once;
-- `finish_reason`: set on the request's last token: "eos", "length", "context" or "stop".
+- `finish_reason`: set on the request's last token: "eos", "length", "context" or "stop";
+- `logprobs`: a `logprobs.TokenLogprobs` when the request asked for logprobs (engines), else None;
+  `prompt_logprobs`: on the first token of a request that asked for them, one entry per prompt token.
 
 A request that fails at run time (its logits hold NaN/Inf) ends without a token: backends emit an
 `ErrorEvent(request, index, message)` instead of the token (finish reason "error"), and the engine a
@@ -38,6 +40,8 @@ class TokenEvent:
     index: int
     text: str = ""
     finish_reason: str | None = None
+    logprobs: object | None = None          # logprobs.TokenLogprobs
+    prompt_logprobs: tuple | None = None    # (None, TokenLogprobs, ...) one per prompt token
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,13 @@ What differs from the CUDA engine: each step is one `ReferenceModel.forward` (fp
 pages by default: the exactness oracle), and each request samples with its own CPU `Sampler` seeded
 from its seed (the scheduler draws one when the request gave None), so a seeded request repeats
 exactly. A request whose logits hold NaN/Inf ends with `FinishEvent(reason=ERROR)` and no token.
+Logprobs (logprobs.py) are the log-softmax of the same f32 logits the sampler reads; a prefill step in
+which a sequence wants its prompt's logprobs computes the logits at every position.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from os import PathLike
@@ -34,6 +37,7 @@ from .engine.scheduler import BlockManager, FinishReason, Scheduler, SeqStatus, 
 from .engine_base import EngineBase
 from .events import nonfinite_logits_message
 from .kv_cache import KVCacheSpec, PagedKVCache, StepMetadata
+from .logprobs import PromptLogprobs, row_logprobs, unpack
 from .reference import ReferenceModel
 from .request_stream import Event, FinishEvent, RequestStream
 from .sampling import Sampler
@@ -141,9 +145,18 @@ class ReferenceEngine(EngineBase):
         tokens, meta, rows = self._step_inputs(plan)
         if side_work is not None:
             side_work()
-        logits = self.model.forward(tokens, meta, self.cache)  # f32 [rows, vocab]
+        prompt_lp = self._prompt_logprob_seqs(plan)
+        if prompt_lp:  # every position's logits: some sequence wants its prompt's logprobs
+            all_logits = self.model.forward(tokens, meta, self.cache, all_logits=True)  # f32 [T, vocab]
+            starts = [0, *itertools.accumulate(meta.query_lens_host)]
+            logits = all_logits[[e - 1 for e in starts[1:]]]
+            for i in prompt_lp:
+                self._collect_prompt_logprobs(plan, i, all_logits, starts[rows[i][0]])
+        else:
+            logits = self.model.forward(tokens, meta, self.cache)  # f32 [rows, vocab]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         sampled: dict[int, int | list[int]] = {}
+        token_lp: dict[int, list] = {}
         events: list[Event] = []
         for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
             if not smp or s.status is not SeqStatus.RUNNING:
@@ -156,11 +169,37 @@ class ReferenceEngine(EngineBase):
                     sampler = self._samplers[s.seq_id] = Sampler(s.request.params.with_(seed=s.seed))
                 toks = [sampler(logits[r]) for r in rows[i]]
                 sampled[s.seq_id] = toks if plan.drafts and plan.drafts[i] else toks[0]
+                k = s.request.logprobs
+                if k is not None:  # verify rows: row j's logits chose token j of those committed
+                    token_lp[s.seq_id] = unpack(row_logprobs(logits[rows[i]], torch.tensor(toks), k,
+                                                             self.geom.vocab_size), k)
             else:  # finished before commit: the scheduler appends no token to it
                 events.append(self._error(s, nonfinite_logits_message(s.num_generated)))
         for seq in self.scheduler.commit(plan, sampled):
-            events.extend(self._emit(seq))
+            lps = token_lp.get(seq.seq_id)
+            prompt = None
+            if lps is not None and seq.request.prompt_logprobs and seq.num_generated == seq.num_new_tokens:
+                prompt = self._prompt_lp.pop(seq.seq_id).result() if seq.num_prompt > 1 else (None,)
+            events.extend(self._emit(seq, lps, prompt))
         return events
+
+    def _prompt_logprob_seqs(self, plan: StepPlan) -> list[int]:
+        """The plan indices of prefill chunks whose positions give prompt logprobs."""
+        if plan.kind != "prefill":
+            return []
+        return [i for i, s in enumerate(plan.seqs)
+                if s.request.prompt_logprobs and s.num_generated == 0 and s.num_prompt > 1
+                and plan.start_pos[i] < s.num_prompt - 1]
+
+    def _collect_prompt_logprobs(self, plan: StepPlan, i: int, all_logits: torch.Tensor, flat: int) -> None:
+        """Prompt logprobs of sequence i's chunk, whose first token is row `flat` of `all_logits`."""
+        s, start, q = plan.seqs[i], plan.start_pos[i], plan.query_lens[i]
+        acc = self._prompt_lp.get(s.seq_id)
+        if acc is None:
+            acc = self._prompt_lp[s.seq_id] = PromptLogprobs(s.num_prompt, s.request.logprobs)
+        m = acc.rows_in_chunk(start, q)
+        targets = torch.tensor(s.tokens[start + 1:start + 1 + m])
+        acc.add(start, row_logprobs(all_logits[flat:flat + m], targets, acc.k, self.geom.vocab_size))
 
     def _step_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, StepMetadata, dict[int, list[int]]]:
         """Token ids int64 [T], the step metadata (kv_cache.py diagram) from the scheduler's pages, and

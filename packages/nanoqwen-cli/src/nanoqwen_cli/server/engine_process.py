@@ -9,7 +9,8 @@ and the HTTP process's side of it, which hands the engine's events to asyncio.
     reader thread <---- ("step", n_submits, [(id, text)], [Finish], stats) -- one message per step
         | TTFT/ITL observed on receipt, stats published to Metrics
         | call_soon_threadsafe(put)      one per message
-    event loop: await handle.queue.get()  -> str (one token's text) ... then one Finish
+    event loop: await handle.queue.get()  -> str (one token's text; a TokenOut with logprobs when the
+                                             request asked for them) ... then one Finish
 
 Why a process: the engine's step is host-bound at small models (Python scheduling, graph replay, token
 read-back) and the HTTP work (JSON, SSE framing for every stream) would take the same GIL, adding to

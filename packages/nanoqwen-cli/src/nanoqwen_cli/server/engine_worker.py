@@ -16,12 +16,14 @@ HTTP process's GIL. `conn` is one end of a `multiprocessing.Pipe`; the messages,
                                                     one per step (or per batch of commands applied)
 
 `tokens` is a list of `(request_id, text)`, one per generated token in the engine's order (text is
-what became printable: '' for EOS, or while a UTF-8 character or a possible stop string is held
-back); `finishes` a list of `Finish`, the last event of each request that ended (by the engine, an
-abort, a refusal at submit, or a failed step). All of a request's tokens in a message come before its
-`Finish`. `n_submits` counts the submits applied, so the server can count requests in flight in the
-pipe. Plain tuples and a NamedTuple keep a step of 32 tokens at ~1.5 KB and a few microseconds of
-pickling (the engine's dataclass events cost ten times more).
+what became printable: '' for EOS, or while a UTF-8 character or a possible stop string is held back);
+for a request that asked for logprobs, `(request_id, TokenOut)` instead (text, token id, logprobs, and
+on its first token the prompt's logprobs); `finishes` a list of `Finish`, the last event of each
+request that ended (by the engine, an abort, a refusal at submit, or a failed step). All of a
+request's tokens in a message come before its `Finish`. `n_submits` counts the submits applied, so the
+server can count requests in flight in the pipe. Plain tuples and a NamedTuple keep a step of 32
+tokens at ~1.5 KB and a few microseconds of pickling (the engine's dataclass events cost ten times
+more).
 
 The loop: while the engine has work, take every pending command without blocking, then step; when
 idle, block in `recv`. A submit that wakes an idle engine opens a short admission window: commands are
@@ -66,7 +68,7 @@ from nanoqwen_runtime.events import TokenEvent
 from . import cpu_placement
 from .engine_spec import EngineInfo
 
-__all__ = ["Finish", "StepTrace", "TRACE_ENV", "worker_main"]
+__all__ = ["Finish", "StepTrace", "TokenOut", "TRACE_ENV", "worker_main"]
 
 TRACE_ENV = "NANOQWEN_ENGINE_TRACE"
 # An idle engine woken by a submit takes commands while they come ADMIT_QUIET_S apart or closer, for at
@@ -89,6 +91,17 @@ class Finish(NamedTuple):
     text: str = ""
     num_prompt_tokens: int = 0
     num_generated: int = 0
+
+
+class TokenOut(NamedTuple):
+    """A generated token of a request that asked for logprobs (the others get its text alone, a str).
+    logprobs: a `nanoqwen_runtime.logprobs.TokenLogprobs`; prompt_logprobs: on the first token of a
+    request that asked for them, one entry per prompt token (None first)."""
+
+    text: str
+    token_id: int
+    logprobs: Any
+    prompt_logprobs: tuple | None = None
 
 
 class StepTrace:
@@ -314,7 +327,10 @@ class _Worker:
         for ev in events:
             if type(ev) is TokenEvent:
                 rid = ev.request
-                tokens.append((rid, ev.text))
+                if ev.logprobs is None:
+                    tokens.append((rid, ev.text))
+                else:
+                    tokens.append((rid, TokenOut(ev.text, ev.token_id, ev.logprobs, ev.prompt_logprobs)))
                 counts = live.get(rid)
                 if counts is not None:
                     counts[1] += 1

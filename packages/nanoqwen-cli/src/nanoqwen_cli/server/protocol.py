@@ -7,8 +7,12 @@ Every failure is an `APIError(status, message, type, param, code)`, which the ap
 OpenAI error shape `{"error": {"message", "type", "param", "code"}}`:
 - not JSON, not an object, a wrong type, a value out of range, a missing field: 400
   `invalid_request_error` naming the parameter;
-- an OpenAI parameter this server does not implement (`n` > 1, `logprobs`, `tools`, ...) or any
-  parameter it does not know: 400 `unsupported_parameter`, never silently ignored;
+- an OpenAI parameter this server does not implement (`tools`, `best_of`, ...) or any parameter it
+  does not know: 400 `unsupported_parameter`, never silently ignored;
+- logprobs: chat `logprobs: true` with `top_logprobs` 0..20; completions `logprobs` 0..20 (an int;
+  OpenAI allows 5) and `echo`; `top_logprobs` over 20, a wrong type, `top_logprobs` without
+  `logprobs`: 400. `n`: 1..MAX_N choices. `max_tokens: 0` only with `echo` on completions (the
+  prompt's logprobs alone, as vLLM).
 - another model than the one served: 404 `model_not_found`.
 
 Extensions (as vLLM): `top_k`, and `ignore_eos` (generate exactly `max_tokens`, for benchmarks).
@@ -31,6 +35,10 @@ __all__ = ["APIError", "GenerationSpec", "parse_chat", "parse_completion", "erro
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|.*\[.*\])$")
 MAX_STOP = 4  # as OpenAI: at most 4 stop sequences
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs (nanoqwen_runtime.logprobs.MAX_TOP_LOGPROBS)
+# n choices run as n engine sequences (one batch slot each): 16 bounds what one request can take of
+# the batch (the CPU server's default max_batch is 16) and of the KV pool
+MAX_N = 16
 
 
 class APIError(Exception):
@@ -82,7 +90,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (completions)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)  # extension (as vLLM, llama.cpp)
@@ -93,9 +101,9 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, not used (it only labels the request at OpenAI)
     # parameters refused unless left at the value that means "off" (see UNSUPPORTED)
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -121,10 +129,7 @@ class CompletionRequest(_Common):
 
 # parameter -> (value(s) that mean "off", what to say). Anything else is refused with a 400.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((None, 1), "only n=1 is supported (one choice per request); send several requests"),
     "best_of": ((None, 1), "best_of is not supported"),
-    "logprobs": ((None, False, 0), "logprobs are not supported by this server"),
-    "top_logprobs": ((None, 0), "logprobs are not supported by this server"),
     "tools": ((None,), "tools / function calling are not supported by this server"),
     "tool_choice": ((None, "none"), "tools / function calling are not supported by this server"),
     "functions": ((None,), "function calling is not supported by this server"),
@@ -133,7 +138,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((None, 0, 0.0), "presence_penalty is not supported (only 0)"),
     "frequency_penalty": ((None, 0, 0.0), "frequency_penalty is not supported (only 0)"),
     "logit_bias": ((None,), "logit_bias is not supported"),
-    "echo": ((None, False), "echo is not supported"),
     "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
 }
 
@@ -157,6 +161,9 @@ class GenerationSpec:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    n: int = 1                      # choices
+    logprobs: int | None = None     # None: off; else the top alternatives per token (0..20)
+    echo: bool = False              # completions: the prompt comes back (with its logprobs if asked)
 
 
 def _load_json(body: bytes) -> dict[str, Any]:
@@ -216,6 +223,8 @@ def parse_chat(body: bytes, served_model: str) -> GenerationSpec:
     if rf is not None and rf != {"type": "text"}:
         raise APIError(400, f"response_format {rf!r} is not supported (only {{'type': 'text'}})",
                        param="response_format", code="unsupported_parameter")
+    if req.max_tokens == 0:
+        raise APIError(400, "max_tokens must be >= 1", param="max_tokens", code="invalid_value")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise APIError(400, "max_tokens and max_completion_tokens disagree; give one", param="max_tokens",
@@ -225,7 +234,7 @@ def parse_chat(body: bytes, served_model: str) -> GenerationSpec:
                                        for m in req.messages),
         req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed,
         _stop(req.stop), req.stream, bool(req.stream_options and req.stream_options.include_usage),
-        req.ignore_eos)
+        req.ignore_eos, req.n or 1, _chat_logprobs(req))
 
 
 def parse_completion(body: bytes, served_model: str) -> GenerationSpec:
@@ -244,6 +253,37 @@ def parse_completion(body: bytes, served_model: str) -> GenerationSpec:
         p = tuple(p)
     elif not p:
         raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    lp = _completion_logprobs(req)
+    if req.echo and req.stream:
+        raise APIError(400, "echo is not supported with stream", param="echo", code="unsupported_parameter")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens 0 is only for echo (the prompt's logprobs alone)", param="max_tokens",
+                       code="invalid_value")
     return GenerationSpec("completion", req.model, p, None, req.max_tokens, req.temperature, req.top_p,
                           req.top_k, req.seed, _stop(req.stop), req.stream,
-                          bool(req.stream_options and req.stream_options.include_usage), req.ignore_eos)
+                          bool(req.stream_options and req.stream_options.include_usage), req.ignore_eos,
+                          req.n or 1, lp, bool(req.echo))
+
+
+def _chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """Chat: `logprobs` a boolean, `top_logprobs` (0..20) only with it. The alternatives asked, or None."""
+    if req.logprobs is not None and type(req.logprobs) is not bool:
+        raise APIError(400, f"logprobs must be a boolean on chat completions, got {req.logprobs!r} (the "
+                       "number of alternatives is top_logprobs)", param="logprobs", code="invalid_value")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _completion_logprobs(req: CompletionRequest) -> int | None:
+    """Completions: `logprobs` the number of alternatives (an int, 0..20); `top_logprobs` is chat's."""
+    if req.top_logprobs is not None:
+        raise APIError(400, "top_logprobs is a chat completions parameter; on completions logprobs is "
+                       "the number of alternatives", param="top_logprobs", code="unsupported_parameter")
+    lp = req.logprobs
+    if lp is None:
+        return None
+    if type(lp) is not int or not 0 <= lp <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS} on completions, got "
+                       f"{lp!r}", param="logprobs", code="invalid_value")
+    return lp

@@ -3,6 +3,7 @@
 `Routes` holds what every handler needs (the app config, the engine loop, the metrics) and owns the
 path of a generation request: parse (protocol.py) -> tokens and sampling parameters (`engine_request`)
 -> submit to the engine (`generate`) -> one JSON answer (`complete`) or an SSE stream (`stream`).
+Requests with n > 1 choices, logprobs or echo take choices.py's path instead.
 app.py wires the methods to paths; the module docstring there lists the routes and their checks.
 """
 
@@ -19,19 +20,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from . import choices
+from .disconnect import CLIENT_GONE, DISCONNECT_POLL_S, ClientGone
 from .engine_process import Draining, EngineProcess, Finish, NotReady, QueueFull, RequestHandle
 from .engine_spec import EngineInfo
 from .protocol import APIError, GenerationSpec, error_body, parse_chat, parse_completion
 from .sse import Framer, finish_reason, sse, usage
 
 __all__ = ["CLIENT_GONE", "DISCONNECT_POLL_S", "Routes"]
-
-DISCONNECT_POLL_S = 0.25  # how often a request waiting for a token (not streaming yet) checks its client
-CLIENT_GONE = 499  # nginx's "client closed request": logged only, nobody is there to read it
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was sent (the request has been aborted)."""
 
 
 class Routes:
@@ -172,6 +168,8 @@ class Routes:
             raise APIError(503, str(e), type="server_error", code="unavailable") from None
 
     async def generate(self, request: Request, spec: GenerationSpec):
+        if choices.wants_choices(spec):  # n > 1, logprobs, echo: choices.py
+            return await choices.generate(self, request, spec)
         handle = self.submit(self.engine_request(spec, self.ready_engine()))
         try:
             first = await self.next_event_or_abort(handle, request)

@@ -54,9 +54,11 @@ from nanoqwen_model import Qwen2Config
 from ..engine_base import EngineBase
 from ..events import TokenEvent, nonfinite_logits_message
 from ..kv_cache import BlockAllocator
+from ..logprobs import PromptLogprobs, unpack
 from ..request_stream import Event, FinishEvent
 from .config import EngineConfig
 from .loader import LoadStats, load
+from .logprob_step import step_logprobs
 from .metadata import build_step_inputs, plan_rows
 from .model import LaunchedStep, ModelRunner, Workspace
 from .scheduler import VERIFY_MAX_ROWS, BlockManager, Scheduler, StepPlan
@@ -204,6 +206,7 @@ class Engine(EngineBase):
         lg = self.runner.logits(len(out.tokens)) if self.record_logits else None
         sampled: dict[int, int | list[int]] = {}
         events: list[Event] = []
+        lp_rows = self._collect_logprobs(plan, out)
         for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
             if not smp:  # mid-prefill chunk: no token, and its logits are not looked at
                 continue
@@ -221,18 +224,47 @@ class Engine(EngineBase):
             if lg is not None:  # the row whose logits chose the last token appended
                 i = plan.seqs.index(seq)
                 self.last_logits[seq.request.request_id] = lg[rows[i][seq.num_new_tokens - 1]].clone()
-            events.extend(self._emit(seq))
+            k = seq.request.logprobs
+            if k is None:
+                events.extend(self._emit(seq))
+                continue
+            # verify rows: row j's logits chose token j of those committed
+            lps = unpack(out.logprobs[[lp_rows[r] for r in rows[plan.seqs.index(seq)]]], k)
+            prompt = None
+            if seq.request.prompt_logprobs and seq.num_generated == seq.num_new_tokens:
+                prompt = self._prompt_lp.pop(seq.seq_id).result() if seq.num_prompt > 1 else (None,)
+            events.extend(self._emit(seq, lps, prompt))
         return events
+
+    def _collect_logprobs(self, plan: StepPlan, out) -> dict[int, int]:
+        """Take a step's prompt logprobs into their sequences' collectors; the row of `out.logprobs`
+        of each step row that computed one (logprobs.py)."""
+        for i, start, packed in out.prompt_logprobs or ():
+            s = plan.seqs[i]
+            acc = self._prompt_lp.get(s.seq_id)
+            if acc is None:
+                acc = self._prompt_lp[s.seq_id] = PromptLogprobs(s.num_prompt, s.request.logprobs)
+            acc.add(start, packed)
+        lp = step_logprobs(plan) if out.logprobs is not None else None
+        return {r: j for j, r in enumerate(lp.rows)} if lp is not None else {}
 
     def _run(self, plan: StepPlan, side_work: Callable[[], None] | None = None):
         """Run `plan` now and read it back (model.StepOutput); nothing may be in flight."""
         if self._in_flight is not None:
             raise AssertionError("a step is in flight: read it back (step()) before running another")
-        return self.runner.run(self._step_inputs(plan), side_work)
+        inputs, lp = self._step_inputs(plan), self._step_logprobs(plan)
+        if lp is None:  # the plain step, exactly as without logprobs
+            return self.runner.run(inputs, side_work)
+        return self.runner.run(inputs, side_work, lp)
 
     def _launch(self, plan: StepPlan, side_work: Callable[[], None] | None = None) -> _InFlight:
         """Queue `plan` (and the copy of its output to the host); read it back with `.launched.result()`."""
-        return _InFlight(plan, self.runner.launch(self._step_inputs(plan), side_work))
+        inputs = self._step_inputs(plan)
+        return _InFlight(plan, self.runner.launch(inputs, side_work, self._step_logprobs(plan)))
+
+    def _step_logprobs(self, plan: StepPlan):
+        """The logprob work of `plan` (logprob_step.py); None at no cost while no live request asked."""
+        return step_logprobs(plan) if self.num_logprob_requests else None
 
     def _step_inputs(self, plan: StepPlan):
         pad_to = None

@@ -45,10 +45,14 @@ import numpy as np
 import torch
 from nanoqwen_model import Qwen2Config
 
+from ..logprobs import MAX_TOP_LOGPROBS, row_logprobs
 from .config import EngineConfig
+from .logprob_step import StepLogprobs
 from .metadata import DeviceStepBuffers, StepInputs
 from .residual import NO_UPDATE, NormedInput
 from .weights import ModelWeights
+
+PROMPT_LOGPROB_ROWS = 64  # prompt positions per lm_head call for prompt logprobs (bf16 [64, V]: 19 MB)
 
 
 @dataclass
@@ -98,10 +102,14 @@ class Workspace:
 @dataclass
 class StepOutput:
     """What one step gives back for its real rows: sampled tokens (int32 [n]) and whether each row's
-    logits were all finite (bool [n]); a row that was not is not to be emitted."""
+    logits were all finite (bool [n]); a row that was not is not to be emitted. When the step computed
+    logprobs (`logprobs.StepLogprobs`): `logprobs` f32 [len(rows), 1 + 2k] (`logprobs.row_logprobs`
+    layout) of its `rows`, and `prompt_logprobs` [(plan index, first position, f32 [m, 1 + 2k])]."""
 
     tokens: np.ndarray
     finite: np.ndarray
+    logprobs: np.ndarray | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -112,6 +120,8 @@ class LaunchedStep:
     num_real: int
     host_out: torch.Tensor  # uint8 [8R], pinned on CUDA: tokens int32 [R], then logit min / max bf16 [R]
     done: torch.cuda.Event | None  # recorded after the copy (None on the CPU: the copy has happened)
+    host_logprobs: torch.Tensor | None = None  # f32 [n, 1 + 2k] view of a pinned buffer (copy queued)
+    prompt_logprobs: list | None = None  # [(plan index, first position, f32 [m, 1 + 2k] on the host)]
 
     def result(self) -> StepOutput:
         """Sampled tokens and finite-logits flags of rows 0..num_real-1 (waits for the step)."""
@@ -119,8 +129,9 @@ class LaunchedStep:
             self.done.synchronize()
         n, R = self.num_real, self.host_out.shape[0] // 8
         ranges = self.host_out[4 * R:].view(torch.bfloat16).view(2, R)[:, :n]
+        lp = self.host_logprobs.numpy().copy() if self.host_logprobs is not None else None
         return StepOutput(self.host_out[:4 * R].view(torch.int32)[:n].numpy().copy(),
-                          torch.isfinite(ranges).all(0).numpy())
+                          torch.isfinite(ranges).all(0).numpy(), lp, self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -147,6 +158,9 @@ class ModelRunner:
         self._out_host = [torch.empty(self.ws.step_out.shape, dtype=torch.uint8, pin_memory=cuda)
                           for _ in range(2)]
         self._out_done = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        # and for the logprobs of the rows that asked (a step without any computes none)
+        self._lp_host = [torch.empty(self.max_rows * (1 + 2 * MAX_TOP_LOGPROBS), dtype=torch.float32,
+                                     pin_memory=cuda) for _ in range(2)]
         self._out_turn = 0
         self.context_classes = cfg.context_classes(max_pages * cfg.block_size)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, context class)
@@ -215,12 +229,15 @@ class ModelRunner:
                    ws.tokens[:B])
 
     # ---- steps -----------------------------------------------------------------------------------
-    def run(self, inputs: StepInputs, side_work: Callable[[], None] | None = None) -> StepOutput:
-        """Run one step; returns the sampled tokens and finite-logits flags of the real rows."""
-        return self.launch(inputs, side_work).result()
+    def run(self, inputs: StepInputs, side_work: Callable[[], None] | None = None,
+            logprobs: StepLogprobs | None = None) -> StepOutput:
+        """Run one step; returns the sampled tokens and finite-logits flags of the real rows (and the
+        logprobs `logprobs` asks for: `launch`)."""
+        return self.launch(inputs, side_work, logprobs).result()
 
     @torch.inference_mode()
-    def launch(self, inputs: StepInputs, side_work: Callable[[], None] | None = None) -> LaunchedStep:
+    def launch(self, inputs: StepInputs, side_work: Callable[[], None] | None = None,
+               logprobs: StepLogprobs | None = None) -> LaunchedStep:
         """Queue one step and the copy of its output to the host; `LaunchedStep.result()` reads it.
         A step planned ahead (`inputs.feed_rows`) first copies its rows' token ids from the sampled
         tokens the previous step left in `Workspace.tokens` (on the device, in stream order: that step
@@ -228,7 +245,10 @@ class ModelRunner:
         `side_work()`, when given, runs once: right after a captured graph is launched (the host then
         only waits for the device until the read-back), or before an eager forward (prefill chunks,
         uncaptured decode), whose launches are host-bound: a caller's work there would delay them
-        all, and its output (the server's previous tokens) would wait for the whole forward."""
+        all, and its output (the server's previous tokens) would wait for the whole forward.
+        `logprobs` (built only when a row asked): after the forward (outside the captured graph, on the
+        same stream), the log-softmax of the step's logits at the rows that asked and its top-k
+        (`_logprobs`), copied to the host beside the tokens; a prefill chunk's prompt logprobs too."""
         views = self.buffers.load(inputs)
         if inputs.feed_rows is not None:
             n = len(inputs.feed_rows)
@@ -249,11 +269,42 @@ class ModelRunner:
         # launches ago) has been read back, as the engine keeps at most one step in flight beyond it
         turn = self._out_turn
         self._out_turn ^= 1
+        host_lp = prompt_lp = None
+        if logprobs is not None:
+            host_lp, prompt_lp = self._logprobs(logprobs, turn)
         host, done = self._out_host[turn], self._out_done[turn]
         host.copy_(self.ws.step_out, non_blocking=True)
         if done is not None:
             done.record()
-        return LaunchedStep(inputs.num_real, host, done)
+        return LaunchedStep(inputs.num_real, host, done, host_lp, prompt_lp)
+
+    def _logprobs(self, lp: StepLogprobs, turn: int) -> tuple[torch.Tensor | None, list]:
+        """Queue the logprobs of the rows `lp.rows` of the step just queued (its logits and sampled
+        tokens are in the workspace) and their copy into this turn's pinned buffer; compute a prefill
+        chunk's prompt logprobs (lm_head over the final norm's output at each position, in slices of
+        PROMPT_LOGPROB_ROWS rows; read back at once: prefill steps are synchronous)."""
+        V, ws = self.g.vocab_size, self.ws
+        host = None
+        if lp.rows:
+            n = len(lp.rows)
+            if lp.rows == list(range(n)):
+                logits, tokens = ws.logits[:n], ws.tokens[:n]
+            else:
+                idx = torch.tensor(lp.rows, dtype=torch.long).to(self.device, non_blocking=True)
+                logits, tokens = ws.logits.index_select(0, idx), ws.tokens.index_select(0, idx)
+            packed = row_logprobs(logits, tokens, lp.k, V)
+            host = self._lp_host[turn][:packed.numel()].view(packed.shape)
+            host.copy_(packed, non_blocking=True)
+        prompt = []
+        for i, flat, m, start, targets in lp.prompt:
+            parts = []
+            for a in range(0, m, PROMPT_LOGPROB_ROWS):
+                b = min(m, a + PROMPT_LOGPROB_ROWS)
+                out = torch.empty(b - a, V, dtype=torch.bfloat16, device=self.device)
+                self.ops.linear(ws.normed[flat + a:flat + b], self.w.lm_head, out)
+                parts.append(row_logprobs(out, torch.tensor(targets[a:b]), lp.k, V))
+            prompt.append((i, start, torch.cat(parts).cpu()))
+        return host, prompt
 
     def context_class(self, max_context_len: int) -> int:
         """The smallest context class holding `max_context_len` (the attention plan it runs with)."""

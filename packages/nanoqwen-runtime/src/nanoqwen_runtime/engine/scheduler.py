@@ -34,6 +34,7 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..logprobs import check_request as check_logprobs
 from ..sampling import SamplingParams
 from ..speculative import NgramDrafter, SpeculationConfig, accept_greedy
 from .blocks import BlockAllocatorProtocol, BlockManager
@@ -131,6 +132,9 @@ class Scheduler:
         sp = request.speculation
         if sp is not None and sp is not False and not isinstance(sp, SpeculationConfig):
             return f"speculation must be None, False or a SpeculationConfig, got {sp!r}"
+        why = check_logprobs(request.logprobs, request.prompt_logprobs)
+        if why is not None:
+            return why
         # the sequence stops at the context limit (finish reason "context") if max_tokens is larger
         need = min(n + request.params.max_tokens, self.max_model_len)
         if n >= self.max_model_len:
@@ -255,8 +259,12 @@ class Scheduler:
         """Admitting waiting `seq` into a prefill step with `budget` tokens left: its cached prefix
         (blocks, keys), the tokens it would compute now (at least one is left to compute: the step
         must produce logits), and the free blocks that takes (new ones, and cached blocks of the prefix
-        no one holds, which leave the free count)."""
-        hit_blocks, hit_keys = self.blocks.lookup(seq.tokens, len(seq.tokens) - 1)
+        no one holds, which leave the free count). A request that wants its prompt's logprobs takes
+        no cached prefix: they need the logits at every prompt position (logprobs.py)."""
+        if seq.request.prompt_logprobs:
+            hit_blocks, hit_keys = [], []
+        else:
+            hit_blocks, hit_keys = self.blocks.lookup(seq.tokens, len(seq.tokens) - 1)
         hit = len(hit_blocks) * self.blocks.block_size
         q = min(len(seq.tokens) - hit, budget)
         need = self.blocks.blocks_for(hit + q) - len(hit_blocks) + self.blocks.evictable_among(hit_blocks)
@@ -359,7 +367,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             seq.admitted_order = next(self._admit_counter)
             self.running.append(seq)
-            if self.blocks.prefix_caching:
+            if self.blocks.prefix_caching and not seq.request.prompt_logprobs:
                 self.prefix_queried_tokens += len(seq.tokens)
                 self.prefix_hit_tokens += hit
             self.blocks.acquire(seq, hit_blocks, hit_keys)

@@ -43,6 +43,9 @@ class Request:
     replaces the model's EOS ids for this request. A request whose prompt + max_tokens exceeds the
     context limit runs until the context is full (finish reason "context"). `detokenize=False` leaves
     the events' text empty (the `Backend` adapter: its `Pipeline` decodes the tokens itself, once).
+    `logprobs` (None: off; k in 0..20) and `prompt_logprobs`: what each token event carries
+    (nanoqwen_runtime.logprobs); a request with `prompt_logprobs` never takes its prompt from the
+    prefix cache.
     """
 
     prompt_tokens: list[int]
@@ -52,6 +55,8 @@ class Request:
     eos_ids: frozenset[int] | None = None
     detokenize: bool = True
     speculation: SpeculationConfig | Literal[False] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
 
 @dataclass(eq=False)
