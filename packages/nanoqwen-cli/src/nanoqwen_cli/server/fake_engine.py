@@ -21,8 +21,8 @@ to take `busy_s` or `prefill_s` on an idle core), not a spin until a deadline: w
 takes the GIL in the middle of it, the step gets longer, as the real engine's does.
 
 It exists so that packages/nanoqwen-bench/server/overhead_sim.py can measure the server's overhead on a
-machine without a GPU, with a step cost like the CUDA engine's on the 0.5B (~3 ms, about half of it host-bound).
-Nothing in the CLI can select it: only `run_server(FakeEngineSpec(...), ...)` does.
+machine without a GPU, with a step cost like the CUDA engine's on the 0.5B (~3 ms, about half of it
+host-bound). Nothing in the CLI can select it: only `run_server(FakeEngineSpec(...), ...)` does.
 """
 
 from __future__ import annotations

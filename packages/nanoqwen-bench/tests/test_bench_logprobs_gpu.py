@@ -5,9 +5,9 @@ sides ran, the logprob op's GPU time is measured, and the steps with logprobs to
 from __future__ import annotations
 
 import pytest
+from nanoqwen_bench.engine.bench_logprobs import logprobs_cost
 from nanoqwen_model import QWEN25_CODER_7B
 from nanoqwen_runtime.engine import Engine, EngineConfig
-from nanoqwen_runtime.engine.bench_logprobs import logprobs_cost
 from nanoqwen_runtime.engine.synthetic import random_weights
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,6 @@
 """What logprobs cost on the GPU (issue 49, item 5): the decode step with and without them, batch 1 and 64.
 
-    python -m nanoqwen_runtime.engine.bench_logprobs [--model PATH] --out DIR [--reps 4] [--new 128]
+    python -m nanoqwen_bench.engine.bench_logprobs [--model PATH] --out DIR [--reps 4] [--new 128]
 
 One engine (graph mode, overlapped decode, prefix caching and speculation off: what is measured is
 the step, not what the features do), the same random prompts of 128 tokens for both sides, decoded
@@ -29,13 +29,13 @@ import statistics
 from pathlib import Path
 
 import torch
+from nanoqwen_runtime.engine.config import EngineConfig
+from nanoqwen_runtime.engine.engine import Engine
+from nanoqwen_runtime.engine.scheduler import Request
+from nanoqwen_runtime.logprobs import MAX_TOP_LOGPROBS, row_logprobs
+from nanoqwen_runtime.sampling import SamplingParams
 
-from ..logprobs import MAX_TOP_LOGPROBS, row_logprobs
-from ..sampling import SamplingParams
 from .bench import _decode_rate, _prompt, _run, replay_time
-from .config import EngineConfig
-from .engine import Engine
-from .scheduler import Request
 
 __all__ = ["logprobs_cost", "main"]
 
