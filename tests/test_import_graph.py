@@ -5,7 +5,7 @@ or inside a function), and packages depend one way only:
     nanoqwen-quant    -> format, model
     nanoqwen-kernels  -> format, model
     nanoqwen-runtime  -> format, model, kernels
-    nanoqwen-cli      -> runtime (and what runtime uses), quant is not needed
+    nanoqwen-cli      -> runtime (and what runtime uses), quant (models by name: fetch and pack)
 
 Read from the sources with `ast`, so nothing is imported and no optional dependency is needed."""
 
@@ -21,7 +21,8 @@ ALLOWED = {
     "nanoqwen_quant": {"nanoqwen_format", "nanoqwen_model"},
     "nanoqwen_kernels": {"nanoqwen_format", "nanoqwen_model"},
     "nanoqwen_runtime": {"nanoqwen_format", "nanoqwen_model", "nanoqwen_kernels"},
-    "nanoqwen_cli": {"nanoqwen_format", "nanoqwen_model", "nanoqwen_kernels", "nanoqwen_runtime"},
+    "nanoqwen_cli": {"nanoqwen_format", "nanoqwen_model", "nanoqwen_quant", "nanoqwen_kernels",
+                     "nanoqwen_runtime"},
 }
 
 

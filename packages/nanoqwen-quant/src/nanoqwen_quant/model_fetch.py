@@ -39,7 +39,8 @@ OFFLINE_ROUTES = ("offline, give a local GGUF file or Hugging Face folder, or a 
 
 
 class ModelFetchError(RuntimeError):
-    """The Hub could not be reached, refused the request, or the repo holds nothing to pack."""
+    """The Hub could not be reached, refused the request, or the repo or local file holds nothing this
+    can pack."""
 
 
 def _stderr(line: str) -> None:
@@ -66,7 +67,15 @@ def resolve(text: str, opts=None, log: Log = _stderr, out: Path | None = None) -
         if cached is not None:
             log(f"model: {cached} (cached)")
             return cached
-    source = open_named(name, log)
+    try:
+        source = open_named(name, log)
+    except (ValueError, RuntimeError) as e:
+        # nanoqwen's refusal of a local file (SourceError, ConfigError, UnsupportedModelError) says what
+        # is wrong but not with which file: the user passed a path, so name it
+        if name.is_local and type(e).__module__.startswith("nanoqwen_"):
+            raise ModelFetchError(f"{name.path} cannot be packed into a .nanoqwen: {type(e).__name__}: "
+                                  f"{' '.join(str(e).split())}") from e
+        raise
     opts = choose_recipe(name, source, opts, log)
     target = out if out is not None else name.cache_path(recipe_label(opts))
     if out is None and target.is_file():  # e.g. a Q4_0 GGUF asked for without a recipe: imported before
