@@ -36,7 +36,8 @@ DEFAULT_PROMPT = ("Write a Python function `is_prime(n: int) -> bool` that retur
 def pack(gguf: Path, out: Path | None, method: str) -> Path:
     """The packed container: `out`, or the model cache's file for GGUF_PATH and `method` (the name
     `nanoqwen-cli generate GGUF_PATH` looks up), packing it first when it is not there."""
-    from nanoqwen_quant.model_cache import parse_model, recipe_label
+    from nanoqwen_quant.model_cache import parse_model
+    from nanoqwen_quant.model_fetch import recipe_label
     from nanoqwen_quant.options import PackOptions
 
     # GPTQ with a small calibration set: 16 windows of 512 tokens
@@ -142,7 +143,7 @@ def main() -> None:
     speed = float(STATS.search(stats).group(1))
     print(f"\n[demo] the packed model: {container} ({container.stat().st_size / 1e6:.0f} MB)\n"
           f"[demo] run it again:     nanoqwen-cli chat {container} --threads {args.threads}\n"
-          f"[demo] speed reached:    {speed:.2f} decode tok/s on the CPU ({args.threads} threads, "
+          f"[demo] speed reached:    {speed:.2f} decode tok/s on the CPU (--threads {args.threads}, "
           f"{args.dtype} matmuls): {stats}", flush=True)
 
 

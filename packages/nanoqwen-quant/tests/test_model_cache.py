@@ -10,12 +10,12 @@ from nanoqwen_quant.model_cache import (
     ModelNameError,
     ModelNotCachedError,
     cached_models,
+    file_size,
     find_cached,
     parse_model,
-    recipe_label,
     remove,
 )
-from nanoqwen_quant.model_fetch import ModelFetchError, file_size, pick_gguf
+from nanoqwen_quant.model_fetch import ModelFetchError, pick_gguf, recipe_label
 from nanoqwen_quant.options import PackOptions
 
 GGUF_HEAD = b"GGUF" + (3).to_bytes(4, "little")

@@ -45,8 +45,7 @@ def list_models(
     """List the models in the cache: name, recipe, size and file ($NANOQWEN_CACHE/models)."""
     import json
 
-    from nanoqwen_quant.model_cache import cached_models, models_dir
-    from nanoqwen_quant.model_fetch import file_size
+    from nanoqwen_quant.model_cache import cached_models, file_size, models_dir
     from rich.markup import escape
     from rich.table import Table
 
@@ -74,8 +73,7 @@ def rm(
                                         "several recipes of it are cached, or its file name")],
 ) -> None:
     """Remove a model from the cache."""
-    from nanoqwen_quant.model_cache import ModelNameError, remove
-    from nanoqwen_quant.model_fetch import file_size
+    from nanoqwen_quant.model_cache import ModelNameError, file_size, remove
 
     try:
         removed = remove(name)

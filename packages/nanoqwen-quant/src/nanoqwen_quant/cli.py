@@ -50,8 +50,8 @@ from rich.table import Table
 from .calib import heldout_rule, heldout_text
 from .evaluate import evaluate
 from .gptq import GPTQConfig
-from .model_cache import parse_model, recipe_label
-from .model_fetch import open_named, summary_line
+from .model_cache import parse_model
+from .model_fetch import open_named, recipe_label, summary_line
 from .options import PackOptions, UsageError
 from .pack import PackSummary, check_output_path
 from .pack import pack as do_pack

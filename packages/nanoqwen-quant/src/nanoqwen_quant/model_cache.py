@@ -23,7 +23,7 @@ anew. The packer writes atomically, so a cached file is complete. Hub downloads 
 huggingface_hub's cache (`$HF_HOME`, default `~/.cache/huggingface`).
 
 This module imports neither torch nor huggingface_hub: listing and removing cached models is instant.
-Fetching and packing live in model_fetch.py.
+Fetching and packing, and the recipe part of a name (`model_fetch.recipe_label`), live in model_fetch.py.
 """
 
 from __future__ import annotations
@@ -165,32 +165,6 @@ def parse_model(text: str) -> ModelName:
     raise ModelNameError(f"{text}: no such file or folder, and not a Hugging Face id (a model is {FORMS})")
 
 
-def recipe_label(opts) -> str:
-    """The cache name's recipe of a `PackOptions`: the method, then the options that differ from the
-    defaults (group size, symmetry, clip, AWQ, lm_head, calibration text)."""
-    from .options import PackOptions
-
-    d = PackOptions()
-    if opts.method == "import":
-        return "import"
-    parts = [opts.method]
-    if opts.method != "none" or opts.lm_head != "bf16":
-        if opts.group_size != d.group_size:
-            parts.append(f"g{opts.group_size}")
-        if opts.symmetric != d.symmetric:
-            parts.append("sym" if opts.symmetric else "asym")
-    for flag in ("clip", "clip_act", "awq"):
-        if getattr(opts, flag) != getattr(d, flag):
-            parts.append(flag.replace("_", "") if getattr(opts, flag) else f"no{flag.replace('_', '')}")
-    if opts.lm_head != d.lm_head:
-        parts.append(f"lm{opts.lm_head}")
-    if opts.calibrated and (opts.calib_paths or opts.calib_text not in (None, "chat")
-                            or opts.calib_tokens != d.calib_tokens or opts.calib_seq_len != d.calib_seq_len):
-        parts.append("calib-" + hashlib.sha256(repr((opts.calib_paths, opts.calib_text, opts.calib_tokens,
-                                                          opts.calib_seq_len)).encode()).hexdigest()[:6])
-    return "-".join(parts)
-
-
 def find_cached(name: ModelName) -> Path | None:
     """The cached container of `name`: of its recipe when it names one, else of the first of PREFERRED
     that is cached. None when there is none. Touches no network."""
@@ -200,6 +174,14 @@ def find_cached(name: ModelName) -> Path | None:
         if p.is_file():
             return p
     return None
+
+
+def file_size(nbytes: int) -> str:
+    """A size as people read it: 1.2 GB, 480 MB, 35 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}" if nbytes < 10 * scale else f"{nbytes / scale:,.0f} {unit}"
+    return f"{nbytes} B"
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,16 @@ layer. A line says which recipe was chosen and how to ask for the other.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .model_cache import FORMS, ModelName, find_cached, parse_model, recipe_label
+from .model_cache import FORMS, ModelName, file_size, find_cached, parse_model
+from .options import PackOptions
+from .pack import pack
+from .sources import GGUFSource, hf_folder_source, hub_folder, is_quantized_source
 
 Log = Callable[[str], None]
 METADATA_TIMEOUT_S = 10.0
@@ -96,9 +100,6 @@ def _cached_exact(name: ModelName, opts) -> Path | None:
 
 def choose_recipe(name: ModelName, source, opts, log: Log):
     """The `PackOptions` to pack `source` with (module docstring), validated."""
-    from .options import PackOptions
-    from .sources import is_quantized_source
-
     quantized = is_quantized_source(source)
     if opts is None:
         if name.recipe is not None:
@@ -111,9 +112,10 @@ def choose_recipe(name: ModelName, source, opts, log: Log):
             gpu = torch.cuda.is_available()
             opts = PackOptions(method="gptq" if gpu else "rtn")
             if not gpu:
+                ask = (f"nanoqwen-quant pack {name.path} --method gptq" if name.is_local
+                       else f"{name.display()}:gptq")
                 log(f"recipe: rtn (no CUDA GPU here; GPTQ calibrates for about 2 minutes per layer on a "
-                    f"2-core CPU: ask for it with {name.display() if not name.is_local else 'a'}:gptq "
-                    "or nanoqwen-quant pack --method gptq)")
+                    f"2-core CPU: ask for it with {ask})")
     elif opts.method is None:
         opts.method = "import" if quantized else PackOptions().method
     opts.validate()
@@ -123,8 +125,6 @@ def choose_recipe(name: ModelName, source, opts, log: Log):
 
 def open_named(name: ModelName, log: Log):
     """The `Source` of a GGUF file, HF folder or Hub id (downloading what it needs)."""
-    from .sources import GGUFSource, hf_folder_source
-
     if name.kind == "gguf":
         return GGUFSource(name.path)
     if name.kind == "folder":
@@ -213,8 +213,6 @@ def _download(name: ModelName, gguf: str | None, revision: str | None, local_onl
     """The GGUF file, or the snapshot folder of the safetensors checkpoint, in huggingface_hub's cache."""
     from huggingface_hub import hf_hub_download
 
-    from .sources import hub_folder
-
     try:
         if gguf is not None:
             return Path(hf_hub_download(name.repo, gguf, revision=revision, local_files_only=local_only))
@@ -268,12 +266,34 @@ def pick_gguf(name: ModelName, files: list[str]) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ packing
+def recipe_label(opts) -> str:
+    """The cache name's recipe of a `PackOptions`: the method, then the options that differ from the
+    defaults (group size, symmetry, clip, AWQ, lm_head, calibration text)."""
+    d = PackOptions()
+    if opts.method == "import":
+        return "import"
+    parts = [opts.method]
+    if opts.method != "none" or opts.lm_head != "bf16":
+        if opts.group_size != d.group_size:
+            parts.append(f"g{opts.group_size}")
+        if opts.symmetric != d.symmetric:
+            parts.append("sym" if opts.symmetric else "asym")
+    for flag in ("clip", "clip_act", "awq"):
+        if getattr(opts, flag) != getattr(d, flag):
+            parts.append(flag.replace("_", "") if getattr(opts, flag) else f"no{flag.replace('_', '')}")
+    if opts.lm_head != d.lm_head:
+        parts.append(f"lm{opts.lm_head}")
+    if opts.calibrated and (opts.calib_paths or opts.calib_text not in (None, "chat")
+                            or opts.calib_tokens != d.calib_tokens or opts.calib_seq_len != d.calib_seq_len):
+        parts.append("calib-" + hashlib.sha256(repr((opts.calib_paths, opts.calib_text, opts.calib_tokens,
+                                                          opts.calib_seq_len)).encode()).hexdigest()[:6])
+    return "-".join(parts)
+
+
 def pack_with_progress(source, out: Path, opts, log: Log):
     """`pack.pack` with a rich progress bar of the layers on stderr. Returns the PackSummary."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from .pack import pack
 
     err = Console(stderr=True)
     log(f"packing {source.spec} ({opts.method}) into {out}")
@@ -285,14 +305,6 @@ def pack_with_progress(source, out: Path, opts, log: Log):
             bar.update(task, description=stage, completed=done, total=total)
 
         return pack(source, out, opts, progress=progress, log=log)
-
-
-def file_size(nbytes: int) -> str:
-    """A size as people read it: 1.2 GB, 480 MB, 35 kB."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}" if nbytes < 10 * scale else f"{nbytes / scale:,.0f} {unit}"
-    return f"{nbytes} B"
 
 
 def summary_line(s) -> str:
