@@ -171,9 +171,19 @@ def test_list_and_rm(hub_root, tmp_path, monkeypatch):
     lines = res.output.splitlines()
     assert max(map(len, lines)) <= 80, res.output
     rows = [line.split() for line in lines if line.startswith("local:")]
-    assert [(r[0].startswith("local:coder--"), r[2]) for r in rows] == [(True, "none"), (True, "rtn")], rows
+    assert [(r[0].startswith("local:coder--"), r[1]) for r in rows] == [(True, "none"), (True, "rtn")], rows
+    assert all(r[-1].startswith("local--coder--") for r in rows)  # the file column fits here
     listed = json.loads(runner.invoke(app, ["list", "--json"]).output)
     assert [m["recipe"] for m in listed] == ["none", "rtn"] and all(Path(m["path"]).is_file() for m in listed)
+
+    long = Path(listed[0]["path"]).with_name("Qwen--Qwen2.5-Coder-32B-Instruct-GGUF--qwen2.5-coder-32b-"
+                                             "instruct-q4_k_m--rtn.nanoqwen")
+    long.write_bytes(Path(listed[0]["path"]).read_bytes())
+    res = runner.invoke(app, ["list"])  # a long name: the file column gives way, and it says so
+    assert res.exit_code == 0 and max(map(len, res.output.splitlines())) <= 80, res.output
+    assert "Qwen/Qwen2.5-Coder-32B-Instruct-GGUF:qwen2.5-coder-32b-instruct" in res.output  # folded, not cut
+    assert "(file names left out at 80 columns: list --json or a wider terminal shows them)" in res.output
+    long.unlink()
 
     res = runner.invoke(app, ["rm", listed[1]["name"]])  # two recipes of it: which one?
     assert res.exit_code == 1 and "2 cached recipes; give one of" in res.output

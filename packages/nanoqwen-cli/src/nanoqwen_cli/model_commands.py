@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from .container_commands import fit_columns
 from .errors import CliError
 
 PIPE_WIDTH = 80
@@ -58,14 +59,19 @@ def list_models(
     if not models:
         out.print(f"no models in the cache {escape(str(models_dir()))}", highlight=False, soft_wrap=True)
         return
-    table = Table(show_edge=False, pad_edge=False, title=escape(str(models_dir())), title_justify="left")
-    table.add_column("name", overflow="fold")
-    table.add_column("recipe", no_wrap=True)
-    table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("file", overflow="fold")
-    for m in models:
-        table.add_row(escape(m.name), escape(m.recipe), file_size(m.nbytes), escape(m.path.name))
+    headers = ["name", "recipe", "size", "file"]
+    rows = [[m.name, m.recipe, file_size(m.nbytes), m.path.name] for m in models]
+    kept = fit_columns(headers, rows, out.width, ["file"])
+    out.print(escape(str(models_dir())), highlight=False, soft_wrap=True)
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col in kept:
+        table.add_column(col, justify="right" if col == "size" else "left", overflow="fold")
+    for r in rows:
+        table.add_row(*[escape(v) for h, v in zip(headers, r, strict=True) if h in kept])
     out.print(table)
+    if "file" not in kept:
+        out.print(f"(file names left out at {out.width} columns: list --json or a wider terminal shows them)",
+                  highlight=False)
 
 
 def rm(
