@@ -4,11 +4,14 @@ the way huggingface_hub reads the Hub), never the network.
 
 Every command runs as a user runs it, in a subprocess on the CPU, with HF_ENDPOINT at the mirror and
 HF_HOME and NANOQWEN_CACHE in the test's own folder (no real cache is read or written). The mirror
-serves the tiny random Qwen2 of the quant tests (an HF folder) and a GPTQ checkpoint of it.
+serves the tiny random Qwen2 of the quant tests (an HF folder), a GPTQ checkpoint of it, and a GGUF
+repo of it (two files).
 
 - the first `generate tiny/coder` fetches, packs (RTN on the CPU) and runs; the second finds the cached
   container and sends the mirror no request at all;
 - the GPTQ checkpoint is imported, byte for byte the tensors of a local `pack --method import`;
+- `owner/name:F16` fetches that one GGUF file of the repo, packs and runs it; the repo without a tag
+  is refused, listing its files;
 - an unreachable Hub (one that drops every connection, or HF_HUB_OFFLINE=1) gives one line that names
   the offline routes, after one attempt (the dropping server counts connections: no retry loop);
 - a repo the Hub does not have is one line;
@@ -26,6 +29,7 @@ import sys
 from pathlib import Path
 
 import nanoqwen_format as nqf
+import numpy as np
 import pytest
 from nanoqwen_cli.main import app
 from typer.testing import CliRunner
@@ -46,11 +50,16 @@ ROUTES = "offline, give a local GGUF file or Hugging Face folder, or a .nanoqwen
 
 @pytest.fixture(scope="module")
 def hub_root(tmp_path_factory) -> Path:
-    """tiny/coder (the tiny float model) and tiny/coder-gptq (a GPTQ v1 sym g128 checkpoint of it)."""
+    """tiny/coder (the tiny float model), tiny/coder-gptq (a GPTQ v1 sym g128 checkpoint of it) and
+    tiny/coder-GGUF (two GGUF files of it, f32 and f16, as GGUF repos publish one file per quant type)."""
     root = tmp_path_factory.mktemp("hub")
     coder = tiny.write_tiny_folder(root / "tiny" / "coder")
     cw.write_gptq(root / "tiny" / "coder-gptq", tiny.tiny_state_dict(), dict(tiny.TINY_CONFIG), coder,
                   group_size=128, sym=True, checkpoint_format="gptq")
+    (root / "tiny" / "coder-GGUF").mkdir()
+    for kind, dtype in (("f32", np.float32), ("f16", np.float16)):
+        cw.write_gguf(root / "tiny" / "coder-GGUF" / f"tiny-coder-{kind}.gguf", coder, dtype)
+    (root / "tiny" / "coder-GGUF" / "README.md").write_text("two GGUF files\n")
     return root
 
 
@@ -123,6 +132,23 @@ def test_a_gptq_checkpoint_is_imported_exactly(mirror, hub_root, tmp_path):
         assert a.metadata["quantization"]["method"] == "import"
         assert {n: (r.layout, r.checksum) for n, r in a.records.items()} == \
                {n: (r.layout, r.checksum) for n, r in b.records.items()}
+
+
+def test_one_gguf_file_of_a_repo_by_its_quant_tag(mirror, tmp_path):
+    """`owner/name:F16` fetches that GGUF file only (as llama.cpp's `-hf user/repo:Q4_K_M`), packs and
+    runs it; the repo without a tag is refused, listing its GGUF files."""
+    env = env_for(tmp_path, mirror.url)
+    res = cli(["generate", "tiny/coder-GGUF:F16", *GENERATE[2:]], env)
+    assert res.returncode == 0, res.stderr
+    assert "fetching tiny/coder-GGUF:F16 (tiny-coder-f16.gguf) from the Hugging Face Hub" in res.stderr
+    fetched = {p.rsplit("/", 1)[-1] for m, p in mirror.requests if m == "GET" and "/resolve/" in p}
+    assert fetched == {"tiny-coder-f16.gguf"}, fetched
+    cached = tmp_path / "nanoqwen" / "models" / "tiny--coder-GGUF--F16--rtn.nanoqwen"
+    assert f"packed {cached}: " in res.stderr and "[1 prompt tokens, 2 generated" in res.stderr
+    res = quant(["pack", "tiny/coder-GGUF"], env)
+    assert res.returncode == 1 and res.stderr.splitlines() == [
+        "error: tiny/coder-GGUF holds 2 GGUF files: pick one with tiny/coder-GGUF:QUANT (such as Q4_K_M) "
+        "or tiny/coder-GGUF:FILE.gguf (tiny-coder-f16.gguf, tiny-coder-f32.gguf)"], res.stderr
 
 
 def test_an_unreachable_hub_is_one_line_after_one_attempt(tmp_path):
