@@ -15,12 +15,12 @@ the error names the offline routes. huggingface_hub retries a failed request for
 line per try; the metadata request (which does not retry) runs first, so an unreachable Hub is known
 before any download starts, and huggingface_hub's log is turned down to errors while it runs.
 
-The recipe: the name's recipe tag (`:rtn`, `:gptq`, ...), or a `PackOptions` the caller passes (the
-`pack` command's options); otherwise a GPTQ/AWQ checkpoint or an all-Q4_0 GGUF is imported exactly, and
-anything else is packed with `PackOptions`' default (GPTQ, calibrated) when a CUDA GPU is present, or
-with RTN on the CPU: the calibrated layer loop takes about 2 minutes per layer of the 0.5B on a 2-core
-CPU (bench/quality/README.md), most of an hour before the first token, where RTN takes seconds per
-layer. A line says which recipe was chosen and how to ask for the other.
+The recipe: the name's recipe tag (`:rtn`, `:gptq`, ...); otherwise a GPTQ/AWQ checkpoint or an
+all-Q4_0 GGUF is imported exactly, and anything else is packed with `PackOptions`' default (GPTQ,
+calibrated) when a CUDA GPU is present, or with RTN on the CPU: the calibrated layer loop takes about
+2 minutes per layer of the 0.5B on a 2-core CPU (bench/quality/README.md), most of an hour before the
+first token, where RTN takes seconds per layer. A line says which recipe was chosen and how to ask for
+the other.
 """
 
 from __future__ import annotations
@@ -51,26 +51,18 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def resolve(text: str, opts=None, log: Log = _stderr, out: Path | None = None) -> Path:
-    """The `.nanoqwen` file that `text` names, fetched and packed into the cache when needed.
-
-    opts: a `PackOptions` (the recipe) or None for the default (module docstring); a recipe tag in
-    `text` wins over None only. out: write there instead of the cache (`pack -o`), always packing.
-    Raises ModelNameError / ModelFetchError (one line), or what `pack` raises."""
+def resolve(text: str, log: Log = _stderr) -> Path:
+    """The `.nanoqwen` file that `text` names, fetched and packed into the cache when needed (what
+    `nanoqwen-cli generate / chat / serve` run; `nanoqwen-quant pack` takes its recipe from its options
+    and calls `open_named` itself). Raises ModelNameError / ModelFetchError (one line), or what `pack`
+    raises."""
     name = parse_model(text)
     if name.kind == "container":
-        if out is not None:
-            raise ModelFetchError(f"{text} is already a .nanoqwen container: there is nothing to pack "
-                                  "(run it: nanoqwen-cli generate FILE)")
         return name.path
-    if opts is not None and name.recipe is not None and opts.method != name.recipe:
-        raise ModelFetchError(f"{text} names the recipe {name.recipe}, and --method is {opts.method}: "
-                              "give one")
-    if out is None:
-        cached = find_cached(name) if opts is None else _cached_exact(name, opts)
-        if cached is not None:
-            log(f"model: {cached} (cached)")
-            return cached
+    cached = find_cached(name)
+    if cached is not None:
+        log(f"model: {cached} (cached)")
+        return cached
     try:
         source = open_named(name, log)
     except (ValueError, RuntimeError) as e:
@@ -80,44 +72,31 @@ def resolve(text: str, opts=None, log: Log = _stderr, out: Path | None = None) -
             raise ModelFetchError(f"{name.path} cannot be packed into a .nanoqwen: {type(e).__name__}: "
                                   f"{' '.join(str(e).split())}") from e
         raise
-    opts = choose_recipe(name, source, opts, log)
-    target = out if out is not None else name.cache_path(recipe_label(opts))
-    if out is None and target.is_file():  # e.g. a Q4_0 GGUF asked for without a recipe: imported before
-        log(f"model: {target} (cached)")
-        return target
+    opts = choose_recipe(name, source, log)
+    target = name.cache_path(recipe_label(opts))
     target.parent.mkdir(parents=True, exist_ok=True)
     summary = pack_with_progress(source, target, opts, log)
     log(summary_line(summary))
     return target
 
 
-def _cached_exact(name: ModelName, opts) -> Path | None:
-    """The cached container of `name` packed with exactly `opts` (whose method may still be None-like:
-    the caller passes a method, so the label is known)."""
-    p = name.cache_path(recipe_label(opts))
-    return p if p.is_file() else None
+def choose_recipe(name: ModelName, source, log: Log) -> PackOptions:
+    """The `PackOptions` to pack `source` with (module docstring), validated: the name's recipe tag, or
+    import for a quantized source, or GPTQ with a CUDA GPU and RTN without (saying so)."""
+    if name.recipe is not None:
+        opts = PackOptions(method=name.recipe)
+    elif is_quantized_source(source):
+        opts = PackOptions(method="import")
+    else:
+        import torch
 
-
-def choose_recipe(name: ModelName, source, opts, log: Log):
-    """The `PackOptions` to pack `source` with (module docstring), validated."""
-    quantized = is_quantized_source(source)
-    if opts is None:
-        if name.recipe is not None:
-            opts = PackOptions(method=name.recipe)
-        elif quantized:
-            opts = PackOptions(method="import")
-        else:
-            import torch
-
-            gpu = torch.cuda.is_available()
-            opts = PackOptions(method="gptq" if gpu else "rtn")
-            if not gpu:
-                ask = (f"nanoqwen-quant pack {name.path} --method gptq" if name.is_local
-                       else f"{name.display()}:gptq")
-                log(f"recipe: rtn (no CUDA GPU here; GPTQ calibrates for about 2 minutes per layer on a "
-                    f"2-core CPU: ask for it with {ask})")
-    elif opts.method is None:
-        opts.method = "import" if quantized else PackOptions().method
+        gpu = torch.cuda.is_available()
+        opts = PackOptions(method="gptq" if gpu else "rtn")
+        if not gpu:
+            ask = (f"nanoqwen-quant pack {name.path} --method gptq" if name.is_local
+                   else f"{name.display()}:gptq")
+            log(f"recipe: rtn (no CUDA GPU here; GPTQ calibrates for about 2 minutes per layer on a "
+                f"2-core CPU: ask for it with {ask})")
     opts.validate()
     opts.check_model(source.config)
     return opts
