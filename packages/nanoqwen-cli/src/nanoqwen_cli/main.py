@@ -20,6 +20,7 @@ from .bench_commands import bench
 from .container_commands import inspect, verify
 from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, cli_command, set_debug
 from .generate_commands import chat, generate
+from .model_commands import list_models, rm
 from .serve_command import serve
 
 # The other packages whose versions --version prints (torch last), in dependency order.
@@ -33,7 +34,8 @@ app = typer.Typer(
     # plain Python tracebacks (with --debug): rich's would print every local, tensors included
     pretty_exceptions_enable=False,
     help="nanoqwen: INT4 inference for Qwen2.5-Coder. Generate text and chat with a .nanoqwen container "
-         "(on the CPU or a Hopper GPU), benchmark the CUDA engine, inspect and verify containers. "
+         "(on the CPU or a Hopper GPU), benchmark the CUDA engine, inspect and verify containers. A model "
+         "is a .nanoqwen file, a GGUF file, an HF folder or an HF id, packed into the cache once (list, rm). "
          "Errors are one line on stderr: exit 1 for a file, the model or the machine, 2 for the command "
          "line; --debug shows the traceback.",
 )
@@ -87,6 +89,8 @@ app.command("bench")(cli_command(bench))
 app.command("inspect")(cli_command(inspect))
 app.command("verify")(cli_command(verify))
 app.command("serve")(cli_command(serve))
+app.command("list")(cli_command(list_models))
+app.command("rm")(cli_command(rm))
 
 
 def _parser_error(exc: Exception) -> int | None:

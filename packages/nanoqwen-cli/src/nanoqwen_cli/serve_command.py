@@ -46,7 +46,7 @@ from .generate_commands import (
     Speculate,
     Threads,
 )
-from .inputs import check_model_path
+from .model_commands import resolve_model
 
 API_KEY_ENV = "NANOQWEN_API_KEY"
 
@@ -69,7 +69,8 @@ def serve(
     api_key: Annotated[str | None, typer.Option("--api-key", envvar=API_KEY_ENV, show_envvar=True,
                                                 help="require 'Authorization: Bearer KEY' on /v1/*")] = None,
     model_name: Annotated[str | None, typer.Option("--model-name", help="the model id clients send "
-                                                   "(default: the container's file name without .nanoqwen)")]
+                                                   "(default: MODEL as given; a .nanoqwen file's name "
+                                                   "without .nanoqwen)")]
     = None,
     kv_memory: KvMemory = None,
     max_model_len: MaxModelLen = None,
@@ -122,8 +123,8 @@ def serve(
         raise UsageError(f"--cpu-placement must be auto or off, got {cpu_placement!r}")
     body_limit = _size(max_body, "--max-body")
     kv_bytes = _size(kv_memory, "--kv-memory") if kv_memory else None
-    path = check_model_path(model)
-    name = model_name or path.name.removesuffix(".nanoqwen")
+    path = resolve_model(model)
+    name = model_name or (path.name.removesuffix(".nanoqwen") if path == model else str(model))
 
     from nanoqwen_runtime.backend import resolve_device
     from nanoqwen_runtime.generate import Pipeline

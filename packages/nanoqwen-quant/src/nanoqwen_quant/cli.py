@@ -1,18 +1,22 @@
 """`nanoqwen-quant`: pack a Qwen2 checkpoint into a .nanoqwen (none / rtn / gptq), evaluate perplexity,
 and write the held-out evaluation text.
 
-    nanoqwen-quant pack SRC -o OUT.nanoqwen --method gptq|rtn|none|import --group-size 128 [--sym|--asym]
+    nanoqwen-quant pack SRC [-o OUT.nanoqwen] --method gptq|rtn|none|import --group-size 128 [--sym|--asym]
                         [--clip|--no-clip] [--clip-act] [--awq|--no-awq]
                         [--lm-head bf16|int8|int4] [--calib PATH ... | --calib-text chat|code]
                         [--calib-tokens N]
                         [--calib-seq-len N] [--calib-batch N] [--damp F] [--act-order|--no-act-order]
                         [--static-groups|--dynamic-groups]
-                        [--device D] [--resume] [--checkpoint-dir DIR] [--debug]
+                        [--device D] [--resume] [--checkpoint-dir DIR] [--verbose] [--debug]
     nanoqwen-quant eval MODEL.nanoqwen --text FILE [--reference NONE.nanoqwen] [--json] [--seq-len 1024]
                         [--max-tokens N] [--device D]
     nanoqwen-quant heldout -o FILE [--chars N]     held-out stdlib code, disjoint from calibration
 
-SRC is a GGUF file, a local HF folder (safetensors + config.json + tokenizer.json), or an HF hub id.
+SRC is a GGUF file, a local HF folder (safetensors + config.json + tokenizer.json), or an HF hub id
+(`owner/name[@revision][:file.gguf|:QUANT][:recipe]`, model_cache.py). Without -o the container goes
+into the model cache (`$NANOQWEN_CACHE/models`), where `nanoqwen-cli generate SRC` finds it; a pack
+already there is not repeated. The pack ends with one summary line (file, size, time, device, the
+worst layer's weight error); `--verbose` adds the per-layer error table and GPTQ's damping notes.
 Without --method: GPTQ asym g128 calibrated on chat conversations in the model's own template
 (`PackOptions`' defaults, chosen by the pass rate in bench/RESULTS.md), or `import` for an
 already-quantized GPTQ/AWQ checkpoint or a GGUF whose decoder linears are all Q4_0. A calibrated pack
@@ -46,10 +50,12 @@ from rich.table import Table
 from .calib import heldout_rule, heldout_text
 from .evaluate import evaluate
 from .gptq import GPTQConfig
+from .model_cache import parse_model
+from .model_fetch import open_named, recipe_label, summary_line
 from .options import PackOptions, UsageError
 from .pack import PackSummary, check_output_path
 from .pack import pack as do_pack
-from .sources import is_quantized_source, open_source
+from .sources import is_quantized_source
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Import Qwen2 checkpoints and quantize them to INT4 (RTN, GPTQ) into .nanoqwen files.")
@@ -123,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
 @app.command()
 def pack(
     src: str = typer.Argument(..., help="GGUF file, local HF folder, or HF hub id "
-                              "(owner/name or owner/name@revision)"),
-    out: Path = typer.Option(..., "-o", "--out", help="output .nanoqwen path: written to "
+                              "(owner/name[@revision][:file.gguf|:QUANT][:recipe])"),
+    out: Path = typer.Option(None, "-o", "--out", help="output .nanoqwen path: written to "
                              "OUT.partial-PID-RANDOM beside it, then renamed; an existing file is replaced, "
-                             "a directory refused"),
+                             "a directory refused (default: the model cache, $NANOQWEN_CACHE/models, "
+                             "where nanoqwen-cli finds it by SRC)"),
     method: str = typer.Option(None, help="gptq (calibrated) | rtn (no calibration) | none (bf16 linears) "
                                "| import (a GPTQ/AWQ checkpoint or an all-Q4_0 GGUF, exactly); default: "
                                "import for those, else gptq"),
@@ -161,11 +168,20 @@ def pack(
     resume: bool = typer.Option(False, "--resume",
                                 help="GPTQ/AWQ: continue an interrupted run from its checkpoint folder"),
     checkpoint_dir: str = typer.Option(None, help="GPTQ/AWQ: checkpoint folder (default OUT.ckpt)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="print the per-layer error table too"),
     debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
-    """Pack SRC into OUT with the given recipe. Options marked GPTQ are refused with another --method."""
+    """Pack SRC into OUT (or the model cache) with the given recipe. Options marked GPTQ are refused with
+    another --method."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (resume)
     with _errors(debug):
+        name = parse_model(src)
+        if name.kind == "container":
+            raise UsageError(f"{src} is already a .nanoqwen container: there is nothing to pack")
+        if method is None and name.recipe is not None:
+            method = name.recipe
+        elif method is not None and name.recipe not in (None, method):
+            raise UsageError(f"{src} names the recipe {name.recipe}, and --method is {method}: give one")
         opts = PackOptions(method=method or _D.method, group_size=group_size, symmetric=sym, clip=clip,
                            clip_act=clip_act, awq=awq, lm_head=lm_head,
                            device=device, calib_paths=calib or None, calib_text=calib_text,
@@ -186,15 +202,28 @@ def pack(
 
         # without --method a GPTQ/AWQ source becomes an import, which has no checkpoint folder: pack()
         # checks that folder once the method is known
-        for p in check_output_path(out, opts, check_checkpoint=method is not None):
-            say(f"{out}: {p}")
+        if out is not None:
+            for p in check_output_path(out, opts, check_checkpoint=method is not None):
+                say(f"{out}: {p}")
+        else:  # into the cache: done already when a container of this source and recipe is there
+            labels = [recipe_label(opts)] if method is not None else ["import", recipe_label(opts)]
+            cached = next((p for p in map(name.cache_path, labels) if p.is_file()), None)
+            if cached is not None:
+                err.print(f"{cached}: already in the model cache (nanoqwen-cli rm removes it)",
+                          markup=False, highlight=False, soft_wrap=True)
+                return
         if err.is_terminal:  # feedback while a hub download or a GGUF's tokenizer conversion runs
             err.print(f"opening {src}", markup=False, highlight=False, soft_wrap=True)
-        source = open_source(src)
+        source = open_named(name, say)
         if method is None and is_quantized_source(source):  # no --method: import it exactly
             opts.method = "import"
             opts.validate()
         opts.check_model(source.config)
+        if out is None:
+            out = name.cache_path(recipe_label(opts))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            for p in check_output_path(out, opts):
+                say(f"{out}: {p}")
         c = source.config
         notice = cpu_calibration_notice(opts, c.num_hidden_layers)
         if notice:
@@ -216,7 +245,10 @@ def pack(
                 bar.update(task, description=stage, completed=done, total=total)
 
             summary = do_pack(source, out, opts, progress=progress, log=say)
-    _print_summary(summary)
+    if verbose:
+        _print_summary(summary)
+    notes = f"; {len(summary.notes)} notes (--verbose shows them)" if summary.notes and not verbose else ""
+    err.print(summary_line(summary) + notes, markup=False, highlight=False, soft_wrap=True)
 
 
 def cpu_calibration_notice(opts: PackOptions, layers: int) -> str | None:
@@ -244,8 +276,6 @@ def _print_summary(s: PackSummary) -> None:
         t.add_row(str(i), *[f"{e[n][k]:.2e}" if n in e and k in e[n] else "-" for n in names for k in shown])
     if names:
         err.print(t)
-    else:
-        err.print(f"{s.out}: {s.nbytes / 1e9:.3f} GB in {s.seconds:.1f} s (bf16 linears, no quantization)")
     for n in s.notes:
         err.print(f"[yellow]note:[/yellow] {n}")
 

@@ -1,8 +1,8 @@
 """`pack`: a Qwen2 checkpoint -> a `.nanoqwen` container, with method none (bf16), rtn or gptq, optionally
 with the clip search (clip.py) and AWQ scaling (awq.py).
 
-This module only orchestrates; each step has its own module, imported one way (nothing imports
-pack.py):
+This module only orchestrates; each step has its own module, imported one way (only cli.py and
+model_fetch.py import pack.py):
 
     options.py  PackOptions (the recipe)          rtn.py / gptq.py  the quantizers of one matrix
     sources.py  the checkpoint, layer by layer     gptq_layers.py    the GPTQ decoder-layer loop

@@ -459,16 +459,26 @@ def hf_folder_source(folder: str | Path, spec: str | None = None) -> HFFolderSou
     return HFFolderSource(folder, spec) if scheme is None else QuantizedHFSource(folder, scheme, spec)
 
 
-def hub_source(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> HFFolderSource:
-    """Download only the files a pack needs (config first, so a non-Qwen2 repo is refused early)."""
+def hub_folder(repo_id: str, revision: str | None = None, cache_dir: str | None = None,
+               local_files_only: bool = False) -> Path:
+    """Download only the files a pack needs into huggingface_hub's cache and return the snapshot folder
+    (config first, so a non-Qwen2 repo or an unsupported quantization is refused before the weights).
+    `local_files_only`: take them from that cache, never the network."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
-    cfg = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir)
+    cfg = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir,
+                          local_files_only=local_files_only)
     cfg_map = json.loads(Path(cfg).read_text())
     packable(Qwen2Config.from_hf(cfg_map))
     if cfg_map.get("quantization_config") is not None:  # refuse an unsupported scheme before the download
         QuantScheme.from_config(cfg_map["quantization_config"], f"{repo_id}: config.json")
-    folder = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=HUB_PATTERNS)
+    return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                  allow_patterns=HUB_PATTERNS, local_files_only=local_files_only))
+
+
+def hub_source(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> HFFolderSource:
+    """The source of an HF hub repo (`hub_folder`, then `hf_folder_source`)."""
+    folder = hub_folder(repo_id, revision, cache_dir)
     return hf_folder_source(folder, spec=repo_id if revision is None else f"{repo_id}@{revision}")
 
 
@@ -490,5 +500,5 @@ def open_source(spec: str) -> Source:
 
 
 __all__ = ["Source", "GGUFSource", "HFFolderSource", "SourceError", "UnsupportedModelError", "open_source",
-           "hub_source", "hf_folder_source", "QuantizedHFSource", "is_quantized_source",
+           "hub_source", "hub_folder", "hf_folder_source", "QuantizedHFSource", "is_quantized_source",
            "packable"]
