@@ -38,6 +38,7 @@ from .reference import ReferenceModel
 from .request_stream import Event, FinishEvent, RequestStream
 from .sampling import Sampler
 from .speculative import SpeculationConfig
+from .token_mask import apply_token_bitmask_, full_bitmask
 
 __all__ = ["ReferenceEngine", "ReferenceEngineConfig"]
 
@@ -110,6 +111,7 @@ class ReferenceEngine(EngineBase):
         EngineBase.__init__(self)
         self._samplers: dict[int, Sampler] = {}  # seq_id -> its CPU sampler (made at its first token)
         self.num_steps = {"prefill": 0, "decode": 0}
+        self.num_masked_rows = 0  # sampled rows a grammar's bitmask constrained
         dt = str(model.dtype).removeprefix("torch.")
         self.name = (f"reference engine (plain torch) on {self.device}, {dt} matmuls, "
                      f"{self.num_blocks} KV blocks of {config.block_size} tokens")
@@ -143,6 +145,13 @@ class ReferenceEngine(EngineBase):
             side_work()
         logits = self.model.forward(tokens, meta, self.cache)  # f32 [rows, vocab]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
+        constrained = [(rows[i][-1], s) for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True))
+                       if smp and s.matcher is not None and s.status is SeqStatus.RUNNING]
+        if constrained:  # grammar rows: -inf where the bitmask forbids (other rows: all ones)
+            masks = full_bitmask(logits.shape[0], logits.shape[1])
+            self.num_masked_rows += self._fill_token_masks(constrained, masks)
+            with torch.inference_mode():  # the forward's logits are inference tensors
+                apply_token_bitmask_(logits, masks)
         sampled: dict[int, int | list[int]] = {}
         events: list[Event] = []
         for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):

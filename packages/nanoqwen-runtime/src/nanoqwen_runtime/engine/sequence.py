@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..sampling import SamplingParams
 from ..speculative import NgramDrafter, SpeculationConfig
+
+if TYPE_CHECKING:
+    from ..grammar import Grammar, GrammarMatcher
 
 __all__ = ["FinishReason", "SeqStatus", "Request", "Sequence"]
 
@@ -43,6 +46,8 @@ class Request:
     replaces the model's EOS ids for this request. A request whose prompt + max_tokens exceeds the
     context limit runs until the context is full (finish reason "context"). `detokenize=False` leaves
     the events' text empty (the `Backend` adapter: its `Pipeline` decodes the tokens itself, once).
+    `grammar` constrains the sampled tokens to it (a token bitmask per step, grammar.py); such a request
+    is never speculated and, in the CUDA engine, runs its steps synchronously (engine.py).
     """
 
     prompt_tokens: list[int]
@@ -52,6 +57,7 @@ class Request:
     eos_ids: frozenset[int] | None = None
     detokenize: bool = True
     speculation: SpeculationConfig | Literal[False] | None = None
+    grammar: Grammar | None = None  # constrained decoding (grammar.py): sampled tokens follow it
 
 
 @dataclass(eq=False)
@@ -72,6 +78,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks
     drafter: NgramDrafter | None = None  # prompt-lookup drafts (greedy requests with speculation)
     num_new_tokens: int = 0  # tokens the last `Scheduler.commit` appended (> 1 after a verify step)
+    matcher: GrammarMatcher | None = None  # the request's grammar state (engine_base; never speculated)
 
     @property
     def num_generated(self) -> int:
