@@ -13,8 +13,13 @@ import pytest
 import torch
 from engine_testkit import cpu_config
 from nanoqwen_runtime.engine import Engine, FinishEvent, Request
-from nanoqwen_runtime.grammar import (GrammarError, GrammarMatcher, compile_json_schema, lark_grammar,
-                                      matcher_tokenizer)
+from nanoqwen_runtime.grammar import (
+    GrammarError,
+    GrammarMatcher,
+    compile_json_schema,
+    lark_grammar,
+    matcher_tokenizer,
+)
 from nanoqwen_runtime.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from nanoqwen_runtime.sampling import SamplingParams
 from nanoqwen_runtime.speculative import SpeculationConfig
@@ -101,7 +106,8 @@ def test_schema_errors_name_the_feature_and_the_path(schema, feature, path):
 
 def _engines(tmp_path, speculation=None):
     path = write_tiny_container(tmp_path / "tiny.nanoqwen", seed=1)
-    ref = ReferenceEngine.from_file(path, ReferenceEngineConfig(kv_memory_bytes=8 << 20, speculation=speculation))
+    ref = ReferenceEngine.from_file(path, ReferenceEngineConfig(kv_memory_bytes=8 << 20,
+                                                                speculation=speculation))
     eng = Engine.from_file(path, cpu_config(max_model_len=256, speculation=speculation))
     return ref, eng
 
@@ -124,7 +130,8 @@ def test_constrained_and_unconstrained_rows_share_a_batch(tmp_path):
     tok = ref.tokenizer
     prompt = tok.encode("def f(x):\n    return")
     for engine in (ref, eng):
-        alone, _ = engine_events(engine, [Request(list(prompt), SamplingParams(max_tokens=24), request_id="a")])
+        alone, _ = engine_events(engine, [Request(list(prompt), SamplingParams(max_tokens=24),
+                                                  request_id="a")])
         ahead = getattr(engine, "num_steps_ahead", 0)
         toks, fins = engine_events(engine, _requests(grammar, prompt))
         assert toks["free"] == alone["a"]
@@ -159,8 +166,8 @@ def test_constrained_requests_are_not_speculated(tmp_path):
     grammar = lark_grammar('start: ("ab")+ "."')
     prompt = ref.tokenizer.encode("abababababababab")
     for engine in (ref, eng):
-        toks, fins = engine_events(engine, [Request(list(prompt), SamplingParams(max_tokens=8), request_id="g",
-                                                    grammar=grammar)])
+        toks, fins = engine_events(engine, [Request(list(prompt), SamplingParams(max_tokens=8),
+                                                    request_id="g", grammar=grammar)])
         assert engine.stats().spec_drafted_tokens == 0
         assert ref.tokenizer.decode(toks["g"]).startswith("ab")
 

@@ -44,9 +44,9 @@ import numpy as np
 import torch
 from nanoqwen_model import Qwen2Config
 
+from ..token_mask import apply_token_bitmask_, bit_values, full_bitmask
 from .config import EngineConfig
 from .metadata import DeviceStepBuffers, StepInputs
-from ..token_mask import apply_token_bitmask_, bit_values, full_bitmask
 from .residual import NO_UPDATE, NormedInput
 from .weights import ModelWeights
 
