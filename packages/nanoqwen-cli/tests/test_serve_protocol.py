@@ -55,8 +55,8 @@ BAD = [
     (chat(tool_choice="auto"), 400, "tool_choice", "invalid_value"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={
         "type": "function", "function": {"name": "g"}}), 400, "tool_choice", "invalid_value"),
-    (chat(messages=[{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "call_1", "content": "2"}]),
-     400, "messages[1].tool_call_id", "invalid_value"),
+    (chat(messages=[{"role": "user", "content": "a"},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "2"}]), 400, "messages[1].tool_call_id", "invalid_value"),
     (chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "{not json"}}]}]), 400, "messages[0].tool_calls[0].function.arguments",
      "invalid_value"),
@@ -65,8 +65,8 @@ BAD = [
     (chat(logit_bias={"1": 5}), 400, "logit_bias", "unsupported_parameter"),
     (chat(response_format={"type": "yaml"}), 400, "response_format", "invalid_value"),
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "properties": {"a": {"if": {}, "then": {}}}}}}), 400, "response_format.json_schema.schema#/properties/a",
-     "unsupported_schema_feature"),
+        "properties": {"a": {"if": {}, "then": {}}}}}}), 400,
+     "response_format.json_schema.schema#/properties/a", "unsupported_schema_feature"),
     (chat(frobnicate=1), 400, "frobnicate", "unsupported_parameter"),
     (chat(model="gpt-4"), 404, "model", "model_not_found"),
 ]
