@@ -56,7 +56,8 @@ BAD = [
     (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={
         "type": "function", "function": {"name": "g"}}), 400, "tool_choice", "invalid_value"),
     (chat(messages=[{"role": "user", "content": "a"},
-                    {"role": "tool", "tool_call_id": "call_1", "content": "2"}]), 400, "messages[1].tool_call_id", "invalid_value"),
+                    {"role": "tool", "tool_call_id": "call_1", "content": "2"}]), 400,
+     "messages[1].tool_call_id", "invalid_value"),
     (chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "{not json"}}]}]), 400, "messages[0].tool_calls[0].function.arguments",
      "invalid_value"),
