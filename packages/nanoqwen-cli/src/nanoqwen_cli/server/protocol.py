@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import tools
+
 __all__ = ["APIError", "GenerationSpec", "parse_chat", "parse_completion", "error_body"]
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|.*\[.*\])$")
@@ -221,14 +223,15 @@ def parse_chat(body: bytes, served_model: str) -> GenerationSpec:
     """Validate a /v1/chat/completions body (see the module header for the errors)."""
     req = _validate(ChatCompletionRequest, _load_json(body))
     _check_supported(req, served_model)
-    from . import tools
-
-    plan = tools.check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    grammar = tools.response_format_grammar(req.response_format)
+    try:
+        plan = tools.check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        grammar = tools.response_format_grammar(req.response_format)
+        messages = tools.template_messages(req.messages)
+    except tools.ToolError as e:
+        raise APIError(400, e.message, param=e.param, code=e.code) from None
     if grammar is not None and plan is not None and plan.forced:
         raise APIError(400, "response_format and a forced tool_choice both constrain the answer; give one",
                        param="response_format", code="invalid_value")
-    messages = tools.template_messages(req.messages)
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise APIError(400, "max_tokens and max_completion_tokens disagree; give one", param="max_tokens",

@@ -1,7 +1,8 @@
 """Tool calling and structured output on /v1/chat/completions: the request fields, the grammars that
 constrain decoding, and the tool calls parsed out of the model's text (whole and streamed).
 
-Request side (checked at parse time, every failure a 400 naming the parameter):
+Request side (checked at parse time; every failure a `ToolError`, which protocol.py answers with a 400
+naming the parameter):
 - `tools` (functions with a JSON-schema `parameters`: each schema is compiled, so an invalid one or an
   unsupported keyword is refused with its path), `tool_choice` ("none", "auto", "required" or
   {"type": "function", "function": {"name": ...}}), `parallel_tool_calls`;
@@ -44,10 +45,8 @@ from nanoqwen_runtime.grammar import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .protocol import APIError
-
-__all__ = ["ToolDef", "ToolCallIn", "NamedToolChoice", "ToolPlan", "check_tools", "template_messages",
-           "response_format_grammar", "tool_grammar", "parse_tool_calls", "ToolStream"]
+__all__ = ["ToolError", "ToolDef", "ToolCallIn", "NamedToolChoice", "ToolPlan", "check_tools",
+           "template_messages", "response_format_grammar", "tool_grammar", "parse_tool_calls", "ToolStream"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -108,8 +107,17 @@ class ToolPlan:
         return self.choice not in ("auto", "none")
 
 
-def _bad(msg: str, param: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, msg, param=param, code=code)
+class ToolError(ValueError):
+    """A tools / tool message / response_format field the server refuses: protocol.py answers it with a
+    400 naming `param`, with `code` ("invalid_value", "invalid_schema", "unsupported_schema_feature")."""
+
+    def __init__(self, message: str, param: str, code: str):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def _bad(msg: str, param: str, code: str = "invalid_value") -> ToolError:
+    return ToolError(msg, param, code)
 
 
 def _compile(schema: Any, param: str, what: str) -> Grammar:
