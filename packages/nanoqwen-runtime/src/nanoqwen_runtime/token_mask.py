@@ -53,8 +53,9 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, bits: torc
         raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
     if bits is None:
         bits = bit_values(logits.device)
-    allowed = torch.bitwise_and(bitmask.unsqueeze(-1), bits) != 0  # bool [B, W, 32]
-    logits.masked_fill_(~allowed.view(B, -1)[:, :V], float("-inf"))
+    # three kernels: the bits (int32 [B, W, 32]), forbidden = bit == 0 (bool), the fill
+    forbidden = torch.bitwise_and(bitmask.unsqueeze(-1), bits).eq(0).view(B, -1)[:, :V]
+    logits.masked_fill_(forbidden, float("-inf"))
     return logits
 
 
