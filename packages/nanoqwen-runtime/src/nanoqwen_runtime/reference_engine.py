@@ -19,6 +19,8 @@ What differs from the CUDA engine: each step is one `ReferenceModel.forward` (fp
 pages by default: the exactness oracle), and each request samples with its own CPU `Sampler` seeded
 from its seed (the scheduler draws one when the request gave None), so a seeded request repeats
 exactly. A request whose logits hold NaN/Inf ends with `FinishEvent(reason=ERROR)` and no token.
+A request with a grammar (`Request.grammar`) has its row's logits masked by its matcher's bitmask
+(token_mask.py) before its sampler runs, as the CUDA engine does on the device.
 """
 
 from __future__ import annotations

@@ -39,6 +39,15 @@ step then has a row more than the synchronous engine's, which can move the other
 last bits (a different graph bucket or kernel path): their tokens are the same up to a near-tie. At
 most one step is in flight between `step()` calls; `has_work` stays True until it is read back, unless
 all of its sequences have ended (the next `step()` reads it back first).
+
+Constrained decoding (`Request.grammar`, grammar.py). Every step applies a token bitmask to its logits
+before sampling (`EngineConfig.token_mask`): `ModelRunner.token_bitmask`, an int32 [rows, ceil(V/32)]
+device buffer that the captured decode graphs read, all ones in rows without a grammar, so constrained
+and unconstrained rows share a batch and a graph. A step with constrained rows uploads their masks
+(computed on the host from each request's matcher as last committed) before it runs. The mask of step
+n+1 depends on token n, so while a running sequence has a grammar no step is planned ahead
+(`num_steps_sync_grammar` counts them): those steps run synchronously, and overlap resumes when it
+ends. A constrained request is never speculated (the scheduler gives it no drafter).
 """
 
 from __future__ import annotations
