@@ -46,6 +46,7 @@ def test_token_mask_on_cuda_matches_the_bit_loop(B, V):
     assert torch.equal(got[:, :V], cpu[:, :V])
 
 
+@pytest.mark.model
 def test_graph_captured_step_masks_constrained_rows(qwen05b_packed):
     cfg = EngineConfig(kv_memory_bytes=1 << 30, max_model_len=2048, prefill_chunk=512)
     engine = Engine.from_file(qwen05b_packed("rtn"), cfg)
