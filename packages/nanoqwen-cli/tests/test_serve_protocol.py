@@ -62,6 +62,8 @@ BAD = [
         "name": "f", "arguments": "{not json"}}]}]), 400, "messages[0].tool_calls[0].function.arguments",
      "invalid_value"),
     (chat(functions=[{"name": "f"}]), 400, "functions", "unsupported_parameter"),
+    (chat(messages=[{"role": "user"}]), 400, "messages[0].content", "invalid_value"),
+    (chat(messages=[{"role": "assistant", "content": None}]), 400, "messages[0].content", "invalid_value"),
     (chat(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
     (chat(logit_bias={"1": 5}), 400, "logit_bias", "unsupported_parameter"),
     (chat(response_format={"type": "yaml"}), 400, "response_format", "invalid_value"),

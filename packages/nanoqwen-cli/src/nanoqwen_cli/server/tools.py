@@ -179,6 +179,9 @@ def template_messages(messages) -> tuple[dict[str, Any], ...]:
     out, ids = [], set()
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
+        if m.content is None and not (role == "assistant" and m.tool_calls):
+            raise _bad(f"messages[{i}]: content is required (only an assistant message of tool_calls may "
+                       "leave it out)", f"messages[{i}].content")
         d: dict[str, Any] = {"role": role, "content": m.text()}
         if m.tool_calls:
             if role != "assistant":
