@@ -34,16 +34,12 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from nanoqwen_runtime.grammar import (
-    Grammar,
-    GrammarError,
-    compile_json_schema,
-    json_schema_lark,
-    lark_grammar,
-)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+if TYPE_CHECKING:  # nanoqwen_runtime.grammar (llguidance) is imported by the requests that use it
+    from nanoqwen_runtime.grammar import Grammar
 
 __all__ = ["ToolError", "ToolDef", "ToolCallIn", "NamedToolChoice", "ToolPlan", "check_tools",
            "template_messages", "response_format_grammar", "tool_grammar", "parse_tool_calls", "ToolStream"]
@@ -121,6 +117,8 @@ def _bad(msg: str, param: str, code: str = "invalid_value") -> ToolError:
 
 
 def _compile(schema: Any, param: str, what: str) -> Grammar:
+    from nanoqwen_runtime.grammar import GrammarError, compile_json_schema
+
     try:
         return compile_json_schema(schema, what)
     except GrammarError as e:
@@ -238,6 +236,8 @@ def tool_grammar(plan: ToolPlan, tokenizer) -> Grammar:
     """The grammar of a forced answer: `<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>`, N a
     declared function (the named one) and A valid under its parameters; several calls joined by "\\n"
     when parallel calls are allowed. `<tool_call>` / `</tool_call>` are the tokenizer's own ids."""
+    from nanoqwen_runtime.grammar import json_schema_lark, lark_grammar
+
     names = [plan.choice] if plan.choice in plan.params else list(plan.params)
     variants = [{"type": "object", "properties": {"name": {"const": n}, "arguments": plan.params[n]},
                  "required": ["name", "arguments"], "additionalProperties": False} for n in names]
