@@ -83,8 +83,8 @@ def test_bad_input_table_over_http(server):
             assert "300 tokens" in err["message"] and "256 tokens" in err["message"]
     err = assert_error(post(server, "/v1/chat/completions",
                             {"model": NAME, "messages": [{"role": "user", "content": "a"}], "tools": [{}]}),
-                       400, "unsupported_parameter")
-    assert err["param"] == "tools"
+                       400, "invalid_value")
+    assert err["param"] == "tools[0].type"
     assert_error(httpx.get(server.url + "/v1/nothing"), 404, None)
     # the server is still fine and counted them
     assert server.metric('nanoqwen_requests_total{status="400"}') >= 6

@@ -48,11 +48,34 @@ BAD = [
     (chat(top_logprobs=3), 400, "top_logprobs", "invalid_value"),  # without logprobs: true
     (chat(logprobs=3), 400, "logprobs", "invalid_value"),  # chat's logprobs is a boolean
     (chat(logprobs="yes"), 400, "logprobs", "invalid_value"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "unsupported_parameter"),
-    (chat(tool_choice="auto"), 400, "tool_choice", "unsupported_parameter"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objet"}}}]), 400,
+     "tools[0].function.parameters", "invalid_schema"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "items": {
+        "type": "array", "uniqueItems": True}}}}]), 400, "tools[0].function.parameters#/items",
+     "unsupported_schema_feature"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {
+        "name": "f"}}]), 400, "tools[1].function.name", "invalid_value"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "typo": 1}}]), 400, "tools[0].function.typo",
+     "invalid_value"),
+    (chat(tool_choice="auto"), 400, "tool_choice", "invalid_value"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={
+        "type": "function", "function": {"name": "g"}}), 400, "tool_choice", "invalid_value"),
+    (chat(messages=[{"role": "user", "content": "a"},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "2"}]), 400,
+     "messages[1].tool_call_id", "invalid_value"),
+    (chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "{not json"}}]}]), 400, "messages[0].tool_calls[0].function.arguments",
+     "invalid_value"),
+    (chat(functions=[{"name": "f"}]), 400, "functions", "unsupported_parameter"),
+    (chat(messages=[{"role": "user"}]), 400, "messages[0].content", "invalid_value"),
+    (chat(messages=[{"role": "assistant", "content": None}]), 400, "messages[0].content", "invalid_value"),
+    (chat(logprobs=True, response_format={"type": "json_object"}), 400, "logprobs", "unsupported_parameter"),
     (chat(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
     (chat(logit_bias={"1": 5}), 400, "logit_bias", "unsupported_parameter"),
-    (chat(response_format={"type": "json_object"}), 400, "response_format", "unsupported_parameter"),
+    (chat(response_format={"type": "yaml"}), 400, "response_format", "invalid_value"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "properties": {"a": {"if": {}, "then": {}}}}}}), 400,
+     "response_format.json_schema.schema#/properties/a", "unsupported_schema_feature"),
     (chat(frobnicate=1), 400, "frobnicate", "unsupported_parameter"),
     (chat(model="gpt-4"), 404, "model", "model_not_found"),
 ]

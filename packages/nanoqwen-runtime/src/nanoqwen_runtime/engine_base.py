@@ -21,6 +21,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
+import torch
+
 from .engine.sequence import FinishReason, Request, SeqStatus, Sequence
 from .request_stream import Event, FinishEvent, RequestStream
 from .stats import EngineStats
@@ -48,10 +50,14 @@ class EngineBase(ABC):
             why = f"prompt has token ids outside 0..{self.geom.vocab_size - 1}"
         if why is None and request.params.stop and self.tokenizer is None:
             why = "stop strings need a tokenizer; this model has none"
+        matcher = None
+        if why is None and request.grammar is not None:
+            matcher, why = self._grammar_matcher(request)
         if why is not None:
             return FinishEvent(request.request_id, FinishReason.REFUSED, detail=why,
                                num_prompt_tokens=len(request.prompt_tokens))
         seq = self.scheduler.add(request)
+        seq.matcher = matcher
         self._streams[seq.seq_id] = RequestStream.open(seq, self.tokenizer)
         if request.logprobs is not None:
             self.num_logprob_requests += 1
@@ -85,12 +91,57 @@ class EngineBase(ABC):
         host only waits for the device there), else before the forward pass (host-bound: the caller's
         work should not wait for it)."""
 
+    # ---- constrained decoding (grammar.py, token_mask.py) ------------------------------------------
+    supports_grammar = True  # False: an engine built without the token mask refuses grammars
+
+    def _eos_ids(self, request: Request) -> tuple[int, ...]:
+        eos = request.eos_ids if request.eos_ids is not None else self.geom.eos_token_id
+        return tuple(sorted(int(e) for e in eos))
+
+    def _grammar_matcher(self, request: Request):
+        """(GrammarMatcher, None) for a constrained request, or (None, why it is refused)."""
+        if not self.supports_grammar:
+            return None, "this engine was built without the token mask (grammars are off)"
+        if self.tokenizer is None or not getattr(self.tokenizer, "source_json", None):
+            return None, "a grammar needs the model's tokenizer; this model has none"
+        if request.ignore_eos:
+            return None, "ignore_eos cannot be combined with a grammar (EOS ends a complete grammar)"
+        from .grammar import GrammarError, GrammarMatcher, matcher_tokenizer
+
+        tok = matcher_tokenizer(self.tokenizer.source_json, self.geom.vocab_size, self._eos_ids(request))
+        try:
+            return GrammarMatcher(request.grammar, tok), None
+        except GrammarError as e:
+            return None, str(e)
+
+    def _fill_token_masks(self, rows: list[tuple[int, Sequence]], out: torch.Tensor) -> int:
+        """Write the bitmask of each (row, constrained sequence) into `out[row]` (int32 [R, W], CPU);
+        other rows are left as they are (all ones). Returns the number of rows written."""
+        for r, seq in rows:
+            seq.matcher.fill_bitmask(out[r])
+        return len(rows)
+
+    def _advance_grammar(self, seq: Sequence) -> str | None:
+        """Feed the tokens the last commit appended to `seq` to its matcher (EOS ids end the request
+        and are not fed); the error if one was not allowed (the mask makes that impossible)."""
+        eos = self._eos_ids(seq.request)
+        for tok in seq.tokens[len(seq.tokens) - seq.num_new_tokens:]:
+            if tok in eos:
+                break
+            if not seq.matcher.accept(tok):
+                return f"token {tok} broke the request's grammar: {seq.matcher.error}"
+        return None
+
     def _emit(self, seq: Sequence, logprobs: list | None = None, prompt_logprobs: tuple | None = None
               ) -> list[Event]:
         """Events of the tokens the last `scheduler.commit` appended to `seq` (RequestStream rules), and
         the request's `FinishEvent` when one of them ends it. `logprobs`: a `TokenLogprobs` per
         committed token (requests that asked, logprobs.py); `prompt_logprobs` rides on token 0."""
         st = self._streams[seq.seq_id]
+        if seq.matcher is not None:
+            why = self._advance_grammar(seq)
+            if why is not None:
+                return [self._finish(st, FinishReason.ERROR, why)]
         events: list[Event] = []
         tokens, reason = st.emit_committed(self.geom.eos_token_id, self.max_model_len)
         if logprobs is not None:

@@ -21,6 +21,8 @@ from its seed (the scheduler draws one when the request gave None), so a seeded 
 exactly. A request whose logits hold NaN/Inf ends with `FinishEvent(reason=ERROR)` and no token.
 Logprobs (logprobs.py) are the log-softmax of the same f32 logits the sampler reads; a prefill step in
 which a sequence wants its prompt's logprobs computes the logits at every position.
+A request with a grammar (`Request.grammar`) has its row's logits masked by its matcher's bitmask
+(token_mask.py) before its sampler runs, as the CUDA engine does on the device.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from .reference import ReferenceModel
 from .request_stream import Event, FinishEvent, RequestStream
 from .sampling import Sampler
 from .speculative import SpeculationConfig
+from .token_mask import apply_token_bitmask_, full_bitmask
 
 __all__ = ["ReferenceEngine", "ReferenceEngineConfig"]
 
@@ -114,6 +117,7 @@ class ReferenceEngine(EngineBase):
         EngineBase.__init__(self)
         self._samplers: dict[int, Sampler] = {}  # seq_id -> its CPU sampler (made at its first token)
         self.num_steps = {"prefill": 0, "decode": 0}
+        self.num_masked_rows = 0  # sampled rows a grammar's bitmask constrained
         dt = str(model.dtype).removeprefix("torch.")
         self.name = (f"reference engine (plain torch) on {self.device}, {dt} matmuls, "
                      f"{self.num_blocks} KV blocks of {config.block_size} tokens")
@@ -155,6 +159,13 @@ class ReferenceEngine(EngineBase):
         else:
             logits = self.model.forward(tokens, meta, self.cache)  # f32 [rows, vocab]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
+        constrained = [(rows[i][-1], s) for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True))
+                       if smp and s.matcher is not None and s.status is SeqStatus.RUNNING]
+        if constrained:  # grammar rows: -inf where the bitmask forbids (other rows: all ones)
+            masks = full_bitmask(logits.shape[0], logits.shape[1])
+            self.num_masked_rows += self._fill_token_masks(constrained, masks)
+            with torch.inference_mode():  # the forward's logits are inference tensors
+                apply_token_bitmask_(logits, masks)
         sampled: dict[int, int | list[int]] = {}
         token_lp: dict[int, list] = {}
         events: list[Event] = []

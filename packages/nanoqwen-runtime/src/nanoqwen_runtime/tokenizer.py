@@ -109,6 +109,7 @@ class Tokenizer:
             self._added_re = None
         self._cache: dict[str, tuple[int, ...]] = {}
         self.vocab_size = max(self._id_to_token) + 1
+        self.source_json = tokenizer_json  # the HF tokenizer.json text (grammar.matcher_tokenizer reads it)
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -7,12 +7,15 @@ Every failure is an `APIError(status, message, type, param, code)`, which the ap
 OpenAI error shape `{"error": {"message", "type", "param", "code"}}`:
 - not JSON, not an object, a wrong type, a value out of range, a missing field: 400
   `invalid_request_error` naming the parameter;
-- an OpenAI parameter this server does not implement (`tools`, `best_of`, ...) or any parameter it
-  does not know: 400 `unsupported_parameter`, never silently ignored;
+- an OpenAI parameter this server does not implement (`best_of`, `functions`, ...) or any
+  parameter it does not know: 400 `unsupported_parameter`, never silently ignored;
 - logprobs: chat `logprobs: true` with `top_logprobs` 0..20; completions `logprobs` 0..20 (an int;
   OpenAI allows 5) and `echo`; `top_logprobs` over 20, a wrong type, `top_logprobs` without
   `logprobs`: 400. `n`: 1..MAX_N choices. `max_tokens: 0` only with `echo` on completions (the
   prompt's logprobs alone, as vLLM).
+- `tools`, `tool_choice`, `parallel_tool_calls`, tool messages and `response_format` are checked in
+  tools.py (a schema that does not compile: 400 `invalid_schema` or `unsupported_schema_feature`,
+  `param` naming the field and, after '#', the JSON pointer inside the schema);
 - another model than the one served: 404 `model_not_found`.
 
 Extensions (as vLLM): `top_k`, and `ignore_eos` (generate exactly `max_tokens`, for benchmarks).
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from . import tools
 
 __all__ = ["APIError", "GenerationSpec", "parse_chat", "parse_completion", "error_body"]
 
@@ -76,11 +81,15 @@ class _TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None  # None: an assistant message of tool calls only
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant (checked in tools.template_messages)
+    tool_call_id: str | None = None  # tool
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -130,11 +139,8 @@ class CompletionRequest(_Common):
 # parameter -> (value(s) that mean "off", what to say). Anything else is refused with a 400.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "best_of is not supported"),
-    "tools": ((None,), "tools / function calling are not supported by this server"),
-    "tool_choice": ((None, "none"), "tools / function calling are not supported by this server"),
-    "functions": ((None,), "function calling is not supported by this server"),
-    "function_call": ((None, "none"), "function calling is not supported by this server"),
-    "parallel_tool_calls": ((None,), "tools / function calling are not supported by this server"),
+    "functions": ((None,), "the deprecated `functions` are not supported: send `tools`"),
+    "function_call": ((None, "none"), "the deprecated `function_call` is not supported: send `tool_choice`"),
     "presence_penalty": ((None, 0, 0.0), "presence_penalty is not supported (only 0)"),
     "frequency_penalty": ((None, 0, 0.0), "frequency_penalty is not supported (only 0)"),
     "logit_bias": ((None,), "logit_bias is not supported"),
@@ -164,6 +170,11 @@ class GenerationSpec:
     n: int = 1                      # choices
     logprobs: int | None = None     # None: off; else the top alternatives per token (0..20)
     echo: bool = False              # completions: the prompt comes back (with its logprobs if asked)
+    # chat: the messages as the template takes them (tool calls, tool results), the tools
+    # (tools.ToolPlan) and the grammar of a response_format (nanoqwen_runtime.grammar.Grammar)
+    chat_messages: tuple[dict[str, Any], ...] | None = None
+    tool_plan: Any = None
+    grammar: Any = None
 
 
 def _load_json(body: bytes) -> dict[str, Any]:
@@ -219,10 +230,18 @@ def parse_chat(body: bytes, served_model: str) -> GenerationSpec:
     """Validate a /v1/chat/completions body (see the module header for the errors)."""
     req = _validate(ChatCompletionRequest, _load_json(body))
     _check_supported(req, served_model)
-    rf = req.response_format
-    if rf is not None and rf != {"type": "text"}:
-        raise APIError(400, f"response_format {rf!r} is not supported (only {{'type': 'text'}})",
-                       param="response_format", code="unsupported_parameter")
+    try:
+        plan = tools.check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        grammar = tools.response_format_grammar(req.response_format)
+        messages = tools.template_messages(req.messages)
+    except tools.ToolError as e:
+        raise APIError(400, e.message, param=e.param, code=e.code) from None
+    if grammar is not None and plan is not None and plan.forced:
+        raise APIError(400, "response_format and a forced tool_choice both constrain the answer; give one",
+                       param="response_format", code="invalid_value")
+    if (grammar is not None or (plan is not None and plan.forced)) and req.logprobs:
+        raise APIError(400, "logprobs are not supported on a constrained answer (response_format or a forced "
+                       "tool_choice)", param="logprobs", code="unsupported_parameter")
     if req.max_tokens == 0:
         raise APIError(400, "max_tokens must be >= 1", param="max_tokens", code="invalid_value")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -234,7 +253,7 @@ def parse_chat(body: bytes, served_model: str) -> GenerationSpec:
                                        for m in req.messages),
         req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed,
         _stop(req.stop), req.stream, bool(req.stream_options and req.stream_options.include_usage),
-        req.ignore_eos, req.n or 1, _chat_logprobs(req))
+        req.ignore_eos, req.n or 1, _chat_logprobs(req), False, messages, plan, grammar)
 
 
 def parse_completion(body: bytes, served_model: str) -> GenerationSpec:

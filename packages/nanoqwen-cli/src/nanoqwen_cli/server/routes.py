@@ -26,6 +26,7 @@ from .engine_process import Draining, EngineProcess, Finish, NotReady, QueueFull
 from .engine_spec import EngineInfo
 from .protocol import APIError, GenerationSpec, error_body, parse_chat, parse_completion
 from .sse import Framer, finish_reason, sse, usage
+from .tools import ToolStream, parse_tool_calls, tool_grammar
 
 __all__ = ["CLIENT_GONE", "DISCONNECT_POLL_S", "Routes"]
 
@@ -120,8 +121,12 @@ class Routes:
         given (checked against the vocabulary)."""
         pipe = self.cfg.pipeline
         if spec.kind == "chat":
+            plan = spec.tool_plan
             try:
-                text = pipe.chat_prompt([{"role": r, "content": c} for r, c in spec.messages])
+                if pipe.template is None:
+                    raise ValueError("this container has no chat template")
+                text = pipe.template.render(list(spec.chat_messages), add_generation_prompt=True,
+                                            tools=plan.tools if plan is not None and plan.active else None)
             except Exception as e:  # noqa: BLE001 - a template error is the request's fault
                 raise APIError(400, f"the chat template failed on these messages: {e}", param="messages",
                                code="invalid_value") from None
@@ -154,8 +159,15 @@ class Routes:
         except SamplingError as e:
             raise APIError(400, str(e), code="invalid_value") from None
         prefix = "chatcmpl" if spec.kind == "chat" else "cmpl"
+        grammar = spec.grammar
+        if spec.tool_plan is not None and spec.tool_plan.forced:
+            grammar = tool_grammar(spec.tool_plan, pipe.tokenizer)
+        if grammar is not None and spec.ignore_eos:
+            raise APIError(400, "ignore_eos cannot be combined with response_format or a forced tool_choice",
+                           param="ignore_eos", code="invalid_value")
         return EngineRequest(ids, params, request_id=f"{prefix}-{uuid.uuid4().hex}",
-                             eos_ids=pipe.eos_ids, ignore_eos=spec.ignore_eos, detokenize=True)
+                             eos_ids=pipe.eos_ids, ignore_eos=spec.ignore_eos, detokenize=True,
+                             grammar=grammar)
 
     def submit(self, ereq) -> RequestHandle:
         """Hand a request to the engine; the engine's refusals become 429 / 503."""
@@ -241,9 +253,14 @@ class Routes:
         base = {"id": handle.request_id, "created": int(time.time()), "model": self.cfg.model_name,
                 "usage": usage(ev)}
         if spec.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if spec.tool_plan is not None and spec.tool_plan.active and reason == "stop":
+                content, calls = parse_tool_calls(text, spec.tool_plan)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls"
             return {**base, "object": "chat.completion", "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": reason}]}
+                "index": 0, "message": message, "logprobs": None, "finish_reason": reason}]}
         return {**base, "object": "text_completion", "choices": [{
             "index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
 
@@ -267,6 +284,21 @@ class Routes:
         text_chunk = Framer({**base, "choices": [
             {"index": 0, "delta": {"content": Framer.SLOT}, "logprobs": None, "finish_reason": None} if chat
             else {"index": 0, "text": Framer.SLOT, "logprobs": None, "finish_reason": None}]})
+        tool_stream = ToolStream(spec.tool_plan) if chat and spec.tool_plan is not None \
+            and spec.tool_plan.active else None
+
+        def deltas(text: str, reason: str | None = None) -> list[bytes]:
+            """Tool mode: the chunks of `text` (content and tool-call deltas) and of the finish."""
+            out = [sse({**base, "choices": [{"index": 0, "delta": d, "logprobs": None,
+                                              "finish_reason": None}]}) for d in tool_stream.push(text)]
+            if reason is not None:
+                out += [sse({**base, "choices": [{"index": 0, "delta": d, "logprobs": None,
+                                                  "finish_reason": None}]}) for d in tool_stream.flush()]
+                if reason == "stop" and tool_stream.num_calls:
+                    reason = "tool_calls"
+                out.append(chunk(None, reason))
+            return out
+
         ev = first
         done = False
         get_nowait, empty = handle.queue.get_nowait, handle.queue.empty
@@ -289,6 +321,9 @@ class Routes:
                         kind = "model_error" if ev.reason == "error" else "aborted"
                         yield sse(error_body(f"the request ended early: {ev.detail or ev.reason}",
                                              "server_error", None, kind))
+                    elif tool_stream is not None:
+                        for b in deltas("".join(texts), finish_reason(ev.reason)):
+                            yield b
                     else:
                         yield chunk("".join(texts), finish_reason(ev.reason))
                         if spec.include_usage:
@@ -296,7 +331,10 @@ class Routes:
                     yield b"data: [DONE]\n\n"
                     return
                 text = "".join(texts)
-                if text:
+                if text and tool_stream is not None:
+                    for b in deltas(text):
+                        yield b
+                elif text:
                     yield text_chunk(text)
                 ev = await handle.queue.get()
         finally:

@@ -136,6 +136,11 @@ class EngineConfig:
     # Prompt-lookup speculative decoding for requests that leave `Request.speculation` None (greedy
     # requests only; speculation is off for temperature > 0). None: off unless a request asks.
     speculation: SpeculationConfig | None = None
+    # Constrained decoding (grammar.py): every step applies a token bitmask to its logits before
+    # sampling, read from a [rows, ceil(V/32)] int32 device buffer that the captured graphs read (rows
+    # without a grammar hold all ones). False leaves the mask out of the step (bench A/B: the mask's
+    # cost) and refuses requests with a grammar.
+    token_mask: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in ("kernels", "torch"):

@@ -39,6 +39,15 @@ step then has a row more than the synchronous engine's, which can move the other
 last bits (a different graph bucket or kernel path): their tokens are the same up to a near-tie. At
 most one step is in flight between `step()` calls; `has_work` stays True until it is read back, unless
 all of its sequences have ended (the next `step()` reads it back first).
+
+Constrained decoding (`Request.grammar`, grammar.py). Every step applies a token bitmask to its logits
+before sampling (`EngineConfig.token_mask`): `ModelRunner.token_bitmask`, an int32 [rows, ceil(V/32)]
+device buffer that the captured decode graphs read, all ones in rows without a grammar, so constrained
+and unconstrained rows share a batch and a graph. A step with constrained rows uploads their masks
+(computed on the host from each request's matcher as last committed) before it runs. The mask of step
+n+1 depends on token n, so while a running sequence has a grammar no step is planned ahead
+(`num_steps_sync_grammar` counts them): those steps run synchronously, and overlap resumes when it
+ends. A constrained request is never speculated (the scheduler gives it no drafter).
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from ..events import TokenEvent, nonfinite_logits_message
 from ..kv_cache import BlockAllocator
 from ..logprobs import PromptLogprobs, unpack
 from ..request_stream import Event, FinishEvent
+from ..token_mask import full_bitmask
 from .config import EngineConfig
 from .loader import LoadStats, load
 from .logprob_step import step_logprobs
@@ -100,6 +110,9 @@ class Engine(EngineBase):
         self.num_steps = {"prefill": 0, "decode": 0}
         self.num_steps_ahead = 0  # decode steps planned ahead and queued before their predecessor's read-back
         self.num_rows_dropped = 0  # rows of sequences that ended after their step was queued ahead
+        self.num_steps_sync_grammar = 0  # steps not planned ahead because a running sequence has a grammar
+        self.num_masked_rows = 0  # sampled rows a grammar's bitmask constrained
+        self.supports_grammar = config.token_mask
         self._in_flight: _InFlight | None = None  # the step queued ahead, not yet read back
         self.last_step_kind: str | None = None  # kind of the step whose events step() last returned
         # Tests and debugging: when True, step() keeps each sampled row's f32 logits (a device copy)
@@ -192,8 +205,14 @@ class Engine(EngineBase):
 
     def _plan_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The next decode step, planned before `plan` is read back (overlap on), or None. Not while
-        `record_logits` keeps each step's logits: the next step would overwrite them first."""
+        `record_logits` keeps each step's logits: the next step would overwrite them first. Not while
+        a running sequence has a grammar: its next mask depends on the token being read back, so
+        steps run synchronously until it ends (`num_steps_sync_grammar` counts the steps this kept
+        from running ahead)."""
         if not self.config.overlap or self.record_logits:
+            return None
+        if any(s.matcher is not None for s in self.scheduler.running):
+            self.num_steps_sync_grammar += 1
             return None
         return self.scheduler.plan_ahead(plan)
 
@@ -271,8 +290,28 @@ class Engine(EngineBase):
         if plan.kind == "decode" and self.config.mode == "graph":
             pad_to = self.config.bucket_for(plan.num_tokens)
         self.num_steps[plan.kind] += 1
-        return build_step_inputs(plan, block_size=self.config.block_size, max_pages=self.max_pages,
-                                 padding_block=self.blocks.padding_block, pad_to=pad_to)
+        inputs = build_step_inputs(plan, block_size=self.config.block_size, max_pages=self.max_pages,
+                                   padding_block=self.blocks.padding_block, pad_to=pad_to)
+        inputs.token_bitmask = self._token_bitmask(plan)
+        return inputs
+
+    def _token_bitmask(self, plan: StepPlan):
+        """int32 [real rows, W] bitmask of a step with constrained rows (all ones elsewhere), or None.
+        A constrained sequence is never speculated, so it has one row; it is computed from the matcher
+        as last committed (such a step is never planned ahead: `_plan_ahead`)."""
+        spec = plan_rows(plan)
+        rows: dict[int, int] = {}  # plan index -> its (last) row
+        for r, (i, _, _) in enumerate(spec):
+            rows[i] = r
+        constrained = [(rows[i], s) for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True))
+                       if smp and s.matcher is not None and s.status is SeqStatus.RUNNING]
+        if not constrained:
+            return None
+        if plan.ahead:
+            raise AssertionError("a step with a constrained row was planned ahead")
+        masks = full_bitmask(len(spec), self.geom.vocab_size)
+        self.num_masked_rows += self._fill_token_masks(constrained, masks)
+        return masks.numpy()
 
     # ---- introspection ---------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

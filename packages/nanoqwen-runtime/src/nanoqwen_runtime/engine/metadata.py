@@ -60,6 +60,9 @@ class StepInputs:
     # planned ahead: int32 [num_real], the previous step's row whose sampled token is row b's input id
     # (input_ids holds 0 there until the device copies it); None: input_ids are the ids
     feed_rows: np.ndarray | None = None
+    # int32 [num_real, ceil(V/32)]: the token bitmask of each real row (token_mask.py; all ones for
+    # rows without a grammar), or None when no row of the step is constrained
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:

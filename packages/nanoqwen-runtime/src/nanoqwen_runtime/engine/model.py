@@ -46,6 +46,7 @@ import torch
 from nanoqwen_model import Qwen2Config
 
 from ..logprobs import MAX_TOP_LOGPROBS, row_logprobs
+from ..token_mask import apply_token_bitmask_, bit_values, full_bitmask
 from .config import EngineConfig
 from .logprob_step import StepLogprobs
 from .metadata import DeviceStepBuffers, StepInputs
@@ -162,6 +163,13 @@ class ModelRunner:
         self._lp_host = [torch.empty(self.max_rows * (1 + 2 * MAX_TOP_LOGPROBS), dtype=torch.float32,
                                      pin_memory=cuda) for _ in range(2)]
         self._out_turn = 0
+        # constrained decoding: the step's token bitmask (token_mask.py), all ones outside the rows
+        # of a step that carries masks; one pinned host mirror (such steps run synchronously: its
+        # previous upload has been read back when it is written again)
+        self.token_bitmask = full_bitmask(self.max_rows, geom.vocab_size, self.device)
+        self._mask_host = full_bitmask(self.max_rows, geom.vocab_size, pin_memory=cuda)
+        self._mask_bits = bit_values(self.device)
+        self._mask_dirty = 0  # rows of `token_bitmask` the last masked step wrote (to reset to ones)
         self.context_classes = cfg.context_classes(max_pages * cfg.block_size)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, context class)
         # which code paths each graph runs (the op backend's `paths` counted during its capture), and
@@ -225,6 +233,8 @@ class ModelRunner:
             ops.linear(last, w.lm_head, ws.logits_unpadded[:B])
             ws.logits[:B, : g.vocab_size].copy_(ws.logits_unpadded[:B])
         ops.logits_range(ws.logits[:B, : g.vocab_size], ws.logit_min[:B], ws.logit_max[:B])
+        if self.cfg.token_mask:  # after the range: a masked -inf is not a non-finite logit
+            apply_token_bitmask_(ws.logits[:B, : g.vocab_size], self.token_bitmask[:B], self._mask_bits)
         ops.sample(ws.logits[:B], v["temperature"], v["top_p"], v["top_k"], v["seed"], v["offset"],
                    ws.tokens[:B])
 
@@ -250,6 +260,7 @@ class ModelRunner:
         same stream), the log-softmax of the step's logits at the rows that asked and its top-k
         (`_logprobs`), copied to the host beside the tokens; a prefill chunk's prompt logprobs too."""
         views = self.buffers.load(inputs)
+        self._load_token_bitmask(inputs.token_bitmask)
         if inputs.feed_rows is not None:
             n = len(inputs.feed_rows)
             torch.index_select(self.ws.tokens, 0, views["feed_rows"], out=views["input_ids"][:n])
@@ -312,6 +323,22 @@ class ModelRunner:
             if c >= max_context_len:
                 return c
         raise ValueError(f"context {max_context_len} exceeds the engine's {self.context_classes[-1]}")
+
+    def _load_token_bitmask(self, masks) -> None:
+        """Upload a step's bitmask rows (int32 [n, W] numpy), or put the rows the last masked step
+        wrote back to all ones (stream-ordered after that step); nothing when neither is needed."""
+        if masks is not None:
+            if not self.cfg.token_mask:
+                raise AssertionError("a step carries token masks but the engine has token_mask=False")
+            n = masks.shape[0]
+            self._mask_host[:n].numpy()[:] = masks
+            if self._mask_dirty > n:
+                self.token_bitmask[n:self._mask_dirty].fill_(-1)
+            self.token_bitmask[:n].copy_(self._mask_host[:n], non_blocking=True)
+            self._mask_dirty = n
+        elif self._mask_dirty:
+            self.token_bitmask[:self._mask_dirty].fill_(-1)
+            self._mask_dirty = 0
 
     def logits(self, num_rows: int) -> torch.Tensor:
         """bf16 [num_rows, V] logits of the last step (tests compare them with the reference)."""

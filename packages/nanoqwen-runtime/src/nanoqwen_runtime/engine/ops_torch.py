@@ -158,10 +158,13 @@ class TorchOps:
         """logits [B, Vp] -> out int32 [B]. Greedy (argmax, lowest id on ties) where temperature
         is 0; otherwise temperature -> top-k -> top-p -> one draw from a generator seeded by
         (seed, offset), so a row's draw depends only on its own seed and token index. A row with
-        NaN/Inf among its V logits gets token 0 (torch's multinomial would raise on it): the engine
-        reads the row's range (`logits_range`) and never emits that token."""
+        NaN/+Inf among its V logits, or no finite one, gets token 0 (torch's multinomial would raise on
+        it): the engine reads the row's range (`logits_range`, taken before the token mask) and never
+        emits that token. -inf is where the token mask forbids a token (token_mask.py): such a token
+        has zero probability."""
         for b in range(logits.shape[0]):
-            if not bool(torch.isfinite(logits[b, : self.vocab_size]).all()):
+            row = logits[b, : self.vocab_size]
+            if bool(torch.isnan(row).any() or torch.isposinf(row).any() or not torch.isfinite(row).any()):
                 out[b] = 0
                 continue
             gen = torch.Generator().manual_seed((int(seed[b]) * 0x9E3779B97F4A7C15 + int(offset[b])) % 2**63)

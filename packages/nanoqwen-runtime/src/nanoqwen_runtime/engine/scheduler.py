@@ -153,7 +153,9 @@ class Scheduler:
         seq = Sequence(seq_id=next(self._ids), request=request, tokens=list(request.prompt_tokens),
                        num_prompt=len(request.prompt_tokens), seed=seed)
         spec = self.speculation if request.speculation is None else request.speculation
-        if spec and request.params.greedy:  # speculation is off for temperature > 0 (class docstring)
+        # speculation is off for temperature > 0 (class docstring) and for constrained requests (a
+        # draft would have to follow the grammar: they are not speculated at all)
+        if spec and request.params.greedy and request.grammar is None:
             seq.drafter = NgramDrafter(spec, request.prompt_tokens)
         self.waiting.append(seq)
         return seq

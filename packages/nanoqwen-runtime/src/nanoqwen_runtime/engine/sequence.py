@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..sampling import SamplingParams
 from ..speculative import NgramDrafter, SpeculationConfig
+
+if TYPE_CHECKING:
+    from ..grammar import Grammar, GrammarMatcher
 
 __all__ = ["FinishReason", "SeqStatus", "Request", "Sequence"]
 
@@ -46,6 +49,8 @@ class Request:
     `logprobs` (None: off; k in 0..20) and `prompt_logprobs`: what each token event carries
     (nanoqwen_runtime.logprobs); a request with `prompt_logprobs` never takes its prompt from the
     prefix cache.
+    `grammar` constrains the sampled tokens to it (a token bitmask per step, grammar.py); such a request
+    is never speculated and, in the CUDA engine, runs its steps synchronously (engine.py).
     """
 
     prompt_tokens: list[int]
@@ -57,6 +62,7 @@ class Request:
     speculation: SpeculationConfig | Literal[False] | None = None
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    grammar: Grammar | None = None  # constrained decoding (grammar.py): sampled tokens follow it
 
 
 @dataclass(eq=False)
@@ -77,6 +83,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks
     drafter: NgramDrafter | None = None  # prompt-lookup drafts (greedy requests with speculation)
     num_new_tokens: int = 0  # tokens the last `Scheduler.commit` appended (> 1 after a verify step)
+    matcher: GrammarMatcher | None = None  # the request's grammar state (engine_base; never speculated)
 
     @property
     def num_generated(self) -> int:
