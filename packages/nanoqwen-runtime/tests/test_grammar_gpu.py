@@ -71,13 +71,3 @@ def test_graph_captured_step_masks_constrained_rows(qwen05b_packed):
     assert engine.num_masked_rows == sum(len(toks[f"j{i}"]) for i in range(5))
     assert engine.num_steps_sync_grammar > 0
     engine.check_accounting()
-
-
-def test_mask_bench_runs():
-    """The bench section's op timing (bench_mask.py) runs and gives positive microseconds."""
-    from nanoqwen_model import QWEN25_CODER_05B
-    from nanoqwen_runtime.engine.bench_mask import token_mask_op_us
-
-    rows = token_mask_op_us(QWEN25_CODER_05B, batches=(1, 3), iters=5)
-    assert [r["batch"] for r in rows] == [1, 3]
-    assert all(r["all_ones_us"] > 0 and r["random_us"] > 0 for r in rows)

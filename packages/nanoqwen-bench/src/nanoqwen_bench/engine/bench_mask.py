@@ -14,7 +14,7 @@ Neither needs a tokenizer: the host-side cost of a constrained row (llguidance c
 ~tens of microseconds per row and token for a JSON schema, and the synchronous steps such a batch runs)
 comes on top; `nanoqwen-cli serve` on a real model shows it per request.
 
-    from nanoqwen_runtime.engine.bench_mask import token_mask_ab, token_mask_op_us
+    from nanoqwen_bench.engine.bench_mask import token_mask_ab, token_mask_op_us
     op = token_mask_op_us(geom, batches=(1, 64))
     ab = token_mask_ab(geom, weights, batches=(1, 64))
 """
@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import torch
 from nanoqwen_model import Qwen2Config
-
-from ..token_mask import apply_token_bitmask_, bit_values, bitmask_words
+from nanoqwen_runtime.token_mask import apply_token_bitmask_, bit_values, bitmask_words
 
 __all__ = ["token_mask_op_us", "token_mask_ab", "MASK_BATCHES"]
 
