@@ -8,7 +8,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_mask_bench_runs():
-    """The bench section's op timing (nanoqwen_bench.engine.bench_mask) runs and gives positive microseconds."""
+    """The op timing of the mask bench runs and gives positive microseconds."""
     from nanoqwen_bench.engine.bench_mask import token_mask_op_us
     from nanoqwen_model import QWEN25_CODER_05B
 
