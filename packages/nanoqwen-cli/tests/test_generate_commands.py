@@ -430,3 +430,9 @@ def test_speculate_reference_backend_same_greedy_text(model):
     assert spec.exit_code == 0, spec.output
     assert "speculation ngram:3" in spec.stderr
     assert spec.stdout == plain.stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_threads_option_in_help(command):
+    r = invoke(command, "--help")
+    assert r.exit_code == 0 and "--threads" in r.stdout and "physical cores" in r.stdout, r.stdout

@@ -105,3 +105,19 @@ def test_real_affinity_mask_of_one_cpu():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     threads, why = out.strip().split(" | ")
     assert threads == "1" and why.startswith("1 physical core of 1 allowed CPU"), out
+
+
+def test_apply_threads_takes_the_option_then_omp_num_threads(monkeypatch):
+    import torch
+    from nanoqwen_runtime.cpu_threads import ThreadChoice, apply_threads
+
+    old = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert apply_threads(2) == ThreadChoice(2, "--threads") and torch.get_num_threads() == 2
+        assert apply_threads(None) == ThreadChoice(1, "OMP_NUM_THREADS") and torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        chosen = apply_threads(None)
+        assert chosen.why != "OMP_NUM_THREADS" and torch.get_num_threads() == chosen.threads >= 1
+    finally:
+        torch.set_num_threads(old)

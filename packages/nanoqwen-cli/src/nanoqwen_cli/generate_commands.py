@@ -5,11 +5,13 @@ generate MODEL (--prompt TEXT | --prompt - | --prompt-file PATH) [--chat] [--sys
          [--device cpu|cuda] [--backend reference|engine] [--kv-memory SIZE] [--eager] [--no-overlap]
          [--max-model-len N] [--no-verify] [--dtype float32|bfloat16] [--threads N] [--speculate ngram[:K]]
          [--json]
-    Streams the generated text to stdout as tokens arrive. The backend line (what runs, where) and the
-    statistics line (prompt tokens, generated tokens, TTFT, decode tok/s) go to stderr, so stdout is
-    only the text. With --json nothing streams: one JSON object is printed at the end
+    Streams the generated text to stdout as tokens arrive. The backend line (what runs, where, the CPU
+    threads and why) and the statistics line (prompt tokens, generated tokens, TTFT, decode tok/s, and
+    with speculation the drafted and accepted tokens and the acceptance rate) go to stderr, so stdout
+    is only the text. With --json nothing streams: one JSON object is printed at the end
     {"text", "prompt_tokens", "generated_tokens", "ttft_s", "decode_tok_s", "finish_reason",
-    "backend", "speculation", "sampling"}. `--prompt -` (or `--prompt-file -`) reads the prompt from
+    "backend", "threads", "speculation", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+    "sampling"}. `--prompt -` (or `--prompt-file -`) reads the prompt from
     stdin; a prompt from a file or stdin is used byte for byte. Ctrl-C ends the line of partial text
     and exits 130.
 chat MODEL [--system TEXT] [...same sampling/device options]
@@ -20,6 +22,10 @@ chat MODEL [--system TEXT] [...same sampling/device options]
     with one line and the session goes on with its history.
 
 Sampling options left out take the container's `generation` defaults; `--temperature 0` is greedy.
+Every option, and generate's prompt length, is checked before the weights are read (loading.py): the
+container is opened and checked once, its tokenizer built once, and the weights read from that open
+file last. On the CPU torch's threads follow `--threads`, OMP_NUM_THREADS or
+nanoqwen_runtime.cpu_threads' rule (physical cores, affinity, cgroup quota, busy CPUs).
 The backend is explicit and printed: `--device cuda` runs the CUDA engine and `--device cpu` the
 plain-torch reference unless `--backend reference|engine` says otherwise (`--backend reference
 --device cuda` runs the reference on the GPU). `--device cuda` without a GPU is an error (exit 1),
@@ -33,9 +39,11 @@ stderr (errors.py: exit 2 for the command line and the prompt, 1 for files, the 
 machine). A request the model fails at run time (NaN/Inf logits: no token is sampled from them) ends
 with its one-line error and exit 1, in chat too.
 
-`--speculate ngram` (or `ngram:K`, K = 1..7 drafted tokens per step, default 4) turns on prompt-lookup
-speculative decoding (nanoqwen_runtime.speculative): tokens that followed an earlier occurrence of the
-text's last few tokens are drafted and checked in one step, on either backend. The greedy output is
+`--speculate ngram` (or `ngram:K`, K = 1..7 drafted tokens per step, default 4) or `off` sets
+prompt-lookup speculative decoding (nanoqwen_runtime.speculative): tokens that followed an earlier
+occurrence of the text's last few tokens are drafted and checked in one step, on either backend. Left
+out, each backend's default (loading.CPU_SPECULATION: ngram:4 on the reference backend; off on the
+engine). The greedy output is
 the same as without it (exactly on the reference backend; on the engine until a near-tie).
 Speculation is off for temperature > 0: the greedy path is exact; sampled requests are not
 speculated (the sampling line on stderr says so). `--no-prefix-cache` turns off prefix caching on
