@@ -364,18 +364,21 @@ def test_engine_is_ready_after_an_interrupted_reply(model, monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_speculation_default_is_per_backend(model):
-    """The reference backend speculates greedy requests by default (loading.CPU_SPECULATION, measured);
-    `--speculate off` turns it off, with the same greedy text; a sampled request is not speculated."""
-    from nanoqwen_cli.loading import CPU_SPECULATION, LoadOptions
+def test_speculation_default_is_per_backend(model, monkeypatch):
+    """Left out, --speculate takes the backend's measured default (loading.DEFAULT_SPECULATION: off on
+    both today); `--speculate off` is off; a sampled request is never speculated."""
+    import nanoqwen_cli.loading as loading
 
-    assert LoadOptions(device="cpu").speculation().spec() == CPU_SPECULATION == "ngram:4"
-    assert LoadOptions(device="cuda").speculation() is None
-    assert LoadOptions(device="cpu", speculate="off").speculation() is None
+    assert loading.DEFAULT_SPECULATION == {"reference": None, "engine": None}
+    assert loading.LoadOptions(device="cpu").speculation() is None
+    monkeypatch.setitem(loading.DEFAULT_SPECULATION, "reference", "ngram:2")
+    assert loading.LoadOptions(device="cpu").speculation().spec() == "ngram:2"
+    assert loading.LoadOptions(device="cpu", speculate="off").speculation() is None
+    assert loading.LoadOptions(device="cuda").speculation() is None
     args = ("-p", "def add(a, b):", "--json", "--max-tokens", "6", "--temperature", "0")
     default = json.loads(invoke("generate", model, *args).stdout)
     off = json.loads(invoke("generate", model, *args, "--speculate", "off").stdout)
-    assert default["speculation"] == "ngram:4" and off["speculation"] is None
+    assert default["speculation"] == "ngram:2" and off["speculation"] is None
     assert off["drafted_tokens"] is off["accepted_tokens"] is off["acceptance_rate"] is None
     assert default["text"] == off["text"]  # exact on the reference backend
     sampled = json.loads(invoke("generate", model, "-p", "x", "--json", "--max-tokens", "3",

@@ -42,8 +42,8 @@ with its one-line error and exit 1, in chat too.
 `--speculate ngram` (or `ngram:K`, K = 1..7 drafted tokens per step, default 4) or `off` sets
 prompt-lookup speculative decoding (nanoqwen_runtime.speculative): tokens that followed an earlier
 occurrence of the text's last few tokens are drafted and checked in one step, on either backend. Left
-out, each backend's default (loading.CPU_SPECULATION: ngram:4 on the reference backend; off on the
-engine). The greedy output is
+out, the backend's measured default (loading.DEFAULT_SPECULATION: off on both; on the CPU it gains
+on answers that copy the prompt and loses on new text). The greedy output is
 the same as without it (exactly on the reference backend; on the engine until a near-tie).
 Speculation is off for temperature > 0: the greedy path is exact; sampled requests are not
 speculated (the sampling line on stderr says so). `--no-prefix-cache` turns off prefix caching on
@@ -110,9 +110,9 @@ Threads = Annotated[int | None, typer.Option(help="CPU threads for torch (defaul
                                                   "process may use, capped by the cgroup CPU quota and by "
                                                   "the cores other jobs keep busy: see the README)")]
 Speculate = Annotated[str | None, typer.Option(help="prompt-lookup speculative decoding: ngram, ngram:K "
-                                               "(K drafted tokens per step, 1..7; ngram = ngram:4) or off; "
-                                               "default ngram:4 on the CPU reference backend, off on the "
-                                               "CUDA engine; greedy requests only")]
+                                               "(K drafted tokens per step, 1..7; ngram = ngram:4) or off "
+                                               "(the default); greedy requests only; it pays off when the "
+                                               "answer copies the prompt (code edits)")]
 
 
 def _finite(out: dict) -> dict:

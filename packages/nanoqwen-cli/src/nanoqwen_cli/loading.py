@@ -19,17 +19,19 @@ from pathlib import Path
 from .errors import UsageError
 from .inputs import text_arg
 
-__all__ = ["LoadOptions", "DTYPES", "BACKENDS", "CPU_SPECULATION", "open_container", "context_window",
+__all__ = ["LoadOptions", "DTYPES", "BACKENDS", "DEFAULT_SPECULATION", "open_container", "context_window",
            "check_max_model_len", "check_sampling", "prompt_ids", "load_backend", "describe_threads"]
 
 DTYPES = ("float32", "bfloat16")
 BACKENDS = ("reference", "engine")
 
-# The reference backend (CPU) speculates greedy requests by default: with the thread rule of
-# nanoqwen_runtime.cpu_threads, prompt-lookup `ngram:4` decoded the CLI README's code-editing prompt
-# faster than plain decoding on the 0.5B (figures and command in packages/nanoqwen-cli/README.md).
-# The CUDA engine's default stays off until measured the same way. `--speculate off` turns it off.
-CPU_SPECULATION = "ngram:4"
+# Speculation left out, by backend: on only where it measurably gains. Reference backend (CPU), real
+# 0.5B RTN, 1 thread (the cpu_threads rule with another job on one of 2 cores), greedy, 48 tokens:
+# ngram:4 decoded a code edit (rename a variable in a 12-line function) at 1.99x plain decoding
+# (2.72 vs 1.37 tok/s) but a new function (the demo's is_prime request) at 0.67x (1.10 vs 1.65
+# tok/s): off, `--speculate ngram` for answers that copy the prompt. The CUDA engine: off until
+# measured the same way. (Command and figures: packages/nanoqwen-cli/README.md.)
+DEFAULT_SPECULATION: dict[str, str | None] = {"reference": None, "engine": None}
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,13 @@ class LoadOptions:
             raise UsageError(f"--kv-memory: {e}") from None
 
     def speculation(self):
-        """The --speculate value as a `SpeculationConfig` (None: off); left out, the backend's default
-        (`CPU_SPECULATION` on the reference backend, off on the CUDA engine). A bad value: UsageError."""
+        """The --speculate value as a `SpeculationConfig` (None: off); left out, the backend's
+        `DEFAULT_SPECULATION`. A bad value: UsageError."""
         from nanoqwen_runtime.speculative import SpeculationConfig
 
         text = self.speculate
-        if text is None and self.resolved_backend() == "reference":
-            text = CPU_SPECULATION
+        if text is None:
+            text = DEFAULT_SPECULATION[self.resolved_backend()]
         try:
             return SpeculationConfig.parse(text)
         except ValueError as e:

@@ -21,9 +21,8 @@ Binds 127.0.0.1 unless --host says otherwise. `--api-key` (or NANOQWEN_API_KEY) 
 `Authorization: Bearer KEY`. SIGTERM (or Ctrl-C) drains while the server keeps listening: GET /health
 answers 503 {"status": "draining"}, new requests get 503 in the OpenAI error shape, running ones get up
 to --drain-timeout seconds to finish and the rest are aborted; one line on stderr says that draining
-started, one how it ended; then the command exits 0 (130 for Ctrl-C). Speculation is off by default
-here on both engines (`--speculate ngram[:K]` turns it on): generate's CPU default was measured for
-one request at a time, not for a batch.
+started, one how it ended; then the command exits 0 (130 for Ctrl-C). Speculation left out takes the
+backend's measured default (loading.DEFAULT_SPECULATION: off on both engines).
 
 Both engines cache the KV blocks of prompt prefixes (a later request that starts with the same
 system prompt or conversation skips their prefill; `--no-prefix-cache` turns it off) and, with
@@ -104,12 +103,10 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (chat/completions, completions, models)."""
     from .server.engine_spec import EngineSpec
 
-    # the server's default is no speculation on either engine: CPU_SPECULATION was measured for one
-    # request at a time (generate), not for a batch, where the verify rows compete with other sequences
     opts = LoadOptions(device=device, backend="engine" if device.startswith("cuda") else "reference",
                        threads=threads, kv_memory=kv_memory, eager=eager, overlap=not no_overlap,
                        max_model_len=max_model_len, verify=not no_verify,
-                       speculate="off" if speculate is None else speculate, prefix_cache=not no_prefix_cache)
+                       speculate=speculate, prefix_cache=not no_prefix_cache)
     opts.check()  # also parses --speculate (a bad value: exit 2)
     spec = opts.speculation()
     if not 0 <= port <= 65535:
