@@ -99,9 +99,9 @@ def test_busy_cpus_reads_proc_stat_per_allowed_cpu(tmp_path):
 def test_real_affinity_mask_of_one_cpu():
     """A process pinned to one CPU (os.sched_setaffinity) chooses 1 thread, saying so."""
     cpu = min(os.sched_getaffinity(0))
-    code = ("import os; os.sched_setaffinity(0, {%d}); "
+    code = (f"import os; os.sched_setaffinity(0, {{{cpu}}}); "
             "from nanoqwen_runtime.cpu_threads import choose_threads; c = choose_threads(busy=0.0); "
-            "print(c.threads, '|', c.why)" % cpu)
+            "print(c.threads, '|', c.why)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     threads, why = out.strip().split(" | ")
     assert threads == "1" and why.startswith("1 physical core of 1 allowed CPU"), out
