@@ -13,7 +13,7 @@ in the CUDA engine's scheduler: when requests wait and the last step was a decod
 step admits them (up to `max_batch` running), spins for `prefill_s` and emits each admitted request's
 first token; the running ones get none. The cost is fixed, whatever the number of prompts: on the
 0.5B on the H200 a prefill is ~9-14 ms of mostly host work, nearly the same for 1 prompt as for 32,
-so a burst that reaches the engine in two parts pays it twice (bench/server/NOTES.md, session 7).
+so a burst that reaches the engine in two parts pays it twice (bench/server/NOTES.md).
 `num_steps` counts the "prefill" and "decode" steps, like the CUDA engine's (the step trace reads it).
 
 `gate`: a file path; while no file is there, a request holds back its last token (it stays running,
