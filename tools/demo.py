@@ -63,14 +63,20 @@ def pack(gguf: Path, out: Path | None, method: str) -> Path:
 STATS = re.compile(r"decode ([0-9.]+) tok/s")
 
 
-def generate(container: Path, prompt: str, max_tokens: int, dtype: str, threads: int) -> tuple[str, str]:
+def _threads_args(threads: int | None) -> list[str]:
+    return [] if threads is None else ["--threads", str(threads)]
+
+
+def generate(container: Path, prompt: str, max_tokens: int, dtype: str, threads: int | None
+             ) -> tuple[str, str]:
     """Run `nanoqwen-cli generate` as a user would: its text streams through and its stderr (backend and
     statistics lines) is passed on as it comes. Returns the generated text and the statistics line."""
     cmd = [sys.executable, "-m", "nanoqwen_cli.main", "generate", str(container), "--chat",
            "--prompt", prompt, "--temperature", "0", "--max-tokens", str(max_tokens), "--device", "cpu",
-           "--dtype", dtype, "--threads", str(threads)]
+           "--dtype", dtype, *_threads_args(threads)]
     print(f"[demo] nanoqwen-cli generate {container.name} --chat --prompt {prompt!r} --temperature 0 "
-          f"--max-tokens {max_tokens} --device cpu --dtype {dtype} --threads {threads}\n", flush=True)
+          f"--max-tokens {max_tokens} --device cpu --dtype {dtype} {' '.join(_threads_args(threads))}\n",
+          flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     err_lines: list[str] = []
 
@@ -106,13 +112,13 @@ def check_code(text: str) -> list[str]:
     return [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
 
 
-def compare_dtypes(container: Path, threads: int) -> dict[str, float]:
+def compare_dtypes(container: Path, threads: int | None) -> dict[str, float]:
     """Decode tok/s of a 64-token greedy run with float32 and with bfloat16 matmuls."""
     speeds = {}
     for dtype in ("float32", "bfloat16"):
         cmd = [sys.executable, "-m", "nanoqwen_cli.main", "generate", str(container), "--prompt",
                "def quicksort(a):", "--temperature", "0", "--max-tokens", "64", "--dtype", dtype,
-               "--threads", str(threads), "--json"]
+               *_threads_args(threads), "--json"]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
         speeds[dtype] = json.loads(out.stdout)["decode_tok_s"]
         print(f"[demo] {dtype} matmuls: {speeds[dtype]:.2f} decode tok/s", flush=True)
@@ -128,8 +134,8 @@ def main() -> None:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-tokens", type=int, default=320)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--threads", type=int, default=2,
-                    help="torch CPU threads (2 on a dedicated 2-core machine; 1 on a busy shared one)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: nanoqwen's rule for a shared machine)")
     ap.add_argument("--compare-dtypes", action="store_true")
     args = ap.parse_args()
     if not args.gguf.exists():

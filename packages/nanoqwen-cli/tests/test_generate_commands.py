@@ -103,6 +103,84 @@ def test_prompt_longer_than_context_refused(model):
     assert r.exit_code == 2 and "context window is 256 tokens" in r.stderr
 
 
+def weights_read(monkeypatch) -> list:
+    """Record every call of the reference backend's weight loader (what reads the tensors)."""
+    import nanoqwen_runtime.reference as reference
+
+    calls, real = [], reference.load_weights
+
+    def load_weights(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "load_weights", load_weights)
+    return calls
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "nan"], "temperature must be a finite number >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--speculate", "ngram:9"], "K must be in 1..7"),
+    (["--max-model-len", "100000"], "--max-model-len must be <= 256"),
+    (["-p", "word " * 400], "context window is 256 tokens"),
+    (["--chat", "-p", "word " * 400], "context window is 256 tokens"),
+    (["--max-model-len", "64", "-p", "word " * 70], "context window is 64 tokens"),
+])
+def test_refusals_come_before_the_weights_are_read(model, monkeypatch, args, message):
+    calls = weights_read(monkeypatch)
+    r = invoke("generate", model, *([] if "-p" in args else ["-p", "x"]), *args)
+    assert r.exit_code == 2 and message in r.stderr, r.output
+    assert calls == []
+    ok = invoke("generate", model, "-p", "x", "--max-tokens", "1")
+    assert ok.exit_code == 0 and len(calls) == 1  # the spy sees a real load
+
+
+def test_generate_opens_the_container_once_and_builds_one_tokenizer(model, monkeypatch):
+    """generate parses and checks the container's header, index and metadata once, builds the
+    tokenizer once, and reads the weights from that same open file."""
+    import nanoqwen_format as nqf
+    from nanoqwen_runtime.tokenizer import Tokenizer
+
+    opens, tokenizers = [], []
+    real_open, real_tok = nqf.NanoqwenFile.__init__, Tokenizer.__init__
+
+    def counted_open(self, path):
+        opens.append(path)
+        real_open(self, path)
+
+    def counted_tok(self, tokenizer_json):
+        tokenizers.append(1)
+        real_tok(self, tokenizer_json)
+
+    monkeypatch.setattr(nqf.NanoqwenFile, "__init__", counted_open)
+    monkeypatch.setattr(Tokenizer, "__init__", counted_tok)
+    calls = weights_read(monkeypatch)
+    r = invoke("generate", model, "-p", "def f():", "--chat", "--max-tokens", "3", "--max-model-len", "128")
+    assert r.exit_code == 0, r.output
+    assert len(opens) == 1 and len(tokenizers) == 1 and len(calls) == 1
+    assert isinstance(calls[0][0], nqf.NanoqwenFile)  # the weights came from the open file
+    r = invoke("chat", model, "--max-tokens", "2", input="hi\n")
+    assert r.exit_code == 0, r.output
+    assert len(opens) == 2 and len(tokenizers) == 2 and len(calls) == 2
+
+
+@pytest.mark.model
+def test_the_46k_token_prompt_is_refused_without_reading_the_weights(qwen05b_packed, monkeypatch):
+    """The real 0.5B (32K context): a 46K-token prompt is refused from the container's tokenizer
+    alone: the weights are never read, and the refusal takes far less than loading them (~6 s on 2
+    cores; 5 s is the generous bound)."""
+    import time
+
+    path = qwen05b_packed("rtn")
+    calls = weights_read(monkeypatch)
+    prompt = "x = 1\n" * 15600  # 4 tokens a line
+    t0 = time.perf_counter()
+    r = invoke("generate", path, "-p", prompt)
+    took = time.perf_counter() - t0
+    assert r.exit_code == 2 and "tokens but the context window is 32768 tokens" in r.stderr, r.output
+    assert calls == [] and took < 5.0, took
+
+
 def test_chat_repl_multi_turn(model):
     r = invoke("chat", model, "--max-tokens", "4", "--system", "S",
                input="first question\n/reset\nsecond\n/exit\n")
@@ -286,12 +364,51 @@ def test_engine_is_ready_after_an_interrupted_reply(model, monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_speculate_off_is_the_default(model):
+def test_speculation_default_is_per_backend(model, monkeypatch):
+    """Left out, --speculate takes the backend's measured default (loading.DEFAULT_SPECULATION: off on
+    both today); `--speculate off` is off; a sampled request is never speculated."""
+    import nanoqwen_cli.loading as loading
+
+    assert loading.DEFAULT_SPECULATION == {"reference": None, "engine": None}
+    assert loading.LoadOptions(device="cpu").speculation() is None
+    monkeypatch.setitem(loading.DEFAULT_SPECULATION, "reference", "ngram:2")
+    assert loading.LoadOptions(device="cpu").speculation().spec() == "ngram:2"
+    assert loading.LoadOptions(device="cpu", speculate="off").speculation() is None
+    assert loading.LoadOptions(device="cuda").speculation() is None
     args = ("-p", "def add(a, b):", "--json", "--max-tokens", "6", "--temperature", "0")
-    plain = json.loads(invoke("generate", model, *args).stdout)
+    default = json.loads(invoke("generate", model, *args).stdout)
     off = json.loads(invoke("generate", model, *args, "--speculate", "off").stdout)
-    assert plain["speculation"] is None and off == plain | {"ttft_s": off["ttft_s"],
-                                                            "decode_tok_s": off["decode_tok_s"]}
+    assert default["speculation"] == "ngram:2" and off["speculation"] is None
+    assert off["drafted_tokens"] is off["accepted_tokens"] is off["acceptance_rate"] is None
+    assert default["text"] == off["text"]  # exact on the reference backend
+    sampled = json.loads(invoke("generate", model, "-p", "x", "--json", "--max-tokens", "3",
+                                "--temperature", "0.8", "--seed", "1").stdout)
+    assert sampled["speculation"] is None and sampled["drafted_tokens"] is None
+
+
+def test_speculation_counts_in_the_stats_line_and_json(model):
+    """generate reports the drafted and accepted tokens and the acceptance rate: the counts the
+    engine kept for this one request (a ReferenceBackend run the same way gives the same counts)."""
+    from nanoqwen_runtime.backend import ReferenceBackend
+    from nanoqwen_runtime.speculative import SpeculationConfig
+
+    prompt = "def f():"  # on this random model: drafts, some accepted and some not
+    args = ("-p", prompt, "--max-tokens", "16", "--temperature", "0", "--speculate", "ngram:3")
+    out = json.loads(invoke("generate", model, *args, "--json").stdout)
+    backend = ReferenceBackend.from_file(model, speculation=SpeculationConfig(k=3))
+    pipe = Pipeline.from_container(model, backend)
+    want = pipe.generate([prompt], SamplingParams(max_tokens=16))[0]
+    stats = backend.stats()
+    assert out["text"] == want.text
+    assert (out["drafted_tokens"], out["accepted_tokens"]) == (stats.spec_drafted_tokens,
+                                                               stats.spec_accepted_tokens)
+    assert out["drafted_tokens"] > 0, out  # the repeated prompt gives drafts
+    assert out["acceptance_rate"] == round(out["accepted_tokens"] / out["drafted_tokens"], 4)
+    r = invoke("generate", model, *args)
+    line = r.stderr.splitlines()[-1]
+    rate = f"{100 * stats.spec_accepted_tokens / stats.spec_drafted_tokens:.0f}%"
+    assert (f"speculation ngram:3: {stats.spec_drafted_tokens} drafted, {stats.spec_accepted_tokens} "
+            f"accepted ({rate})") in line, line
 
 
 def test_describe_params_says_whether_speculation_runs():
@@ -316,3 +433,9 @@ def test_speculate_reference_backend_same_greedy_text(model):
     assert spec.exit_code == 0, spec.output
     assert "speculation ngram:3" in spec.stderr
     assert spec.stdout == plain.stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_threads_option_in_help(command):
+    r = invoke(command, "--help")
+    assert r.exit_code == 0 and "--threads" in r.stdout and "physical cores" in r.stdout, r.stdout

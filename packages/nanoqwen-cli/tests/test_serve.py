@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 
 import httpx
 import openai
@@ -49,6 +50,15 @@ def assert_error(r, status, code):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == code and err["message"]
     return err
+
+
+def test_start_line_and_metrics_give_the_same_kv_blocks(server):
+    """The start line's KV blocks and /metrics' nanoqwen_kv_blocks_total are one figure: the usable
+    blocks (the pool less its padding block). The line also says how many CPU threads and why."""
+    line = next(x for x in server.log().splitlines() if "ready on http://" in x)
+    blocks = int(re.search(r"(\d+) KV blocks of", line).group(1))
+    assert server.metric("nanoqwen_kv_blocks_total") == blocks, line
+    assert "; 1 CPU thread (--threads);" in line, line  # the fixture's --threads 1
 
 
 def test_health_models_and_auth(server):

@@ -91,8 +91,9 @@ def test_sixteen_concurrent_clients_and_disconnect(client, server):
                       json={"model": NAME, "prompt": "def g():", "max_tokens": 4000, "stream": True,
                             "ignore_eos": True}) as r:
         next(line for line in r.iter_lines() if line.startswith("data: "))
+    # the aborted counter is counted after the step's gauges are published: wait for it first
+    assert server.wait_metric('nanoqwen_requests_total{status="aborted"}', aborted + 1) == aborted + 1
     assert server.wait_metric("nanoqwen_kv_blocks_used", 0.0) == 0.0
-    assert server.metrics()['nanoqwen_requests_total{status="aborted"}'] == aborted + 1
 
 
 def test_logprobs_echo_and_n_choices_on_cuda(client, server):

@@ -5,11 +5,13 @@ generate MODEL (--prompt TEXT | --prompt - | --prompt-file PATH) [--chat] [--sys
          [--device cpu|cuda] [--backend reference|engine] [--kv-memory SIZE] [--eager] [--no-overlap]
          [--max-model-len N] [--no-verify] [--dtype float32|bfloat16] [--threads N] [--speculate ngram[:K]]
          [--json]
-    Streams the generated text to stdout as tokens arrive. The backend line (what runs, where) and the
-    statistics line (prompt tokens, generated tokens, TTFT, decode tok/s) go to stderr, so stdout is
-    only the text. With --json nothing streams: one JSON object is printed at the end
+    Streams the generated text to stdout as tokens arrive. The backend line (what runs, where, the CPU
+    threads and why) and the statistics line (prompt tokens, generated tokens, TTFT, decode tok/s, and
+    with speculation the drafted and accepted tokens and the acceptance rate) go to stderr, so stdout
+    is only the text. With --json nothing streams: one JSON object is printed at the end
     {"text", "prompt_tokens", "generated_tokens", "ttft_s", "decode_tok_s", "finish_reason",
-    "backend", "speculation", "sampling"}. `--prompt -` (or `--prompt-file -`) reads the prompt from
+    "backend", "threads", "speculation", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+    "sampling"}. `--prompt -` (or `--prompt-file -`) reads the prompt from
     stdin; a prompt from a file or stdin is used byte for byte. Ctrl-C ends the line of partial text
     and exits 130.
 chat MODEL [--system TEXT] [...same sampling/device options]
@@ -20,6 +22,10 @@ chat MODEL [--system TEXT] [...same sampling/device options]
     with one line and the session goes on with its history.
 
 Sampling options left out take the container's `generation` defaults; `--temperature 0` is greedy.
+Every option, and generate's prompt length, is checked before the weights are read (loading.py): the
+container is opened and checked once, its tokenizer built once, and the weights read from that open
+file last. On the CPU torch's threads follow `--threads`, OMP_NUM_THREADS or
+nanoqwen_runtime.cpu_threads' rule (physical cores, affinity, cgroup quota, busy CPUs).
 The backend is explicit and printed: `--device cuda` runs the CUDA engine and `--device cpu` the
 plain-torch reference unless `--backend reference|engine` says otherwise (`--backend reference
 --device cuda` runs the reference on the GPU). `--device cuda` without a GPU is an error (exit 1),
@@ -33,9 +39,11 @@ stderr (errors.py: exit 2 for the command line and the prompt, 1 for files, the 
 machine). A request the model fails at run time (NaN/Inf logits: no token is sampled from them) ends
 with its one-line error and exit 1, in chat too.
 
-`--speculate ngram` (or `ngram:K`, K = 1..7 drafted tokens per step, default 4) turns on prompt-lookup
-speculative decoding (nanoqwen_runtime.speculative): tokens that followed an earlier occurrence of the
-text's last few tokens are drafted and checked in one step, on either backend. The greedy output is
+`--speculate ngram` (or `ngram:K`, K = 1..7 drafted tokens per step, default 4) or `off` sets
+prompt-lookup speculative decoding (nanoqwen_runtime.speculative): tokens that followed an earlier
+occurrence of the text's last few tokens are drafted and checked in one step, on either backend. Left
+out, the backend's measured default (loading.DEFAULT_SPECULATION: off on both; on the CPU it gains
+on answers that copy the prompt and loses on new text). The greedy output is
 the same as without it (exactly on the reference backend; on the engine until a near-tie).
 Speculation is off for temperature > 0: the greedy path is exact; sampled requests are not
 speculated (the sampling line on stderr says so). `--no-prefix-cache` turns off prefix caching on
@@ -48,7 +56,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -56,10 +63,16 @@ import typer
 
 from .errors import EXIT_USAGE, CliError, UsageError, debug_enabled, describe, say
 from .inputs import decode_line, read_prompt, stdin_tolerant, text_arg
+from .loading import (
+    LoadOptions,
+    check_max_model_len,
+    check_sampling,
+    describe_threads,
+    load_backend,
+    open_container,
+    prompt_ids,
+)
 from .model_commands import resolve_model
-
-DTYPES = ("float32", "bfloat16")
-BACKENDS = ("reference", "engine")
 
 ModelArg = Annotated[Path, typer.Argument(help="a .nanoqwen file, a GGUF file, an HF folder or an HF id "
                                                "(owner/name[:file.gguf|:QUANT][:recipe]); all but a "
@@ -96,114 +109,13 @@ Dtype = Annotated[str | None, typer.Option(help="reference matmul dtype: float32
 SystemGenerate = Annotated[str | None, typer.Option(help="system message (needs --chat)")]
 SystemChat = Annotated[str | None, typer.Option(help="system message opening the conversation "
                                                      "(kept by /reset)")]
-Threads = Annotated[int | None, typer.Option(help="CPU threads for torch (default: torch's, one per core)")]
-Speculate = Annotated[str | None, typer.Option(help="prompt-lookup speculative decoding: ngram or ngram:K "
-                                               "(K drafted tokens per step, 1..7; ngram = ngram:4); off by "
-                                               "default; greedy requests only")]
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How to build the backend: the device/backend options shared by generate and chat."""
-
-    device: str = "cpu"
-    backend: str | None = None       # None: engine on cuda, reference on cpu
-    dtype: str | None = None         # reference matmul dtype
-    threads: int | None = None
-    kv_memory: str | None = None     # engine
-    eager: bool = False              # engine
-    overlap: bool = True             # engine: EngineConfig.overlap (--no-overlap)
-    max_model_len: int | None = None
-    verify: bool = True
-    speculate: str | None = None     # --speculate text; None or "off": no speculation
-    prefix_cache: bool = True        # prefix caching of either backend (--no-prefix-cache)
-
-    def resolved_backend(self) -> str:
-        return self.backend or ("engine" if self.device.startswith("cuda") else "reference")
-
-    def check(self) -> None:
-        """Refuse bad values and combinations (exit 2) before anything is loaded."""
-        dev = self.device
-        if dev != "cpu" and not (dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-            raise UsageError(f"--device must be cpu, cuda or cuda:N, got {dev!r}")
-        if self.backend is not None and self.backend not in BACKENDS:
-            raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {self.threads}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise UsageError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        backend = self.resolved_backend()
-        if backend != "engine" and (self.kv_memory is not None or self.eager or not self.overlap):
-            raise UsageError("--kv-memory, --eager and --no-overlap are engine options (--device cuda or "
-                             "--backend engine)")
-        if backend == "engine" and not dev.startswith("cuda"):
-            raise UsageError("--backend engine runs on a CUDA GPU only; use --device cuda")
-        self.speculation()
-
-    def speculation(self):
-        """The --speculate value as a `SpeculationConfig` (None: off); a bad value is a UsageError."""
-        from nanoqwen_runtime.speculative import SpeculationConfig
-
-        try:
-            return SpeculationConfig.parse(self.speculate)
-        except ValueError as e:
-            raise UsageError(f"--speculate: {e}") from None
-
-
-def _context_window(model: Path) -> int:
-    """The model's max_position_embeddings, read from the container's metadata (no tensor is read)."""
-    import nanoqwen_format as nqf
-
-    with nqf.open(model) as f:
-        return int(f.config["max_position_embeddings"])
-
-
-def _load(model: Path, opts: LoadOptions):
-    """Build the Pipeline for the chosen backend; every refusal is an exception errors.py maps."""
-    import torch
-
-    if opts.threads is not None:
-        torch.set_num_threads(opts.threads)
-    from nanoqwen_runtime.backend import ReferenceBackend, resolve_device
-    from nanoqwen_runtime.generate import Pipeline
-
-    if opts.max_model_len is not None:
-        limit = _context_window(model)
-        if opts.max_model_len > limit:
-            raise UsageError(f"--max-model-len must be <= {limit} (this model's context window), "
-                             f"got {opts.max_model_len}")
-    dev = resolve_device(opts.device)  # BackendError when there is no GPU: exit 1
-    if opts.resolved_backend() == "engine":
-        from nanoqwen_runtime.engine.backend import EngineBackend
-        from nanoqwen_runtime.engine.config import EngineConfig, parse_bytes
-
-        try:
-            kv = parse_bytes(opts.kv_memory) if opts.kv_memory else None
-        except ValueError as e:
-            raise UsageError(f"--kv-memory: {e}") from None
-        cfg = EngineConfig(device=opts.device, mode="eager" if opts.eager else "graph", kv_memory_bytes=kv,
-                           max_model_len=opts.max_model_len, verify=opts.verify,
-                           speculation=opts.speculation(), prefix_caching=opts.prefix_cache,
-                           overlap=opts.overlap)
-        return Pipeline.from_container(model, EngineBackend.from_file(model, cfg))
-    name = opts.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    ref = ReferenceBackend.from_file(model, device=opts.device, dtype=getattr(torch, name),
-                                     verify=opts.verify, max_context=opts.max_model_len,
-                                     speculation=opts.speculation(), prefix_caching=opts.prefix_cache)
-    return Pipeline.from_container(model, ref)
-
-
-def _check_options(temperature, top_p, top_k, max_tokens, seed, stop) -> dict:
-    """Validate sampling options before the (slow) model load, so mistakes fail fast (exit 2)."""
-    from nanoqwen_runtime.sampling import SamplingParams
-
-    stop = tuple(text_arg(s, "--stop") for s in stop) if stop else None
-    kw = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_tokens": max_tokens, "seed": seed,
-          "stop": stop}
-    SamplingParams(**{k: v for k, v in kw.items() if v is not None})  # SamplingError: exit 2
-    return kw
+Threads = Annotated[int | None, typer.Option(help="CPU threads for torch (default: the physical cores this "
+                                                  "process may use, capped by the cgroup CPU quota and by "
+                                                  "the cores other jobs keep busy: see the README)")]
+Speculate = Annotated[str | None, typer.Option(help="prompt-lookup speculative decoding: ngram, ngram:K "
+                                               "(K drafted tokens per step, 1..7; ngram = ngram:4) or off "
+                                               "(the default); greedy requests only; it pays off when the "
+                                               "answer copies the prompt (code edits)")]
 
 
 def _finite(out: dict) -> dict:
@@ -211,9 +123,16 @@ def _finite(out: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
 
 
-def _stats_line(result) -> str:
+def _stats_line(result, speculation=None) -> str:
+    """The statistics line; `speculation` (config, drafted, accepted) adds the drafted and accepted
+    tokens and the acceptance rate."""
+    spec = ""
+    if speculation is not None:
+        cfg, drafted, accepted = speculation
+        rate = f"{100 * accepted / drafted:.0f}%" if drafted else "n/a"
+        spec = f", speculation {cfg.spec()}: {drafted} drafted, {accepted} accepted ({rate})"
     return (f"[{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated, "
-            f"TTFT {result.ttft_s * 1000:.0f} ms, decode {result.decode_tok_s:.2f} tok/s, "
+            f"TTFT {result.ttft_s * 1000:.0f} ms, decode {result.decode_tok_s:.2f} tok/s{spec}, "
             f"finish: {result.finish_reason}]")
 
 
@@ -239,17 +158,6 @@ class Stopped(KeyboardInterrupt):
     def __init__(self, text: str):
         super().__init__()
         self.text = text
-
-
-def _prompt_ids(pipe, text: str) -> list[int]:
-    """The prompt's token ids; a prompt the context cannot hold (with one generated token) is refused
-    with both lengths (exit 2), the same way on every backend and before anything is printed."""
-    ids = pipe.tokenizer.encode(text)
-    limit = pipe.backend.max_context
-    if len(ids) >= limit:
-        raise UsageError(f"the prompt has {len(ids)} tokens but the context window is {limit} tokens "
-                         "(prompt plus at least one generated token must fit); shorten the prompt")
-    return ids
 
 
 def _reply(pipe, prompt: list[int], params, stream: bool):
@@ -305,20 +213,28 @@ def generate(
                        eager=eager, max_model_len=max_model_len, verify=not no_verify, speculate=speculate,
                        prefix_cache=not no_prefix_cache, overlap=not no_overlap)
     opts.check()
-    kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
+    kw = check_sampling(temperature, top_p, top_k, max_tokens, seed, stop)
     text = read_prompt(prompt, prompt_file)
     if not text and not chat:
         raise UsageError("the prompt is empty (give some text, or --chat to send an empty user turn)")
     system = text_arg(system, "--system") if system is not None else None
-    pipe = _load(resolve_model(model), opts)
-    params = pipe.sampling_params(**kw)
-    if chat:
-        messages = [{"role": "system", "content": system}] if system is not None else []
-        text = pipe.chat_prompt(messages + [{"role": "user", "content": text}])
-    ids = _prompt_ids(pipe, text)
+    from nanoqwen_runtime.generate import Pipeline
+
+    with open_container(resolve_model(model)) as f:  # opened and checked once; weights read last
+        limit = check_max_model_len(f, opts.max_model_len)
+        pipe = Pipeline.from_file(f, None)
+        params = pipe.sampling_params(**kw)
+        if chat:
+            messages = [{"role": "system", "content": system}] if system is not None else []
+            text = pipe.chat_prompt(messages + [{"role": "user", "content": text}])
+        ids = prompt_ids(pipe, text, limit)  # a prompt too long is refused before the weights are read
+        pipe.backend, threads = load_backend(f, opts, pipe.tokenizer)
+    spec = opts.speculation() if params.greedy else None
     if not json_out:
-        typer.echo(f"backend: {pipe.backend.name}", err=True)
+        typer.echo(f"backend: {pipe.backend.name}" + (f"; {describe_threads(threads)}" if threads else ""),
+                   err=True)
         typer.echo(_describe_params(params, opts.speculation()), err=True)
+    before = spec_counts(pipe.backend)
     try:
         result = _reply(pipe, ids, params, stream=not json_out)
     except Stopped as stopped:
@@ -326,19 +242,30 @@ def generate(
             sys.stdout.write("\n")  # the shell prompt starts on a line of its own
             sys.stdout.flush()
         raise
+    drafted, accepted = (a - b for a, b in zip(spec_counts(pipe.backend), before, strict=True))
     if json_out:
-        spec = opts.speculation()
         out = {"text": result.text, **result.stats(), "backend": pipe.backend.name,
-               "speculation": spec.spec() if spec is not None and params.greedy else None,
+               "threads": threads.threads if threads else None,
+               "speculation": spec.spec() if spec is not None else None,
+               "drafted_tokens": drafted if spec is not None else None,
+               "accepted_tokens": accepted if spec is not None else None,
+               "acceptance_rate": round(accepted / drafted, 4) if spec is not None and drafted else None,
                "sampling": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                             "seed": params.seed, "max_tokens": params.max_tokens, "stop": list(params.stop)}}
         typer.echo(json.dumps(_finite(out), ensure_ascii=False, allow_nan=False))
     else:
         sys.stdout.write("\n")
         if result.error is None:
-            typer.echo(_stats_line(result), err=True)
+            typer.echo(_stats_line(result, (spec, drafted, accepted) if spec is not None else None), err=True)
     if result.error is not None:  # the model failed at run time (NaN/Inf logits): nothing garbled shown
         raise ModelRunError(result.error)
+
+
+def spec_counts(backend) -> tuple[int, int]:
+    """(drafted, accepted) tokens the backend's engine has counted so far (EngineStats; (0, 0) before
+    its first run). A generate call has one run, so the difference around it is that run's."""
+    stats = backend.stats()
+    return (stats.spec_drafted_tokens, stats.spec_accepted_tokens) if stats is not None else (0, 0)
 
 
 def _end_line(started: bool) -> None:
@@ -387,11 +314,17 @@ def chat(
                        eager=eager, max_model_len=max_model_len, verify=not no_verify, speculate=speculate,
                        prefix_cache=not no_prefix_cache, overlap=not no_overlap)
     opts.check()
-    kw = _check_options(temperature, top_p, top_k, max_tokens, seed, stop)
+    kw = check_sampling(temperature, top_p, top_k, max_tokens, seed, stop)
     system = text_arg(system, "--system") if system is not None else None
-    pipe = _load(resolve_model(model), opts)
-    params = pipe.sampling_params(**kw)
-    typer.echo(f"backend: {pipe.backend.name}", err=True)
+    from nanoqwen_runtime.generate import Pipeline
+
+    with open_container(resolve_model(model)) as f:  # opened and checked once; weights read last
+        check_max_model_len(f, opts.max_model_len)
+        pipe = Pipeline.from_file(f, None)
+        params = pipe.sampling_params(**kw)
+        pipe.backend, threads = load_backend(f, opts, pipe.tokenizer)
+    typer.echo(f"backend: {pipe.backend.name}" + (f"; {describe_threads(threads)}" if threads else ""),
+               err=True)
     typer.echo(_describe_params(params, opts.speculation()) + "  (/reset clears the history, /exit or "
                "Ctrl-D quits, Ctrl-C stops a reply)", err=True)
     base = [{"role": "system", "content": system}] if system is not None else []
@@ -416,7 +349,7 @@ def chat(
         history.append({"role": "user", "content": line})
         started = False  # "assistant> " is on the screen
         try:
-            ids = _prompt_ids(pipe, pipe.chat_prompt(history))
+            ids = prompt_ids(pipe, pipe.chat_prompt(history))
             sys.stdout.write("assistant> ")
             started = True
             result = _reply(pipe, ids, params, stream=True)

@@ -11,15 +11,18 @@ plain-torch `ReferenceEngine` (fp32), so the server can be tested for real witho
 server listens at once; GET /health answers 503 "loading" until the model is loaded (and the graphs
 captured), then 200. A model that fails to load ends the command with its one-line error (exit 1).
 The engine runs in a process of its own (server/engine_process.py), built from an `EngineSpec`;
---threads sets torch's threads there. If that process dies (crash, OOM kill), its requests end with an
-error, the server stops and the command exits 1 with one line saying how it died. On cuda with 4 or
-more CPUs the engine process runs on two hardware threads of its own and the HTTP process on the others
-(`--cpu-placement auto`, server/cpu_placement.py; one server per GPU: each takes the pair of its GPU's
-number); `off` leaves both to the scheduler, as does `--device cpu` (the reference engine computes on
-every core).
+--threads sets torch's threads there (default on the CPU: nanoqwen_runtime.cpu_threads' rule, printed
+in the ready line). If that process dies (crash, OOM kill), its requests end with an error, the server
+stops and the command exits 1 with one line saying how it died. On cuda with 4 or more CPUs the engine
+process runs on two hardware threads of its own and the HTTP process on the others (`--cpu-placement
+auto`, server/cpu_placement.py; one server per GPU: each takes the pair of its GPU's number); `off`
+leaves both to the scheduler, as does `--device cpu`.
 Binds 127.0.0.1 unless --host says otherwise. `--api-key` (or NANOQWEN_API_KEY) makes /v1/* require
-`Authorization: Bearer KEY`. SIGTERM (or Ctrl-C) drains: no new requests (503), running ones get up
-to --drain-timeout seconds to finish, the rest are aborted; then the command exits 0 (130 for Ctrl-C).
+`Authorization: Bearer KEY`. SIGTERM (or Ctrl-C) drains while the server keeps listening: GET /health
+answers 503 {"status": "draining"}, new requests get 503 in the OpenAI error shape, running ones get up
+to --drain-timeout seconds to finish and the rest are aborted; one line on stderr says that draining
+started, one how it ended; then the command exits 0 (130 for Ctrl-C). Speculation left out takes the
+backend's measured default (loading.DEFAULT_SPECULATION: off on both engines).
 
 Both engines cache the KV blocks of prompt prefixes (a later request that starts with the same
 system prompt or conversation skips their prefill; `--no-prefix-cache` turns it off) and, with
@@ -46,6 +49,7 @@ from .generate_commands import (
     Speculate,
     Threads,
 )
+from .loading import LoadOptions, check_max_model_len, open_container
 from .model_commands import resolve_model
 
 API_KEY_ENV = "NANOQWEN_API_KEY"
@@ -98,13 +102,12 @@ def serve(
         "not slow the engine's steps; off: wherever the scheduler puts them")] = "auto",
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat/completions, completions, models)."""
-    from .generate_commands import LoadOptions
     from .server.engine_spec import EngineSpec
 
     opts = LoadOptions(device=device, backend="engine" if device.startswith("cuda") else "reference",
                        threads=threads, kv_memory=kv_memory, eager=eager, overlap=not no_overlap,
-                       max_model_len=max_model_len,
-                       verify=not no_verify, speculate=speculate, prefix_cache=not no_prefix_cache)
+                       max_model_len=max_model_len, verify=not no_verify,
+                       speculate=speculate, prefix_cache=not no_prefix_cache)
     opts.check()  # also parses --speculate (a bad value: exit 2)
     spec = opts.speculation()
     if not 0 <= port <= 65535:
@@ -130,14 +133,9 @@ def serve(
     from nanoqwen_runtime.generate import Pipeline
 
     resolve_device(device)  # no GPU for --device cuda: one line, exit 1, before anything starts
-    if max_model_len is not None:
-        from .generate_commands import _context_window
-
-        limit = _context_window(path)
-        if max_model_len > limit:
-            raise UsageError(f"--max-model-len must be <= {limit} (this model's context window), "
-                             f"got {max_model_len}")
-    pipeline = Pipeline.from_container(path, backend=None)  # text side only: tokenizer, template, defaults
+    with open_container(path) as f:  # once here: the text side (the engine process reads the weights)
+        check_max_model_len(f, max_model_len)
+        pipeline = Pipeline.from_file(f, None)  # tokenizer, chat template, defaults
     engine = EngineSpec(path=str(path), device=device, eager=eager, overlap=opts.overlap,
                         kv_memory_bytes=kv_bytes,
                         max_model_len=max_model_len, max_batch=max_batch, verify=not no_verify,

@@ -113,6 +113,22 @@ def special_tokens_from(config: Mapping[str, Any], tokenizer_json: str) -> dict[
     return out
 
 
+def special_tokens_of(config: Mapping[str, Any], tokenizer: Any) -> dict[str, str]:
+    """`special_tokens_from` with a built `tokenizer.Tokenizer` (its `id_to_token`) instead of the
+    tokenizer JSON, which is then not parsed a second time."""
+    out = {}
+    keys = (("bos_token", "bos_token_id"), ("pad_token", "pad_token_id"), ("eos_token", "eos_token_id"))
+    for key, cfg_key in keys:
+        tid = config.get(cfg_key)
+        tid = tid[0] if isinstance(tid, list) and tid else tid
+        if isinstance(tid, int) and not isinstance(tid, bool):
+            try:
+                out[key] = tokenizer.id_to_token(tid)
+            except KeyError:
+                pass
+    return out
+
+
 def _wanted_ids(config: Mapping[str, Any]) -> set[int]:
     ids = set()
     for k in ("bos_token_id", "pad_token_id", "eos_token_id"):

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
+import nanoqwen_format as nqf
 import torch
 
 from .backend import Backend, ReferenceBackend, TokenRequest
-from .chat import ChatTemplate, special_tokens_from
+from .chat import ChatTemplate, special_tokens_of
+from .container import opened
 from .events import FINISH_ERROR, FINISH_STOP, ErrorEvent
 from .sampling import SamplingParams, StopMatcher
 from .tokenizer import Tokenizer
@@ -90,7 +92,7 @@ class _Track:
 class Pipeline:
     """Tokenizer + chat template + backend, read from one container."""
 
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, template: ChatTemplate | None,
+    def __init__(self, backend: Backend | None, tokenizer: Tokenizer, template: ChatTemplate | None,
                  eos_ids: Sequence[int], defaults: Mapping[str, Any] | None = None):
         self.backend = backend
         self.tokenizer = tokenizer
@@ -106,23 +108,27 @@ class Pipeline:
         verify (default): every tensor's checksum and finite weights are checked as they load
         (`nanoqwen_format.ChecksumError` / `integrity.NonFiniteWeightError`, naming the tensor);
         `verify=False` skips both (the index and metadata checksums are always checked)."""
-        backend = ReferenceBackend.from_file(path, device=device, dtype=dtype, verify=verify,
-                                             **backend_kwargs)
-        return cls.from_container(path, backend)
+        with opened(path) as f:
+            return cls.from_file(f, ReferenceBackend.from_file(f, device=device, dtype=dtype, verify=verify,
+                                                               **backend_kwargs))
 
     @classmethod
-    def from_container(cls, path: str | PathLike, backend: Backend) -> Pipeline:
-        """Tokenizer, chat template, EOS ids and generation defaults from `path`, around any backend."""
-        import nanoqwen_format as nqf
+    def from_container(cls, path: str | PathLike, backend: Backend | None) -> Pipeline:
+        """Tokenizer, chat template, EOS ids and generation defaults from `path`, around any backend
+        (None: the text side only; set `backend` before streaming)."""
+        with opened(path) as f:
+            return cls.from_file(f, backend)
 
-        with nqf.open(path) as f:
-            meta = f.metadata
-            tok = Tokenizer.from_json(f.tokenizer_json)
-            template = ChatTemplate(f.chat_template, special_tokens_from(f.config, f.tokenizer_json)) \
-                if f.chat_template else None
-            defaults = generation_defaults(meta)
-            eos = defaults.get("eos_token_ids") or f.config.get("eos_token_id") or []
-            eos = eos if isinstance(eos, list) else [eos]
+    @classmethod
+    def from_file(cls, f: nqf.NanoqwenFile, backend: Backend | None) -> Pipeline:
+        """`from_container` on a container already open (container.py): its metadata is read, the
+        tokenizer JSON parsed once (the chat template's special tokens come from that tokenizer)."""
+        tok = Tokenizer.from_json(f.tokenizer_json)
+        template = (ChatTemplate(f.chat_template, special_tokens_of(f.config, tok)) if f.chat_template
+                    else None)
+        defaults = generation_defaults(f.metadata)
+        eos = defaults.get("eos_token_ids") or f.config.get("eos_token_id") or []
+        eos = eos if isinstance(eos, list) else [eos]
         return cls(backend, tok, template, eos, defaults)
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:

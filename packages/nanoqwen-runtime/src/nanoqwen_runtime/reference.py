@@ -20,29 +20,31 @@ from __future__ import annotations
 from collections.abc import Mapping
 from os import PathLike
 
+import nanoqwen_format as nqf
 import torch
 from nanoqwen_model import Qwen2Config
 from nanoqwen_model.forward import causal_attention, forward, rope_inv_freq
 
+from .container import opened
 from .integrity import WeightError, check_finite
 from .kv_cache import PagedKVCache, StepMetadata
 
 __all__ = ["ReferenceModel", "load_weights", "WeightError", "PagedAttend"]
 
 
-def load_weights(path: str | PathLike, dtype: torch.dtype = torch.bfloat16,
+def load_weights(path: str | PathLike | nqf.NanoqwenFile, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", *, verify: bool = True
                  ) -> tuple[Qwen2Config, dict[str, torch.Tensor]]:
     """Read config and every weight of a container; quantized tensors are dequantized (once) to `dtype`.
 
+    path: the container's path, or a `nanoqwen_format.NanoqwenFile` the caller opened (and closes):
+    then the file is not opened and parsed again.
     Returns (config, {name: tensor}) with norms and biases in fp32 and matrices in `dtype`.
     verify (default): each tensor's checksum is checked as it is read (nanoqwen_format.ChecksumError
     naming it), and NaN/Inf in a bf16 tensor or in the scales of a quantized one is refused
     (`NonFiniteWeightError`) before it is dequantized (integrity.py).
     """
-    import nanoqwen_format as nqf
-
-    with nqf.open(path) as f:
+    with opened(path) as f:
         cfg = Qwen2Config.from_metadata(f.config)
         names = list(cfg.tensor_shapes(with_lm_head="lm_head" in f.records))
         if "lm_head" not in names and not cfg.tie_word_embeddings:
@@ -121,9 +123,10 @@ class ReferenceModel:
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, self.device)
 
     @classmethod
-    def from_file(cls, path: str | PathLike, device: torch.device | str = "cpu",
+    def from_file(cls, path: str | PathLike | nqf.NanoqwenFile, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.bfloat16, *, verify: bool = True) -> ReferenceModel:
-        """Load a container (`load_weights`; `verify=False` skips its checksum and finite checks)."""
+        """Load a container, by path or opened (`load_weights`; `verify=False` skips its checksum and
+        finite checks)."""
         cfg, weights = load_weights(path, dtype=dtype, device=device, verify=verify)
         return cls(cfg, weights, device=device, dtype=dtype)
 

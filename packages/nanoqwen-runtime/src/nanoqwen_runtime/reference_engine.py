@@ -31,6 +31,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from os import PathLike
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +46,9 @@ from .request_stream import Event, FinishEvent, RequestStream
 from .sampling import Sampler
 from .speculative import SpeculationConfig
 from .token_mask import apply_token_bitmask_, full_bitmask
+
+if TYPE_CHECKING:
+    from nanoqwen_format import NanoqwenFile
 
 __all__ = ["ReferenceEngine", "ReferenceEngineConfig"]
 
@@ -120,20 +124,20 @@ class ReferenceEngine(EngineBase):
         self.num_masked_rows = 0  # sampled rows a grammar's bitmask constrained
         dt = str(model.dtype).removeprefix("torch.")
         self.name = (f"reference engine (plain torch) on {self.device}, {dt} matmuls, "
-                     f"{self.num_blocks} KV blocks of {config.block_size} tokens")
+                     f"{self.blocks.usable_blocks} KV blocks of {config.block_size} tokens")
 
     @classmethod
-    def from_file(cls, path: str | PathLike, config: ReferenceEngineConfig | None = None, *,
+    def from_file(cls, path: str | PathLike | NanoqwenFile, config: ReferenceEngineConfig | None = None, *,
                   device: str = "cpu", dtype: torch.dtype = torch.float32, verify: bool = True
                   ) -> ReferenceEngine:
-        """Load a container's weights (checked unless `verify=False`) and tokenizer."""
-        import nanoqwen_format as nqf
-
+        """Load a container's weights (checked unless `verify=False`) and tokenizer, from one open
+        (`path`: a path or an open `NanoqwenFile`, container.py)."""
         from .backend_types import resolve_device
+        from .container import opened
         from .tokenizer import Tokenizer
 
-        model = ReferenceModel.from_file(path, device=resolve_device(device), dtype=dtype, verify=verify)
-        with nqf.open(path) as f:
+        with opened(path) as f:
+            model = ReferenceModel.from_file(f, device=resolve_device(device), dtype=dtype, verify=verify)
             tok_json = f.tokenizer_json
         return cls(model, config, tokenizer=Tokenizer.from_json(tok_json) if tok_json else None)
 

@@ -178,6 +178,28 @@ class EngineProcess:
         self._outbox.put(("submit", request))
         return handle
 
+    def begin_drain(self) -> None:
+        """Take no new request from now on (`submit` raises `Draining`: 503); running ones go on."""
+        self._draining = True
+
+    def live(self) -> int:
+        """Requests sent and not finished."""
+        with self._lock:
+            return len(self._handles)
+
+    def abort_all(self) -> int:
+        """Abort every live request (each ends with an "aborted" `Finish` after the engine's next step);
+        returns how many."""
+        with self._lock:
+            handles = list(self._handles.values())
+        for h in handles:
+            h.abort()
+        return len(handles)
+
+    def can_serve(self) -> bool:
+        """Loaded, not failed, the engine process's pipe open: requests can run to their end."""
+        return self.info is not None and self.failure is None and self._reader_alive()
+
     def waiting(self) -> int:
         with self._lock:
             return self._pending_submits + self._engine_waiting

@@ -25,7 +25,7 @@ class EngineSpec:
     device "cpu" builds the plain-torch `ReferenceEngine` (fp32; max_batch defaults to 16), "cuda" or
     "cuda:N" the CUDA `Engine` (CUDA graphs unless `eager`; max_batch defaults to EngineConfig's).
     kv_memory_bytes None: each engine's default pool size. threads: torch's intra-op threads in the
-    engine process (None: torch's default).
+    engine process (None: on the CPU nanoqwen_runtime.cpu_threads' rule, on cuda torch's default).
     """
 
     path: str
@@ -45,9 +45,9 @@ class EngineSpec:
         """Load the engine (in the engine process). Raises what loading raises."""
         import torch
 
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
         if self.device.startswith("cuda"):
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
             from nanoqwen_runtime.engine import Engine, EngineConfig
 
             cfg = EngineConfig(device=self.device, mode="eager" if self.eager else "graph",
@@ -57,14 +57,18 @@ class EngineSpec:
                                overlap=self.overlap,
                                **({"max_batch": self.max_batch} if self.max_batch else {}))
             return Engine.from_file(self.path, cfg)
+        from nanoqwen_runtime.cpu_threads import apply_threads
         from nanoqwen_runtime.reference_engine import ReferenceEngine, ReferenceEngineConfig
 
+        threads = apply_threads(self.threads)
         kw = {"kv_memory_bytes": self.kv_memory_bytes} if self.kv_memory_bytes else {}
-        return ReferenceEngine.from_file(
+        engine = ReferenceEngine.from_file(
             self.path, ReferenceEngineConfig(max_batch=self.max_batch or 16, max_model_len=self.max_model_len,
                                              speculation=self.speculation, prefix_caching=self.prefix_caching,
                                              **kw),
             device=self.device, verify=self.verify)
+        engine.name += f"; {threads.threads} CPU thread{'s' * (threads.threads != 1)} ({threads.why})"
+        return engine
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,8 @@ class EngineInfo:
 
 def describe_engine(eng: Any) -> str:
     """What runs, in words: the engine's `name` (reference and test engines), or the CUDA engine's op
-    backend and mode."""
+    backend and mode. KV blocks are the usable ones (the pool less its padding block), the figure
+    /metrics gives as nanoqwen_kv_blocks_total."""
     if hasattr(eng, "name"):
         return eng.name
     c = eng.config

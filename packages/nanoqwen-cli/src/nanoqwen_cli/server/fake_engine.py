@@ -16,6 +16,10 @@ first token; the running ones get none. The cost is fixed, whatever the number o
 32, so a burst that reaches the engine in two parts pays it twice.
 `num_steps` counts the "prefill" and "decode" steps, like the CUDA engine's (the step trace reads it).
 
+`gate`: a file path; while no file is there, a request holds back its last token (it stays running,
+one step per `sleep_s`), so that a test can keep a request in flight until it has checked what it
+wants (the server draining) and then let it finish by creating the file: an event, not a time.
+
 The busy parts are a fixed amount of work (a loop whose length is calibrated when the engine is built
 to take `busy_s` or `prefill_s` on an idle core), not a spin until a deadline: when another thread
 takes the GIL in the middle of it, the step gets longer, as the real engine's does.
@@ -27,6 +31,7 @@ host-bound). Nothing in the CLI can select it: only `run_server(FakeEngineSpec(.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -60,6 +65,7 @@ class FakeEngineSpec:
     spins: int | None = None
     prefill_s: float = 0.0
     prefill_spins: int | None = None
+    gate: str | None = None
 
     def build(self) -> FakeEngine:
         return FakeEngine(self)
@@ -151,7 +157,10 @@ class FakeEngine:
     def _emit(self, seqs: list[_Seq]) -> list:
         """One token for each of `seqs`, and the finish of those that reach their max_tokens."""
         events: list = []
+        gated = self.spec.gate is not None and not os.path.exists(self.spec.gate)
         for s in seqs:
+            if gated and s.generated + 1 >= s.request.params.max_tokens:
+                continue  # the last token waits for the gate file (the module header)
             rid, idx = s.request.request_id, s.generated
             s.generated += 1
             done = s.generated >= s.request.params.max_tokens

@@ -30,12 +30,18 @@ class EngineBackend:
         self.max_context = engine.max_model_len
         c = engine.config
         self.name = (f"CUDA engine ({c.backend} op backend, {c.mode} mode) on {engine.device}, "
-                     f"{engine.num_blocks} KV blocks of {c.block_size} tokens")
+                     f"{engine.blocks.usable_blocks} KV blocks of {c.block_size} tokens")
 
     @classmethod
-    def from_file(cls, path: str | PathLike, config: EngineConfig | None = None,
-                  progress=None) -> EngineBackend:
-        return cls(Engine.from_file(path, config, progress=progress))
+    def from_file(cls, path, config: EngineConfig | None = None,
+                  progress=None, tokenizer=None) -> EngineBackend:
+        """`path`: a path or an open `NanoqwenFile` (container.py); `tokenizer`: the container's, when
+        the caller has built it already."""
+        return cls(Engine.from_file(path, config, progress=progress, tokenizer=tokenizer))
+
+    def stats(self):
+        """The engine's counters (nanoqwen_runtime.stats.EngineStats) since it was built."""
+        return self.engine.stats()
 
     def start(self, requests: Sequence[TokenRequest]) -> EngineRun:
         if not requests:
@@ -48,6 +54,10 @@ class EngineBackend:
 def load_pipeline(path: str | PathLike, config: EngineConfig | None = None, progress=None):
     """A `generate.Pipeline` (tokenizer, chat template, EOS ids, defaults from the container) whose
     backend is the CUDA engine."""
+    from ..container import opened
     from ..generate import Pipeline
 
-    return Pipeline.from_container(path, EngineBackend.from_file(path, config, progress))
+    with opened(path) as f:
+        pipe = Pipeline.from_file(f, None)
+        pipe.backend = EngineBackend.from_file(f, config, progress, tokenizer=pipe.tokenizer)
+    return pipe

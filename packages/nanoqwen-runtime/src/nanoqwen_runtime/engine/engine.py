@@ -55,7 +55,6 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 from nanoqwen_model import Qwen2Config
@@ -129,13 +128,14 @@ class Engine(EngineBase):
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str | Path, config: EngineConfig | None = None, *,
-                  progress: Callable[[int, int], None] | None = None) -> Engine:
+    def from_file(cls, path, config: EngineConfig | None = None, *,
+                  progress: Callable[[int, int], None] | None = None, tokenizer=None) -> Engine:
+        """Load a container (`path`: a path or an open `NanoqwenFile`, container.py). `tokenizer`: the
+        container's, when the caller has built it already (else it is built from the metadata)."""
         config = config or EngineConfig()
         loaded = load(path, config.device, verify=config.verify, progress=progress)
-        tokenizer = None
         tok_json = loaded.metadata.get("tokenizer")
-        if tok_json:
+        if tokenizer is None and tok_json:
             from ..tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_json(tok_json)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from nanoqwen_model import Qwen2Config
 
+from ..container import opened
 from ..integrity import check_finite
 from .weights import DenseLinear, Int4Linear, Int8Linear, LayerWeights, Linear, ModelWeights
 
@@ -212,14 +213,16 @@ def finite_check_targets(w: ModelWeights) -> Iterator[tuple[str, str, torch.Tens
         yield from linear("lm_head", w.lm_head)
 
 
-def load(path: str | Path, device: str | torch.device = "cuda", *, verify: bool = True,
+def load(path: str | Path | nqf.NanoqwenFile, device: str | torch.device = "cuda", *, verify: bool = True,
          progress: Callable[[int, int], None] | None = None) -> LoadedModel:
-    """Read a container and put its weights on `device` (see the module header). verify (default):
-    checksums streamed with the upload and NaN/Inf refused (ChecksumError / NonFiniteWeightError,
-    naming the tensor); verify=False skips both."""
+    """Read a container and put its weights on `device` (see the module header). `path`: a path, or
+    an open `NanoqwenFile` (container.py: not opened again). verify (default): checksums streamed with
+    the upload and NaN/Inf refused (ChecksumError / NonFiniteWeightError, naming the tensor);
+    verify=False skips both."""
     device = torch.device(device)
     t0 = time.perf_counter()
-    with nqf.open(path) as f:
+    with opened(path) as f:
+        path = f.path
         meta = f.metadata
         geom = Qwen2Config.from_metadata(f.config)
         recs = list(f.records.values())
