@@ -136,8 +136,6 @@ def test_int8_gemv_on_the_emulator_matches_the_reference(n, k, g, m):
 def test_the_emulated_families_have_their_kernels():
     from nanoqwen_kernels.specs import SPECS
 
-    names = set(emu.entry_points(SPECS["block"]))
-    assert set(SPECS["block"].hot_kernels) <= names
     assert {"gemv_int4_g128_asym_rope", "gemv_int8_g128"} <= set(emu.entry_points(SPECS["gemv"]))
     assert {"paged_attention_decode_hd128", "paged_attention_prefill_hd64",
             "paged_attention_combine_hd128"} <= set(emu.entry_points(SPECS["attention"]))
@@ -145,13 +143,13 @@ def test_the_emulated_families_have_their_kernels():
 
 
 def test_emulated_patches_every_launcher_and_restores_it():
-    from nanoqwen_kernels import attention, block, gemv, layer_ops, sampling
+    from nanoqwen_kernels import attention, gemv, layer_ops, sampling
 
-    modules = (gemv, block, layer_ops, attention, sampling)
+    modules = (gemv, layer_ops, attention, sampling)
     before = [(m.launch, m.require_sm90) for m in modules]
     with emu.emulated(sms=7):
         assert all(m.launch is emu.launch for m in modules)
-        assert gemv._sm_count(0) == 7  # the SM count every plan reads (attention, block, gemm too)
+        assert gemv._sm_count(0) == 7  # the SM count every plan reads (attention, gemm too)
         assert all(m.require_sm90(torch.device("cpu")) == 0 for m in modules)
     assert [(m.launch, m.require_sm90) for m in modules] == before
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from nanoqwen_kernels import attention, block, cuda_driver, gemm, gemv, launch, layer_ops, sampling
+from nanoqwen_kernels import attention, cuda_driver, gemm, gemv, launch, layer_ops, sampling
 from nanoqwen_kernels.specs import SPECS
 
 CSRC = Path(launch.__file__).parent / "csrc"
@@ -103,10 +103,8 @@ def test_every_kernel_entry_waits_before_touching_dependent_memory():
             for name, body in _kernel_bodies((CSRC / source).read_text()):
                 seen += 1
                 first = body.replace("\\", " ").split(";")[0].strip()
-                if first.startswith(("gemv_int4<", "nq_gemv8::gemv_int8<", "gemm_int4<", "gemm_int4_ws<",
-                                     "post_attention_block<")):
-                    # the decode GEMVs (and the block kernel) prefetch weights first; their wait is
-                    # inside (checked below)
+                if first.startswith(("gemv_int4<", "nq_gemv8::gemv_int8<", "gemm_int4<", "gemm_int4_ws<")):
+                    # the decode GEMVs prefetch weights first; their wait is inside (checked below)
                     continue
                 assert first in ("pdl_enter()", "pdl_wait()"), f"{source}:{name} starts with {first!r}"
     assert seen >= 10
@@ -116,8 +114,6 @@ def test_every_kernel_entry_waits_before_touching_dependent_memory():
         ("gemm_int4.cuh", "NQ_DEVICE void gemm_int4(", "issue(0);", "out["),
         # the producer warp waits; the consumers store (finish_tile) only what it delivered after
         ("gemm_int4_ws.cuh", "NQ_DEVICE void gemm_int4_ws(", "tma_load_2d(slot", "finish_tile<"),
-        # the ring's first weight copies, then the wait; then op 0 stages attn, the pieces store
-        ("block_int4.cuh", "NQ_DEVICE void post_attention_block(", "stage_x<0>(xs", "finish_piece(ops"),
     ):
         src = (CSRC / header).read_text()
         body = src[src.index(fn):]
@@ -133,7 +129,6 @@ LAUNCHERS = [
     gemm.gemm_int4,
     layer_ops.rms_norm, layer_ops.fused_add_rms_norm, layer_ops.silu_mul, layer_ops.embedding_gather,
     layer_ops.qkv_rope_kv_write, sampling.sample_tokens, attention.PagedAttentionPlan.run,
-    block.post_attention_block,
 ]  # fmt: skip
 
 
@@ -212,17 +207,6 @@ def _call_every_launcher(pdl_kw: dict) -> None:
     pages = torch.zeros(2, 2, dtype=torch.int32)
     _cpu_attention_plan("decode", num_splits=3).run(torch.zeros(2, 14, 64, **bf), kv, kv, pages,
                                                     torch.ones(2, dtype=torch.int32), **pdl_kw)
-    h, inter = 256, 384
-    bplan = block.plan_post_attention(h, inter, k, torch.device("cpu"), sms=4)
-
-    def w(rows, cols):
-        return gemv.Int4Weight(torch.zeros(rows // 8, cols // 128, 32, 4, dtype=torch.int32),
-                               torch.ones(rows, cols // 128, **bf), None, rows, cols, 128)
-
-    bws = block.BlockWorkspace.allocate(bplan, "cpu")
-    block.post_attention_block(torch.zeros(2, k, **bf), w(h, k), torch.ones(h, **bf), 1e-6, w(2 * inter, h),
-                               w(h, inter), torch.zeros(2, h, **bf), torch.zeros(2, 2 * inter, **bf),
-                               torch.zeros(gemv.norm_stats_shape(2, h)), bws, bplan, **pdl_kw)  # fmt: skip
 
 
 @pytest.mark.parametrize("pdl", [None, False, True], ids=["default", "off", "on"])
@@ -234,15 +218,13 @@ def test_launchers_pass_pdl_to_every_launch(pdl, monkeypatch):
     def record(family, kernel, *args, pdl=False, **kw):
         launched.append((kernel, pdl))
 
-    for mod in (gemv, gemm, layer_ops, sampling, block, attention):
+    for mod in (gemv, gemm, layer_ops, sampling, attention):
         monkeypatch.setattr(mod, "require_sm90", lambda device: 0)
         monkeypatch.setattr(mod, "launch", record)
     monkeypatch.setattr(gemv, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(block, "_resident_blocks", lambda *a: 1)
     _call_every_launcher({} if pdl is None else {"pdl": pdl})
     kernels = [k for k, _ in launched]
-    assert len(kernels) == 16 and "paged_attention_combine_hd64" in kernels, kernels
-    assert "post_attention_block_g128_sym" in kernels, kernels
+    assert len(kernels) == 15 and "paged_attention_combine_hd64" in kernels, kernels
     assert all(p is bool(pdl) for _, p in launched), launched
 
 

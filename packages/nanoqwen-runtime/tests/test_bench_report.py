@@ -156,28 +156,6 @@ def test_partial_report_has_every_key():
     assert rep["decode_batch1"][0]["roofline_frac_read"] is None and "| 128 | 422 |" in markdown(rep)
 
 
-def test_post_attention_ab_is_reported():
-    """The synthetic run's post_attention_kernel variants-vs-off section reaches bench.json and bench.md."""
-    row = {"batch": 1, "a_tok_s": 520.0, "b_tok_s": 450.0, "a_over_b": 520 / 450, "spread_a": 0.01,
-           "spread_b": 0.02, "a_all": [520.0] * 4, "b_all": [450.0] * 4, "a_slower": False,
-           "a_graph_tok_s": 560.0, "b_graph_tok_s": 462.0}
-    raw = fake_raw()
-    rows = [row, dict(row, batch=2, a_slower=True, a_graph_tok_s=None)]
-    int8 = {"post_attention_kernel": "block", "gemv_build": "int8"}
-    variants = {"block": {"rows": rows, "graph_paths": {}},
-                "block+qkv": {"rows": rows[:1], "graph_paths": {}},
-                "block-int8": {"rows": rows[:1], "graph_paths": {}, "config": int8}}
-    raw["post_attention_ab"] = {"reps": 4, "b": "off", "graph_paths_off": {}, "variants": variants}
-    rep = build_report(raw)
-    assert rep["post_attention_ab"]["variants"]["block"]["rows"][0]["a_graph_tok_s"] == 560.0
-    md = markdown(rep)
-    assert '(EngineConfig post_attention_kernel="block") vs the GEMVs' in md
-    assert "## o_proj + gate_up + down + the next qkv as one persistent launch" in md
-    assert '(EngineConfig post_attention_kernel="block", gemv_build="int8") vs the GEMVs' in md
-    assert "| 1 | 520 | 450 | 1.156 | 1.0% / 2.0% | ok |" in md and "| 1 | 560 | 462 | 1.212 |" in md
-    assert "| 2 | 520 | 450 | 1.156 | 1.0% / 2.0% | slower |" in md and "| 2 | - | 462 | - |" in md
-
-
 def test_attention_merge_ab_is_reported():
     """The synthetic run's attention_merge o_proj-vs-combine section reaches bench.json and bench.md, with
     the batch-1 graph's deferred merges per layer."""
@@ -620,9 +598,8 @@ def test_profile_refuses_an_overlapped_engine(tiny_path):
 
 
 def test_variant_sections_build_each_engine_from_its_config(monkeypatch):
-    """post_attention_ab / gemv_build_ab (`_variants_ab`): one engine per variant, built with that
-    variant's EngineConfig fields (a plain value of the section's option, or a (name, fields) pair such as
-    "block-int8"), each measured against the base engine; the report keeps each variant's fields."""
+    """gemv_build_ab (`_variants_ab`): one engine per variant, built with that variant's EngineConfig
+    field, each measured against the base engine; the report keeps each variant's fields."""
     import types
 
     built = []
@@ -635,15 +612,6 @@ def test_variant_sections_build_each_engine_from_its_config(monkeypatch):
     monkeypatch.setattr(bench, "_ab_engine", ab_engine)
     monkeypatch.setattr(bench, "ab_decode", lambda a, b, batches, reps: [{"batch": x} for x in batches])
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
-    pa = bench.post_attention_ab(TINY, None, batches=(1, 2), reps=2)
-    off = {"prefix_caching": False, "speculation": None}
-    assert built == [dict(off, post_attention_kernel="off"), dict(off, post_attention_kernel="block"),
-                     dict(off, post_attention_kernel="block+qkv"),
-                     dict(off, post_attention_kernel="block", gemv_build="int8")]
-    assert list(pa["variants"]) == ["block", "block+qkv", "block-int8"]
-    assert pa["variants"]["block-int8"]["config"] == {"post_attention_kernel": "block", "gemv_build": "int8"}
-    assert pa["variants"]["block"]["rows"] == [{"batch": 1}, {"batch": 2}] and pa["b"] == "off"
-    built.clear()
     gb = bench.gemv_build_ab(TINY, None, batches=(1,), reps=2)
     assert [c["gemv_build"] for c in built] == ["bf16", "int8", "int8-staged", "int8-m1", "int8-wide"]
     assert list(gb["variants"]) == ["int8", "int8-staged", "int8-m1", "int8-wide"] and gb["context"] == 128

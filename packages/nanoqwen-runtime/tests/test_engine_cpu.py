@@ -362,10 +362,6 @@ def test_config_validation_and_helpers():
         EngineConfig(device="cpu", backend="torch", mode="graph")
     with pytest.raises(ValueError, match="power of two"):
         cpu_config(block_size=12)
-    with pytest.raises(ValueError, match="post_attention_kernel needs backend='kernels'"):
-        cpu_config(post_attention_kernel="block")
-    with pytest.raises(ValueError, match="post_attention_kernel must be one of"):
-        cpu_config(post_attention_kernel=True)
     with pytest.raises(ValueError, match="attention_merge='o_proj' needs backend='kernels'"):
         cpu_config(attention_merge="o_proj")
     # the default: the o_proj GEMV merges on the kernel backend (a config of it needs no GPU to be made),

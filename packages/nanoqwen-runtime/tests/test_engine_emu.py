@@ -1,20 +1,16 @@
 """CPU: the engine's kernel backend computing for real on the kernel emulator (nanoqwen_kernels.emu: the
-kernels' own CUDA source compiled for the host), against the fp32 reference, for each
-`EngineConfig.post_attention_kernel`: "off" (the GEMVs with their fused prologues and epilogues),
-"block" (o_proj, gate_up and down as one persistent launch) and "block+qkv" (the next layer's qkv
-projection, RoPE and paged K/V write in that launch too); and `EngineConfig.gemv_build` "int8" (the
-decode GEMVs on the int8 tensor cores, x rounded to 16-bit block floating point: within the same bound).
-It is test_engine_gpu.py's `test_post_attention_kernel_matches_reference` on the CPU: the model step's
-plumbing of the fused paths (`ops.fuses_post_attention`, the qkv projection skipped after "block+qkv",
-the residual and statistics handed between launches) with the kernels' real outputs.
+kernels' own CUDA source compiled for the host), against the fp32 reference: the GEMVs with their fused
+prologues and epilogues, and `EngineConfig.gemv_build` "int8" (the decode GEMVs on the int8 tensor
+cores, x rounded to 16-bit block floating point: within the same bound). The model step's plumbing of
+the fused paths (the residual and statistics handed between launches) with the kernels' real outputs.
 
-What is emulated: every gemv, block and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
-prologue, the qkv RoPE / K/V epilogue and the residual epilogue, the block kernel, the prefill's
-dequantisation); with `kernel_attention`, also the paged attention (the prefill and decode plans the
-engine makes, over its page tables) and the sampler (greedy over the engine's per-row parameter
-buffers), so that every launch of a step is the kernels' own code; otherwise those two come from the
-torch backend (`EmuKernelOps`). Not run: the INT4 GEMMs of 9..64 rows, which the test avoids (prompts
-of more than 64 tokens prefill in one chunk: the dequantise + matmul path).
+What is emulated: every gemv and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
+prologue, the qkv RoPE / K/V epilogue and the residual epilogue, the prefill's dequantisation); with
+`kernel_attention`, also the paged attention (the prefill and decode plans the engine makes, over its
+page tables) and the sampler (greedy over the engine's per-row parameter buffers), so that every launch
+of a step is the kernels' own code; otherwise those two come from the torch backend (`EmuKernelOps`).
+Not run: the INT4 GEMMs of 9..64 rows, which the test avoids (prompts of more than 64 tokens prefill in
+one chunk: the dequantise + matmul path).
 
 Bound (test_engine_gpu.py's, `engine.agreement`): at every teacher-forced position, |logits - reference|
 <= 2 x |torch backend - reference| + one bf16 ulp at the largest logit; the greedy choice equals the
@@ -57,7 +53,7 @@ def _config(**kw):
     return cpu_config(prefill_chunk=256, max_batch=2, graph_buckets=(1, 2), **kw)
 
 
-def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
+def _emu_engine(path, monkeypatch, kernel_attention: bool = False,
                 attention_merge: str = "o_proj", gemv_build: str = "bf16") -> Engine:
     """The CUDA engine's kernel backend on CPU tensors, its launches on the emulator (the caller holds
     `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`
@@ -93,7 +89,7 @@ def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
     monkeypatch.setattr("nanoqwen_runtime.engine.engine.make_ops",
                         lambda config, geom: ops_class(geom, config, torch.device("cpu")))
     cfg = _config()
-    cfg.backend, cfg.post_attention_kernel = "kernels", variant  # after validation (it wants CUDA)
+    cfg.backend = "kernels"  # after validation (it wants CUDA)
     cfg.attention_merge, cfg.gemv_build = attention_merge, gemv_build
     from nanoqwen_runtime.engine.loader import load
 
@@ -101,15 +97,12 @@ def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
     return Engine(model.geometry, model.weights, cfg)
 
 
-@pytest.mark.parametrize("variant, kernel_attention, gemv_build",
-                         [("off", False, "bf16"), ("block", False, "bf16"), ("block+qkv", False, "bf16"),
-                          ("block+qkv", True, "bf16"), ("off", True, "int8"), ("off", False, "int8-staged"),
-                          ("off", False, "int8-m1"), ("off", False, "int8-wide"), ("block", False, "int8"),
-                          ("block+qkv", False, "int8-m1")],
-                         ids=["off", "block", "block+qkv", "block+qkv-attention-sampling",
-                              "off-gemv-int8-attention-sampling", "off-gemv-int8-staged", "off-gemv-int8-m1",
-                              "off-gemv-int8-wide", "block-int8", "block+qkv-int8-m1"])
-def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch, variant,
+@pytest.mark.parametrize("kernel_attention, gemv_build",
+                         [(False, "bf16"), (True, "bf16"), (True, "int8"), (False, "int8-staged"),
+                          (False, "int8-m1"), (False, "int8-wide")],
+                         ids=["bf16", "bf16-attention-sampling", "gemv-int8-attention-sampling",
+                              "gemv-int8-staged", "gemv-int8-m1", "gemv-int8-wide"])
+def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch,
                                                              kernel_attention, gemv_build):
     from nanoqwen_kernels import attention as kattn
     from nanoqwen_kernels import emu
@@ -131,46 +124,35 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
             emu.launch(family, kernel, *args, **kw)
 
         kattn.launch = ksamp.launch = counted  # emulated() puts the real launchers back on exit
-        engine = _emu_engine(tiny_path, monkeypatch, variant, kernel_attention, gemv_build=gemv_build)
+        engine = _emu_engine(tiny_path, monkeypatch, kernel_attention, gemv_build=gemv_build)
         # "int8-m1" takes the int8 loop at one-row steps only: the prompts one at a time
         run = teacher_forced(engine, prompts, ref.tokens, batch=1 if gemv_build == "int8-m1" else 2)
     decided = 0
     for p in range(len(prompts)):
         diff = (run.logits[p] - ref.logits[p]).abs().amax(dim=-1)
-        assert bool((diff <= bound[p]).all()), f"{variant} prompt {p}: {diff.tolist()} > {bound[p].tolist()}"
+        assert bool((diff <= bound[p]).all()), (gemv_build, p, diff.tolist(), bound[p].tolist())
         clear = ref.gap(p) >= 2 * bound[p]
         for j in range(STEPS):
             if clear[j]:
-                assert run.chosen[p][j] == ref.tokens[p][j], f"{variant} prompt {p} position {j}"
+                assert run.chosen[p][j] == ref.tokens[p][j], f"{gemv_build} prompt {p} position {j}"
                 decided += 1
     assert decided >= STEPS // 2
     paths = engine.ops.paths
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
     # gemv_build "int8" / "int8-staged" / "int8-m1" (one-row steps here): every decode GEMV (g128; per step
-    # 4 per layer, or with the block kernel qkv only: 1 per layer, or layer 0's with "block+qkv") on the int8
-    # cores, and every block launch its int8 build; "int8-wide" (two-row steps here): gate_up only
+    # 4 per layer) on the int8 cores; "int8-wide" (two-row steps here): gate_up only
     int8_steps = decode_steps if gemv_build != "bf16" else 0
-    gemvs = {"off": 4 * layers, "block": layers, "block+qkv": 1}[variant]
-    if gemv_build == "int8-wide":
-        gemvs = layers
+    gemvs = layers if gemv_build == "int8-wide" else 4 * layers
     assert paths.get("gemv_int8_mma", 0) == gemvs * int8_steps, paths
-    blocks_int8 = 0 if variant == "off" else layers * int8_steps
-    assert paths.get("post_attention_block_int8", 0) == blocks_int8, paths
-    if variant == "off":
-        assert "post_attention_block" not in paths and paths["residual_epilogue"] > 0
-    else:
-        assert paths["post_attention_block"] == layers * decode_steps, paths
-        fused_qkv = (layers - 1) * decode_steps if variant == "block+qkv" else 0
-        assert paths.get("post_attention_qkv", 0) == fused_qkv, paths
+    assert paths["residual_epilogue"] > 0
     assert paths["dequant_gemm"] > 0 and "int4_gemm" not in paths  # the prefill took the emulated path
     if kernel_attention:  # every layer's attention and every step's sampling ran on the emulator
         assert launched.count("paged_attention_decode_hd64") >= layers * decode_steps, launched
         assert "paged_attention_prefill_hd64" in launched and "sample_tokens_bf16" in launched, launched
         # the kernel backend's default merge: the o_proj GEMV merges every decode step's split rows (its
-        # int8 build too); a block launch takes none (its o_proj is not a GEMV of its own)
-        merged = layers * decode_steps if variant == "off" else 0
-        assert paths.get("attention_merge_o_proj", 0) == merged, paths
+        # int8 build too)
+        assert paths.get("attention_merge_o_proj", 0) == layers * decode_steps, paths
     else:
         assert not launched
     assert engine.kv_blocks_used() == 0
@@ -206,7 +188,7 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
                 emu.launch(family, kernel, *args, **kw)
 
             kattn.launch = ksamp.launch = kgemv.launch = counted  # put back by emulated() on exit
-            engine = _emu_engine(tiny_path, monkeypatch, "off", kernel_attention=True, attention_merge=merge)
+            engine = _emu_engine(tiny_path, monkeypatch, kernel_attention=True, attention_merge=merge)
             runs[merge] = teacher_forced(engine, prompts, forced, batch=2)
         launches[merge], engines[merge] = launched, engine
     assert all(p.can_defer_merge for p in engines["o_proj"].ops.decode_plans.values())
@@ -236,8 +218,7 @@ def test_gemv_family_by_rows(tiny_path, monkeypatch, gemv_build):
     """Which kernel family runs a decode GEMV step of 1..8 rows: the bf16 build, an int8 build at every
     row count ("int8", "int8-staged"), or the int8 build at one row and bf16 at 2..8 ("int8-m1"); for each
     weight alike but "int8-wide", which takes the int8 build at 1..4 rows on a weight of at least
-    INT8_WIDE_MIN_N outputs without the SiLU input, and bf16 for the rest and for a block launch
-    (no weight named)."""
+    INT8_WIDE_MIN_N outputs without the SiLU input, and bf16 for the rest."""
     from nanoqwen_kernels import emu
     from nanoqwen_kernels import gemv as kgemv
 
@@ -246,14 +227,13 @@ def test_gemv_family_by_rows(tiny_path, monkeypatch, gemv_build):
     except emu.EmulatorError as e:
         pytest.skip(str(e))
     with emu.emulated(sms=4, seed=5, timeout_s=60.0):  # the engine's start launches kernels
-        ops = _emu_engine(tiny_path, monkeypatch, "off", False, gemv_build=gemv_build).ops
+        ops = _emu_engine(tiny_path, monkeypatch, gemv_build=gemv_build).ops
     from nanoqwen_runtime.engine.ops_kernels import INT8_WIDE_MAX_ROWS, INT8_WIDE_MIN_N
 
     int8, bf16 = kgemv.register_int8_mma(staged=gemv_build == "int8-staged"), kgemv.FAMILY
     rows = range(1, kgemv.MAX_M + 1)
     expected = {"bf16": [bf16] * 8, "int8": [int8] * 8, "int8-staged": [int8] * 8,
                 "int8-m1": [int8] + [bf16] * 7, "int8-wide": [bf16] * 8}[gemv_build]
-    assert [ops.gemv_family(m) for m in rows] == expected
     # the 7B's shapes: gate_up 37,888 and lm_head 152,064 outputs, qkv 4,608, o 3,584, down (SiLU input)
     wide = ([int8] * INT8_WIDE_MAX_ROWS + [bf16] * (8 - INT8_WIDE_MAX_ROWS) if gemv_build == "int8-wide"
             else expected)

@@ -169,27 +169,6 @@ def _forced_within_bound(container, batch: int, **option):
     return engine, engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
 
 
-@pytest.mark.parametrize("gemv_build", ["bf16", "int8"])
-@pytest.mark.parametrize("variant", ["block", "block+qkv"])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_post_attention_kernel_matches_reference(container, variant, batch, gemv_build):
-    """EngineConfig.post_attention_kernel: at 1 and 2 rows each layer's o_proj, gate_up and down are one
-    persistent launch (nanoqwen_kernels.block), with "block+qkv" the next layer's qkv projection too;
-    teacher-forced decode within the reference bound, and the graph of the batch's bucket ran it once
-    per layer: the qkv GEMV runs for every layer ("block") or only for layer 0 ("block+qkv"). With
-    gemv_build "int8", every block launch is the block's int8 build."""
-    engine, graph = _forced_within_bound(container, batch, post_attention_kernel=variant,
-                                         gemv_build=gemv_build)
-    layers = engine.geom.num_hidden_layers
-    assert graph.get("post_attention_block") == layers, graph
-    assert graph.get("post_attention_block_int8", 0) == (layers if gemv_build == "int8" else 0), graph
-    qkv_gemvs = layers if variant == "block" else 1
-    assert graph.get("gemv_int4") == qkv_gemvs, graph
-    assert graph.get("post_attention_qkv", 0) == layers - qkv_gemvs, graph
-    assert "residual_epilogue" not in graph, graph
-    assert engine.kv_blocks_used() == 0
-
-
 @pytest.mark.parametrize("variant", ["int8", "int8-staged", "int8-m1", "int8-wide"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_int8_gemv_build_matches_reference(container, variant, batch):

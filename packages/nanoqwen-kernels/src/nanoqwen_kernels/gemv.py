@@ -328,8 +328,8 @@ class NormPrologue:
     the residual [M, K], and the GEMV multiplies bf16(x * rsqrt(sum_b stats[m, b] / K + eps) * weight),
     `layer_ops.rms_norm`'s arithmetic on the sums of squares that a `ResidualEpilogue` left behind.
 
-    weight: bf16 [K]; stats: fp32 `norm_stats_shape(M, K)` (a GEMV's residual epilogue, or the
-    post-attention block kernel, block.py); eps: the norm's epsilon."""
+    weight: bf16 [K]; stats: fp32 `norm_stats_shape(M, K)` (a GEMV's residual epilogue); eps: the norm's
+    epsilon."""
 
     weight: torch.Tensor
     stats: torch.Tensor

@@ -179,15 +179,7 @@ struct GroupIO {
 // XMODE 0: x is [M, K]. XMODE 1: x is gate_up [M, 2K] and the staged value is bf16(silu(g) * u).
 // XMODE 2 (the norm prologue): x is the residual [M, K] and the staged value is bf16(x * rs[m] * nw)
 // (rs: the rows' RMS scales, nw: the norm weight [K]).
-// CG: x is read past L1 (ld.cg), for an x that other blocks of the same launch wrote (the block kernel,
-// block_int4.cuh: L1 is not coherent, and the SM may hold an older copy of the lines).
-template <bool CG>
-NQ_DEVICE uint4 load_x(const void* p) {
-  if constexpr (CG) return ld_cg_v4(p);
-  else return ld_v4(p);
-}
-
-template <int XMODE, bool CG = false, int NORM_UNROLL = 1>
+template <int XMODE, int NORM_UNROLL = 1>
 NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M, int K, int k0,
                        int ncols, const bf16_t* __restrict__ nw = nullptr, const float* rs = nullptr) {
   const int vec_per_row = ncols / 8;
@@ -199,14 +191,14 @@ NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, 
     const int m = v / vec_per_row, c8 = (v - m * vec_per_row) * 8;
     u32 w[4];
     if constexpr (XMODE == 0) {
-      const uint4 a = load_x<CG>(x + (i64)m * K + k0 + c8);
+      const uint4 a = ld_v4(x + (i64)m * K + k0 + c8);
       w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
     } else if constexpr (XMODE == 2) {
-      const uint4 a = nq::scale_bf16x8(load_x<CG>(x + (i64)m * K + k0 + c8), ld_v4(nw + k0 + c8), rs[m]);
+      const uint4 a = nq::scale_bf16x8(ld_v4(x + (i64)m * K + k0 + c8), ld_v4(nw + k0 + c8), rs[m]);
       w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
     } else {
-      const uint4 g = load_x<CG>(x + (i64)m * 2 * K + k0 + c8);
-      const uint4 u = load_x<CG>(x + (i64)m * 2 * K + K + k0 + c8);
+      const uint4 g = ld_v4(x + (i64)m * 2 * K + k0 + c8);
+      const uint4 u = ld_v4(x + (i64)m * 2 * K + K + k0 + c8);
       const u32 ga[4] = {g.x, g.y, g.z, g.w}, ua[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -365,8 +357,7 @@ NQ_DEVICE void mma_col_scaled(float (&acc)[4], const uint4& w0v, const uint4& w1
 // One tile-column of a warp's tile pair: dequantize the lane's words (w0v: tile 0, w1v: tile 1), multiply
 // them by the staged x (xt: the tile-column's 128 staged columns of the lane's x row), scale each group
 // and add into acc (the C fragment, header). s0 / s1, z0 / z1: the raw scale bits and zero points of the
-// lane's rows g of tile 0 and tile 1; c3: neg_zero_pair_byte's per-lane register. The inner step of the
-// GEMV and of the post-attention block kernel (block_int4.cuh).
+// lane's rows g of tile 0 and tile 1; c3: neg_zero_pair_byte's per-lane register. The GEMV's inner step.
 template <int G, bool ASYM, typename ST>
 NQ_DEVICE void mma_tile_column(float (&acc)[4], const uint4& w0v, const uint4& w1v, typename ScaleBits<G>::type s0,
                                typename ScaleBits<G>::type s1, u32 z0, u32 z1, const bf16_t* xt, u32 c3) {
@@ -442,7 +433,7 @@ struct RopeKV {
 // Column pair (c, c + D/2) (c < D/2) of head h of row m, from va, vb = bf16(y + bias) of those columns:
 // RoPE on a q or k head (layer_ops.cu's qkv_rope_kv_write arithmetic, the shared rope_sincos /
 // rope_rotate), q to q_out, k and v into the paged cache at slot_mapping[m] (< 0: not written). The qkv
-// epilogue of the GEMV (EPI = 1) and of the post-attention block kernel (block_int4.cuh).
+// epilogue of the GEMV (EPI = 1).
 NQ_DEVICE void rope_kv_write_pair(const RopeKV& rk, int m, int h, int c, bf16_t va, bf16_t vb) {
   const int D = rk.D, half = D / 2, Hq = rk.Hq, Hkv = rk.Hkv, bs = rk.block_size;
   const int slot = rk.slot_mapping[m];
@@ -480,15 +471,13 @@ struct ResidOut {
 
 // rs[m] = rsqrt(sum_b stats[m, b] / K + eps) for m < M (warp m sums row m: lanes over b, then the
 // butterfly; a fixed order). The caller synchronises before reading rs.
-template <bool CG = false>
 NQ_DEVICE void norm_scales(const NormIn& ni, int M, int K, float* rs) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp >= M) return;
   float s = 0.f;
 #pragma unroll 1  // one or two trips (K <= 8192); unrolled, ptxas kept 16 loads live and spilled
   for (int b = lane; b < ni.stat_blocks; b += 32) {
-    if constexpr (CG) s += ld_cg_f32(ni.stats + warp * ni.stat_blocks + b);
-    else s += ni.stats[warp * ni.stat_blocks + b];
+    s += ni.stats[warp * ni.stat_blocks + b];
   }
   s = warp_sum(s);
   if (lane == 0) rs[warp] = rsqrtf(s / (float)K + ni.eps);
@@ -496,14 +485,13 @@ NQ_DEVICE void norm_scales(const NormIn& ni, int M, int K, float* rs) {
 
 // The norm prologue's staging: the rows' RMS scales from ni.stats, then x staged as stage_x<2>. Not
 // inlined: inlined, ptxas spilled 8 bytes inside the main loop of the g128 asym exact-loop kernel.
-// CG: x and the statistics read past L1 (stage_x).
-template <bool CG = false, int UNROLL = 1>
+template <int UNROLL = 1>
 __device__ __noinline__ void stage_x_normed(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M,
                                             int K, int k0, int ncols, NormIn ni) {
   __shared__ float rs[8];
-  norm_scales<CG>(ni, M, K, rs);
+  norm_scales(ni, M, K, rs);
   __syncthreads();
-  stage_x<2, CG, UNROLL>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
+  stage_x<2, UNROLL>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
 }
 
 // The attention merge prologue's arguments (XMODE 3; header): the split-KV partials of the attention
@@ -826,7 +814,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   pdl_wait();
   if constexpr (NORM) {
     static_assert(XMODE == 0, "the norm prologue takes a plain input");
-    stage_x_normed<false, STAGED ? 4 : 1>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
+    stage_x_normed<STAGED ? 4 : 1>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
   } else if constexpr (XMODE == 3) {
     stage_x_merged<MERGE_HD>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, mi,
                              reinterpret_cast<float*>(sz + (STAGED ? kc * ROWS_PER_BLOCK * StagedRecord<ASYM>::WORDS / 2

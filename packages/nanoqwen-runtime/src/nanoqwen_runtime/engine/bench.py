@@ -31,7 +31,7 @@ on the same weights, one with both features and one without, decode tok/s at bat
 alternately; a regression is every "on" repeat slower than every "off" repeat (`ab_decode`). With
 the synthetic model, `layout_speed` compares the default layout (g128 asym) with g128 sym the same way,
 and the engine options of issue 13 are compared with their defaults (`overlap_ab`, `attention_merge_ab`,
-`post_attention_ab`, `gemv_build_ab`), as is an INT4 lm_head with the bf16 one (`lm_head_ab`, each
+`gemv_build_ab`), as is an INT4 lm_head with the bf16 one (`lm_head_ab`, each
 side's fraction of the read roofline). `only` (`nanoqwen-cli bench --only a,b`) runs just the named sections.
 
 Results: bench.json and bench.md (`bench_report.py` builds both from the raw numbers collected here;
@@ -269,38 +269,25 @@ def layout_speed(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 8
 
 
 def _variants_ab(geom: Qwen2Config, weights, option: str, base: str,
-                 variants: tuple[str | tuple[str, dict], ...], *, batches: tuple[int, ...],
-                 reps: int) -> dict:
+                 variants: tuple[str, ...], *, batches: tuple[int, ...], reps: int) -> dict:
     """Each value in `variants` of the EngineConfig field `option` (a) against `base` (b), same weights,
     features off, `ab_decode` (engine tok/s, and each side's graph replay); plus the path counts of each
     engine's batch-1 graph: {"reps", "b": base, "graph_paths_<base>", "variants": {v: {"rows",
-    "graph_paths", "config"}}}. A variant may be (name, EngineConfig fields) instead of a value: several
-    fields at once."""
+    "graph_paths", "config"}}}."""
     eb = _ab_engine(geom, weights, prefix_caching=False, speculation=None, **{option: base})
     cls = eb.runner.context_classes[0]
     out = {"reps": reps, "b": base, f"graph_paths_{base}": dict(eb.runner.graph_paths[(1, cls)]),
            "variants": {}}
     for variant in variants:
-        name, cfg = (variant, {option: variant}) if isinstance(variant, str) else variant
+        cfg = {option: variant}
         ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None, **cfg)
-        out["variants"][name] = {"rows": ab_decode(ea, eb, batches=batches, reps=reps),
+        out["variants"][variant] = {"rows": ab_decode(ea, eb, batches=batches, reps=reps),
                                  "graph_paths": dict(ea.runner.graph_paths[(1, cls)]), "config": cfg}
         del ea
         torch.cuda.empty_cache()
     del eb
     torch.cuda.empty_cache()
     return out
-
-
-def post_attention_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2),
-                      reps: int = AB_REPS) -> dict:
-    """Issue 13: `EngineConfig.post_attention_kernel` "block" (each layer's o_proj, gate_up and down as
-    one persistent launch at 1..2 rows), "block+qkv" (the next layer's qkv in it too) and "block" with
-    gemv_build "int8" (the block's int8 build, "block-int8"), each against "off" (the bf16 GEMVs; the int8
-    GEMVs against those are `gemv_build_ab`): `_variants_ab`."""
-    int8 = ("block-int8", {"post_attention_kernel": "block", "gemv_build": "int8"})
-    return _variants_ab(geom, weights, "post_attention_kernel", "off", ("block", "block+qkv", int8),
-                        batches=batches, reps=reps)
 
 
 def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
@@ -646,12 +633,6 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
                 log(f"lm_head int4 (gemv_build {build}) / bf16 batch {r['batch']}: engine "
                     f"{r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s; graph {r['a_graph_tok_s']:.0f} / "
                     f"{r['b_graph_tok_s']:.0f}{frac}")
-        pa = run.section("post_attention_ab", post_attention_ab, geom, weights_ref)
-        for variant, res in (pa or {}).get("variants", {}).items():
-            for r in res["rows"]:
-                log(f"post_attention_kernel {variant}/off batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
-                    f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
-                    f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
     del weights_ref
     if load_test_dir is not None and run.section("load_test", load_time, geometry, load_test_dir):
         ld = raw["load_test"]

@@ -35,8 +35,6 @@ raw = {
       "combine", synthetic model only),
   "gemv_build_ab": bench.gemv_build_ab(...) result (EngineConfig.gemv_build "int8", "int8-staged",
                    "int8-m1" and "int8-wide" each vs "bf16", synthetic model only),
-  "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel "block" and
-                       "block+qkv" each vs "off", synthetic model only),
   "lm_head_ab": bench.lm_head_ab(...) result (an INT4 lm_head vs bf16, synthetic model only),
   "lm_head_int8_wide_ab": the same with the INT4 side's gemv_build "int8-wide",
   "errors": {section: message},
@@ -133,8 +131,7 @@ def build_report(raw: dict) -> dict:
     rep["speculation"] = meta.get("speculation")
     for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
               "prefix_cache", "engine_stats", "features_cost", "layout_speed", "overlap_ab",
-              "attention_merge_ab", "gemv_build_ab", "lm_head_ab", "lm_head_int8_wide_ab",
-              "post_attention_ab"):
+              "attention_merge_ab", "gemv_build_ab", "lm_head_ab", "lm_head_int8_wide_ab"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -229,7 +226,6 @@ def markdown(rep: dict) -> str:
     lines += _gemv_build_md(rep.get("gemv_build_ab"))
     lines += _lm_head_md(rep.get("lm_head_ab"), rep.get("read_bandwidth_GBps"))
     lines += _lm_head_md(rep.get("lm_head_int8_wide_ab"), rep.get("read_bandwidth_GBps"))
-    lines += _post_attention_md(rep.get("post_attention_ab"))
     lines += ["", "## Graph vs eager (context 128, engine wall time)", "",
               "| batch | graph-mode tok/s | eager tok/s |",
               "| --- | --- | --- |"]
@@ -375,20 +371,6 @@ def _lm_head_path(paths: dict | None) -> str:
     if not paths:
         return "not recorded"
     return ", ".join(f"{k} {v}" for k, v in sorted(paths.items()) if k in ("gemv_int4", "cublas_bf16"))
-
-
-def _post_attention_md(pa: dict | None) -> list[str]:
-    if not pa:
-        return []
-    lines = []
-    for variant, res in pa.get("variants", {}).items():
-        cfg = res.get("config") or {"post_attention_kernel": variant}
-        what = "o_proj + gate_up + down" + (" + the next qkv" if cfg["post_attention_kernel"] == "block+qkv"
-                                            else "")
-        fields = ", ".join(f'{k}="{v}"' for k, v in cfg.items())
-        lines += _engine_ab_md(f"## {what} as one persistent launch (EngineConfig {fields}) vs the GEMVs "
-                               "(same run, context 128 + 128)", variant, "off", res["rows"], pa["reps"])
-    return lines
 
 
 def profile_markdown(p: dict | None) -> list[str]:

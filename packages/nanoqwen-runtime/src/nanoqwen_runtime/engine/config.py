@@ -18,9 +18,6 @@ from .scheduler import VERIFY_MAX_ROWS
 GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 
-# EngineConfig.post_attention_kernel's values: off; o_proj + gate_up + down as one launch; and the next
-# layer's qkv in it too
-POST_ATTENTION_KERNELS = ("off", "block", "block+qkv")
 # EngineConfig.attention_merge's values: who merges the split rows of decode attention
 ATTENTION_MERGES = ("combine", "o_proj")
 # EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16 or on int8 tensor cores (the
@@ -72,14 +69,6 @@ class EngineConfig:
     # on, the driver never starts a dependent grid early (nanoqwen-kernels NOTES.md, session 2);
     # `nanoqwen-cli bench` measures both beside each other.
     pdl: bool = False
-    # Kernel backend, explicit option, "off": at 1 or 2 rows, run each layer's o_proj, gate_up and down
-    # as ONE persistent launch (nanoqwen_kernels.block: the weights stream through per-warp rings of
-    # bulk copies that run ahead across the ops) instead of three GEMVs ("block"), and with it the next
-    # layer's qkv projection, RoPE and K/V write ("block+qkv": a decode layer is then attention and
-    # this one launch). Same math, other summation order: the logits stay within the agreement bound,
-    # not bitwise. Off until it is measured faster on the GPU (bench/engine/NOTES.md, session 21).
-    # Needs INT4 g128 layer linears of one layout; the engine refuses other weights with it on.
-    post_attention_kernel: str = "off"
     # Kernel backend: who merges the rows that split-KV decode attention left in fp32 partials.
     # "combine": the combine kernel, a launch of its own (six per decode layer). "o_proj": the o
     # projection's GEMV, while it stages its input (nanoqwen_kernels gemv `_merge_resid`), with the
@@ -160,11 +149,6 @@ class EngineConfig:
         if self.prefill_chunk < self.block_size:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be >= block_size "
                              f"({self.block_size})")
-        if self.post_attention_kernel not in POST_ATTENTION_KERNELS:
-            raise ValueError(f"EngineConfig.post_attention_kernel must be one of {POST_ATTENTION_KERNELS}, "
-                             f"got {self.post_attention_kernel!r}")
-        if self.post_attention_kernel != "off" and self.backend != "kernels":
-            raise ValueError("EngineConfig.post_attention_kernel needs backend='kernels'")
         if self.attention_merge is None:
             self.attention_merge = "o_proj" if self.backend == "kernels" else "combine"
         if self.attention_merge not in ATTENTION_MERGES:

@@ -28,11 +28,7 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   residual as its input prologue from them (`NormPrologue`, "norm_prologue"). So a decode layer launches no
   add + RMSNorm: six launches, the four GEMVs and attention's two (five with
   `EngineConfig.attention_merge="o_proj"`, the default, below: the o_proj GEMV merges the split attention
-  rows; four with `EngineConfig.post_attention_kernel="block"` at 1..2 rows: o_proj, gate_up and down are
-  then one persistent launch, `post_attention_block`, path counter "post_attention_block"; two, attention
-  and that launch, with "block+qkv", where it also makes the next layer's qkv projection with RoPE and the
-  K/V write, path counter "post_attention_qkv"; with an int8 `gemv_build` the block's int8 build runs the
-  steps whose GEMVs would be int8, path counter "post_attention_block_int8"). Otherwise (more rows, or a
+  rows). Otherwise (more rows, or a
   linear that is not INT4) the add stays pending and the norm is one fused_add_rms_norm launch; layer 0's
   input norm and the final norm are plain `rms_norm` launches (nothing fused made their statistics, or
   nothing consumes them fused).
@@ -49,11 +45,9 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 import torch
 from nanoqwen_kernels import attention as kattn
-from nanoqwen_kernels import block as kblock
 from nanoqwen_kernels import gemm as kgemm
 from nanoqwen_kernels import gemv as kgemv
 from nanoqwen_kernels import launch as klaunch
@@ -77,7 +71,7 @@ PREFILL_PATH = "dequant_gemm"  # above INT4_GEMM_MAX_ROWS: "dequant_gemm" or "in
 # and 1.5B's gate_up, 9,728 / 17,920, are wide too)
 INT8_WIDE_MIN_N = 8192
 INT8_WIDE_MAX_ROWS = 4
-FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")  # + "block" with post_attention_kernel
+FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")
 
 
 def _linears(weights) -> list[Linear]:
@@ -119,34 +113,6 @@ class KernelOps:
         # buffer (each producer runs after the previous consumer on the stream)
         self._norm_stats = torch.empty(kgemv.MAX_M * kgemv.norm_stats_shape(1, H)[1], dtype=torch.float32,
                                        device=device)
-        # EngineConfig.post_attention_kernel: the block kernel's plan and scratch (its residual statistics
-        # go to _norm_stats, as the GEMV's residual epilogue's do)
-        # ("block+qkv": a second plan with the next layer's qkv op, which the last layer does not run)
-        # (with an int8 gemv_build, the block's int8 build runs the steps that gemv_family(rows) gives to the
-        # int8 GEMVs: `_block_plans_int8`; its plans have the bf16 ones' grid and warps, so one workspace
-        # serves)
-        self.block_plan: kblock.BlockPlan | None = None
-        self.block_plan_qkv: kblock.BlockPlan | None = None
-        if cfg.post_attention_kernel != "off":
-            self.block_plan = kblock.plan_post_attention(H, I, geom.q_dim, device)
-            sized_by = self.block_plan
-            if cfg.post_attention_kernel == "block+qkv":
-                if geom.head_dim not in kgemv.ROPE_HEAD_DIMS:
-                    raise ValueError(f"post_attention_kernel='block+qkv' needs head_dim in "
-                                     f"{kgemv.ROPE_HEAD_DIMS}, got {geom.head_dim}")
-                self.block_plan_qkv = kblock.plan_post_attention(H, I, geom.q_dim, device,
-                                                                 qkv_dim=geom.qkv_dim)
-                sized_by = self.block_plan_qkv
-            self.block_workspace = kblock.BlockWorkspace.allocate(sized_by, device)
-        # the same plans on the block's int8 build, for the steps gemv_family(rows) gives to the int8 loop
-        # (keyed by whether the plan has the next layer's qkv op)
-        # ("int8-wide" has none: a block launch multiplies narrow weights too, so it stays bf16)
-        self._block_plans_int8: dict[bool, kblock.BlockPlan] = {}
-        if self.block_plan is not None and self._int8_family is not None and not self._int8_wide_only:
-            family = kblock.register_int8_mma()
-            self._block_plans_int8 = {qkv: dataclasses.replace(p, family=family)
-                                      for qkv, p in ((False, self.block_plan), (True, self.block_plan_qkv))
-                                      if p is not None}
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
@@ -194,9 +160,7 @@ class KernelOps:
         return 0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size()
 
     def warm_up(self) -> None:
-        extra = (("block",) if self.block_plan is not None else ()) + (
-            (self._int8_family,) if self._int8_family is not None else ())
-        extra += tuple({p.family for p in self._block_plans_int8.values()})  # the block's int8 build
+        extra = (self._int8_family,) if self._int8_family is not None else ()
         klaunch.warm_up(FAMILIES + extra, self.device)
 
     def check_weights(self, weights) -> None:
@@ -205,14 +169,6 @@ class KernelOps:
         for lin in lins:
             if isinstance(lin, Int8Linear):
                 self._int8(lin)  # refuses a layout the INT8 GEMV cannot run (G = 32), before any work
-        if self.block_plan is not None:
-            with_qkv = self.block_plan_qkv is not None
-            for lw in weights.layers:
-                lins = (lw.o_proj, lw.gate_up, lw.down) + ((lw.qkv,) if with_qkv else ())
-                if not all(isinstance(lin, Int4Linear) for lin in lins):
-                    raise ValueError(f"post_attention_kernel={self.cfg.post_attention_kernel!r} needs INT4 "
-                                     f"{'qkv, ' if with_qkv else ''}o_proj, gate_up and down weights")
-                kblock.check_layout(tuple(self._int4(lin) for lin in lins))  # g128, one layout
         if self.cfg.dense_weight_cache:
             print(f"nanoqwen engine: dense_weight_cache=True keeps a bf16 copy of every quantized linear: "
                   f"{self.dense_cache_bytes(weights) / 1e9:.2f} GB more on the GPU (taken from the KV pool)")
@@ -349,14 +305,14 @@ class KernelOps:
             return "gemv_int4"
         return "int4_gemm" if m <= INT4_GEMM_MAX_ROWS else PREFILL_PATH
 
-    def gemv_family(self, rows: int, n: int | None = None, silu_input: bool = False) -> str:
-        """The kernel family of a decode GEMV step of `rows` rows (EngineConfig.gemv_build): an int8 build
-        up to its row limit ("int8-m1": 1; "int8-wide": INT8_WIDE_MAX_ROWS, and only for a weight of
-        n >= INT8_WIDE_MIN_N outputs without the SiLU input), else the bf16 one. n None: a launch of
-        several weights (the block kernel), which "int8-wide" leaves on bf16."""
+    def gemv_family(self, rows: int, n: int, silu_input: bool = False) -> str:
+        """The kernel family of a decode GEMV step of `rows` rows on a weight of `n` outputs
+        (EngineConfig.gemv_build): an int8 build up to its row limit ("int8-m1": 1; "int8-wide":
+        INT8_WIDE_MAX_ROWS, and only for n >= INT8_WIDE_MIN_N outputs without the SiLU input), else the
+        bf16 one."""
         if self._int8_family is None or rows > self._int8_max_rows:
             return kgemv.FAMILY
-        if self._int8_wide_only and (n is None or n < INT8_WIDE_MIN_N or silu_input):
+        if self._int8_wide_only and (n < INT8_WIDE_MIN_N or silu_input):
             return kgemv.FAMILY
         return self._int8_family
 
@@ -411,43 +367,6 @@ class KernelOps:
             return update
         kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
         return self.linear_residual(act, down, out, residual)
-
-    def fuses_post_attention(self, m: int) -> bool:
-        """Whether a step of m rows runs o_proj, gate_up and down as one `post_attention_block` launch
-        (EngineConfig.post_attention_kernel, 1..kblock.MAX_M rows; the weights were checked at start)."""
-        return self.block_plan is not None and 1 <= m <= kblock.MAX_M
-
-    def fuses_next_qkv(self, next_layer) -> bool:
-        """Whether `post_attention_block` also makes `next_layer`'s qkv projection ("block+qkv"; the last
-        layer has no next one)."""
-        return next_layer is not None and self.block_plan_qkv is not None
-
-    def post_attention_block(self, attn: torch.Tensor, lw, residual: torch.Tensor, gate_up: torch.Tensor,
-                             eps: float, next_layer=None, k_cache=None, v_cache=None, positions=None,
-                             slot_mapping=None, q_out=None) -> tuple[ResidualUpdate, bool]:
-        """residual += o_proj(attn); gate_up = gate_up(RMSNorm(residual) * w); residual +=
-        down(silu(gate) * up): one launch (path "post_attention_block"); gate_up [M, 2I] is its scratch.
-        With "block+qkv" and a next layer (its weights, its K/V caches, the step's positions and slot
-        mapping, q_out), the launch also makes that layer's qkv projection as `qkv_projection` would
-        (path "post_attention_qkv"). Returns the update with the new residual's statistics for the next
-        norm prologue, and whether the next layer's q and K/V were written."""
-        rows = attn.shape[0]
-        shape = kgemv.norm_stats_shape(rows, self.g.hidden_size)
-        stats = self._norm_stats[: shape[0] * shape[1]].view(shape)
-        self.paths["post_attention_block"] += 1
-        w_o, w_gu, w_d = self._int4(lw.o_proj), self._int4(lw.gate_up), self._int4(lw.down)
-        with_qkv, nxt = self.fuses_next_qkv(next_layer), None
-        plan = self.block_plan_qkv if with_qkv else self.block_plan
-        if self.gemv_family(rows) != kgemv.FAMILY:  # the block's int8 build, as the GEMVs' (gemv_build)
-            plan = self._block_plans_int8[with_qkv]
-            self.paths["post_attention_block_int8"] += 1
-        if with_qkv:
-            nxt = kblock.NextQkv(self._int4(next_layer.qkv), next_layer.qkv_bias, next_layer.input_norm,
-                                 self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache, v_cache)
-            self.paths["post_attention_qkv"] += 1
-        kblock.post_attention_block(attn, w_o, lw.post_attn_norm, eps, w_gu, w_d, residual, gate_up, stats,
-                                    self.block_workspace, plan, next_qkv=nxt, pdl=self.cfg.pdl)
-        return ResidualUpdate(stats=stats), nxt is not None
 
     def fuses_silu_down(self, down: Linear, m: int) -> bool:
         """Whether `mlp_down` of m rows applies SiLU*mul inside the down GEMV's input staging (an INT4
@@ -518,7 +437,7 @@ class KernelOps:
         launches the combine kernel and splits at most gemv.MERGE_MAX_SPLITS ways (`can_defer_merge`),
         and o_proj is a GEMV with the residual epilogue."""
         return (self.cfg.attention_merge == "o_proj" and plan.mode == "decode" and plan.can_defer_merge
-                and self.fuses_residual(o_proj, m) and not self.fuses_post_attention(m))
+                and self.fuses_residual(o_proj, m))
 
     # ---- sampling ------------------------------------------------------------------------------------
     def logits_range(self, logits, out_min, out_max) -> None:
