@@ -43,22 +43,14 @@ VARIANTS = {
     # the exact loop everywhere, the g32/g64 kernels at 2 blocks per SM (session 9 timed it before the
     # g128 SiLU kernels had a macro of their own: they were at 2 blocks too, today's default)
     "gemv_exact_mb2": ("-DNQ_GEMV_EXACT_LOOP", "-DNQ_GEMV_MIN_BLOCKS=2"),
-    # the g128 SiLU kernels at 3 blocks per SM (spills 4-8 bytes; pair with --target-blocks 3), and the
-    # same with the staged-scale loop (80 registers, unspilled, 120.5 / 113.5 SASS instructions per
-    # tile-column asym / sym)
+    # the g128 SiLU kernels at 3 blocks per SM (spills 4-8 bytes; pair with --target-blocks 3)
     "gemv_silu_mb3": ("-DNQ_GEMV_MIN_BLOCKS_G128_SILU=3",),
-    "gemv_staged_silu_mb3": ("-DNQ_GEMV_STAGED_SCALES=1", "-DNQ_GEMV_MIN_BLOCKS_G128_SILU=3"),
-    # the g128 kernels with the staged scale records (session 25; nanoqwen_kernels.gemv.register_staged,
-    # opt-in: 1.027x the default's time on the H100)
-    "gemv_staged": ("-DNQ_GEMV_STAGED_SCALES=1",),
     # the g128 kernels on the int8 tensor cores at 3 blocks per SM (session 26; gemv.register_int8_mma):
     # checked against the product with x as those kernels round it (reference.int8_planes_input)
     "gemv_i8mma": ("-DNQ_GEMV_INT8_MMA=1", "-DNQ_GEMV_MIN_BLOCKS_G128=3"),
     # the same with the exact loop in every kernel (80-89 SASS instructions per tile-column; the sym
     # ones 99-103.5 without it; spills 4 bytes in four norm-prologue kernels)
     "gemv_i8mma_exact": ("-DNQ_GEMV_INT8_MMA=1", "-DNQ_GEMV_MIN_BLOCKS_G128=3", "-DNQ_GEMV_EXACT_LOOP"),
-    # the int8 loop with the staged scale records (67.5-71 instructions per tile-column, unspilled)
-    "gemv_i8mma_staged": ("-DNQ_GEMV_INT8_MMA=1", "-DNQ_GEMV_STAGED_SCALES=1", "-DNQ_GEMV_MIN_BLOCKS_G128=3"),
 }
 
 
@@ -171,8 +163,7 @@ def main(argv=None) -> int:
     t.add_argument("--variant", choices=sorted(VARIANTS))
     t.add_argument("--target-blocks", type=int, help="plan_gemv's split-K target (blocks per SM)")
     t.add_argument("--with-lm-head", action="store_true", help="time the INT4 lm_head's GEMV too")
-    t.add_argument("--ms", default="1,8", help="row counts M to time, e.g. 1,2,4,8 (where the int8 loop's "
-                   "x conversion starts to cost more than its loop saves: EngineConfig.gemv_build int8-m1)")
+    t.add_argument("--ms", default="1,8", help="row counts M to time, e.g. 1,2,4,8")
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)

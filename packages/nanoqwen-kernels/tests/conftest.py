@@ -37,14 +37,14 @@ def emu_compiler():
         pytest.skip(str(e))
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["i8mma", "i8mma-staged"])
-def int8_family(request):
-    """The int8 GEMV build (and the one with the staged scale records), registered for the requesting
-    module only (the registry is global: test_build.py iterates it); yields the family's name."""
+@pytest.fixture(scope="module")
+def int8_family():
+    """The int8 GEMV build, registered for the requesting module only (the registry is global:
+    test_build.py iterates it); yields the family's name."""
     from nanoqwen_kernels import gemv
     from nanoqwen_kernels.specs import SPECS
 
-    name = gemv.register_int8_mma(staged=request.param)
+    name = gemv.register_int8_mma()
     yield name
     del SPECS[name]
 

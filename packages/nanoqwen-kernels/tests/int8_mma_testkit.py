@@ -17,8 +17,8 @@ What must hold, and why:
   build's): the residual epilogue = bf16(y + residual); the norm prologue = rms_norm, then the plain kernel;
   the qkv epilogue = the plain kernel, then qkv_rope_kv_write (the attention merge prologue:
   attention_merge_testkit with `family`).
-Outputs start NaN-poisoned; split-K counters must be back at 0. Each check takes the family (the build:
-INT8_MMA_FAMILY, or INT8_MMA_STAGED_FAMILY with the staged scale records).
+Outputs start NaN-poisoned; split-K counters must be back at 0. Each check takes the family (the build,
+INT8_MMA_FAMILY).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 emulator (nanoqwen_kernels.emu): the checks of int8_mma_testkit.py (what must hold, and why, is written
 there), and the rounding's documented bound (reference.int8_planes_input).
 
-Shapes reach the loop's branches as test_gemv_staged_scales_emu.py's do (an odd tile count, odd and even
-columns per block, K split and not, M = 1, 5, 8), for symmetric and asymmetric weights with bf16 and fp16
+Shapes reach the loop's branches (an odd tile count, odd and even columns per block, K split and not,
+M = 1, 5, 8), for symmetric and asymmetric weights with bf16 and fp16
 scales. The GPU runs the same checks at the 7B shapes (test_gemv_int8_mma.py).
 """
 

@@ -183,16 +183,14 @@ def test_gemv_build_ab_reaches_the_report():
            "a_graph_tok_s": 485.0, "b_graph_tok_s": 462.0}
     raw = fake_raw()
     paths = {"gemv_int4": 112, "gemv_int8_mma": 112}
-    variants = {"int8": {"rows": [row], "graph_paths": paths},
-                "int8-m1": {"rows": [row, dict(row, batch=8, a_slower=True)], "graph_paths": paths}}
+    variants = {"int8-wide": {"rows": [row, dict(row, batch=8, a_slower=True)], "graph_paths": paths}}
     raw["gemv_build_ab"] = {"reps": 4, "b": "bf16", "graph_paths_bf16": {"gemv_int4": 112}, "context": 128,
                             "new_tokens": 128, "variants": variants}
     rep = build_report(raw)
-    assert rep["gemv_build_ab"]["variants"]["int8-m1"]["rows"][1]["batch"] == 8
+    assert rep["gemv_build_ab"]["variants"]["int8-wide"]["rows"][1]["batch"] == 8
     md = markdown(rep)
-    for variant in ("int8", "int8-m1"):
-        assert f'(EngineConfig.gemv_build="{variant}") vs bf16' in md
-        assert f"The {variant} side's batch-1 graph ran 112 of its 112 GEMVs on the int8 tensor cores." in md
+    assert '(EngineConfig.gemv_build="int8-wide") vs bf16' in md
+    assert "The int8-wide side's batch-1 graph ran 112 of its 112 GEMVs on the int8 tensor cores." in md
     assert "| 8 | 480 | 460 | 1.043 | 1.0% / 2.0% | slower |" in md
 
 
@@ -613,5 +611,5 @@ def test_variant_sections_build_each_engine_from_its_config(monkeypatch):
     monkeypatch.setattr(bench, "ab_decode", lambda a, b, batches, reps: [{"batch": x} for x in batches])
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
     gb = bench.gemv_build_ab(TINY, None, batches=(1,), reps=2)
-    assert [c["gemv_build"] for c in built] == ["bf16", "int8", "int8-staged", "int8-m1", "int8-wide"]
-    assert list(gb["variants"]) == ["int8", "int8-staged", "int8-m1", "int8-wide"] and gb["context"] == 128
+    assert [c["gemv_build"] for c in built] == ["bf16", "int8-wide"]
+    assert list(gb["variants"]) == ["int8-wide"] and gb["context"] == 128

@@ -1,7 +1,7 @@
 """CPU: the engine's kernel backend computing for real on the kernel emulator (nanoqwen_kernels.emu: the
 kernels' own CUDA source compiled for the host), against the fp32 reference: the GEMVs with their fused
-prologues and epilogues, and `EngineConfig.gemv_build` "int8" (the decode GEMVs on the int8 tensor
-cores, x rounded to 16-bit block floating point: within the same bound). The model step's plumbing of
+prologues and epilogues, and `EngineConfig.gemv_build` "int8-wide" (the wide decode GEMVs on the int8
+tensor cores, x rounded to 16-bit block floating point: within the same bound). The model step's plumbing of
 the fused paths (the residual and statistics handed between launches) with the kernels' real outputs.
 
 What is emulated: every gemv and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
@@ -98,10 +98,8 @@ def _emu_engine(path, monkeypatch, kernel_attention: bool = False,
 
 
 @pytest.mark.parametrize("kernel_attention, gemv_build",
-                         [(False, "bf16"), (True, "bf16"), (True, "int8"), (False, "int8-staged"),
-                          (False, "int8-m1"), (False, "int8-wide")],
-                         ids=["bf16", "bf16-attention-sampling", "gemv-int8-attention-sampling",
-                              "gemv-int8-staged", "gemv-int8-m1", "gemv-int8-wide"])
+                         [(False, "bf16"), (True, "bf16"), (True, "int8-wide")],
+                         ids=["bf16", "bf16-attention-sampling", "gemv-int8-wide-attention-sampling"])
 def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch,
                                                              kernel_attention, gemv_build):
     from nanoqwen_kernels import attention as kattn
@@ -125,8 +123,7 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
 
         kattn.launch = ksamp.launch = counted  # emulated() puts the real launchers back on exit
         engine = _emu_engine(tiny_path, monkeypatch, kernel_attention, gemv_build=gemv_build)
-        # "int8-m1" takes the int8 loop at one-row steps only: the prompts one at a time
-        run = teacher_forced(engine, prompts, ref.tokens, batch=1 if gemv_build == "int8-m1" else 2)
+        run = teacher_forced(engine, prompts, ref.tokens, batch=2)
     decided = 0
     for p in range(len(prompts)):
         diff = (run.logits[p] - ref.logits[p]).abs().amax(dim=-1)
@@ -140,18 +137,15 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     paths = engine.ops.paths
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
-    # gemv_build "int8" / "int8-staged" / "int8-m1" (one-row steps here): every decode GEMV (g128; per step
-    # 4 per layer) on the int8 cores; "int8-wide" (two-row steps here): gate_up only
-    int8_steps = decode_steps if gemv_build != "bf16" else 0
-    gemvs = layers if gemv_build == "int8-wide" else 4 * layers
-    assert paths.get("gemv_int8_mma", 0) == gemvs * int8_steps, paths
+    # gemv_build "int8-wide" (two-row steps here): gate_up on the int8 cores, one per layer and step
+    int8_gemvs = layers * decode_steps if gemv_build == "int8-wide" else 0
+    assert paths.get("gemv_int8_mma", 0) == int8_gemvs, paths
     assert paths["residual_epilogue"] > 0
     assert paths["dequant_gemm"] > 0 and "int4_gemm" not in paths  # the prefill took the emulated path
     if kernel_attention:  # every layer's attention and every step's sampling ran on the emulator
         assert launched.count("paged_attention_decode_hd64") >= layers * decode_steps, launched
         assert "paged_attention_prefill_hd64" in launched and "sample_tokens_bf16" in launched, launched
-        # the kernel backend's default merge: the o_proj GEMV merges every decode step's split rows (its
-        # int8 build too)
+        # the kernel backend's default merge: the o_proj GEMV merges every decode step's split rows
         assert paths.get("attention_merge_o_proj", 0) == layers * decode_steps, paths
     else:
         assert not launched
@@ -213,12 +207,11 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
     assert not ops.fuses_attention_merge(stand_in, o_proj, 2)
 
 
-@pytest.mark.parametrize("gemv_build", ["bf16", "int8", "int8-staged", "int8-m1", "int8-wide"])
+@pytest.mark.parametrize("gemv_build", ["bf16", "int8-wide"])
 def test_gemv_family_by_rows(tiny_path, monkeypatch, gemv_build):
-    """Which kernel family runs a decode GEMV step of 1..8 rows: the bf16 build, an int8 build at every
-    row count ("int8", "int8-staged"), or the int8 build at one row and bf16 at 2..8 ("int8-m1"); for each
-    weight alike but "int8-wide", which takes the int8 build at 1..4 rows on a weight of at least
-    INT8_WIDE_MIN_N outputs without the SiLU input, and bf16 for the rest."""
+    """Which kernel family runs a decode GEMV step of 1..8 rows: the bf16 build, or with "int8-wide" the
+    int8 build at 1..INT8_WIDE_MAX_ROWS rows on a weight of at least INT8_WIDE_MIN_N outputs without the
+    SiLU input, and bf16 for the rest."""
     from nanoqwen_kernels import emu
     from nanoqwen_kernels import gemv as kgemv
 
@@ -230,15 +223,12 @@ def test_gemv_family_by_rows(tiny_path, monkeypatch, gemv_build):
         ops = _emu_engine(tiny_path, monkeypatch, gemv_build=gemv_build).ops
     from nanoqwen_runtime.engine.ops_kernels import INT8_WIDE_MAX_ROWS, INT8_WIDE_MIN_N
 
-    int8, bf16 = kgemv.register_int8_mma(staged=gemv_build == "int8-staged"), kgemv.FAMILY
+    int8, bf16 = kgemv.register_int8_mma(), kgemv.FAMILY
     rows = range(1, kgemv.MAX_M + 1)
-    expected = {"bf16": [bf16] * 8, "int8": [int8] * 8, "int8-staged": [int8] * 8,
-                "int8-m1": [int8] + [bf16] * 7, "int8-wide": [bf16] * 8}[gemv_build]
     # the 7B's shapes: gate_up 37,888 and lm_head 152,064 outputs, qkv 4,608, o 3,584, down (SiLU input)
     wide = ([int8] * INT8_WIDE_MAX_ROWS + [bf16] * (8 - INT8_WIDE_MAX_ROWS) if gemv_build == "int8-wide"
-            else expected)
+            else [bf16] * 8)
     for n, silu in ((INT8_WIDE_MIN_N, False), (37888, False), (152064, False)):
         assert [ops.gemv_family(m, n, silu) for m in rows] == wide, (n, silu)
-    narrow = [bf16] * 8 if gemv_build == "int8-wide" else expected
     for n, silu in ((INT8_WIDE_MIN_N - 1, False), (4608, False), (3584, False), (3584, True), (37888, True)):
-        assert [ops.gemv_family(m, n, silu) for m in rows] == narrow, (n, silu)
+        assert [ops.gemv_family(m, n, silu) for m in rows] == [bf16] * 8, (n, silu)

@@ -169,20 +169,16 @@ def _forced_within_bound(container, batch: int, **option):
     return engine, engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
 
 
-@pytest.mark.parametrize("variant", ["int8", "int8-staged", "int8-m1", "int8-wide"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_int8_gemv_build_matches_reference(container, variant, batch):
-    """EngineConfig.gemv_build "int8" / "int8-staged" / "int8-m1" / "int8-wide": the decode GEMVs on the
-    int8 tensor cores (x rounded to 16-bit block floating point per 128 columns, at most 2^-15 of the
-    group's largest |x|: far below the bound's bf16 noise); teacher-forced decode within the reference
-    bound, and the graph of the batch's bucket ran every layer's four GEMVs on the int8 build ("int8-m1":
-    at one row only; "int8-wide": gate_up only (9,728 / 37,888 outputs; the lm_head is bf16 here), at up
-    to 4 rows; the bucket of 8 of both on the bf16 one)."""
-    engine, graph = _forced_within_bound(container, batch, gemv_build=variant)
+def test_int8_wide_gemv_build_matches_reference(container, batch):
+    """EngineConfig.gemv_build "int8-wide": the wide decode GEMVs on the int8 tensor cores (x rounded to
+    16-bit block floating point per 128 columns, at most 2^-15 of the group's largest |x|: far below the
+    bound's bf16 noise); teacher-forced decode within the reference bound, and the graph of the batch's
+    bucket ran gate_up (9,728 / 37,888 outputs; the lm_head is bf16 here) on the int8 build at up to 4
+    rows, and the bucket of 8 on the bf16 one."""
+    engine, graph = _forced_within_bound(container, batch, gemv_build="int8-wide")
     layers = engine.geom.num_hidden_layers
-    int8_gemvs = {"int8-m1": layers * 4 if batch == 1 else 0,
-                  "int8-wide": layers if batch <= 4 else 0}.get(variant, 4 * layers)
-    assert graph.get("gemv_int8_mma", 0) == int8_gemvs, graph
+    assert graph.get("gemv_int8_mma", 0) == (layers if batch <= 4 else 0), graph
     assert engine.kv_blocks_used() == 0
 
 

@@ -64,12 +64,6 @@ TARGET_BLOCKS_PER_SM = 4
 # Most tile-columns one block stages: M = 8 rows x 48 x 128 bf16 = 96 KB of shared memory, so two
 # blocks still fit an SM for any K (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns).
 KC_MAX = 48
-# The opt-in build of the g128 kernels with the staged scale records (csrc/gemv_int4.cuh ScaleStager):
-# the same bits, 113-115 SASS instructions per tile-column instead of 141.5-161, but 2.7% slower on the
-# H100 (geometric mean of the 7B decode GEMVs; the INT4 lm_head at M = 8 1.17x: its records cost an
-# SM a block); not measured on the H200. Launch it with `family=register_staged()`.
-STAGED_FAMILY = "gemv_staged"
-STAGED_OPTION = "-DNQ_GEMV_STAGED_SCALES=1"
 # The opt-in build of the g128 kernels on the int8 tensor cores (csrc/gemv_int4.cuh, stage_x_planes and
 # mma_col_int8): the nibbles multiply 16-bit block-floating-point planes of x in mma.m16n8k32 (u8 x u8/s8,
 # s32), 3 instructions of dequantisation per word instead of 11. Not the same bits as the bf16 loop: x is
@@ -80,9 +74,6 @@ INT8_MMA_OPTION = "-DNQ_GEMV_INT8_MMA=1"
 # its plain-input g128 kernels at 3 blocks per SM (<= 85 registers): at 4 (64 registers) the asym ones
 # spilled 4-136 bytes (nvcc 13.0)
 INT8_MMA_BLOCKS_OPTION = "-DNQ_GEMV_MIN_BLOCKS_G128=3"
-# the same with the staged scale records (STAGED_OPTION) and their two-column loop: 67.5-71 instructions
-# per tile-column in every g128 kernel, no spills at 3 blocks per SM
-INT8_MMA_STAGED_FAMILY = "gemv_i8mma_staged"
 # the int8 loop's plane table in shared memory, per tile-column of x: 8 rows m x (p bits, -sum(X)) as u32
 # (csrc/gemv_int4.cuh PLANE_TAB_WORDS = 16)
 PLANE_TAB_BYTES = 64
@@ -169,14 +160,6 @@ class GemvPlan:
     def shared_bytes(self, m: int) -> int:
         return m * (self.kc * 128 + XPAD) * 2
 
-    def staged_record_bytes(self, weight: Int4Weight, family: str) -> int:
-        """Shared memory after x that a family built with staged scale records (`staged_scales`) takes for
-        a G = 128 weight: per weight row and tile-column the fp32 scale, and the zero pair when
-        asymmetric (csrc/gemv_int4.cuh ScaleStager); 0 otherwise."""
-        if weight.group_size != 128 or not staged_scales(family):
-            return 0
-        return self.kc * ROWS_PER_BLOCK * (4 if weight.symmetric else 8)
-
     def plane_table_bytes(self, weight: Int4Weight, family: str) -> int:
         """Shared memory after x that the int8 build (`int8_mma`) takes for a G = 128 weight: per
         tile-column, 8 rows of the x planes' (p, sum) (csrc/gemv_int4.cuh stage_x_planes); 0 otherwise.
@@ -186,11 +169,10 @@ class GemvPlan:
         return self.kc * PLANE_TAB_BYTES
 
     def launch_shared_bytes(self, m: int, weight: Int4Weight, family: str, merge_head_dim: int = 0) -> int:
-        """Dynamic shared memory of one launch at M = m: x, then the staged records, then the merge
-        prologue's scratch (`merge_head_dim` > 0) or the int8 build's plane table over it."""
+        """Dynamic shared memory of one launch at M = m: x, then the merge prologue's scratch
+        (`merge_head_dim` > 0) or the int8 build's plane table over it."""
         merge = merge_shared_bytes(m, self.kc, merge_head_dim) if merge_head_dim else 0
-        return (self.shared_bytes(m) + self.staged_record_bytes(weight, family)
-                + max(merge, self.plane_table_bytes(weight, family)))
+        return self.shared_bytes(m) + max(merge, self.plane_table_bytes(weight, family))
 
     def workspace_floats(self, m: int) -> int:
         return self.splits * m * self.n if self.splits > 1 else 0
@@ -222,32 +204,14 @@ def _built_with(family: str, option: str) -> bool:
     return option in SPECS[family].options
 
 
-def staged_spec():
-    """The staged-scale build of csrc/gemv.cu (STAGED_OPTION), family STAGED_FAMILY."""
-    return _variant_spec(STAGED_FAMILY, STAGED_OPTION)
-
-
-def register_staged() -> str:
-    """Register `staged_spec()` as the op family STAGED_FAMILY and return its name."""
-    return _register(staged_spec())
-
-
-def staged_scales(family: str) -> bool:
-    """Whether `family` is a build of csrc/gemv.cu with the staged scale records (STAGED_OPTION)."""
-    return _built_with(family, STAGED_OPTION)
-
-
-def int8_mma_spec(staged: bool = False):
-    """The int8 tensor-core build of csrc/gemv.cu (INT8_MMA_OPTION), family INT8_MMA_FAMILY; staged: with
-    the staged scale records too, family INT8_MMA_STAGED_FAMILY."""
-    if staged:
-        return _variant_spec(INT8_MMA_STAGED_FAMILY, INT8_MMA_OPTION, STAGED_OPTION, INT8_MMA_BLOCKS_OPTION)
+def int8_mma_spec():
+    """The int8 tensor-core build of csrc/gemv.cu (INT8_MMA_OPTION), family INT8_MMA_FAMILY."""
     return _variant_spec(INT8_MMA_FAMILY, INT8_MMA_OPTION, INT8_MMA_BLOCKS_OPTION)
 
 
-def register_int8_mma(staged: bool = False) -> str:
-    """Register `int8_mma_spec(staged)` as its op family and return the family's name."""
-    return _register(int8_mma_spec(staged))
+def register_int8_mma() -> str:
+    """Register `int8_mma_spec()` as its op family and return the family's name."""
+    return _register(int8_mma_spec())
 
 
 def int8_mma(family: str) -> bool:
@@ -378,7 +342,7 @@ class AttentionMerge:
 
 
 def merge_shared_bytes(m: int, kc: int, head_dim: int) -> int:
-    """Shared memory the merge prologue takes after the staged x and scale records: per (row, head) of a
+    """Shared memory the merge prologue takes after the staged x: per (row, head) of a
     block's kc tile-columns, MERGE_MAX_SPLITS weights, 1 / sum and the split count (4 bytes each)."""
     return m * (kc * 128 // head_dim) * (MERGE_MAX_SPLITS + 2) * 4
 

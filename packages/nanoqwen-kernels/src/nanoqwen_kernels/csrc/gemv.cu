@@ -50,9 +50,7 @@ using namespace nq_gemv;
 
 // One tile-column per pipeline stage (two stages in flight; deeper stages measured slower on the H200,
 // NOTES.md) and the blocks per SM the register budget must allow, tuned on the H200, overridable with
-// -D for benchmark variants. -DNQ_GEMV_STAGED_SCALES=1 builds the g128 kernels with the staged-scale loop
-// (gemv_int4.cuh, ScaleStager; the family gemv.STAGED_FAMILY; test_gemv_staged_scales_emu.py compares it
-// with this build bit for bit). -DNQ_GEMV_EXACT_LOOP builds every kernel with the exact-trip-count main
+// -D for benchmark variants. -DNQ_GEMV_EXACT_LOOP builds every kernel with the exact-trip-count main
 // loop (gemv_int4.cuh's EXACT; bench/kernels/gemv_ab.py times it); without it only the kernels built
 // with NQ_GEMV_ENTRY_LOOP(..., true) below have it: those where it measured faster and compiles without
 // spills (nvcc 13.0; test_build.py holds every hot kernel to that).
@@ -70,7 +68,7 @@ using namespace nq_gemv;
 // g128 SiLU-input (down): 2 blocks per SM (<= 128 registers), where the per-column loop's exact form was
 // unspilled (at 3 blocks it spilled 4-8 bytes, reloaded per iteration); measured 0.83x (asym) / 0.90x
 // (sym) the time of the other loop at 3 blocks on the 7B down at M = 1, with plan_gemv's split target 2
-// (gemv.py). The staged-scale loop (opt-in) takes 96 registers and compiles unspilled at 3 blocks too.
+// (gemv.py).
 #ifndef NQ_GEMV_MIN_BLOCKS_G128_SILU
 #define NQ_GEMV_MIN_BLOCKS_G128_SILU 2
 #endif

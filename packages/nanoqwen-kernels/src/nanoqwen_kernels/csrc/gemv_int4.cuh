@@ -30,10 +30,7 @@
 // at HBM speed (bench/kernels/CEILINGS.md: this loop on weights already in shared memory consumes them
 // at only ~1.03x (sym) / 1.14x (asym) the read bandwidth), so the loop is kept lean: per 2 weights one
 // shift, one lop3 and one bf16x2 add (`dq`), per 128 weights one mma, no masked loads, one PRMT per
-// zero point; 150 / 160 SASS instructions per tile-column (1 KiB of weights) at g128 sym / asym. Built
-// with -DNQ_GEMV_STAGED_SCALES=1 (opt-in), the g128 block stages its rows' fp32 scales and zero pairs in
-// shared memory beside x (ScaleStager) and a pipeline stage is the weights alone: 113 / 115
-// instructions per tile-column, the same bits, but 2.7% slower on the H100 (NOTES.md, session 25).
+// zero point; 150 / 160 SASS instructions per tile-column (1 KiB of weights) at g128 sym / asym.
 // Built with -DNQ_GEMV_INT8_MMA=1 (opt-in, below: stage_x_planes, mma_col_int8), the g128 loop runs on the
 // int8 tensor cores, x rounded to 16-bit block floating point: 67.5-110 instructions per tile-column, not
 // the same bits (NOTES.md, session 26).
@@ -179,14 +176,13 @@ struct GroupIO {
 // XMODE 0: x is [M, K]. XMODE 1: x is gate_up [M, 2K] and the staged value is bf16(silu(g) * u).
 // XMODE 2 (the norm prologue): x is the residual [M, K] and the staged value is bf16(x * rs[m] * nw)
 // (rs: the rows' RMS scales, nw: the norm weight [K]).
-template <int XMODE, int NORM_UNROLL = 1>
+template <int XMODE>
 NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M, int K, int k0,
                        int ncols, const bf16_t* __restrict__ nw = nullptr, const float* rs = nullptr) {
   const int vec_per_row = ncols / 8;
-  // unrolled 4 times, except the norm staging (XMODE 2): NORM_UNROLL times (1, not unrolled, where the
-  // first weight stage is live across the staging with its scales: unrolled, ptxas spilled in the per-column
-  // loop's g128 asym kernels; 4 with the staged scale records, whose stage is 8 registers)
-#pragma unroll(XMODE == 2 ? NORM_UNROLL : 4)
+  // unrolled 4 times, except the norm staging (XMODE 2): not unrolled (the first weight stage is live
+  // across the staging with its scales: unrolled, ptxas spilled in the g128 asym kernels)
+#pragma unroll(XMODE == 2 ? 1 : 4)
   for (int v = threadIdx.x; v < M * vec_per_row; v += blockDim.x) {
     const int m = v / vec_per_row, c8 = (v - m * vec_per_row) * 8;
     u32 w[4];
@@ -333,27 +329,6 @@ NQ_DEVICE void mma_col_int8(float (&acc)[4], const uint4& w0v, const uint4& w1v,
   acc[3] = fmaf((float)(hi[3] * 256 + lo[3] + z1 * nx1) * p1, sc1, acc[3]);
 }
 
-// One tile-column of G = 128 (one group) for the GEMV's staged-scale loop (ScaleStager): the arithmetic
-// of mma_tile_column<128> below, with the scales already widened to fp32 (sc0, sc1) and the zero pairs
-// made (nz0, nz1). (mma_tile_column<128> calling it changes the SASS of the kernels that still use it --
-// the -DNQ_GEMV_STAGED_SCALES=0 build, the block kernel -- by up to 4.5 instructions per tile-column.)
-NQ_DEVICE void mma_col_scaled(float (&acc)[4], const uint4& w0v, const uint4& w1v, float sc0, float sc1, u32 nz0,
-                              u32 nz1, const bf16_t* xt) {
-  const u32 w0[4] = {w0v.x, w0v.y, w0v.z, w0v.w};
-  const u32 w1[4] = {w1v.x, w1v.y, w1v.z, w1v.w};
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const uint4 b = *reinterpret_cast<const uint4*>(xt + 32 * w);
-    mma_bf16(c, dq(w0[w], 0, nz0), dq(w1[w], 0, nz1), dq(w0[w], 1, nz0), dq(w1[w], 1, nz1), b.x, b.y);
-    mma_bf16(c, dq(w0[w], 2, nz0), dq(w1[w], 2, nz1), dq(w0[w], 3, nz0), dq(w1[w], 3, nz1), b.z, b.w);
-  }
-  acc[0] = fmaf(c[0], sc0, acc[0]);
-  acc[1] = fmaf(c[1], sc0, acc[1]);
-  acc[2] = fmaf(c[2], sc1, acc[2]);
-  acc[3] = fmaf(c[3], sc1, acc[3]);
-}
-
 // One tile-column of a warp's tile pair: dequantize the lane's words (w0v: tile 0, w1v: tile 1), multiply
 // them by the staged x (xt: the tile-column's 128 staged columns of the lane's x row), scale each group
 // and add into acc (the C fragment, header). s0 / s1, z0 / z1: the raw scale bits and zero points of the
@@ -485,13 +460,12 @@ NQ_DEVICE void norm_scales(const NormIn& ni, int M, int K, float* rs) {
 
 // The norm prologue's staging: the rows' RMS scales from ni.stats, then x staged as stage_x<2>. Not
 // inlined: inlined, ptxas spilled 8 bytes inside the main loop of the g128 asym exact-loop kernel.
-template <int UNROLL = 1>
 __device__ __noinline__ void stage_x_normed(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M,
                                             int K, int k0, int ncols, NormIn ni) {
   __shared__ float rs[8];
   norm_scales(ni, M, K, rs);
   __syncthreads();
-  stage_x<2, UNROLL>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
+  stage_x<2>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
 }
 
 // The attention merge prologue's arguments (XMODE 3; header): the split-KV partials of the attention
@@ -612,112 +586,13 @@ NQ_DEVICE bool split_k_arrive(const float (&acc)[4], float* __restrict__ ws, int
                               int N);
 NQ_DEVICE float sum_splits(const float* __restrict__ ws, int M, int N, int S, int m, int n);
 
-// G = 128 (STAGED_SCALES): what the main loop needs of each (row, tile-column) of the block besides the
-// weights, staged in shared memory beside x: the row's fp32 scale (ST::to_f32 of its 16 bits) and, when
-// asymmetric, its zero pair neg_zero_pair(z). Lane (g, t) of warp w reads, for tile-column j of the
-// block, the records of its rows 16 w + g (tile 0) and 16 w + 8 + g (tile 1) as one load at a constant
-// stride per column: symmetric, uint2 {scale0, scale1} at index (j * WARPS + w) * 8 + g; asymmetric,
-// uint4 {scale0, scale1, zero pair0, zero pair1} at the same index. Rows past N get scale 0 and zero
-// pair 0 (their outputs are never written). The loop then has no scale or zero-point address, load,
-// conversion or register per pipeline stage (bench/kernels/CEILINGS.md, session 25).
-template <bool ASYM>
-struct StagedRecord {
-  using type = uint2;  // {scale0, scale1}
-  static constexpr int WORDS = 2;
-};
-template <>
-struct StagedRecord<true> {
-  using type = uint4;  // {scale0, scale1, zero pair0, zero pair1}
-  static constexpr int WORDS = 4;
-};
-
-// Block row r's record of tile-column j (the layout above), from the row's raw 16-bit scale s and zero
-// point z: the fp32 scale at word 0 of the returned slot, the zero pair (asymmetric) at word 2. row_ok
-// false (a row past N): scale 0 and zero pair 0.
-template <bool ASYM, typename ST>
-NQ_DEVICE void write_record(u32* sz, int r, int j, bool row_ok, u16 s, u32 z) {
-  constexpr int W = StagedRecord<ASYM>::WORDS;
-  u32* rec = sz + j * ROWS_PER_BLOCK * (W / 2) + ((r >> 4) * 8 + (r & 7)) * W + ((r >> 3) & 1);
-  rec[0] = row_ok ? __float_as_uint(ST::to_f32(s)) : 0u;
-  if constexpr (ASYM) rec[2] = row_ok ? neg_zero_pair(z) : 0u;
-}
-
-// Thread t stages the records of block row r = t % 128, tile-columns j = t / 128 + 2 u (u = 0, 1, ...),
-// RECORD_BATCH of them per batch: all of a batch's loads are issued before any record is written, and
-// the first batch's go out before x is staged (`load`), are written after it (`store`), so that their
-// latency hides behind the staging's instead of adding to it.
-constexpr int RECORD_BATCH = 9;  // one batch covers kc <= 18: every 7B decode GEMV (down: kc = 17)
-
-template <bool ASYM, typename ST>
-struct ScaleStager {
-  u32 s[RECORD_BATCH], z[RECORD_BATCH];  // raw scale bits / zero points of the batch (z: asymmetric)
-  // Everything else is derived again where it is used, from the kernel's arguments and the thread
-  // index (kept in registers across the staging of x, it made ptxas spill).
-  const u16* scales;
-  const u8* zeros;
-  int N, KG, tc_begin, ncol;
-
-  NQ_DEVICE int row() const { return blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x & (ROWS_PER_BLOCK - 1)); }
-  NQ_DEVICE int j0() const { return threadIdx.x / ROWS_PER_BLOCK; }
-  // Issue the loads of the batch of columns jb + j0 + 2 u.
-  NQ_DEVICE void load(int jb) {
-    const int row = this->row();
-    const i64 at = (i64)row * KG + tc_begin;
-#pragma unroll
-    for (int u = 0; u < RECORD_BATCH; ++u) {
-      const int j = jb + j0() + 2 * u;
-      if (row < N && j < ncol) {
-        s[u] = scales[at + j];
-        if constexpr (ASYM) z[u] = zeros[at + j];
-      }
-    }
-  }
-  // Write the batch's records (rows past N: scale 0, zero pair 0; their outputs are never written).
-  NQ_DEVICE void store(u32* sz, int jb) const {
-    const int r = threadIdx.x & (ROWS_PER_BLOCK - 1);
-    const bool row_ok = row() < N;
-#pragma unroll
-    for (int u = 0; u < RECORD_BATCH; ++u) {
-      const int j = jb + j0() + 2 * u;
-      if (j < ncol) write_record<ASYM, ST>(sz, r, j, row_ok, (u16)s[u], z[u]);
-    }
-  }
-  // Write the first batch (loaded), then load and write the others (kc > 2 RECORD_BATCH).
-  NQ_DEVICE void store_all(u32* sz) {
-    store(sz, 0);
-    for (int jb = 2 * RECORD_BATCH; jb < ncol; jb += 2 * RECORD_BATCH) {
-      load(jb);
-      store(sz, jb);
-    }
-  }
-};
-
-// The same records, one per loop trip (each thread's loads wait for its previous store): the merge
-// kernels', whose o projection stages kc = 2 columns, i.e. one record per thread (with ScaleStager,
-// ptxas spilled 20-36 bytes in their main loop).
-template <bool ASYM, typename ST>
-NQ_DEVICE void stage_records_serial(u32* sz, const u16* __restrict__ scales, const u8* __restrict__ zeros, int N,
-                                    int KG, int tc_begin, int ncol) {
-  for (int i = threadIdx.x; i < ROWS_PER_BLOCK * ncol; i += blockDim.x) {
-    const int r = i / ncol, j = i - r * ncol;  // j fastest: a row's scales are adjacent in global memory
-    const int row = blockIdx.x * ROWS_PER_BLOCK + r;
-    const i64 at = (i64)row * KG + tc_begin + j;
-    write_record<ASYM, ST>(sz, r, j, row < N, scales[at], ASYM ? zeros[at] : 0u);
-  }
-}
-
-// scales: the raw 16-bit scale words, bf16 or fp16 as ST says. G = 128, built with -DNQ_GEMV_STAGED_SCALES=1
-// (the family gemv.STAGED_FAMILY): the staged-scale loop (below). EXACT (the other loop only): an exact
-// trip count (below), for the kernels where it compiles without spills (gemv.cu says which).
+// scales: the raw 16-bit scale words, bf16 or fp16 as ST says. EXACT: an exact trip count (below), for
+// the kernels where it compiles without spills (gemv.cu says which).
 // EPI: 0 stores y (+ bias) to out; 1 is the qkv epilogue (header), with rk; 2 the residual epilogue,
 // with ro (out unused). NORM: the norm prologue (XMODE 0 only), with ni. Separate instantiations (and
 // entry points), so the kernels without them compile exactly as before: near the 64-register cap a
 // run-time switch moved ptxas into spills in the main loop of the g128 asym kernels.
 // XMODE 3: the attention merge prologue (stage_x_merged) for head_dim MERGE_HD, with mi.
-#ifndef NQ_GEMV_STAGED_SCALES
-#define NQ_GEMV_STAGED_SCALES 0  // opt-in (gemv.py STAGED_FAMILY): 2.7% slower on the H100 (NOTES.md, session 25)
-#endif
-constexpr bool STAGED_SCALES = NQ_GEMV_STAGED_SCALES;
 #ifndef NQ_GEMV_INT8_MMA
 #define NQ_GEMV_INT8_MMA 0  // opt-in (gemv.py INT8_MMA_FAMILY): the int8 tensor-core loop of the g128 kernels
 #endif
@@ -731,7 +606,6 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
                          const NormIn& ni = {}, const ResidOut& ro = {}, const MergeIn& mi = {}) {
   NQ_DYNAMIC_SMEM(smem_raw, 16);
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
-  constexpr bool STAGED = STAGED_SCALES && G == 128;
   constexpr bool I8 = INT8_MMA && G == 128;  // the int8 tensor-core loop (stage_x_planes, mma_col_int8)
   const int KT = K / 128, NT = N / 8, KG = K / G;
   const int split = blockIdx.y;
@@ -772,8 +646,8 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   auto load = [&](TileColumn<G>& st, int tc) {
     load_tile_column<G, ASYM>(st, w0p, w1p, s0p, s1p, z0p, z1p, tc);
   };
-  // I8: the plane table (stage_x_planes), after the staged records if any, over the merge scratch
-  u32* tab = reinterpret_cast<u32*>(xs + M * xs_stride) + (STAGED ? kc * ROWS_PER_BLOCK * StagedRecord<ASYM>::WORDS / 2 : 0);
+  // I8: the plane table (stage_x_planes) after x, over the merge scratch
+  u32* tab = reinterpret_cast<u32*>(xs + M * xs_stride);
   const u32* tabt = tab + 4 * t;                           // I8: the lane's rows m = 2t, 2t + 1 in it
   // tile-column j of the block (tc_begin + j)
   auto compute = [&](const TileColumn<G>& st, int j) {
@@ -793,86 +667,23 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // never written by a kernel. Everything after pdl_wait() may touch what the previous kernel wrote.
   const bool work = has0 && tc_begin < tc_end;  // warp-uniform (a split past K has no columns)
   TileColumn<G> A, B;
-  u32* sz = reinterpret_cast<u32*>(xs + M * xs_stride);  // STAGED: the records (ScaleStager)
-  // STAGED: a stage is the weights alone; the records' loads go out here and are written after x is
-  // staged. The merge staging is a call (not inlined): with the first weights or the records in flight
-  // across it, ptxas spilled 12-36 bytes in the merge kernels, so they write the records before it and
-  // load the first weights after it.
-  constexpr bool PREFETCH = XMODE != 3;
-  ScaleStager<ASYM, ST> records{{}, {}, scales, zeros, N, KG, tc_begin, tc_end - tc_begin};  // STAGED only
-  auto load_first_weights = [&]() {  // STAGED: stage A, the weights of tile-column tc_begin
-    A.w0 = ld_stream_v4(w0p + (i64)tc_begin * 32);
-    A.w1 = ld_stream_v4(w1p + (i64)tc_begin * 32);
-  };
-  if constexpr (STAGED) {
-    if (work && PREFETCH) load_first_weights();
-    if constexpr (PREFETCH) records.load(0);
-    else stage_records_serial<ASYM, ST>(sz, scales, zeros, N, KG, tc_begin, tc_end - tc_begin);
-  } else if (work) {
-    load(A, tc_begin);
-  }
+  if (work) load(A, tc_begin);
   pdl_wait();
   if constexpr (NORM) {
     static_assert(XMODE == 0, "the norm prologue takes a plain input");
-    stage_x_normed<STAGED ? 4 : 1>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
+    stage_x_normed(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
   } else if constexpr (XMODE == 3) {
     stage_x_merged<MERGE_HD>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, mi,
-                             reinterpret_cast<float*>(sz + (STAGED ? kc * ROWS_PER_BLOCK * StagedRecord<ASYM>::WORDS / 2
-                                                                   : 0)));
+                             reinterpret_cast<float*>(xs + M * xs_stride));
   } else {
     stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
   }
-  if constexpr (STAGED && PREFETCH) records.store_all(sz);
   __syncthreads();
   if constexpr (I8) {  // x's planes over the staged x, the table over the merge scratch (used up)
     stage_x_planes(xs, xs_stride, M, ncols, tab);
     __syncthreads();
   }
-  if constexpr (STAGED) {
-    if (work && !PREFETCH) load_first_weights();
-    if (work) {
-      // Two tile-columns per trip, the per-column loop's math in its order (the same bits): the weights
-      // from two running pointers, the records and x at constant offsets from running shared-memory
-      // pointers, one down-counter (a second loop variable spilled the accumulators in the asym kernels).
-      // 113 (asym) / 115 (sym) SASS instructions per tile-column at 64 registers, 113-114 for the SiLU
-      // kernels (96 registers), no spills (nvcc 13.0).
-      const uint4* p0 = w0p + (i64)tc_begin * 32;
-      const uint4* p1 = w1p + (i64)tc_begin * 32;
-      using Rec = typename StagedRecord<ASYM>::type;
-      const Rec* rec = reinterpret_cast<const Rec*>(sz) + warp * 8 + g;  // column j at rec[64 j]
-      const bf16_t* xt = xsl;
-      const u32* tb = tabt;  // I8: the lane's plane-table entries of the next column
-      auto col = [&](const uint4& w0v, const uint4& w1v, const Rec& r, const bf16_t* xc, const u32* tc) {
-        u32 nz0 = neg_zero_pair(8u), nz1 = nz0;
-        if constexpr (ASYM) {
-          nz0 = r.z;
-          nz1 = r.w;
-        }
-        if constexpr (I8)  // the zero point is the pair's low byte (bf16 -(128 + z): z < 128 is its mantissa)
-          mma_col_int8(acc, w0v, w1v, __uint_as_float(r.x), __uint_as_float(r.y), ASYM ? (int)(nz0 & 0xffu) : 8,
-                       ASYM ? (int)(nz1 & 0xffu) : 8, xc, tc);
-        else
-          mma_col_scaled(acc, w0v, w1v, __uint_as_float(r.x), __uint_as_float(r.y), nz0, nz1, xc);
-      };
-      int left = tc_end - tc_begin;  // columns not yet computed; stage A holds the next one
-      for (; left >= 2; left -= 2) {
-        B.w0 = ld_stream_v4(p0 + 32);
-        B.w1 = ld_stream_v4(p1 + 32);
-        col(A.w0, A.w1, rec[0], xt, tb);
-        if (left > 2) {  // warp-uniform
-          A.w0 = ld_stream_v4(p0 + 64);
-          A.w1 = ld_stream_v4(p1 + 64);
-        }
-        col(B.w0, B.w1, rec[64], xt + 128, tb + PLANE_TAB_WORDS);
-        p0 += 64;
-        p1 += 64;
-        rec += 128;
-        xt += 256;
-        if constexpr (I8) tb += 2 * PLANE_TAB_WORDS;
-      }
-      if (left) col(A.w0, A.w1, rec[0], xt, tb);
-    }
-  } else if (work && !EXACT) {
+  if (work && !EXACT) {
     // Per-column guards (warp-uniform): 150 (sym) / 160 (asym) SASS instructions per tile-column at
     // g128 (nvcc 13.0; 165.5 / 180.5 before the changes above), no spills.
     for (int tc = tc_begin; tc < tc_end; tc += 2) {

@@ -313,12 +313,10 @@ def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] =
 
 def gemv_build_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
                   reps: int = AB_REPS) -> dict:
-    """Issue 13's GEMV loop: `EngineConfig.gemv_build` "int8", "int8-staged", "int8-m1" and "int8-wide"
-    (the decode GEMVs on the int8 tensor cores; "int8-m1" at one-row steps only, "int8-wide" on gate_up
-    and an INT4 lm_head at 1-4 rows only), each against "bf16", at context 128 + 128: `_variants_ab`
-    (each side's batch-1 graph paths say how many GEMVs ran as "gemv_int8_mma")."""
-    out = _variants_ab(geom, weights, "gemv_build", "bf16", ("int8", "int8-staged", "int8-m1", "int8-wide"),
-                       batches=batches, reps=reps)
+    """`EngineConfig.gemv_build` "int8-wide" (gate_up and an INT4 lm_head on the int8 tensor cores at 1-4
+    rows) against "bf16", at context 128 + 128: `_variants_ab` (each side's batch-1 graph paths say how
+    many GEMVs ran as "gemv_int8_mma")."""
+    out = _variants_ab(geom, weights, "gemv_build", "bf16", ("int8-wide",), batches=batches, reps=reps)
     return {**out, "context": 128, "new_tokens": 128}
 
 

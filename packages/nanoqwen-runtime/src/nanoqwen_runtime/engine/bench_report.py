@@ -33,8 +33,8 @@ raw = {
   "overlap_ab": bench.overlap_ab(...) result (EngineConfig.overlap on vs off, synthetic model only),
   "attention_merge_ab": bench.attention_merge_ab(...) result (EngineConfig.attention_merge "o_proj" vs
       "combine", synthetic model only),
-  "gemv_build_ab": bench.gemv_build_ab(...) result (EngineConfig.gemv_build "int8", "int8-staged",
-                   "int8-m1" and "int8-wide" each vs "bf16", synthetic model only),
+  "gemv_build_ab": bench.gemv_build_ab(...) result (EngineConfig.gemv_build "int8-wide" vs "bf16",
+                   synthetic model only),
   "lm_head_ab": bench.lm_head_ab(...) result (an INT4 lm_head vs bf16, synthetic model only),
   "lm_head_int8_wide_ab": the same with the INT4 side's gemv_build "int8-wide",
   "errors": {section: message},

@@ -20,9 +20,9 @@ GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 # EngineConfig.attention_merge's values: who merges the split rows of decode attention
 ATTENTION_MERGES = ("combine", "o_proj")
-# EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16 or on int8 tensor cores (the
-# latter with the staged scale records, at one-row steps only, or on the wide GEMVs of 1-4 rows only)
-GEMV_BUILDS = ("bf16", "int8", "int8-staged", "int8-m1", "int8-wide")
+# EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16, or on the int8 tensor cores
+# for the wide GEMVs of 1-4 rows
+GEMV_BUILDS = ("bf16", "int8-wide")
 
 
 @dataclass
@@ -80,25 +80,12 @@ class EngineConfig:
     # 2; bitwise equal logits, test_engine_gpu.py), "combine" on the torch backend (one attention op:
     # nothing to merge), where "o_proj" is refused.
     attention_merge: str | None = None
-    # Kernel backend, explicit option, "bf16": the build of the decode GEMVs (M <= 8) on g128 weights.
-    # "bf16": the nibbles become bf16 and multiply the bf16 input exactly (the kernel tests' reference,
-    # bit for bit in fp32 products). "int8": the nibbles multiply the input rounded to 16-bit block floating
-    # point per 128 columns on the int8 tensor cores (nanoqwen_kernels gemv.INT8_MMA_FAMILY: 3 instead
-    # of 11 instructions of dequantisation per 8 weights; x off by at most 2^-15 of its group's largest
-    # |x|), so the logits move within the agreement bound, not bitwise. "int8-staged": the same with the
-    # rows' scales and zero points staged in shared memory (INT8_MMA_STAGED_FAMILY: 67.5-71 instead of
-    # 80-110 instructions per tile-column). "int8-m1": "int8" at steps of one row, "bf16" at 2-8 rows,
-    # where the kernels were measured (two H100s, sessions 26-27): at M = 1 the int8 loop takes 0.90-0.91x
-    # the time on gate_up and the INT4 lm_head, at M = 8 1.01-1.12x (every block rounds all M rows of x to
-    # the planes; bench/kernels/results/session27-h100-2026-12-05/). "int8-wide": "int8" only on the GEMVs
-    # with many weights per input element (N >= 8,192 outputs, no SiLU input: gate_up and an INT4
-    # lm_head) at steps of 1-4 rows, "bf16" elsewhere: the int8 loop's crossover per shape (H100, session
-    # 28, bench/kernels/results/session28-h100-2026-12-05/int8-ab-ms1248/): gate_up 0.91-0.93x the time
-    # at M = 1, 0.97-0.98x at 4, 1.02x at 8; the lm_head 0.91-0.93x at 1, 0.94-0.98x at 4, 1.10x at 8;
-    # down (N = 3,584) 1.02-1.12x, qkv and o (4,608 / 3,584) 1.00-1.05x at every M. In the engine
-    # (`nanoqwen-cli bench`'s gemv_build_ab, H100, session 29): "int8-wide" 1.019 / 1.008 / 1.001 the
-    # tok/s of "bf16" at batch 1 / 2 / 8, "int8-m1" 1.010 / 1.000 / 1.002. "bf16" stays the default until
-    # the default path's GPU tests have run with "int8-wide" (bench/engine/NOTES.md, session 29).
+    # Kernel backend: the build of the decode GEMVs (M <= 8) on g128 weights. "bf16": the nibbles become
+    # bf16 and multiply the bf16 input exactly. "int8-wide": the GEMVs of at least
+    # ops_kernels.INT8_WIDE_MIN_N outputs without the SiLU input (gate_up, an INT4 lm_head) at steps of
+    # 1-4 rows multiply the input rounded to 16-bit block floating point per 128 columns on the int8
+    # tensor cores (nanoqwen_kernels gemv.INT8_MMA_FAMILY): the logits move within the agreement bound,
+    # not bitwise.
     gemv_build: str = "bf16"
     # Overlapped decode (engine.py's header): in a run of plain decode steps, plan and queue step n+1
     # before reading step n's tokens back (its rows take their ids from step n's output on the device),

@@ -98,12 +98,8 @@ class KernelOps:
                                                           group_size=128 if g128 else 64)
                       for n, k in shapes for silu in (False, True) for g128 in (False, True)}
         self.workspace = kgemv.GemvWorkspace.allocate(self.plans.values(), device)
-        # EngineConfig.gemv_build: the kernel family of the decode GEMVs of steps up to `_int8_max_rows`
-        # rows (the bf16 family above; gemv_family(rows))
-        self._int8_family = (None if cfg.gemv_build == "bf16"
-                             else kgemv.register_int8_mma(staged=cfg.gemv_build == "int8-staged"))
-        self._int8_max_rows = {"int8-m1": 1, "int8-wide": INT8_WIDE_MAX_ROWS}.get(cfg.gemv_build, kgemv.MAX_M)
-        self._int8_wide_only = cfg.gemv_build == "int8-wide"
+        # EngineConfig.gemv_build "int8-wide": the int8 build of the decode GEMVs (gemv_family)
+        self._int8_family = kgemv.register_int8_mma() if cfg.gemv_build == "int8-wide" else None
         # the GEMM's split-K scratch, for every M class and group size (plans are cached per shape)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self._sms = sms
@@ -307,12 +303,10 @@ class KernelOps:
 
     def gemv_family(self, rows: int, n: int, silu_input: bool = False) -> str:
         """The kernel family of a decode GEMV step of `rows` rows on a weight of `n` outputs
-        (EngineConfig.gemv_build): an int8 build up to its row limit ("int8-m1": 1; "int8-wide":
-        INT8_WIDE_MAX_ROWS, and only for n >= INT8_WIDE_MIN_N outputs without the SiLU input), else the
-        bf16 one."""
-        if self._int8_family is None or rows > self._int8_max_rows:
-            return kgemv.FAMILY
-        if self._int8_wide_only and (n < INT8_WIDE_MIN_N or silu_input):
+        (EngineConfig.gemv_build): with "int8-wide", the int8 build at up to INT8_WIDE_MAX_ROWS rows on a
+        weight of n >= INT8_WIDE_MIN_N outputs without the SiLU input; else the bf16 one."""
+        if (self._int8_family is None or rows > INT8_WIDE_MAX_ROWS or n < INT8_WIDE_MIN_N
+                or silu_input):
             return kgemv.FAMILY
         return self._int8_family
 
@@ -320,8 +314,8 @@ class KernelOps:
                    silu_input: bool = False) -> tuple[kgemv.Int4Weight, str]:
         """The kernel view of an INT4 linear about to run as a decode GEMV of `rows` rows (`silu_input`:
         the down projection's SiLU*mul input) and the kernel family that runs it; counted as path
-        "gemv_int4", and as "gemv_int8_mma" where an int8 build's loop multiplies it (`gemv_family`,
-        G = 128: the int8 builds are g128 only)."""
+        "gemv_int4", and as "gemv_int8_mma" where the int8 build's loop multiplies it (`gemv_family`,
+        G = 128: the int8 build is g128 only)."""
         w = self._int4(lin)
         family = self.gemv_family(rows, w.n, silu_input)
         self.paths["gemv_int4"] += 1
