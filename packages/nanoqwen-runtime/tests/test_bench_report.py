@@ -409,7 +409,7 @@ def test_patch_launches_marks_and_restores(monkeypatch):
     try:
         assert gemv.launch is not original and gemv.launch is klaunch.launch is layer_ops.launch
         tl.op = "linear qkv"
-        gemv.launch("gemv", "gemv_int4_g128_sym", 0, (1,), (1,), (), pdl=False)
+        gemv.launch("gemv", "gemv_int4_g128_sym", 0, (1,), (1,), ())
         tl.suspended = True
         layer_ops.launch("bench", "spin_ns", 0, (1,), (1,), ())
     finally:

@@ -221,7 +221,7 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
             self.max_batch, self.max_context_len = max_batch, max_context_len
 
         def run(self, q, k_cache, v_cache, page_table, context_lens, query_start_loc=None, out=None, *,
-                defer_merge=False, pdl=False):
+                defer_merge=False):
             assert not defer_merge  # cpu_config made attention_merge "combine" (the torch backend's)
             b = page_table.shape[0]
             assert 1 <= b <= self.max_batch and context_lens.shape == (b,)

@@ -256,7 +256,6 @@ class PagedAttentionPlan:
         out: torch.Tensor | None = None,
         *,
         defer_merge: bool = False,
-        pdl: bool = False,
     ) -> torch.Tensor:
         """Attention output [total_q, n_heads, head_dim] bf16 (written into `out` when given).
 
@@ -264,8 +263,7 @@ class PagedAttentionPlan:
         k_cache, v_cache: bf16 [num_blocks, n_kv_heads, block_size, head_dim] (one layer of the pool);
         page_table: int32 [B, max_pages]; context_lens: int32 [B];
         query_start_loc: int32 [B + 1], prefill only (decode: total_q == B).
-        pdl: launch with programmatic dependent launch. One kernel launch, or two when the plan
-        can split more than fuse_max_splits ways (`launches`).
+        One kernel launch, or two when the plan can split more than fuse_max_splits ways (`launches`).
         defer_merge: leave the rows split more than fuse_max_splits ways unmerged in the plan's work
         buffers (no combine launch): the o projection's GEMV merges them while it stages its input,
         `gemv.gemv_int4(out, ..., merge=plan.merge_input())`, the same bits as the combine kernel. Only
@@ -295,11 +293,10 @@ class PagedAttentionPlan:
             i32(self.fuse_max_splits), f32(self.scale_log2),
         )
         grid = (self.num_row_tiles * self.num_splits, g.n_kv_heads, batch)
-        launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem,
-                      pdl=pdl)
+        launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem)
         if self.launches == 2 and not defer_merge:
             launch(FAMILY, _COMBINE[g.head_dim], self.device_index, (total_q * g.n_heads,),
-                          (COMBINE_THREADS,), args + (i32(total_q),), pdl=pdl)
+                          (COMBINE_THREADS,), args + (i32(total_q),))
         return out
 
     @property

@@ -133,10 +133,9 @@ def _dims(d) -> tuple[int, int, int]:
     return (d + (1, 1, 1))[:3]
 
 
-def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0, *,
-           pdl: bool = False) -> None:
-    """`launch.launch` on the emulator (same arguments; `device_index` and `pdl` are ignored: launches run
-    one after the other). Raises EmulatorError with the emulator's reason when the launch fails."""
+def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0) -> None:
+    """`launch.launch` on the emulator (same arguments; `device_index` is ignored: launches run one after
+    the other). Raises EmulatorError with the emulator's reason when the launch fails."""
     from .specs import SPECS
 
     if family not in SPECS:

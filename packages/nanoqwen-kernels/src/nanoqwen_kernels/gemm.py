@@ -286,8 +286,6 @@ def gemm_int4(
     plan: GemmPlan | None = None,
     silu_mul_input: bool = False,
     family: str | None = None,
-    *,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = x[M, K] @ W^T (+ bias), any M >= 1 (meant for M > 8), bf16, on the current stream.
 
@@ -296,7 +294,7 @@ def gemm_int4(
     bf16 [N] or None; out: bf16 [M, N], written completely (nothing outside it). plan: from
     `plan_gemm` for this M (default: made here); workspace: required when the plan splits K.
     family: the registry entry to launch from (default: the plan's kernel's; benchmarks may register
-    variants). pdl: launch with programmatic dependent launch. Returns out.
+    variants). Returns out.
     """
     n, k = weight.n, weight.k
     dev = weight.qweight.device
@@ -347,8 +345,7 @@ def gemm_int4(
                  cuda_driver.tensor_map_2d(weight.qweight.data_ptr(), n // 8, k // 128 * 64, 16, 64,
                                            cuda_driver.CU_TENSOR_MAP_DATA_TYPE_UINT64,
                                            cuda_driver.CU_TENSOR_MAP_SWIZZLE_NONE))
-    launch(family or KERNELS[plan.kernel][0], name, index, plan.grid(m), (plan.threads, 1, 1), args, shared,
-           pdl=pdl)
+    launch(family or KERNELS[plan.kernel][0], name, index, plan.grid(m), (plan.threads, 1, 1), args, shared)
     return out
 
 

@@ -30,10 +30,6 @@ combine kernel would (the same bits), so a decode layer launches five kernels in
 
 `gemv_int8` is the same decode product for the INT8 row-major layout of the `--lm-head int8` option
 (csrc/gemv_int8.cuh; `Int8Weight`, G = 64 or 128, no bias, no split-K).
-
-Every launcher takes a keyword-only `pdl` (default False): True launches with programmatic dependent
-launch (launch.launch), so the kernel may start under the previous kernel's tail (the GEMVs prefetch
-their first weights before they wait for their inputs).
 """
 
 from __future__ import annotations
@@ -410,7 +406,6 @@ def gemv_int4(
     norm: NormPrologue | None = None,
     residual: ResidualEpilogue | None = None,
     merge: AttentionMerge | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor | None:
     """out[M, N] = x[M, K] @ W^T (+ bias), M = 1..8, bf16, on the current stream.
 
@@ -422,8 +417,7 @@ def gemv_int4(
     merge: x is an attention output whose split rows this launch merges while staging them
     (`AttentionMerge`; with `residual` only: the o projection). workspace: required when the plan
     splits K (plan.splits > 1). family: the registry entry to launch
-    from (benchmarks register compile-option variants of "gemv" under other names). pdl: launch with
-    programmatic dependent launch. Returns out.
+    from (benchmarks register compile-option variants of "gemv" under other names). Returns out.
     """
     n, k = weight.n, weight.k
     dev = weight.qweight.device
@@ -465,7 +459,7 @@ def gemv_int4(
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
         ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc), *extra,
     )  # fmt: skip
-    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, shared, pdl=pdl)
+    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, shared)
     return out
 
 
@@ -505,7 +499,6 @@ def gemv_int4_qkv_rope(
     family: str = FAMILY,
     *,
     norm: NormPrologue | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """The qkv projection of M = 1..8 decode rows and what follows it, in one launch: the GEMV
     qkv = x @ Wqkv^T + bias, then `layer_ops.qkv_rope_kv_write` on it as the GEMV's epilogue (RoPE on
@@ -516,7 +509,7 @@ def gemv_int4_qkv_rope(
     `layer_ops.AttentionShape` (n_heads, n_kv_heads, head_dim; head_dim in ROPE_HEAD_DIMS);
     positions, slot_mapping: int32 [M]; inv_freq: fp32 [D / 2]; q_out: bf16 [M, Hq, D]; k_cache,
     v_cache: bf16 [num_blocks, Hkv, block_size, D]. workspace, plan, norm (x is then the residual
-    stream: the `_norm_rope` kernels), family, pdl: as in `gemv_int4`. Returns q_out."""
+    stream: the `_norm_rope` kernels), family: as in `gemv_int4`. Returns q_out."""
     n, k = weight.n, weight.k
     dev = weight.qweight.device
     index = require_sm90(dev)
@@ -540,7 +533,7 @@ def gemv_int4_qkv_rope(
     )  # fmt: skip
     name = f"gemv_int4_{weight.kernel_suffix()}{'_norm' if norm is not None else ''}_rope"
     launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args,
-           plan.launch_shared_bytes(m, weight, family), pdl=pdl)
+           plan.launch_shared_bytes(m, weight, family))
     return q_out
 
 
@@ -592,12 +585,12 @@ def int8_shared_bytes(m: int, k: int) -> int:
 
 
 def gemv_int8(
-    x: torch.Tensor, weight: Int8Weight, out: torch.Tensor, family: str = FAMILY, *, pdl: bool = False
+    x: torch.Tensor, weight: Int8Weight, out: torch.Tensor, family: str = FAMILY
 ) -> torch.Tensor:
     """out[M, N] = x[M, K] @ W^T, M = 1..8, bf16 in and out, fp32 accumulation, on the current stream.
 
     x: bf16 [M, K] contiguous; weight: Int8Weight [N, K]; out: bf16 [M, N] (written completely).
-    family, pdl: as in gemv_int4. Allocates nothing, never synchronises: graph-capturable. Returns out."""
+    family: as in gemv_int4. Allocates nothing, never synchronises: graph-capturable. Returns out."""
     n, k = weight.n, weight.k
     dev = weight.qweight.device
     index = require_sm90(dev)
@@ -607,15 +600,15 @@ def gemv_int8(
     args = (ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(out), i32(m), i32(n), i32(k))
     grid = (-(-n // INT8_ROWS_PER_BLOCK), 1, 1)
     launch(family, f"gemv_int8_g{weight.group_size}", index, grid, (THREADS, 1, 1), args,
-           int8_shared_bytes(m, k), pdl=pdl)
+           int8_shared_bytes(m, k))
     return out
 
 
-def dequantize_int4(weight: Int4Weight, out: torch.Tensor, *, pdl: bool = False,
+def dequantize_int4(weight: Int4Weight, out: torch.Tensor, *,
                     max_blocks: int | None = None) -> torch.Tensor:
-    """out[N, K] (bf16, preallocated) = bf16((q - z) * s): the dense weight, rounded once. pdl: as in
-    gemv_int4. max_blocks: at most this many blocks of 256 threads (the kernel strides over the tiles),
-    e.g. to leave most SMs to a GEMM on another stream; default 16 per SM."""
+    """out[N, K] (bf16, preallocated) = bf16((q - z) * s): the dense weight, rounded once. max_blocks: at
+    most this many blocks of 256 threads (the kernel strides over the tiles), e.g. to leave most SMs to a
+    GEMM on another stream; default 16 per SM."""
     dev = weight.qweight.device
     index = require_sm90(dev)
     check(out, "out", torch.bfloat16, (weight.n, weight.k), dev)
@@ -631,8 +624,7 @@ def dequantize_int4(weight: Int4Weight, out: torch.Tensor, *, pdl: bool = False,
         i32(weight.n),
         i32(weight.k),
     )
-    launch(FAMILY, f"dequant_int4_{weight.kernel_suffix()}", index, (blocks, 1, 1), (256, 1, 1), args,
-           pdl=pdl)
+    launch(FAMILY, f"dequant_int4_{weight.kernel_suffix()}", index, (blocks, 1, 1), (256, 1, 1), args)
     return out
 
 
@@ -642,16 +634,13 @@ def linear_int4_prefill(
     out: torch.Tensor,
     dense_scratch: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """out[T, N] = x[T, K] @ W^T (+ bias) for any T: dequantize into `dense_scratch` (bf16 [N, K],
     preallocated, reusable across layers), then one cuBLAS GEMM (torch.addmm / torch.mm, fp32
-    accumulation). pdl applies to the dequantize launch (cuBLAS launches its own kernels). First
-    version of the prefill path; see NOTES.md for its measured cost."""
+    accumulation)."""
     check(x, "x", torch.bfloat16, (None, weight.k), weight.qweight.device)
     check(out, "out", torch.bfloat16, (x.shape[0], weight.n), weight.qweight.device)
-    dequantize_int4(weight, dense_scratch, pdl=pdl)
+    dequantize_int4(weight, dense_scratch)
     if bias is None:
         torch.mm(x, dense_scratch.t(), out=out)
     else:

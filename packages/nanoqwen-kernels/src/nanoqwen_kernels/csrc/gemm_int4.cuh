@@ -395,8 +395,7 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   constexpr int D = NQ_GEMM_STAGES(NT);
   TileColumn<G> st[D];
 #pragma unroll
-  for (int d = 0; d < D - 1; ++d) load(st[d], tc_begin + d);  // weights depend on no kernel: before the PDL wait
-  pdl_wait();
+  for (int d = 0; d < D - 1; ++d) load(st[d], tc_begin + d);  // the first stages' weights, before x is staged
   issue(0);
   const bf16_t* xb = xbuf;
   for (int tc = tc_begin; tc < tc_end; tc += D) {
@@ -406,7 +405,6 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
       if (tc + d < tc_end) step(st[d], tc + d, xb);
     }
   }
-  pdl_launch_dependents();
 
   // acc[i][0..1]: y[m0 + 8i + 2t, +1][row0]; acc[i][2..3]: the same m for row1
   if (S == 1) {

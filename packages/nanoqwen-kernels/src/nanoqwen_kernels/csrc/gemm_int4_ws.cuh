@@ -26,7 +26,7 @@
 //          (row r's 128 bytes at 128 r, 16-byte chunk c at position c ^ (r % 8); each box 1024-aligned).
 //       W  the block's 16 weight tiles of the tile-column, 512 bytes each, as in global memory.
 //   Scales and zero points of the block's rows and K range are loaded once, by the consumers, into a
-//   [128, kc * G / 128] table before the main loop (they are weights: read before the PDL wait).
+//   [128, kc * G / 128] table before the main loop (they are weights).
 //   Consumers: set p takes the tile-columns rel = p (mod 2). In a set, warp w owns tile pair w (16
 //     rows: rows g and g + 8 of tiles 2w, 2w + 1), so each warpgroup's 64 rows are the A operand of
 //     `wgmma.m64nRk16` in registers (the GEMV's dequantised words, unchanged), B is the slot's X. Per
@@ -313,7 +313,6 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
     if (warp != CONSUMER_WARPS) return;
     constexpr u32 bytes = 2 * RG::XBOX + 16 * 512;  // whole boxes: rows past M or N arrive as zeros
-    pdl_wait();  // x is the previous kernel's output
 #ifdef NQ_GEMM_WS_PROBE_NO_MAINLOOP  // timing probe (wrong outputs): no copies, no main loop
     if (ntc >= 0) return;
 #endif
@@ -329,7 +328,6 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
         tma_load_2d(slot + RG::X + RG::XBOX, xmap, tc * 128 + 64, m0, &full[s]);
       }
     }
-    pdl_launch_dependents();
     return;
   }
 
@@ -392,7 +390,6 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 #pragma unroll
     for (int i = 0; i < NA; ++i) c.acc[i] += red[(wq * NA + i) * 32 + lane];
   }
-  pdl_launch_dependents();
   nq_gemm::finish_tile<NT, true>(c.acc, bias, out, ws, counters, M, N, gridDim.z, split, m0, rows_valid, row_base,
                                  row0, row1, has0, has1, t);
 }

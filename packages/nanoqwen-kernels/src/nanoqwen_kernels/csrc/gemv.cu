@@ -242,7 +242,6 @@ NQ_GEMV_MERGE_ENTRIES(32, asym, true, _f16s, ScaleF16)
   extern "C" __global__ void __launch_bounds__(256)                                                   \
       NAME(const uint4* __restrict__ qweight, const u16* __restrict__ scales,                        \
            const u8* __restrict__ zeros, bf16_t* __restrict__ out, int N, int K) {                    \
-    pdl_enter();                                                                                      \
     dequant_int4<G, ASYM, ST>(qweight, scales, zeros, out, N, K);                                     \
   }
 

@@ -663,12 +663,9 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // flight while the current one is dequantised and multiplied.
   // The first stage's weight loads go out before x is staged: their latency overlaps the staging.
   // (Issuing the second stage here too measured 5-15% slower on the H200: NOTES.md, v3.)
-  // Under PDL this prefetch runs while the previous kernel finishes: weights, scales and zeros are
-  // never written by a kernel. Everything after pdl_wait() may touch what the previous kernel wrote.
   const bool work = has0 && tc_begin < tc_end;  // warp-uniform (a split past K has no columns)
   TileColumn<G> A, B;
   if (work) load(A, tc_begin);
-  pdl_wait();
   if constexpr (NORM) {
     static_assert(XMODE == 0, "the norm prologue takes a plain input");
     stage_x_normed(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
@@ -708,7 +705,6 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     }
     if (tc < tc_end) compute(A, tc - tc_begin);
   }
-  pdl_launch_dependents();  // the weight stream is done: let the next kernel's prefetch start
   if constexpr (EPI == 0) store_gemv_out(acc, bias, out, ws, counters, M, N);
   else if constexpr (EPI == 1) store_gemv_rope(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, rk);
   else if constexpr (XMODE == 0 || XMODE == 3)

@@ -63,12 +63,6 @@ class EngineConfig:
     # pass through the pinned staging buffers (overlapping the copies), and no NaN/Inf in norms,
     # embeddings, bf16 weights or scales. False (the CLI's --no-verify) skips both.
     verify: bool = True
-    # Kernel backend: launch with programmatic dependent launch (a kernel's blocks may start under the
-    # tail of the previous one; the next GEMV's weight prefetch would overlap it). Same arithmetic
-    # either way (a GPU test checks the logits bit for bit). Off by default: on the H200 we measure
-    # on, the driver never starts a dependent grid early (nanoqwen-kernels NOTES.md, session 2);
-    # `nanoqwen-cli bench` measures both beside each other.
-    pdl: bool = False
     # Kernel backend: who merges the rows that split-KV decode attention left in fp32 partials.
     # "combine": the combine kernel, a launch of its own (six per decode layer). "o_proj": the o
     # projection's GEMV, while it stages its input (nanoqwen_kernels gemv `_merge_resid`), with the

@@ -173,7 +173,7 @@ class KernelOps:
                     continue
                 if isinstance(lin, Int4Linear):
                     dense = torch.empty(lin.n, lin.k, dtype=torch.bfloat16, device=self.device)
-                    kgemv.dequantize_int4(self._int4(lin), dense, pdl=self.cfg.pdl)
+                    kgemv.dequantize_int4(self._int4(lin), dense)
                     self._dense[id(lin)] = dense
                 elif isinstance(lin, Int8Linear):
                     self._dense[id(lin)] = lin.dequantize()
@@ -202,13 +202,13 @@ class KernelOps:
 
     # ---- elementwise / norms -------------------------------------------------------------------------
     def embed(self, ids, table, out) -> None:
-        kops.embedding_gather(ids, table, out, pdl=self.cfg.pdl)
+        kops.embedding_gather(ids, table, out)
 
     def rms_norm(self, x, w, eps, out) -> None:
-        kops.rms_norm(x, w, out, eps, pdl=self.cfg.pdl)
+        kops.rms_norm(x, w, out, eps)
 
     def add_rms_norm(self, x, residual, w, eps, out) -> None:
-        kops.fused_add_rms_norm(x, residual, w, out, eps, pdl=self.cfg.pdl)
+        kops.fused_add_rms_norm(x, residual, w, out, eps)
 
     def norm(self, x: NormedInput) -> torch.Tensor:
         """Materialise x into x.out: fused add + RMSNorm when its update is pending, else RMSNorm (the
@@ -240,7 +240,7 @@ class KernelOps:
         return kgemv.ResidualEpilogue(residual, stats), ResidualUpdate(stats=stats)
 
     def silu_mul(self, gate_up, out) -> None:
-        kops.silu_mul(gate_up, out, pdl=self.cfg.pdl)
+        kops.silu_mul(gate_up, out)
 
     # ---- linear ------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor | NormedInput, lin: Linear, out: torch.Tensor,
@@ -251,7 +251,7 @@ class KernelOps:
             if self.fuses_norm(x, lin):
                 w, family = self._int4_gemv(lin, x.rows)
                 kgemv.gemv_int4(x.residual, w, out, bias, self.workspace, self._gemv_plan(w, False),
-                                family=family, norm=self._norm_prologue(x), pdl=self.cfg.pdl)
+                                family=family, norm=self._norm_prologue(x))
                 return
             x = self.norm(x)
         m = x.shape[0]
@@ -274,25 +274,24 @@ class KernelOps:
             self.paths["gemv_int8"] += -(-m // kgemv.MAX_M)
             for r in range(0, m, kgemv.MAX_M):
                 e = min(m, r + kgemv.MAX_M)
-                kgemv.gemv_int8(x[r:e], w8, out[r:e], pdl=self.cfg.pdl)
+                kgemv.gemv_int8(x[r:e], w8, out[r:e])
             return
         if not isinstance(lin, Int4Linear):
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
         path = self.int4_path(m)
         if path == "gemv_int4":
             w, family = self._int4_gemv(lin, m)
-            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False), family=family,
-                            pdl=self.cfg.pdl)
+            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False), family=family)
             return
         w = self._int4(lin)
         if path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
             # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMM)
             self.paths["int4_gemm"] += 1
-            kgemm.gemm_int4(x, w, out, bias, self.gemm_workspace, self._gemm_plan(w, m), pdl=self.cfg.pdl)
+            kgemm.gemm_int4(x, w, out, bias, self.gemm_workspace, self._gemm_plan(w, m))
         else:
             scratch = self._scratch[: lin.n * lin.k].view(lin.n, lin.k)
             self.paths["dequant_gemm"] += 1
-            kgemv.linear_int4_prefill(x, w, out, scratch, bias, pdl=self.cfg.pdl)
+            kgemv.linear_int4_prefill(x, w, out, scratch, bias)
 
     @staticmethod
     def int4_path(m: int) -> str:
@@ -338,7 +337,7 @@ class KernelOps:
             w, family = self._int4_gemv(lin, x.shape[0])
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(x, w, None, None, self.workspace, self._gemv_plan(w, False),
-                            family=family, residual=epilogue, merge=merge, pdl=self.cfg.pdl)
+                            family=family, residual=epilogue, merge=merge)
             return update
         if merge is not None:  # attention_run defers only to a GEMV that fuses (fuses_attention_merge)
             raise AssertionError("an attention merge was left to an o projection that is not a fused GEMV")
@@ -357,9 +356,9 @@ class KernelOps:
             w, family = self._int4_gemv(down, gate_up.shape[0], silu_input=True)
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(gate_up, w, None, None, self.workspace, self._gemv_plan(w, True),
-                            silu_mul_input=True, family=family, residual=epilogue, pdl=self.cfg.pdl)
+                            silu_mul_input=True, family=family, residual=epilogue)
             return update
-        kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
+        kops.silu_mul(gate_up, act)
         return self.linear_residual(act, down, out, residual)
 
     def fuses_silu_down(self, down: Linear, m: int) -> bool:
@@ -386,7 +385,7 @@ class KernelOps:
             self.paths["qkv_rope_fused"] += 1
             kgemv.gemv_int4_qkv_rope(x, w, bias, self.shape, positions, slot_mapping, self.inv_freq, q_out,
                                      k_cache, v_cache, self.workspace, self._gemv_plan(w, False),
-                                     family, norm=norm, pdl=self.cfg.pdl)
+                                     family, norm=norm)
             return
         self.linear(x, qkv_w, qkv, bias=bias)
         self.qkv_rope_kv_write(qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv)
@@ -399,7 +398,7 @@ class KernelOps:
 
     def qkv_rope_kv_write(self, qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv) -> None:
         kops.qkv_rope_kv_write(qkv, self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache,
-                               v_cache, None, pdl=self.cfg.pdl)
+                               v_cache, None)
 
     def attention_plan(self, *, kind, query_start, context_lens, page_table, num_rows, num_tokens,
                        max_context_len):
@@ -418,7 +417,7 @@ class KernelOps:
         bits; path counter "attention_merge_o_proj"). Else None."""
         plan, pt, cl, qsl = meta
         defer = o_proj is not None and self.fuses_attention_merge(plan, o_proj, q.shape[0])
-        plan.run(q, k_cache, v_cache, pt, cl, qsl, out.view(q.shape), defer_merge=defer, pdl=self.cfg.pdl)
+        plan.run(q, k_cache, v_cache, pt, cl, qsl, out.view(q.shape), defer_merge=defer)
         if not defer:
             return None
         self.paths["attention_merge_o_proj"] += 1
@@ -441,4 +440,4 @@ class KernelOps:
         torch.aminmax(logits, dim=-1, out=(out_min, out_max))
 
     def sample(self, logits, temperature, top_p, top_k, seed, offset, out) -> None:
-        ksamp.sample_tokens(logits, self.sampling_state, out, pdl=self.cfg.pdl)
+        ksamp.sample_tokens(logits, self.sampling_state, out)
