@@ -219,10 +219,11 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
         def __init__(self, mode, geometry, launched, max_batch, max_context_len, **kw):
             self.mode, self.g, self.launched = mode, geometry, launched
             self.max_batch, self.max_context_len = max_batch, max_context_len
+            self.can_defer_merge = False  # a plan of one launch: no split rows for o_proj to merge
 
         def run(self, q, k_cache, v_cache, page_table, context_lens, query_start_loc=None, out=None, *,
                 defer_merge=False):
-            assert not defer_merge  # cpu_config made attention_merge "combine" (the torch backend's)
+            assert not defer_merge
             b = page_table.shape[0]
             assert 1 <= b <= self.max_batch and context_lens.shape == (b,)
             assert page_table.dtype == context_lens.dtype == torch.int32
@@ -362,14 +363,6 @@ def test_config_validation_and_helpers():
         EngineConfig(device="cpu", backend="torch", mode="graph")
     with pytest.raises(ValueError, match="power of two"):
         cpu_config(block_size=12)
-    with pytest.raises(ValueError, match="attention_merge='o_proj' needs backend='kernels'"):
-        cpu_config(attention_merge="o_proj")
-    # the default: the o_proj GEMV merges on the kernel backend (a config of it needs no GPU to be made),
-    # the torch backend has nothing to merge
-    assert EngineConfig().attention_merge == "o_proj" and cpu_config().attention_merge == "combine"
-    assert EngineConfig(attention_merge="combine").attention_merge == "combine"
-    with pytest.raises(ValueError, match="attention_merge must be one of"):
-        cpu_config(attention_merge="gemv")
     with pytest.raises(ValueError, match="gemv_build must be one of"):
         cpu_config(gemv_build="int4")
     with pytest.raises(ValueError, match="gemv_build='int8-wide' needs backend='kernels'"):

@@ -53,11 +53,9 @@ def _config(**kw):
     return cpu_config(prefill_chunk=256, max_batch=2, graph_buckets=(1, 2), **kw)
 
 
-def _emu_engine(path, monkeypatch, kernel_attention: bool = False,
-                attention_merge: str = "o_proj", gemv_build: str = "bf16") -> Engine:
+def _emu_engine(path, monkeypatch, kernel_attention: bool = False, gemv_build: str = "bf16") -> Engine:
     """The CUDA engine's kernel backend on CPU tensors, its launches on the emulator (the caller holds
-    `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`
-    (`attention_merge`: the kernel backend's default, "o_proj", unless given)."""
+    `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`."""
     from nanoqwen_kernels import attention as kattn
     from nanoqwen_runtime.engine import ops_kernels
 
@@ -90,7 +88,7 @@ def _emu_engine(path, monkeypatch, kernel_attention: bool = False,
                         lambda config, geom: ops_class(geom, config, torch.device("cpu")))
     cfg = _config()
     cfg.backend = "kernels"  # after validation (it wants CUDA)
-    cfg.attention_merge, cfg.gemv_build = attention_merge, gemv_build
+    cfg.gemv_build = gemv_build
     from nanoqwen_runtime.engine.loader import load
 
     model = load(path, "cpu")
@@ -153,8 +151,9 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
 
 
 def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, monkeypatch):
-    """EngineConfig.attention_merge="o_proj" against "combine", every launch on the emulator (attention and
-    sampling too): prompts of 130 and 125 tokens (one prefill chunk of 255: no INT4 GEMM, which the
+    """The o_proj GEMV's merge of the split attention rows against the combine kernel (the engine with
+    `KernelOps.fuses_attention_merge` forced off), every launch on the emulator (attention and sampling
+    too): prompts of 130 and 125 tokens (one prefill chunk of 255: no INT4 GEMM, which the
     emulator does not run), so that the decode steps' contexts split in the engine's decode plans (3
     tiles: the first prompt from its first step, the second from its fourth) and the combine kernel has
     rows to merge beside unsplit ones. The o_proj GEMV's merge
@@ -165,6 +164,7 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
     from nanoqwen_kernels import emu
     from nanoqwen_kernels import gemv as kgemv
     from nanoqwen_kernels import sampling as ksamp
+    from nanoqwen_runtime.engine import ops_kernels
 
     try:
         emu.compiler()
@@ -182,8 +182,11 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
                 emu.launch(family, kernel, *args, **kw)
 
             kattn.launch = ksamp.launch = kgemv.launch = counted  # put back by emulated() on exit
-            engine = _emu_engine(tiny_path, monkeypatch, kernel_attention=True, attention_merge=merge)
-            runs[merge] = teacher_forced(engine, prompts, forced, batch=2)
+            with monkeypatch.context() as mp:
+                if merge == "combine":
+                    mp.setattr(ops_kernels.KernelOps, "fuses_attention_merge", lambda *a: False)
+                engine = _emu_engine(tiny_path, monkeypatch, kernel_attention=True)
+                runs[merge] = teacher_forced(engine, prompts, forced, batch=2)
         launches[merge], engines[merge] = launched, engine
     assert all(p.can_defer_merge for p in engines["o_proj"].ops.decode_plans.values())
     for p in range(len(prompts)):

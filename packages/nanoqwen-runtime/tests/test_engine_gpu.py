@@ -183,19 +183,25 @@ def test_int8_wide_gemv_build_matches_reference(container, batch):
 
 
 @pytest.mark.parametrize("batch", [1, 2, 8])
-def test_attention_merge_in_o_proj_gives_the_same_logits(container, batch):
-    """EngineConfig.attention_merge="o_proj" against "combine": contexts of 1-490 tokens, within the
-    512-token context class (decode plans of at most 16 splits) and most of them over 2 tiles (split),
-    teacher-forced at 1, 2 and 8 rows. The o_proj GEMV merges the split attention rows with the combine
-    kernel's arithmetic, so every logit must be bitwise equal; the graph of the batch's bucket deferred
-    every layer's merge ("attention_merge_o_proj") and so launches one kernel fewer per layer."""
+def test_attention_merge_in_o_proj_gives_the_same_logits(container, batch, monkeypatch):
+    """The o_proj GEMV's merge of the split attention rows against the combine kernel (the engine with
+    `KernelOps.fuses_attention_merge` forced off): contexts of 1-490 tokens, within the 512-token context
+    class (decode plans of at most 16 splits) and most of them over 2 tiles (split), teacher-forced at 1,
+    2 and 8 rows. The merge uses the combine kernel's arithmetic, so every logit must be bitwise equal;
+    the graph of the batch's bucket deferred every layer's merge ("attention_merge_o_proj") and so
+    launches one kernel fewer per layer."""
+    from nanoqwen_runtime.engine.ops_kernels import KernelOps
+
     name, path = container
     prompts = prompts_of((130, 1, 480, 200, 129, 64, 300, 490), seed=5)
     forced = [[(7 * i + 13 * j) % 1000 + 10 for j in range(STEPS)] for i in range(len(prompts))]
     runs, engines = {}, {}
     for merge in ("combine", "o_proj"):
-        engines[merge] = Engine.from_file(path, gpu_config(attention_merge=merge))
-        runs[merge] = teacher_forced(engines[merge], prompts, forced, batch=batch)
+        with monkeypatch.context() as mp:
+            if merge == "combine":
+                mp.setattr(KernelOps, "fuses_attention_merge", lambda self, plan, o_proj, m: False)
+            engines[merge] = Engine.from_file(path, gpu_config())
+            runs[merge] = teacher_forced(engines[merge], prompts, forced, batch=batch)
     for p in range(len(prompts)):
         assert torch.equal(runs["o_proj"].logits[p], runs["combine"].logits[p]), f"{name} b{batch} prompt {p}"
     layers = engines["o_proj"].geom.num_hidden_layers

@@ -30,9 +30,9 @@ With the features on, `features_cost` then measures the no-regression goal in th
 on the same weights, one with both features and one without, decode tok/s at batch 1/8/32/64 measured
 alternately; a regression is every "on" repeat slower than every "off" repeat (`ab_decode`). With
 the synthetic model, `layout_speed` compares the default layout (g128 asym) with g128 sym the same way,
-and the engine options of issue 13 are compared with their defaults (`overlap_ab`, `attention_merge_ab`,
-`gemv_build_ab`), as is an INT4 lm_head with the bf16 one (`lm_head_ab`, each
-side's fraction of the read roofline). `only` (`nanoqwen-cli bench --only a,b`) runs just the named sections.
+and the engine options are compared with their defaults (`overlap_ab`, `gemv_build_ab`), as is an INT4
+lm_head with the bf16 one (`lm_head_ab`, each side's fraction of the read roofline). `only`
+(`nanoqwen-cli bench --only a,b`) runs just the named sections.
 
 Results: bench.json and bench.md (`bench_report.py` builds both from the raw numbers collected here;
 they are rewritten after every section, so a run cut short keeps what it measured) and two plots.
@@ -286,27 +286,6 @@ def _variants_ab(geom: Qwen2Config, weights, option: str, base: str,
         del ea
         torch.cuda.empty_cache()
     del eb
-    torch.cuda.empty_cache()
-    return out
-
-
-def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
-                       reps: int = AB_REPS) -> dict:
-    """Issue 13's five launches per layer: `EngineConfig.attention_merge` "o_proj" (a: the o_proj GEMV
-    merges the split attention rows while staging them, no combine launch) against "combine" (b), same
-    weights, features off, `ab_decode` at context 128 + 128 (3-4 tiles: the rows split in the 512-token
-    class's plans); plus each engine's batch-1 graph paths (the o_proj side's must show one deferred
-    merge per layer)."""
-    on = _ab_engine(geom, weights, prefix_caching=False, speculation=None, attention_merge="o_proj")
-    off = _ab_engine(geom, weights, prefix_caching=False, speculation=None, attention_merge="combine")
-    cls = on.runner.context_classes[0]
-    rows = ab_decode(on, off, batches=batches, reps=reps)
-    out = {"rows": rows, "reps": reps, "context": 128, "new_tokens": 128,
-           "graph_paths_o_proj": dict(on.runner.graph_paths[(1, cls)]),
-           "graph_paths_combine": dict(off.runner.graph_paths[(1, cls)]),
-           "deferred_per_layer": on.runner.graph_paths[(1, cls)].get("attention_merge_o_proj", 0)
-           / geom.num_hidden_layers}
-    del on, off
     torch.cuda.empty_cache()
     return out
 
@@ -612,11 +591,6 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
             log(f"overlap on/off batch {r['batch']}: engine {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s = "
                 f"{r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / {r['b_graph_tok_s']:.0f}"
                 + ("  SLOWER" if r["a_slower"] else ""))
-        am = run.section("attention_merge_ab", attention_merge_ab, geom, weights_ref)
-        for r in (am or {}).get("rows", []):
-            log(f"attention_merge o_proj/combine batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
-                f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
-                f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
         gb = run.section("gemv_build_ab", gemv_build_ab, geom, weights_ref)
         for variant, res in (gb or {}).get("variants", {}).items():
             for r in res["rows"]:

@@ -31,8 +31,6 @@ raw = {
   "features_cost": bench.features_cost(...) result (features on vs off, same run),
   "layout_speed": bench.layout_speed(...) result (g128 asym vs sym, synthetic model only),
   "overlap_ab": bench.overlap_ab(...) result (EngineConfig.overlap on vs off, synthetic model only),
-  "attention_merge_ab": bench.attention_merge_ab(...) result (EngineConfig.attention_merge "o_proj" vs
-      "combine", synthetic model only),
   "gemv_build_ab": bench.gemv_build_ab(...) result (EngineConfig.gemv_build "int8-wide" vs "bf16",
                    synthetic model only),
   "lm_head_ab": bench.lm_head_ab(...) result (an INT4 lm_head vs bf16, synthetic model only),
@@ -131,7 +129,7 @@ def build_report(raw: dict) -> dict:
     rep["speculation"] = meta.get("speculation")
     for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
               "prefix_cache", "engine_stats", "features_cost", "layout_speed", "overlap_ab",
-              "attention_merge_ab", "gemv_build_ab", "lm_head_ab", "lm_head_int8_wide_ab"):
+              "gemv_build_ab", "lm_head_ab", "lm_head_int8_wide_ab"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -222,7 +220,6 @@ def markdown(rep: dict) -> str:
     lines += _features_md(rep.get("features_cost"))
     lines += _layout_md(rep.get("layout_speed"))
     lines += _overlap_md(rep.get("overlap_ab"))
-    lines += _attention_merge_md(rep.get("attention_merge_ab"))
     lines += _gemv_build_md(rep.get("gemv_build_ab"))
     lines += _lm_head_md(rep.get("lm_head_ab"), rep.get("read_bandwidth_GBps"))
     lines += _lm_head_md(rep.get("lm_head_int8_wide_ab"), rep.get("read_bandwidth_GBps"))
@@ -308,17 +305,6 @@ def _overlap_md(ov: dict | None) -> list[str]:
                          ov["reps"],
                          f"The overlap engine queued {ov['steps_ahead_on']} of its {ov['decode_steps_on']} "
                          f"decode steps ahead (the off engine {ov['steps_ahead_off']}).")
-
-
-def _attention_merge_md(am: dict | None) -> list[str]:
-    if not am:
-        return []
-    return _engine_ab_md("## Attention split merge in the o_proj GEMV "
-                         "(EngineConfig.attention_merge=\"o_proj\") vs the combine kernel "
-                         f"(same run, context {am['context']} + {am['new_tokens']})",
-                         "o_proj", "combine", am["rows"], am["reps"],
-                         f"The batch-1 graph deferred {_f(am.get('deferred_per_layer'), '.2f')} merges per "
-                         "layer to the o_proj GEMV (1: one combine launch fewer per layer).")
 
 
 def _gemv_build_md(gb: dict | None) -> list[str]:

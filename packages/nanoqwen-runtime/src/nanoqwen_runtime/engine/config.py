@@ -18,8 +18,6 @@ from .scheduler import VERIFY_MAX_ROWS
 GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 
-# EngineConfig.attention_merge's values: who merges the split rows of decode attention
-ATTENTION_MERGES = ("combine", "o_proj")
 # EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16, or on the int8 tensor cores
 # for the wide GEMVs of 1-4 rows
 GEMV_BUILDS = ("bf16", "int8-wide")
@@ -63,17 +61,6 @@ class EngineConfig:
     # pass through the pinned staging buffers (overlapping the copies), and no NaN/Inf in norms,
     # embeddings, bf16 weights or scales. False (the CLI's --no-verify) skips both.
     verify: bool = True
-    # Kernel backend: who merges the rows that split-KV decode attention left in fp32 partials.
-    # "combine": the combine kernel, a launch of its own (six per decode layer). "o_proj": the o
-    # projection's GEMV, while it stages its input (nanoqwen_kernels gemv `_merge_resid`), with the
-    # combine kernel's arithmetic: the same bits, five launches per layer. It applies to decode steps of
-    # at most 8 rows whose attention plan splits at most 16 ways (the 512-token context class at batches
-    # 1-8 on 132 SMs); other steps launch the combine kernel. None (the default): "o_proj" on the kernel
-    # backend, measured faster there (`nanoqwen-cli bench`'s attention_merge_ab, H100, 2026-12-05: engine
-    # 1.012 / 1.012 / 1.002 the tok/s of "combine" at batch 1 / 2 / 8, every repeat of it faster at 1 and
-    # 2; bitwise equal logits, test_engine_gpu.py), "combine" on the torch backend (one attention op:
-    # nothing to merge), where "o_proj" is refused.
-    attention_merge: str | None = None
     # Kernel backend: the build of the decode GEMVs (M <= 8) on g128 weights. "bf16": the nibbles become
     # bf16 and multiply the bf16 input exactly. "int8-wide": the GEMVs of at least
     # ops_kernels.INT8_WIDE_MIN_N outputs without the SiLU input (gate_up, an INT4 lm_head) at steps of
@@ -130,13 +117,6 @@ class EngineConfig:
         if self.prefill_chunk < self.block_size:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be >= block_size "
                              f"({self.block_size})")
-        if self.attention_merge is None:
-            self.attention_merge = "o_proj" if self.backend == "kernels" else "combine"
-        if self.attention_merge not in ATTENTION_MERGES:
-            raise ValueError(f"EngineConfig.attention_merge must be one of {ATTENTION_MERGES}, "
-                             f"got {self.attention_merge!r}")
-        if self.attention_merge != "combine" and self.backend != "kernels":
-            raise ValueError("EngineConfig.attention_merge='o_proj' needs backend='kernels'")
         if self.gemv_build not in GEMV_BUILDS:
             raise ValueError(f"EngineConfig.gemv_build must be one of {GEMV_BUILDS}, got {self.gemv_build!r}")
         if self.gemv_build != "bf16" and self.backend != "kernels":

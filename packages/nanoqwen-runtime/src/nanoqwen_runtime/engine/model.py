@@ -8,10 +8,10 @@ rows; ops_kernels.py says what runs above that):
     qkv_projection  RMSNorm(residual) (input norm) -> qkv GEMV (+ bias) -> RoPE + paged K/V write:
                     one GEMV with the norm as its prologue and RoPE / K/V as its epilogue (layer 0:
                     a plain RMSNorm of the embeddings first)
-    attention       paged decode attention (+ the split combine kernel when the plan can split, unless
-                    EngineConfig.attention_merge="o_proj" leaves the merge to the o_proj GEMV)
-    linear_residual o_proj GEMV, its output added into the residual by the GEMV's epilogue (and, with
-                    attention_merge="o_proj", the attention's split rows merged while it stages them)
+    attention       paged decode attention; where the plan splits the context, the o_proj GEMV merges
+                    the split rows (else the combine kernel, a launch of its own)
+    linear_residual o_proj GEMV, its output added into the residual by the GEMV's epilogue (and the
+                    attention's split rows merged while it stages them)
     linear          RMSNorm(residual) (post-attention norm) -> gate_up GEMV: one GEMV, norm prologue
     mlp_down        SiLU * mul -> down GEMV -> added into the residual: one GEMV
 
@@ -177,7 +177,7 @@ class ModelRunner:
             x = NormedInput(resid, update, lw.input_norm, eps, normed)
             ops.qkv_projection(x, lw.qkv, lw.qkv_bias, qkv, v["positions"], v["slot_mapping"], kc, vc, q,
                                g.num_attention_heads, g.num_key_value_heads)
-            merge = None  # split rows left for the o projection to merge (EngineConfig.attention_merge)
+            merge = None  # split rows left for the o projection to merge
             if attn_meta is not None:
                 merge = ops.attention_run(attn_meta, q, kc, vc, attn, o_proj=lw.o_proj)
             else:

@@ -26,17 +26,16 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
   in their epilogue and leave its sums of squares in a small fp32 buffer of this backend
   (`ResidualEpilogue`, path counter "residual_epilogue"); the next qkv / gate_up GEMV makes RMSNorm of the
   residual as its input prologue from them (`NormPrologue`, "norm_prologue"). So a decode layer launches no
-  add + RMSNorm: six launches, the four GEMVs and attention's two (five with
-  `EngineConfig.attention_merge="o_proj"`, the default, below: the o_proj GEMV merges the split attention
-  rows). Otherwise (more rows, or a
+  add + RMSNorm: five launches, the four GEMVs and attention (the o_proj GEMV merges the split attention
+  rows, below). Otherwise (more rows, or a
   linear that is not INT4) the add stays pending and the norm is one fused_add_rms_norm launch; layer 0's
   input norm and the final norm are plain `rms_norm` launches (nothing fused made their statistics, or
   nothing consumes them fused).
 - attention: decode plans, one per graph bucket, planned for the longest context (`max_model_len`): one
-  graph serves every length. With `EngineConfig.attention_merge="o_proj"` (the default), a plan that would
-  launch the combine kernel (and splits at most 16 ways) leaves the split rows to the o_proj GEMV, which
-  merges them while staging its input (the same bits, path counter "attention_merge_o_proj"): five launches
-  per decode layer. One prefill plan for chunks of up to `prefill_chunk` tokens.
+  graph serves every length. A plan that would launch the combine kernel (and splits at most 16 ways)
+  leaves the split rows to the o_proj GEMV, which merges them while staging its input (the same bits,
+  path counter "attention_merge_o_proj"): five launches per decode layer. One prefill plan for chunks of
+  up to `prefill_chunk` tokens.
 - logits range: `torch.aminmax` per row into static buffers (the engine's NaN/Inf check of the logits).
 - sampling: `sample_tokens` over the engine's static per-row parameter buffers (a `SamplingState`
   whose tensors ARE those buffers); the row's offset (tokens generated so far) is written each step.
@@ -425,12 +424,11 @@ class KernelOps:
 
     def fuses_attention_merge(self, plan: kattn.PagedAttentionPlan, o_proj: Linear, m: int) -> bool:
         """Whether an attention run of m rows on `plan` leaves its split merge to the o projection's GEMV:
-        EngineConfig.attention_merge == "o_proj", a decode plan (one query row per sequence: what the
-        merge was tested on; a prefill or verify chunk of <= 8 tokens launches the combine kernel) that
-        launches the combine kernel and splits at most gemv.MERGE_MAX_SPLITS ways (`can_defer_merge`),
-        and o_proj is a GEMV with the residual epilogue."""
-        return (self.cfg.attention_merge == "o_proj" and plan.mode == "decode" and plan.can_defer_merge
-                and self.fuses_residual(o_proj, m))
+        a decode plan (one query row per sequence: what the merge was tested on; a prefill or verify
+        chunk of <= 8 tokens launches the combine kernel) that launches the combine kernel and splits at
+        most gemv.MERGE_MAX_SPLITS ways (`can_defer_merge`), and o_proj is a GEMV with the residual
+        epilogue."""
+        return plan.mode == "decode" and plan.can_defer_merge and self.fuses_residual(o_proj, m)
 
     # ---- sampling ------------------------------------------------------------------------------------
     def logits_range(self, logits, out_min, out_max) -> None:
