@@ -28,8 +28,8 @@ def device():
 
 @pytest.fixture
 def emu_compiler():
-    """The C++ compiler the kernel emulator (nanoqwen_kernels.emu) builds with; skips without one."""
-    from nanoqwen_kernels import emu
+    """The C++ compiler the kernel emulator (nanoqwen_kernels.testing.emu) builds with; skips without one."""
+    from nanoqwen_kernels.testing import emu
 
     try:
         return emu.compiler()

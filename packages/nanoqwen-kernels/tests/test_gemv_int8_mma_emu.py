@@ -1,6 +1,6 @@
 """The g128 GEMVs on the int8 tensor cores (the opt-in build `gemv.register_int8_mma()`) on the CPU
-emulator (nanoqwen_kernels.emu): the checks of int8_mma_testkit.py (what must hold, and why, is written
-there), and the rounding's documented bound (reference.int8_planes_input).
+emulator (nanoqwen_kernels.testing.emu): the checks of int8_mma_testkit.py (what must hold, and why, is
+written there), and the rounding's documented bound (reference.int8_planes_input).
 
 Shapes reach the loop's branches (an odd tile count, odd and even columns per block, K split and not,
 M = 1, 5, 8), for symmetric and asymmetric weights with bf16 and fp16
@@ -17,8 +17,8 @@ import pytest
 import torch
 from attention_merge_testkit import check_merge_prologue_equals_combine
 from int4_testkit import kc_plan
-from nanoqwen_kernels import emu, layer_ops
 from nanoqwen_kernels import reference as R
+from nanoqwen_kernels.testing import emu, layer_ops
 
 pytestmark = pytest.mark.usefixtures("emu_compiler")
 CPU = torch.device("cpu")

@@ -389,3 +389,17 @@ def test_pipeline_stream_closed_early_frees_the_engine(tmp_path):
     fresh_pipe = load_pipeline(path, cpu_config(max_model_len=None, num_blocks=64))
     fresh = fresh_pipe.generate(["class A:"], params)[0]
     assert again.token_ids == fresh.token_ids
+
+
+def test_the_engine_never_imports_the_kernel_emulator():
+    """The kernel emulator (nanoqwen_kernels.testing) is test support only: a fresh interpreter that
+    imports the engine, its kernel backend and the generate pipeline has not loaded it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from nanoqwen_runtime.engine import Engine, ops_kernels\n"
+            "import nanoqwen_runtime.engine.backend, nanoqwen_runtime.generate\n"
+            "print(sorted(m for m in sys.modules if m.startswith('nanoqwen_kernels.testing')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -1,5 +1,5 @@
-"""CPU: the engine's kernel backend computing for real on the kernel emulator (nanoqwen_kernels.emu: the
-kernels' own CUDA source compiled for the host), against the fp32 reference: the GEMVs with their fused
+"""CPU: the engine's kernel backend computing for real on the kernel emulator (nanoqwen_kernels.testing.emu:
+the kernels' own CUDA source compiled for the host), against the fp32 reference: the GEMVs with their fused
 prologues and epilogues, and `EngineConfig.gemv_build` "int8-wide" (the wide decode GEMVs on the int8
 tensor cores, x rounded to 16-bit block floating point: within the same bound). The model step's plumbing of
 the fused paths (the residual and statistics handed between launches) with the kernels' real outputs.
@@ -101,8 +101,8 @@ def _emu_engine(path, monkeypatch, kernel_attention: bool = False, gemv_build: s
 def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch,
                                                              kernel_attention, gemv_build):
     from nanoqwen_kernels import attention as kattn
-    from nanoqwen_kernels import emu
     from nanoqwen_kernels import sampling as ksamp
+    from nanoqwen_kernels.testing import emu
     from nanoqwen_runtime.engine import ops_kernels
 
     try:
@@ -161,9 +161,9 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
     be bitwise equal; each decode step's layers must have deferred the merge ("attention_merge_o_proj")
     and launched the `_merge_hd64_resid` GEMV instead of the combine kernel, one launch fewer per layer."""
     from nanoqwen_kernels import attention as kattn
-    from nanoqwen_kernels import emu
     from nanoqwen_kernels import gemv as kgemv
     from nanoqwen_kernels import sampling as ksamp
+    from nanoqwen_kernels.testing import emu
     from nanoqwen_runtime.engine import ops_kernels
 
     try:
@@ -215,8 +215,8 @@ def test_gemv_family_by_rows(tiny_path, monkeypatch, gemv_build):
     """Which kernel family runs a decode GEMV step of 1..8 rows: the bf16 build, or with "int8-wide" the
     int8 build at 1..INT8_WIDE_MAX_ROWS rows on a weight of at least INT8_WIDE_MIN_N outputs without the
     SiLU input, and bf16 for the rest."""
-    from nanoqwen_kernels import emu
     from nanoqwen_kernels import gemv as kgemv
+    from nanoqwen_kernels.testing import emu
 
     try:
         emu.compiler()

@@ -166,7 +166,7 @@ class PagedAttentionPlan:
             raise ValueError(f"max_query_len {max_query_len} > max_context_len {max_context_len}")
         dev = torch.device(device)
         self.device_index = require_sm90(dev)
-        # "cuda" -> "cuda:N": tensors compare equal (a CPU device only on the kernel emulator, emu.py)
+        # "cuda" -> "cuda:N": tensors compare equal (a CPU device only on the kernel emulator, testing/emu.py)
         self.device = torch.device("cuda", self.device_index) if dev.type == "cuda" else dev
         self.geometry = geometry
         self.mode = mode
@@ -175,7 +175,7 @@ class PagedAttentionPlan:
         self.kernel = _KERNELS[(mode, geometry.head_dim)]
         self.num_row_tiles = -(-max_query_len * geometry.group // self.kernel.rows)
         base = max_batch * geometry.n_kv_heads * self.num_row_tiles
-        num_sms = _gemv._sm_count(self.device_index)  # the one SM count every plan reads (emu.py)
+        num_sms = _gemv._sm_count(self.device_index)  # the one SM count every plan reads (testing/emu.py)
         self.unsplit_max_tiles = UNSPLIT_MAX_TILES if unsplit_max_tiles is None else unsplit_max_tiles
         self.fuse_max_splits = FUSE_MAX_SPLITS if fuse_max_splits is None else fuse_max_splits
         if self.unsplit_max_tiles < 0:

@@ -19,8 +19,8 @@ typedef u32 bf16x2_t;
 #define NQ_NEG_INF __int_as_float(0xff800000)
 
 // A kernel's dynamic shared memory (`extern __shared__`), as `unsigned char name[]` aligned to `align`.
-// NQ_HOST_EMU: the kernels compiled for the CPU (emu/simt.h, nanoqwen_kernels.emu), where each PTX
-// wrapper below takes its host branch.
+// NQ_HOST_EMU: the kernels compiled for the CPU (emu/simt.h, nanoqwen_kernels.testing.emu), where each
+// PTX wrapper below takes its host branch.
 #ifdef NQ_HOST_EMU
 #define NQ_DYNAMIC_SMEM(name, align) unsigned char* name = ::nq_emu::dynamic_smem()
 #else

@@ -1,8 +1,8 @@
 // emu/runtime.cpp: the CPU launch of a kernel compiled with emu/simt.h (see its header for the model):
 // one OS thread per CTA, all CTAs at once; the CTA's threads are ucontext fibers switched at the
 // scheduling points; mbarriers, bulk copies and cp.async with late completion; named barriers; ldmatrix;
-// a watchdog for launches that stop making progress. Entry: `nq_emu_launch` (C ABI, called by nanoqwen_kernels/emu.py through
-// ctypes with cuLaunchKernel-style argument pointers).
+// a watchdog for launches that stop making progress. Entry: `nq_emu_launch` (C ABI, called by
+// nanoqwen_kernels/testing/emu.py through ctypes with cuLaunchKernel-style argument pointers).
 #include "emu/simt.h"
 
 #include <sched.h>

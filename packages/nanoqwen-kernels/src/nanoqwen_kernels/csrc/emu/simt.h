@@ -1,6 +1,6 @@
 // emu/simt.h: the kernels' CUDA source compiled for the CPU, to test what they compute where there is
-// no GPU (nanoqwen_kernels.emu). Included before every kernel header (g++ -include) with NQ_HOST_EMU
-// defined; the kernel headers then take the `#ifdef NQ_HOST_EMU` branch of each PTX wrapper, which
+// no GPU (nanoqwen_kernels.testing.emu). Included before every kernel header (g++ -include) with
+// NQ_HOST_EMU defined; the kernel headers then take the `#ifdef NQ_HOST_EMU` branch of each PTX wrapper, which
 // calls the functions declared here.
 //
 // The model. Every CTA of a launch runs on its own OS thread, all of them at once (so a persistent

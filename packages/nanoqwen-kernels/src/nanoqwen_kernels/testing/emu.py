@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .build import CSRC_DIR, KernelSpec
+from ..build import CSRC_DIR, KernelSpec
 
 EMU_DIR = CSRC_DIR / "emu"
 CACHE_DIR = Path(os.environ.get("NANOQWEN_CACHE", Path.home() / ".cache" / "nanoqwen")) / "emu"
@@ -136,7 +136,7 @@ def _dims(d) -> tuple[int, int, int]:
 def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0) -> None:
     """`launch.launch` on the emulator (same arguments; `device_index` is ignored: launches run one after
     the other). Raises EmulatorError with the emulator's reason when the launch fails."""
-    from .specs import SPECS
+    from ..specs import SPECS
 
     if family not in SPECS:
         raise KeyError(f"no kernel family {family!r}; known: {sorted(SPECS)}")
@@ -167,7 +167,7 @@ def emulated(sms: int = 4, seed: int = 0, timeout_s: float = 300.0):
     """Run the launchers of gemv, layer_ops, attention and sampling on the emulator inside the block (see
     the module header); `sms`: the SM count they plan for (the GEMV's split-K, the attention plans'
     split count); `seed`: varies the threads' interleavings."""
-    from . import attention, gemv, layer_ops, sampling
+    from .. import attention, gemv, layer_ops, sampling
 
     launchers = (gemv, layer_ops, attention, sampling)
     patches = [(m, "launch", launch) for m in launchers if hasattr(m, "launch")]
