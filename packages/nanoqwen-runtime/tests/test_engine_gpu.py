@@ -302,7 +302,7 @@ def test_overlap_gives_the_synchronous_tokens(container, mode):
 
 
 # Not on the 0.5B geometry: it ties its embeddings, and its random-weight model repeats the prompt's last
-# token (H200, session 23), so no sampled token after the first is new and none can end a request at a
+# token, so no sampled token after the first is new and none can end a request at a
 # decode step.
 @pytest.mark.parametrize("container", ["7b-width-2layers"], indirect=True)
 def test_overlap_with_eos_matches_the_reference(container):
@@ -315,7 +315,7 @@ def test_overlap_with_eos_matches_the_reference(container):
     Each EOS id is a reference token inside its prompt's tie-free prefix (`tie_free_prefix`: the tokens
     that any engine within the bound must choose exactly), so the request must end there with reason
     "eos". On these random-weight models most prompts meet a near-tie at their first or second token
-    (H200, 2026-12-05: 7 tie-free tokens over 8 prompts of the 7B-width model), hence four prompts of
+    (measured: 7 tie-free tokens over 8 prompts of the 7B-width model), hence four prompts of
     each length, and only those with a token in their tie-free prefix that is new after the first get an
     EOS; the rest run to max_tokens."""
     _, path = container

@@ -43,12 +43,12 @@ from .launch import check, f32, i32, launch, ptr, require_sm90
 FAMILY = "attention"
 TILE = 64  # KV tokens per pipeline stage (csrc/attention.cuh TILE)
 THREADS = 160  # one producer warp + four consumer warps
-CTAS_PER_SM = 2  # shared memory and registers allow two CTAs per SM (see NOTES.md)
+CTAS_PER_SM = 2  # shared memory and registers allow two CTAs per SM
 MAX_SPLITS = 256  # csrc/attention.cuh MAX_SPLITS (the combine's shared weights)
 COMBINE_THREADS = 512  # csrc/attention.cuh COMBINE_THREADS
 CTA_OVERHEAD_TILES = 1  # prologue + epilogue + combine share of one CTA, in tile-times (a guess)
 FUSE_CAP = 16  # csrc/attention.cuh FUSE_CAP: the most splits the in-kernel merge can take
-# Measured on the H200 (kernels NOTES.md, session 14): a context of at most UNSPLIT_MAX_TILES tiles runs
+# Measured on the H200: a context of at most UNSPLIT_MAX_TILES tiles runs
 # unsplit (2 tiles: 7.1 us against 7.7-8.2 split in two + combine, batch 1); FUSE_MAX_SPLITS: the most
 # splits merged inside the attention launch by the last split to finish, more go to the combine kernel.
 # 1 = never: the in-kernel merge measured slower than the combine kernel at every split count tried

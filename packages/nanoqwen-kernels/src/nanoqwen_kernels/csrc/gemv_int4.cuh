@@ -27,13 +27,14 @@
 //
 // Why it is fast: the weights are the only large stream (0.5 B/weight); each is read once with a
 // 16-byte L1-bypassing load, two tile-columns (4 loads) in flight per warp. The ALU work is the limit
-// at HBM speed (bench/kernels/CEILINGS.md: this loop on weights already in shared memory consumes them
-// at only ~1.03x (sym) / 1.14x (asym) the read bandwidth), so the loop is kept lean: per 2 weights one
-// shift, one lop3 and one bf16x2 add (`dq`), per 128 weights one mma, no masked loads, one PRMT per
-// zero point; 150 / 160 SASS instructions per tile-column (1 KiB of weights) at g128 sym / asym.
-// Built with -DNQ_GEMV_INT8_MMA=1 (opt-in, below: stage_x_planes, mma_col_int8), the g128 loop runs on the
-// int8 tensor cores, x rounded to 16-bit block floating point: 67.5-110 instructions per tile-column, not
-// the same bits (NOTES.md, session 26).
+// at HBM speed (this loop on weights already in shared memory consumes them at only ~1.03x (sym) /
+// 1.14x (asym) the read bandwidth), so the loop is kept lean: per 2 weights one shift, one lop3 and one
+// bf16x2 add (`dq`), per 128 weights one mma, no masked loads, one PRMT per zero point; 128-161 SASS
+// instructions per tile-column (1 KiB of weights) over the g128 kernels (tests/test_gemv_sass_cpu.py
+// holds them to a bound derived from this list).
+// Built with -DNQ_GEMV_INT8_MMA=1 (the family gemv.INT8_MMA_FAMILY; below: stage_x_planes,
+// mma_col_int8), the g128 loop runs on the int8 tensor cores, x rounded to 16-bit block floating point:
+// 81-111 instructions per tile-column, not the same bits.
 // Split-K: when N alone gives too few blocks for 132 SMs, gridDim.y = S blocks share each block's
 // rows, each over kc tile-columns; they write fp32 partials to a workspace [S, M, N] and the last
 // block to finish (an atomic counter per block row, reset to 0 by that block: graph-replay safe)
@@ -662,7 +663,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   // Register pipeline: two stages of one tile-column, ping-pong: the loads of the next column are in
   // flight while the current one is dequantised and multiplied.
   // The first stage's weight loads go out before x is staged: their latency overlaps the staging.
-  // (Issuing the second stage here too measured 5-15% slower on the H200: NOTES.md, v3.)
+  // (Issuing the second stage here too measured 5-15% slower on the H200.)
   const bool work = has0 && tc_begin < tc_end;  // warp-uniform (a split past K has no columns)
   TileColumn<G> A, B;
   if (work) load(A, tc_begin);
@@ -692,8 +693,8 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   } else if (work) {
     // EXACT: an exact trip count, pairs of columns then the odd one, so that both columns' math is one
     // basic block (ptxas interleaves it): 131 (sym) / 151 (asym) instructions per tile-column at g128
-    // (nvcc 13.0). On the H200 (CEILINGS.md, session 7) the g128 asym kernel took 0.996 / 0.983 / 0.925
-    // of the loop above's time on qkv / o / gate_up at M = 1. In most other kernels ptxas spills a few
+    // (nvcc 13.0). On the H200 the g128 asym kernel took 0.996 / 0.983 / 0.925 of the loop above's time
+    // on qkv / o / gate_up at M = 1. In most other kernels ptxas spills a few
     // bytes with it, reloaded at every iteration, which the hot-kernel rule (test_build.py) forbids:
     // gemv.cu turns it on per kernel, and -DNQ_GEMV_EXACT_LOOP everywhere (bench/kernels/gemv_ab.py).
     int tc = tc_begin;  // the next column to compute; stage A holds it

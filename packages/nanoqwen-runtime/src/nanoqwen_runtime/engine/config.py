@@ -72,9 +72,8 @@ class EngineConfig:
     # before reading step n's tokens back (its rows take their ids from step n's output on the device),
     # so the host's work between steps (commit, events, planning, inputs) runs while the device
     # computes. The same tokens as without; a sequence ended by a sampled token (EOS, stop string)
-    # computes one row more, which is dropped. On by default since it was measured on the GPU (H200,
-    # 2026-12-05, bench/engine/NOTES.md, session 23: engine / graph replay 0.81 -> 1.0 at batch 1, 0.75 ->
-    # 0.97 at batch 64); `nanoqwen-cli bench` keeps the A/B (`overlap_ab`).
+    # computes one row more, which is dropped. On: it takes the engine's wall time per step from 0.81 to
+    # 1.0 of the graph replay's at batch 1, 0.75 to 0.97 at batch 64 (`nanoqwen-cli bench`'s overlap_ab).
     overlap: bool = True
     seed: int = 0
     graph_buckets: tuple[int, ...] = GRAPH_BUCKETS

@@ -19,7 +19,7 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
 - MLP down projection: at M <= 8 the GEMV reads gate_up [M, 2I] and applies SiLU*mul while staging
   it (`silu_mul_input=True`), so the MLP is two launches; above 8 rows `silu_mul` runs first, then the
   plain linear (the SiLU-input GEMM recomputes the activation in every row block: 2x slower at
-  M = 32 / 64, bench/engine/NOTES.md session 11).
+  M = 32 / 64).
 - attention input: at M <= 8 the qkv GEMV applies RoPE and writes q and the paged K/V itself
   (`gemv_int4_qkv_rope`, path counter "qkv_rope_fused"); above, `linear` then `qkv_rope_kv_write`.
 - the residual stream (residual.py): at M <= 8 the o_proj and down GEMVs add their output into the residual
@@ -58,16 +58,14 @@ from .config import EngineConfig
 from .residual import NormedInput, ResidualUpdate
 from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 
-# Steps of more than 8 rows: the INT4 GEMM up to INT4_GEMM_MAX_ROWS rows, then PREFILL_PATH. Set from
-# the crossover measured by bench/kernels/bench_gemm.py (bench/kernels/results/bench_gemm.md, H200,
-# 2026-12-01; sum of the four 7B linears of a layer): M = 64 int4_gemm 280 us vs dequant_gemm 334 us;
-# M = 128 int4_gemm 540 us vs dequant_gemm 339 us.
+# Steps of more than 8 rows: the INT4 GEMM up to INT4_GEMM_MAX_ROWS rows, then PREFILL_PATH: the
+# crossover bench/kernels/bench_gemm.py measured on the four 7B linears of a layer (at M = 64 the INT4
+# GEMM takes 0.84x the time of dequantize + cuBLAS, at M = 128 1.6x).
 INT4_GEMM_MAX_ROWS = 64
 PREFILL_PATH = "dequant_gemm"  # above INT4_GEMM_MAX_ROWS: "dequant_gemm" or "int4_gemm"
 # EngineConfig.gemv_build "int8-wide": the int8 loop on the GEMVs of at least INT8_WIDE_MIN_N outputs
-# without the SiLU input, at steps of at most INT8_WIDE_MAX_ROWS rows (config.py has the measurements:
-# the 7B's gate_up, 37,888, and lm_head, 152,064, gained; qkv, 4,608, o and down, 3,584, lost; the 0.5B's
-# and 1.5B's gate_up, 9,728 / 17,920, are wide too)
+# without the SiLU input, at steps of at most INT8_WIDE_MAX_ROWS rows: the shapes and row counts where it
+# measured faster than the bf16 loop (the 7B's gate_up and lm_head; not qkv, o or down)
 INT8_WIDE_MIN_N = 8192
 INT8_WIDE_MAX_ROWS = 4
 FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")
@@ -349,7 +347,7 @@ class KernelOps:
         the SiLU is not fused."""
         # Fused into the GEMV only (M <= 8), with the residual epilogue. Above 8 rows the SiLU-input
         # GEMM recomputes silu(gate) * up in every row block (28x for the 7B's down) and took twice the
-        # plain kernel's time at M = 32 / 64 (bench/engine/NOTES.md, session 11): one silu_mul pass,
+        # plain kernel's time at M = 32 / 64: one silu_mul pass,
         # then the plain linear (INT4 GEMM or dequantize + cuBLAS).
         if self.fuses_silu_down(down, gate_up.shape[0]):
             w, family = self._int4_gemv(down, gate_up.shape[0], silu_input=True)
