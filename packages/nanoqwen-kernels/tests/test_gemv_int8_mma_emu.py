@@ -17,8 +17,9 @@ import pytest
 import torch
 from attention_merge_testkit import check_merge_prologue_equals_combine
 from int4_testkit import kc_plan
+from nanoqwen_kernels import layer_ops
 from nanoqwen_kernels import reference as R
-from nanoqwen_kernels.testing import emu, layer_ops
+from nanoqwen_kernels.testing import emu
 
 pytestmark = pytest.mark.usefixtures("emu_compiler")
 CPU = torch.device("cpu")
