@@ -45,26 +45,17 @@ VARIANTS = {
     "gemv_exact_mb2": ("-DNQ_GEMV_EXACT_LOOP", "-DNQ_GEMV_MIN_BLOCKS=2"),
     # the g128 SiLU kernels at 3 blocks per SM (spills 4-8 bytes; pair with --target-blocks 3)
     "gemv_silu_mb3": ("-DNQ_GEMV_MIN_BLOCKS_G128_SILU=3",),
-    # the g128 kernels on the int8 tensor cores at 3 blocks per SM (session 26; gemv.register_int8_mma):
-    # checked against the product with x as those kernels round it (reference.int8_planes_input)
-    "gemv_i8mma": ("-DNQ_GEMV_INT8_MMA=1", "-DNQ_GEMV_MIN_BLOCKS_G128=3"),
-    # the same with the exact loop in every kernel (80-89 SASS instructions per tile-column; the sym
-    # ones 99-103.5 without it; spills 4 bytes in four norm-prologue kernels)
-    "gemv_i8mma_exact": ("-DNQ_GEMV_INT8_MMA=1", "-DNQ_GEMV_MIN_BLOCKS_G128=3", "-DNQ_GEMV_EXACT_LOOP"),
 }
 
 
-def check_output(out, x, w, silu: bool = False, int8_planes: bool = False) -> None:
+def check_output(out, x, w, silu: bool = False) -> None:
     """out (bf16 [M, N]) against the kernel tests' oracle: the fp32 product with the dequantized weight
-    (nanoqwen_kernels.reference), within the bf16 tolerance of reference.TOLERANCES; int8_planes: with
-    x rounded as the int8 tensor-core build rounds it."""
+    (nanoqwen_kernels.reference), within the bf16 tolerance of reference.TOLERANCES."""
     import torch
     from nanoqwen_kernels import reference as R
 
     dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
     xin = R.silu_mul(x).to(torch.bfloat16) if silu else x
-    if int8_planes:
-        xin = R.int8_planes_input(xin)
     R.assert_close(out, R.linear(xin, dense, None), what="gemv_ab output")
 
 
@@ -90,8 +81,6 @@ def time_gemv(label: str, variant: str | None, target_blocks: int | None = None,
     if variant:
         SPECS[variant] = build.KernelSpec(variant, ("gemv.cu",), VARIANTS[variant])
         family = variant
-    # (a tree from before the int8 build, 2026-12-05, has no gemv.int8_mma: nothing rounds x there)
-    int8_planes = getattr(gemv, "int8_mma", lambda _family: False)(family)
     dev = torch.device("cuda")
     read_bps = read_bandwidth(dev)["bytes_per_s"]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -111,7 +100,7 @@ def time_gemv(label: str, variant: str | None, target_blocks: int | None = None,
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                 gemv.gemv_int4(x, w0, out, workspace=ws, plan=plan, silu_mul_input=silu, family=family)
                 torch.cuda.synchronize()
-                check_output(out, x, w0, silu, int8_planes)
+                check_output(out, x, w0, silu)
 
                 def fn(i, x=x, out=out, weights=weights, plan=plan, silu=silu, copies=copies):
                     gemv.gemv_int4(x, weights[i % copies], out, workspace=ws, plan=plan, silu_mul_input=silu,

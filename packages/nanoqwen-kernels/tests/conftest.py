@@ -37,18 +37,6 @@ def emu_compiler():
         pytest.skip(str(e))
 
 
-@pytest.fixture(scope="module")
-def int8_family():
-    """The int8 GEMV build, registered for the requesting module only (the registry is global:
-    test_build.py iterates it); yields the family's name."""
-    from nanoqwen_kernels import gemv
-    from nanoqwen_kernels.specs import SPECS
-
-    name = gemv.register_int8_mma()
-    yield name
-    del SPECS[name]
-
-
 @pytest.fixture
 def gen(request, device):
     """A CUDA generator seeded from the test's name: fresh random data per test, reproducible."""

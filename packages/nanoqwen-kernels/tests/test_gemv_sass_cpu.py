@@ -2,7 +2,7 @@
 builds for sm_90a, disassembled by nvdisasm and counted by bench/kernels/ceilings/ceilings_report.py's
 `hot_loop_counts` (the loop body that holds the most mma instructions: two tile-columns per trip). The
 loop's issue rate is what limits these kernels at HBM speed, so a change that
-makes ptxas issue more per tile-column fails here, before any device time is spent. The builds' hot
+makes ptxas issue more per tile-column fails here, before any device time is spent. The build's hot
 kernels must not spill either. Needs nvcc and nvdisasm (the `nvidia-cuda-nvdisasm` wheel, a test
 dependency in noxfile.py); skips with the reason where either is missing.
 
@@ -21,15 +21,6 @@ row bases and the tile-column alone, which ptxas may rematerialise from the thre
 a 64-bit multiply-add by the row stride and its carry, the offset of the column), and LOOP_ALLOWANCE = 9
 on the loop itself (the column counter, the guards of the next stage's loads, their compares and
 branches, over two columns per trip).
-
-The opt-in int8 build (`gemv.int8_mma_spec()`; the loop body that holds the most IMMA), per tile-column:
-- the dequantisation: per 32-bit word 1 SHF + 2 LOP3, 8 words: 24;
-- 8 IMMA (4 words x the lo and hi planes);
-- 4 LDS.128 of x's planes, 1 LDS.128 of the plane table, 2 LDG.128 of weights, the scale and zero loads
-  as above: 9 / 11;
-- the two scales widened: 2;
-- per output of the fragment: 256 hi + lo, + z (-sum X), float(), x p, fma with the scale: 5 x 4 = 20;
-which is 54 + 9 / 11 = 63 / 65, with the same addressing and loop allowances.
 """
 
 from __future__ import annotations
@@ -49,7 +40,6 @@ LOOP_ALLOWANCE = 9
 MMA_PER_TRIP = 16  # two tile-columns per trip, 8 mma each
 # (floor, global loads) per tile-column, symmetric / asymmetric (module docstring)
 BF16 = {False: (88 + 8 + 8 + 2 + 4, 4), True: (88 + 8 + 10 + 2 + 2 + 4, 6)}
-INT8 = {False: (24 + 8 + 9 + 2 + 20, 4), True: (24 + 8 + 11 + 2 + 20, 6)}
 
 pytestmark = [
     pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed on this machine"),
@@ -103,12 +93,6 @@ def g128_loops(tmp_path_factory) -> dict[str, tuple[float, int]]:
     return _loops(SPECS[gemv.FAMILY], tmp_path_factory.mktemp("gemv_sass"), "HMMA")
 
 
-@pytest.fixture(scope="module")
-def int8_loops(tmp_path_factory) -> dict[str, tuple[float, int]]:
-    # not registered: the registry is global (test_build.py iterates it)
-    return _loops(gemv.int8_mma_spec(), tmp_path_factory.mktemp("gemv_i8_sass"), "IMMA")
-
-
 def test_every_g128_gemv_loop_is_within_the_derived_bound(g128_loops):
     _check(g128_loops, BF16)
 
@@ -120,7 +104,3 @@ def test_the_engines_decode_kernels_are_counted(g128_loops):
                  "gemv_int4_g128_asym_silu_resid"):
         floor, most = _bound(BF16, name)
         assert floor <= g128_loops[name][0] <= most, (name, g128_loops[name])
-
-
-def test_every_int8_gemv_loop_is_within_the_derived_bound(int8_loops):
-    _check(int8_loops, INT8)

@@ -1,7 +1,6 @@
 """CPU: the engine's kernel backend computing for real on the kernel emulator (nanoqwen_kernels.testing.emu:
 the kernels' own CUDA source compiled for the host), against the fp32 reference: the GEMVs with their fused
-prologues and epilogues, and `EngineConfig.gemv_build` "int8-wide" (the wide decode GEMVs on the int8
-tensor cores, x rounded to 16-bit block floating point: within the same bound). The model step's plumbing of
+prologues and epilogues. The model step's plumbing of
 the fused paths (the residual and statistics handed between launches) with the kernels' real outputs.
 
 What is emulated: every gemv and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
@@ -53,7 +52,7 @@ def _config(**kw):
     return cpu_config(prefill_chunk=256, max_batch=2, graph_buckets=(1, 2), **kw)
 
 
-def _emu_engine(path, monkeypatch, kernel_attention: bool = False, gemv_build: str = "bf16") -> Engine:
+def _emu_engine(path, monkeypatch, kernel_attention: bool = False) -> Engine:
     """The CUDA engine's kernel backend on CPU tensors, its launches on the emulator (the caller holds
     `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`."""
     from nanoqwen_kernels import attention as kattn
@@ -88,30 +87,23 @@ def _emu_engine(path, monkeypatch, kernel_attention: bool = False, gemv_build: s
                         lambda config, geom: ops_class(geom, config, torch.device("cpu")))
     cfg = _config()
     cfg.backend = "kernels"  # after validation (it wants CUDA)
-    cfg.gemv_build = gemv_build
     from nanoqwen_runtime.engine.loader import load
 
     model = load(path, "cpu")
     return Engine(model.geometry, model.weights, cfg)
 
 
-@pytest.mark.parametrize("kernel_attention, gemv_build",
-                         [(False, "bf16"), (True, "bf16"), (True, "int8-wide")],
-                         ids=["bf16", "bf16-attention-sampling", "gemv-int8-wide-attention-sampling"])
+@pytest.mark.parametrize("kernel_attention", [False, True], ids=["gemv", "gemv-attention-sampling"])
 def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch,
-                                                             kernel_attention, gemv_build):
+                                                             kernel_attention):
     from nanoqwen_kernels import attention as kattn
     from nanoqwen_kernels import sampling as ksamp
     from nanoqwen_kernels.testing import emu
-    from nanoqwen_runtime.engine import ops_kernels
 
     try:
         emu.compiler()
     except emu.EmulatorError as e:
         pytest.skip(str(e))
-    # "int8-wide" at the tiny model's widths: gate_up (2 x 384 = 768 outputs) is the wide GEMV; qkv (512),
-    # o and down (256) are not, and its lm_head is bf16 (cuBLAS / torch)
-    monkeypatch.setattr(ops_kernels, "INT8_WIDE_MIN_N", 2 * TINY.intermediate_size)
     prompts, ref, bound = oracle
     launched: list[str] = []
     with emu.emulated(sms=4, seed=5, timeout_s=60.0):
@@ -120,25 +112,22 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
             emu.launch(family, kernel, *args, **kw)
 
         kattn.launch = ksamp.launch = counted  # emulated() puts the real launchers back on exit
-        engine = _emu_engine(tiny_path, monkeypatch, kernel_attention, gemv_build=gemv_build)
+        engine = _emu_engine(tiny_path, monkeypatch, kernel_attention)
         run = teacher_forced(engine, prompts, ref.tokens, batch=2)
     decided = 0
     for p in range(len(prompts)):
         diff = (run.logits[p] - ref.logits[p]).abs().amax(dim=-1)
-        assert bool((diff <= bound[p]).all()), (gemv_build, p, diff.tolist(), bound[p].tolist())
+        assert bool((diff <= bound[p]).all()), (p, diff.tolist(), bound[p].tolist())
         clear = ref.gap(p) >= 2 * bound[p]
         for j in range(STEPS):
             if clear[j]:
-                assert run.chosen[p][j] == ref.tokens[p][j], f"{gemv_build} prompt {p} position {j}"
+                assert run.chosen[p][j] == ref.tokens[p][j], f"prompt {p} position {j}"
                 decided += 1
     assert decided >= STEPS // 2
     paths = engine.ops.paths
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
-    # gemv_build "int8-wide" (two-row steps here): gate_up on the int8 cores, one per layer and step
-    int8_gemvs = layers * decode_steps if gemv_build == "int8-wide" else 0
-    assert paths.get("gemv_int8_mma", 0) == int8_gemvs, paths
-    assert paths["residual_epilogue"] > 0
+    assert paths["gemv_int4"] >= 4 * layers * decode_steps and paths["residual_epilogue"] > 0
     assert paths["dequant_gemm"] > 0 and "int4_gemm" not in paths  # the prefill took the emulated path
     if kernel_attention:  # every layer's attention and every step's sampling ran on the emulator
         assert launched.count("paged_attention_decode_hd64") >= layers * decode_steps, launched
@@ -208,30 +197,3 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
     assert ops.fuses_attention_merge(plan, o_proj, 2)
     stand_in = types.SimpleNamespace(mode="prefill", can_defer_merge=True)
     assert not ops.fuses_attention_merge(stand_in, o_proj, 2)
-
-
-@pytest.mark.parametrize("gemv_build", ["bf16", "int8-wide"])
-def test_gemv_family_by_rows(tiny_path, monkeypatch, gemv_build):
-    """Which kernel family runs a decode GEMV step of 1..8 rows: the bf16 build, or with "int8-wide" the
-    int8 build at 1..INT8_WIDE_MAX_ROWS rows on a weight of at least INT8_WIDE_MIN_N outputs without the
-    SiLU input, and bf16 for the rest."""
-    from nanoqwen_kernels import gemv as kgemv
-    from nanoqwen_kernels.testing import emu
-
-    try:
-        emu.compiler()
-    except emu.EmulatorError as e:
-        pytest.skip(str(e))
-    with emu.emulated(sms=4, seed=5, timeout_s=60.0):  # the engine's start launches kernels
-        ops = _emu_engine(tiny_path, monkeypatch, gemv_build=gemv_build).ops
-    from nanoqwen_runtime.engine.ops_kernels import INT8_WIDE_MAX_ROWS, INT8_WIDE_MIN_N
-
-    int8, bf16 = kgemv.register_int8_mma(), kgemv.FAMILY
-    rows = range(1, kgemv.MAX_M + 1)
-    # the 7B's shapes: gate_up 37,888 and lm_head 152,064 outputs, qkv 4,608, o 3,584, down (SiLU input)
-    wide = ([int8] * INT8_WIDE_MAX_ROWS + [bf16] * (8 - INT8_WIDE_MAX_ROWS) if gemv_build == "int8-wide"
-            else [bf16] * 8)
-    for n, silu in ((INT8_WIDE_MIN_N, False), (37888, False), (152064, False)):
-        assert [ops.gemv_family(m, n, silu) for m in rows] == wide, (n, silu)
-    for n, silu in ((INT8_WIDE_MIN_N - 1, False), (4608, False), (3584, False), (3584, True), (37888, True)):
-        assert [ops.gemv_family(m, n, silu) for m in rows] == [bf16] * 8, (n, silu)

@@ -169,19 +169,6 @@ def _forced_within_bound(container, batch: int, **option):
     return engine, engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_int8_wide_gemv_build_matches_reference(container, batch):
-    """EngineConfig.gemv_build "int8-wide": the wide decode GEMVs on the int8 tensor cores (x rounded to
-    16-bit block floating point per 128 columns, at most 2^-15 of the group's largest |x|: far below the
-    bound's bf16 noise); teacher-forced decode within the reference bound, and the graph of the batch's
-    bucket ran gate_up (9,728 / 37,888 outputs; the lm_head is bf16 here) on the int8 build at up to 4
-    rows, and the bucket of 8 on the bf16 one."""
-    engine, graph = _forced_within_bound(container, batch, gemv_build="int8-wide")
-    layers = engine.geom.num_hidden_layers
-    assert graph.get("gemv_int8_mma", 0) == (layers if batch <= 4 else 0), graph
-    assert engine.kv_blocks_used() == 0
-
-
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_attention_merge_in_o_proj_gives_the_same_logits(container, batch, monkeypatch):
     """The o_proj GEMV's merge of the split attention rows against the combine kernel (the engine with
@@ -362,23 +349,22 @@ def test_overlap_with_eos_matches_the_reference(container):
           f"EOS, {engine.num_rows_dropped} rows dropped")
 
 
-def test_int8_wide_with_an_int4_lm_head_matches_reference(tmp_path):
-    """An `--lm-head int4` container (7B width, 2 layers) with gemv_build "int8-wide": gate_up and the
-    INT4 lm_head (152,064 outputs) on the int8 loop at batches 1 and 3, the rest on bf16 (what
-    `nanoqwen-cli bench`'s lm_head_ab times as its fastest batch-1 step); teacher-forced decode within
-    the noise bound, and the batch-1 graph ran one int8 GEMV per layer plus the lm_head."""
+def test_int4_lm_head_matches_reference(tmp_path):
+    """An `--lm-head int4` container (7B width, 2 layers): the INT4 lm_head (152,064 outputs) as one more
+    decode GEMV at batches 1 and 3 (what `nanoqwen-cli bench`'s lm_head_ab times); teacher-forced decode
+    within the noise bound, and the batch-1 graph ran the lm_head as a GEMV, not cuBLAS."""
     path = write_container(tmp_path / "int4-head.nanoqwen", GEOMS["7b-width-2layers"], seed=9, lm_head="int4",
                            device="cuda")
     prompts = prompts_of((300, 41, 7), seed=4)
     ref, bound = oracle(path, prompts, steps=8)
-    engine = Engine.from_file(path, gpu_config(gemv_build="int8-wide"))
+    engine = Engine.from_file(path, gpu_config())
     for batch in (3, 1):
         run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
-        worst, decided = check_against_reference(f"int4-head-int8-wide/b{batch}", run, ref, bound)
+        worst, decided = check_against_reference(f"int4-head/b{batch}", run, ref, bound)
         assert decided >= len(prompts) * 8 // 4  # a quarter of the positions at the least, as below
     graph = engine.runner.graph_paths[(1, engine.runner.context_classes[0])]
     layers = engine.geom.num_hidden_layers
-    assert graph.get("gemv_int8_mma") == layers + 1 and graph.get("gemv_int4") == 4 * layers + 1, graph
+    assert graph.get("gemv_int4") == 4 * layers + 1, graph
     assert "cublas_bf16" not in graph and engine.kv_blocks_used() == 0
 
 

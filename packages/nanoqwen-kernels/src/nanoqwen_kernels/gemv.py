@@ -60,19 +60,6 @@ TARGET_BLOCKS_PER_SM = 4
 # Most tile-columns one block stages: M = 8 rows x 48 x 128 bf16 = 96 KB of shared memory, so two
 # blocks still fit an SM for any K (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns).
 KC_MAX = 48
-# The opt-in build of the g128 kernels on the int8 tensor cores (csrc/gemv_int4.cuh, stage_x_planes and
-# mma_col_int8): the nibbles multiply 16-bit block-floating-point planes of x in mma.m16n8k32 (u8 x u8/s8,
-# s32), 3 instructions of dequantisation per word instead of 11. Not the same bits as the bf16 loop: x is
-# rounded to 16 bits per 128-column group (by at most 2^-15 of the group's largest |x|;
-# reference.int8_planes_input).
-INT8_MMA_FAMILY = "gemv_i8mma"
-INT8_MMA_OPTION = "-DNQ_GEMV_INT8_MMA=1"
-# its plain-input g128 kernels at 3 blocks per SM (<= 85 registers): at 4 (64 registers) the asym ones
-# spilled 4-136 bytes (nvcc 13.0)
-INT8_MMA_BLOCKS_OPTION = "-DNQ_GEMV_MIN_BLOCKS_G128=3"
-# the int8 loop's plane table in shared memory, per tile-column of x: 8 rows m x (p bits, -sum(X)) as u32
-# (csrc/gemv_int4.cuh PLANE_TAB_WORDS = 16)
-PLANE_TAB_BYTES = 64
 SCALE_DTYPES = (torch.bfloat16, torch.float16)  # Int4Weight.scales: layouts int4-...-v1 / int4-...-f16s-v1
 
 
@@ -156,63 +143,14 @@ class GemvPlan:
     def shared_bytes(self, m: int) -> int:
         return m * (self.kc * 128 + XPAD) * 2
 
-    def plane_table_bytes(self, weight: Int4Weight, family: str) -> int:
-        """Shared memory after x that the int8 build (`int8_mma`) takes for a G = 128 weight: per
-        tile-column, 8 rows of the x planes' (p, sum) (csrc/gemv_int4.cuh stage_x_planes); 0 otherwise.
-        It overlays the merge prologue's scratch, which is used up before it is written."""
-        if weight.group_size != 128 or not int8_mma(family):
-            return 0
-        return self.kc * PLANE_TAB_BYTES
-
-    def launch_shared_bytes(self, m: int, weight: Int4Weight, family: str, merge_head_dim: int = 0) -> int:
+    def launch_shared_bytes(self, m: int, merge_head_dim: int = 0) -> int:
         """Dynamic shared memory of one launch at M = m: x, then the merge prologue's scratch
-        (`merge_head_dim` > 0) or the int8 build's plane table over it."""
+        (`merge_head_dim` > 0)."""
         merge = merge_shared_bytes(m, self.kc, merge_head_dim) if merge_head_dim else 0
-        return self.shared_bytes(m) + max(merge, self.plane_table_bytes(weight, family))
+        return self.shared_bytes(m) + merge
 
     def workspace_floats(self, m: int) -> int:
         return self.splits * m * self.n if self.splits > 1 else 0
-
-
-def _variant_spec(name: str, *options: str):
-    """csrc/gemv.cu built with more options, as a `build.KernelSpec` named `name`; its hot kernels are
-    the g128 ones (no spills, like the default build's)."""
-    from .build import KernelSpec
-    from .specs import SPECS
-
-    base = SPECS[FAMILY]
-    hot = tuple(k for k in base.hot_kernels if k.startswith("gemv_int4_g128_"))
-    return KernelSpec(name, base.sources, (*base.options, *options), hot)
-
-
-def _register(spec) -> str:
-    """Register an opt-in build (not in the registry by default: `launch.warm_up` would compile it at
-    every engine start) and return its family name."""
-    from .specs import SPECS
-
-    SPECS.setdefault(spec.name, spec)
-    return spec.name
-
-
-def _built_with(family: str, option: str) -> bool:
-    from .specs import SPECS
-
-    return option in SPECS[family].options
-
-
-def int8_mma_spec():
-    """The int8 tensor-core build of csrc/gemv.cu (INT8_MMA_OPTION), family INT8_MMA_FAMILY."""
-    return _variant_spec(INT8_MMA_FAMILY, INT8_MMA_OPTION, INT8_MMA_BLOCKS_OPTION)
-
-
-def register_int8_mma() -> str:
-    """Register `int8_mma_spec()` as its op family and return the family's name."""
-    return _register(int8_mma_spec())
-
-
-def int8_mma(family: str) -> bool:
-    """Whether `family` is a build of csrc/gemv.cu with the int8 tensor-core loop (INT8_MMA_OPTION)."""
-    return _built_with(family, INT8_MMA_OPTION)
 
 
 @functools.cache
@@ -452,7 +390,7 @@ def gemv_int4(
     if merge is not None:
         extra += _merge_args(merge, m, k, dev)
         merged = f"_merge_hd{merge.head_dim}"
-    shared = plan.launch_shared_bytes(m, weight, family, merge.head_dim if merge is not None else 0)
+    shared = plan.launch_shared_bytes(m, merge.head_dim if merge is not None else 0)
     name = (f"gemv_int4_{weight.kernel_suffix()}{'_silu' if silu_mul_input else ''}"
             f"{'_norm' if norm is not None else ''}{merged}{'_resid' if residual is not None else ''}")
     args = (
@@ -533,7 +471,7 @@ def gemv_int4_qkv_rope(
     )  # fmt: skip
     name = f"gemv_int4_{weight.kernel_suffix()}{'_norm' if norm is not None else ''}_rope"
     launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args,
-           plan.launch_shared_bytes(m, weight, family))
+           plan.launch_shared_bytes(m))
     return q_out
 
 

@@ -98,6 +98,6 @@ SPECS: dict[str, KernelSpec] = {
     ),
 }
 
-# The families defined here, before any opt-in build (gemv.register_int8_mma)
+# The families defined here, before any compile-option variant (a benchmark's) is registered
 # adds its spec to SPECS at run time: each .cu entry file belongs to exactly one of them.
 BASE_FAMILIES = tuple(SPECS)

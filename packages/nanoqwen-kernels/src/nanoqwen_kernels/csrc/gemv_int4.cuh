@@ -32,9 +32,6 @@
 // bf16x2 add (`dq`), per 128 weights one mma, no masked loads, one PRMT per zero point; 128-161 SASS
 // instructions per tile-column (1 KiB of weights) over the g128 kernels (tests/test_gemv_sass_cpu.py
 // holds them to a bound derived from this list).
-// Built with -DNQ_GEMV_INT8_MMA=1 (the family gemv.INT8_MMA_FAMILY; below: stage_x_planes,
-// mma_col_int8), the g128 loop runs on the int8 tensor cores, x rounded to 16-bit block floating point:
-// 81-111 instructions per tile-column, not the same bits.
 // Split-K: when N alone gives too few blocks for 132 SMs, gridDim.y = S blocks share each block's
 // rows, each over kc tile-columns; they write fp32 partials to a workspace [S, M, N] and the last
 // block to finish (an atomic counter per block row, reset to 0 by that block: graph-replay safe)
@@ -210,124 +207,6 @@ NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, 
 #pragma unroll
     for (int i = 0; i < 4; ++i) dst[i * 4] = w[i];  // + 8t bf16 = 4t words
   }
-}
-
-// ---- the int8 tensor-core loop (opt-in build -DNQ_GEMV_INT8_MMA=1, family gemv.INT8_MMA_FAMILY) ----------
-// The bf16 dequantisation (3 shifts, 4 lop3, 4 bf16x2 adds per 32-bit word: 88 of the loop's 113-160
-// instructions per tile-column) goes: the nibbles ARE unsigned 8-bit integers once masked, and x becomes
-// integers too, so mma.m16n8k32 on u8 weights and 8-bit x planes multiplies them exactly, in s32.
-// - Weights: lo(w) = w & 0x0f0f0f0f holds the nibbles 0, 2, 4, 6 of a word (columns 2t, 2t + 16, 2t + 1,
-//   2t + 17 of its 32, header), hi(w) = (w >> 4) & 0x0f0f0f0f the nibbles 1, 3, 5, 7 (2t + 8, 2t + 24,
-//   2t + 9, 2t + 25): {lo(w0), lo(w1), hi(w0), hi(w1)} is the A fragment of one m16n8k32, whose k order
-//   is a permutation of the word's 32 columns that depends on t only. 3 instructions per word.
-// - x: block floating point per 128-column group and row m: X = rint(x / p) with p = 2^(e_max - 141),
-//   e_max the biased exponent of the group's largest |x|, so |X| <= 32640 < 2^15, and every x within 2^7
-//   of that largest (exponent e_max - 7 or above) is exact; smaller ones are rounded by at most p / 2
-//   (<= 2^-15 of the group's largest). X = 256 hi + lo: two planes, lo as u8 and hi as s8, each in the B
-//   fragment order (stage_x_planes rewrites each lane's 16 staged bytes in place).
-// - Per group, the two s32 fragments combine exactly: v = 256 c_hi + c_lo - z * sum(X) (the zero point
-//   folded out through the group's sum of X), then acc += (float(v) * p) * scale (float(v) rounds once:
-//   |v| < 2^26).
-// The group's p and -sum(X) per row m sit after x in shared memory: tab[column][m] = {p bits, -sum}.
-NQ_DEVICE void mma_u8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bool b_signed) {
-#ifdef NQ_HOST_EMU
-  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
-  nq_emu::mma_m16n8k32_i8(c, a, b, false, b_signed);
-#else
-  if (b_signed)
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
-
-constexpr int PLANE_TAB_WORDS = 16;  // u32 per tile-column in the plane table: 8 rows m x {p bits, sum(X)}
-
-// Rewrite the staged x (M rows of ncols columns, stage_x's permutation) in place as the two 8-bit planes
-// of X (above), and write each (tile-column, row) group's p and -sum(X) to tab [ncols / 128][8][2]. A piece
-// is a lane's 16 bytes of one 32-column chunk (8 columns); a group is 16 pieces, one per half-warp, whose
-// shuffles reduce the group's largest magnitude and its sum. X by the float trick: fma(x, 1 / p, 1.5 2^23)
-// rounds x / p to the nearest integer (ties to even) and leaves it in the low 16 bits as two's complement:
-// byte 0 is lo, byte 1 is hi. A group holding an Inf or NaN gets p = NaN, so its outputs are NaN.
-NQ_DEVICE void stage_x_planes(bf16_t* xs, int xs_stride, int M, int ncols, u32* tab) {
-  const int groups = ncols >> 7, total = M * groups * 16;
-  for (int base = 0; base < total; base += blockDim.x) {  // whole warps: the shuffles need every lane
-    const int v = base + threadIdx.x;
-    const bool ok = v < total;  // half-warp uniform (total % 16 == 0)
-    const int vv = ok ? v : 0;
-    const int m = vv / (groups * 16), r = vv - m * groups * 16, gi = r >> 4, piece = r & 15;
-    u32* p = reinterpret_cast<u32*>(xs + m * xs_stride + gi * 128 + (piece >> 2) * 32 + (piece & 3) * 8);
-    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-    if (ok) raw = *reinterpret_cast<const uint4*>(p);
-    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
-    u32 mx = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) mx = max(mx, max(w[i] & 0x7fffu, (w[i] >> 16) & 0x7fffu));
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) mx = max(mx, (u32)__shfl_xor_sync(0xffffffffu, mx, o));
-    const u32 emax = max(mx >> 7, 15u);  // 15: p and 1 / p normal (below 2^-112, multiples of 2^-126)
-    const float inv_p = __uint_as_float((268u - emax) << 23);  // 2^(141 - emax)
-    const float magic = 12582912.f;                              // 1.5 2^23
-    u32 q[8];
-    int sum = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      q[2 * i] = __float_as_uint(fmaf(__uint_as_float(w[i] << 16), inv_p, magic));
-      q[2 * i + 1] = __float_as_uint(fmaf(__uint_as_float(w[i] & 0xffff0000u), inv_p, magic));
-      sum += (int)(q[2 * i] - 0x4B400000u) + (int)(q[2 * i + 1] - 0x4B400000u);
-    }
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (ok) {
-      // piece element i = 2j + e is column 2t + 8j + e; B register 0 takes the columns of lo(w)'s bytes
-      // (elements 0, 4, 1, 5), register 1 those of hi(w)'s (2, 6, 3, 7); bytes 0 (lo plane), 1 (hi plane)
-      uint4 o;
-      o.x = __byte_perm(__byte_perm(q[0], q[4], 0x0040), __byte_perm(q[1], q[5], 0x0040), 0x5410);
-      o.y = __byte_perm(__byte_perm(q[2], q[6], 0x0040), __byte_perm(q[3], q[7], 0x0040), 0x5410);
-      o.z = __byte_perm(__byte_perm(q[0], q[4], 0x0051), __byte_perm(q[1], q[5], 0x0051), 0x5410);
-      o.w = __byte_perm(__byte_perm(q[2], q[6], 0x0051), __byte_perm(q[3], q[7], 0x0051), 0x5410);
-      *reinterpret_cast<uint4*>(p) = o;
-      if (piece == 0) {
-        const u32 pb = mx >= 0x7f80u ? 0x7fc00000u : (emax - 14u) << 23;  // 2^(emax - 141), or NaN
-        tab[(gi * 8 + m) * 2] = pb;
-        tab[(gi * 8 + m) * 2 + 1] = (u32)-sum;
-      }
-    }
-  }
-}
-
-// One tile-column (G = 128) on the int8 tensor cores: the lane's words w0v (tile 0) and w1v (tile 1), the
-// x planes at xt (the lane's 16 bytes per 32-column chunk, stride 32 bf16), tabt: the lane's entries of
-// the column's plane table (rows m = 2t, 2t + 1), sc0 / sc1: the rows' fp32 scales, z0 / z1 their zero
-// points.
-NQ_DEVICE void mma_col_int8(float (&acc)[4], const uint4& w0v, const uint4& w1v, float sc0, float sc1, int z0,
-                            int z1, const bf16_t* xt, const u32* tabt) {
-  const u32 w0[4] = {w0v.x, w0v.y, w0v.z, w0v.w};
-  const u32 w1[4] = {w1v.x, w1v.y, w1v.z, w1v.w};
-  int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const uint4 b = *reinterpret_cast<const uint4*>(xt + 32 * w);
-    const u32 a0 = w0[w] & 0x0f0f0f0fu, a1 = w1[w] & 0x0f0f0f0fu;
-    const u32 a2 = (w0[w] >> 4) & 0x0f0f0f0fu, a3 = (w1[w] >> 4) & 0x0f0f0f0fu;
-    mma_u8(lo, a0, a1, a2, a3, b.x, b.y, false);
-    mma_u8(hi, a0, a1, a2, a3, b.z, b.w, true);
-  }
-  const uint4 tb = *reinterpret_cast<const uint4*>(tabt);
-  const float p0 = __uint_as_float(tb.x), p1 = __uint_as_float(tb.z);
-  const int nx0 = (int)tb.y, nx1 = (int)tb.w;  // -sum(X)
-  acc[0] = fmaf((float)(hi[0] * 256 + lo[0] + z0 * nx0) * p0, sc0, acc[0]);
-  acc[1] = fmaf((float)(hi[1] * 256 + lo[1] + z0 * nx1) * p1, sc0, acc[1]);
-  acc[2] = fmaf((float)(hi[2] * 256 + lo[2] + z1 * nx0) * p0, sc1, acc[2]);
-  acc[3] = fmaf((float)(hi[3] * 256 + lo[3] + z1 * nx1) * p1, sc1, acc[3]);
 }
 
 // One tile-column of a warp's tile pair: dequantize the lane's words (w0v: tile 0, w1v: tile 1), multiply
@@ -594,10 +473,6 @@ NQ_DEVICE float sum_splits(const float* __restrict__ ws, int M, int N, int S, in
 // entry points), so the kernels without them compile exactly as before: near the 64-register cap a
 // run-time switch moved ptxas into spills in the main loop of the g128 asym kernels.
 // XMODE 3: the attention merge prologue (stage_x_merged) for head_dim MERGE_HD, with mi.
-#ifndef NQ_GEMV_INT8_MMA
-#define NQ_GEMV_INT8_MMA 0  // opt-in (gemv.py INT8_MMA_FAMILY): the int8 tensor-core loop of the g128 kernels
-#endif
-constexpr bool INT8_MMA = NQ_GEMV_INT8_MMA;
 
 template <int G, bool ASYM, int XMODE, typename ST, bool EXACT, int EPI = 0, bool NORM = false, int MERGE_HD = 0>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
@@ -607,7 +482,6 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
                          const NormIn& ni = {}, const ResidOut& ro = {}, const MergeIn& mi = {}) {
   NQ_DYNAMIC_SMEM(smem_raw, 16);
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
-  constexpr bool I8 = INT8_MMA && G == 128;  // the int8 tensor-core loop (stage_x_planes, mma_col_int8)
   const int KT = K / 128, NT = N / 8, KG = K / G;
   const int split = blockIdx.y;
   const int tc_begin = split * kc;
@@ -647,17 +521,9 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   auto load = [&](TileColumn<G>& st, int tc) {
     load_tile_column<G, ASYM>(st, w0p, w1p, s0p, s1p, z0p, z1p, tc);
   };
-  // I8: the plane table (stage_x_planes) after x, over the merge scratch
-  u32* tab = reinterpret_cast<u32*>(xs + M * xs_stride);
-  const u32* tabt = tab + 4 * t;                           // I8: the lane's rows m = 2t, 2t + 1 in it
   // tile-column j of the block (tc_begin + j)
   auto compute = [&](const TileColumn<G>& st, int j) {
-    if constexpr (I8) {
-      mma_col_int8(acc, st.w0, st.w1, ST::to_f32((u16)st.s0), ST::to_f32((u16)st.s1), ASYM ? (int)st.z0 : 8,
-                   ASYM ? (int)st.z1 : 8, xsl + j * 128, tabt + j * PLANE_TAB_WORDS);
-    } else {
-      compute_col(st.w0, st.w1, st.s0, st.s1, st.z0, st.z1, xsl + j * 128);
-    }
+    compute_col(st.w0, st.w1, st.s0, st.s1, st.z0, st.z1, xsl + j * 128);
   };
 
   // Register pipeline: two stages of one tile-column, ping-pong: the loads of the next column are in
@@ -677,10 +543,6 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
   }
   __syncthreads();
-  if constexpr (I8) {  // x's planes over the staged x, the table over the merge scratch (used up)
-    stage_x_planes(xs, xs_stride, M, ncols, tab);
-    __syncthreads();
-  }
   if (work && !EXACT) {
     // Per-column guards (warp-uniform): 150 (sym) / 160 (asym) SASS instructions per tile-column at
     // g128 (nvcc 13.0; 165.5 / 180.5 before the changes above), no spills.

@@ -18,11 +18,6 @@ from .scheduler import VERIFY_MAX_ROWS
 GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 
-# EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16, or on the int8 tensor cores
-# for the wide GEMVs of 1-4 rows
-GEMV_BUILDS = ("bf16", "int8-wide")
-
-
 @dataclass
 class EngineConfig:
     """Engine knobs. Nothing here is read from the file; the CLI maps its flags onto these fields.
@@ -61,13 +56,6 @@ class EngineConfig:
     # pass through the pinned staging buffers (overlapping the copies), and no NaN/Inf in norms,
     # embeddings, bf16 weights or scales. False (the CLI's --no-verify) skips both.
     verify: bool = True
-    # Kernel backend: the build of the decode GEMVs (M <= 8) on g128 weights. "bf16": the nibbles become
-    # bf16 and multiply the bf16 input exactly. "int8-wide": the GEMVs of at least
-    # ops_kernels.INT8_WIDE_MIN_N outputs without the SiLU input (gate_up, an INT4 lm_head) at steps of
-    # 1-4 rows multiply the input rounded to 16-bit block floating point per 128 columns on the int8
-    # tensor cores (nanoqwen_kernels gemv.INT8_MMA_FAMILY): the logits move within the agreement bound,
-    # not bitwise.
-    gemv_build: str = "bf16"
     # Overlapped decode (engine.py's header): in a run of plain decode steps, plan and queue step n+1
     # before reading step n's tokens back (its rows take their ids from step n's output on the device),
     # so the host's work between steps (commit, events, planning, inputs) runs while the device
@@ -116,10 +104,6 @@ class EngineConfig:
         if self.prefill_chunk < self.block_size:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be >= block_size "
                              f"({self.block_size})")
-        if self.gemv_build not in GEMV_BUILDS:
-            raise ValueError(f"EngineConfig.gemv_build must be one of {GEMV_BUILDS}, got {self.gemv_build!r}")
-        if self.gemv_build != "bf16" and self.backend != "kernels":
-            raise ValueError(f"EngineConfig.gemv_build={self.gemv_build!r} needs backend='kernels'")
         if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
             raise ValueError(f"EngineConfig.speculation must be a SpeculationConfig or None, "
                              f"got {self.speculation!r}")

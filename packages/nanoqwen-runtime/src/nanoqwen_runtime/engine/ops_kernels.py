@@ -63,11 +63,6 @@ from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 # GEMM takes 0.84x the time of dequantize + cuBLAS, at M = 128 1.6x).
 INT4_GEMM_MAX_ROWS = 64
 PREFILL_PATH = "dequant_gemm"  # above INT4_GEMM_MAX_ROWS: "dequant_gemm" or "int4_gemm"
-# EngineConfig.gemv_build "int8-wide": the int8 loop on the GEMVs of at least INT8_WIDE_MIN_N outputs
-# without the SiLU input, at steps of at most INT8_WIDE_MAX_ROWS rows: the shapes and row counts where it
-# measured faster than the bf16 loop (the 7B's gate_up and lm_head; not qkv, o or down)
-INT8_WIDE_MIN_N = 8192
-INT8_WIDE_MAX_ROWS = 4
 FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")
 
 
@@ -95,8 +90,6 @@ class KernelOps:
                                                           group_size=128 if g128 else 64)
                       for n, k in shapes for silu in (False, True) for g128 in (False, True)}
         self.workspace = kgemv.GemvWorkspace.allocate(self.plans.values(), device)
-        # EngineConfig.gemv_build "int8-wide": the int8 build of the decode GEMVs (gemv_family)
-        self._int8_family = kgemv.register_int8_mma() if cfg.gemv_build == "int8-wide" else None
         # the GEMM's split-K scratch, for every M class and group size (plans are cached per shape)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self._sms = sms
@@ -121,8 +114,7 @@ class KernelOps:
         # (dequantize into scratch + cuBLAS); and, counted in "gemv_int4" too, "qkv_rope_fused" (a qkv
         # GEMV that also applied RoPE and wrote q and the paged K/V), "norm_prologue" (a GEMV whose input
         # was RMSNorm of the residual, made while staging) and "residual_epilogue" (a GEMV that added
-        # its output into the residual), "gemv_int8_mma" (a GEMV on the int8 tensor cores: an int8
-        # gemv_build).
+        # its output into the residual).
         self.paths: collections.Counter[str] = collections.Counter()
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -153,8 +145,7 @@ class KernelOps:
         return 0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size()
 
     def warm_up(self) -> None:
-        extra = (self._int8_family,) if self._int8_family is not None else ()
-        klaunch.warm_up(FAMILIES + extra, self.device)
+        klaunch.warm_up(FAMILIES, self.device)
 
     def check_weights(self, weights) -> None:
         """Refuse what the kernels cannot run; build the bf16 weight cache when configured."""
@@ -246,9 +237,9 @@ class KernelOps:
         `fuses_norm`, else materialised first."""
         if isinstance(x, NormedInput):
             if self.fuses_norm(x, lin):
-                w, family = self._int4_gemv(lin, x.rows)
+                w = self._int4_gemv(lin)
                 kgemv.gemv_int4(x.residual, w, out, bias, self.workspace, self._gemv_plan(w, False),
-                                family=family, norm=self._norm_prologue(x))
+                                norm=self._norm_prologue(x))
                 return
             x = self.norm(x)
         m = x.shape[0]
@@ -277,8 +268,8 @@ class KernelOps:
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
         path = self.int4_path(m)
         if path == "gemv_int4":
-            w, family = self._int4_gemv(lin, m)
-            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False), family=family)
+            w = self._int4_gemv(lin)
+            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False))
             return
         w = self._int4(lin)
         if path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
@@ -297,27 +288,10 @@ class KernelOps:
             return "gemv_int4"
         return "int4_gemm" if m <= INT4_GEMM_MAX_ROWS else PREFILL_PATH
 
-    def gemv_family(self, rows: int, n: int, silu_input: bool = False) -> str:
-        """The kernel family of a decode GEMV step of `rows` rows on a weight of `n` outputs
-        (EngineConfig.gemv_build): with "int8-wide", the int8 build at up to INT8_WIDE_MAX_ROWS rows on a
-        weight of n >= INT8_WIDE_MIN_N outputs without the SiLU input; else the bf16 one."""
-        if (self._int8_family is None or rows > INT8_WIDE_MAX_ROWS or n < INT8_WIDE_MIN_N
-                or silu_input):
-            return kgemv.FAMILY
-        return self._int8_family
-
-    def _int4_gemv(self, lin: Int4Linear, rows: int,
-                   silu_input: bool = False) -> tuple[kgemv.Int4Weight, str]:
-        """The kernel view of an INT4 linear about to run as a decode GEMV of `rows` rows (`silu_input`:
-        the down projection's SiLU*mul input) and the kernel family that runs it; counted as path
-        "gemv_int4", and as "gemv_int8_mma" where the int8 build's loop multiplies it (`gemv_family`,
-        G = 128: the int8 build is g128 only)."""
-        w = self._int4(lin)
-        family = self.gemv_family(rows, w.n, silu_input)
+    def _int4_gemv(self, lin: Int4Linear) -> kgemv.Int4Weight:
+        """The kernel view of an INT4 linear about to run as a decode GEMV, counted as path "gemv_int4"."""
         self.paths["gemv_int4"] += 1
-        if family != kgemv.FAMILY and w.group_size == 128:
-            self.paths["gemv_int8_mma"] += 1
-        return w, family
+        return self._int4(lin)
 
     def _gemv_plan(self, w: kgemv.Int4Weight, silu_input: bool) -> kgemv.GemvPlan:
         return self.plans[(w.n, w.k, silu_input, w.group_size == 128)]
@@ -331,10 +305,10 @@ class KernelOps:
         else out = x @ W^T with the add pending (the next norm makes it). merge: what `attention_run` left
         to this GEMV (x is then its output, whose split rows the GEMV merges while staging them)."""
         if self.fuses_residual(lin, x.shape[0]):
-            w, family = self._int4_gemv(lin, x.shape[0])
+            w = self._int4_gemv(lin)
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(x, w, None, None, self.workspace, self._gemv_plan(w, False),
-                            family=family, residual=epilogue, merge=merge)
+                            residual=epilogue, merge=merge)
             return update
         if merge is not None:  # attention_run defers only to a GEMV that fuses (fuses_attention_merge)
             raise AssertionError("an attention merge was left to an o projection that is not a fused GEMV")
@@ -350,10 +324,10 @@ class KernelOps:
         # plain kernel's time at M = 32 / 64: one silu_mul pass,
         # then the plain linear (INT4 GEMM or dequantize + cuBLAS).
         if self.fuses_silu_down(down, gate_up.shape[0]):
-            w, family = self._int4_gemv(down, gate_up.shape[0], silu_input=True)
+            w = self._int4_gemv(down)
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(gate_up, w, None, None, self.workspace, self._gemv_plan(w, True),
-                            silu_mul_input=True, family=family, residual=epilogue)
+                            silu_mul_input=True, residual=epilogue)
             return update
         kops.silu_mul(gate_up, act)
         return self.linear_residual(act, down, out, residual)
@@ -372,7 +346,7 @@ class KernelOps:
         norm as its prologue where `fuses_norm`; otherwise `linear` + `qkv_rope_kv_write`."""
         rows = x.rows if isinstance(x, NormedInput) else x.shape[0]
         if self.fuses_qkv_rope(qkv_w, rows):
-            w, family = self._int4_gemv(qkv_w, rows)
+            w = self._int4_gemv(qkv_w)
             norm = None
             if isinstance(x, NormedInput):
                 if self.fuses_norm(x, qkv_w):
@@ -382,7 +356,7 @@ class KernelOps:
             self.paths["qkv_rope_fused"] += 1
             kgemv.gemv_int4_qkv_rope(x, w, bias, self.shape, positions, slot_mapping, self.inv_freq, q_out,
                                      k_cache, v_cache, self.workspace, self._gemv_plan(w, False),
-                                     family, norm=norm)
+                                     norm=norm)
             return
         self.linear(x, qkv_w, qkv, bias=bias)
         self.qkv_rope_kv_write(qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv)
