@@ -42,9 +42,9 @@ def test_profile_of_eager_decode_steps(weights):
     # range (the NaN/Inf check) one torch reduction
     bucket = min(b for b, _ in eng.ops.decode_plans)  # the batch-1 step's plan (ops.attention_plan)
     plan = eng.ops.decode_plans[(bucket, eng.runner.context_class(64 + 3))]
-    # a plan that splits into at most 16 leaves its merge to the o_proj GEMV (the default
-    # EngineConfig.attention_merge "o_proj"): no combine launch, the GEMV's `_merge_` build instead
-    deferred = int(eng.config.attention_merge == "o_proj" and plan.can_defer_merge)
+    # a plan that splits into at most 16 leaves its merge to the o_proj GEMV: no combine launch, the
+    # GEMV's `_merge_` build instead
+    deferred = int(plan.can_defer_merge)
     assert p["kernel_launches_per_step"] == 4 + (4 + plan.launches - deferred) * 2
     kernels = {k["kernel"] for k in p["kernels"]}
     assert ("paged_attention_combine_hd128" in kernels) == (plan.launches - deferred == 2), sorted(kernels)

@@ -157,68 +157,6 @@ def test_partial_report_has_every_key():
     assert rep["decode_batch1"][0]["roofline_frac_read"] is None and "| 128 | 422 |" in markdown(rep)
 
 
-def test_post_attention_ab_is_reported():
-    """The synthetic run's post_attention_kernel variants-vs-off section reaches bench.json and bench.md."""
-    row = {"batch": 1, "a_tok_s": 520.0, "b_tok_s": 450.0, "a_over_b": 520 / 450, "spread_a": 0.01,
-           "spread_b": 0.02, "a_all": [520.0] * 4, "b_all": [450.0] * 4, "a_slower": False,
-           "a_graph_tok_s": 560.0, "b_graph_tok_s": 462.0}
-    raw = fake_raw()
-    rows = [row, dict(row, batch=2, a_slower=True, a_graph_tok_s=None)]
-    int8 = {"post_attention_kernel": "block", "gemv_build": "int8"}
-    variants = {"block": {"rows": rows, "graph_paths": {}},
-                "block+qkv": {"rows": rows[:1], "graph_paths": {}},
-                "block-int8": {"rows": rows[:1], "graph_paths": {}, "config": int8}}
-    raw["post_attention_ab"] = {"reps": 4, "b": "off", "graph_paths_off": {}, "variants": variants}
-    rep = build_report(raw)
-    assert rep["post_attention_ab"]["variants"]["block"]["rows"][0]["a_graph_tok_s"] == 560.0
-    md = markdown(rep)
-    assert '(EngineConfig post_attention_kernel="block") vs the GEMVs' in md
-    assert "## o_proj + gate_up + down + the next qkv as one persistent launch" in md
-    assert '(EngineConfig post_attention_kernel="block", gemv_build="int8") vs the GEMVs' in md
-    assert "| 1 | 520 | 450 | 1.156 | 1.0% / 2.0% | ok |" in md and "| 1 | 560 | 462 | 1.212 |" in md
-    assert "| 2 | 520 | 450 | 1.156 | 1.0% / 2.0% | slower |" in md and "| 2 | - | 462 | - |" in md
-
-
-def test_attention_merge_ab_is_reported():
-    """The synthetic run's attention_merge o_proj-vs-combine section reaches bench.json and bench.md, with
-    the batch-1 graph's deferred merges per layer."""
-    row = {"batch": 1, "a_tok_s": 470.0, "b_tok_s": 460.0, "a_over_b": 470 / 460, "spread_a": 0.01,
-           "spread_b": 0.02, "a_all": [470.0] * 4, "b_all": [460.0] * 4, "a_slower": False,
-           "a_graph_tok_s": 475.0, "b_graph_tok_s": 462.0}
-    raw = fake_raw()
-    raw["attention_merge_ab"] = {"rows": [row, dict(row, batch=8, a_slower=True)], "reps": 4, "context": 128,
-                                 "new_tokens": 128, "graph_paths_o_proj": {"attention_merge_o_proj": 28},
-                                 "graph_paths_combine": {}, "deferred_per_layer": 1.0}
-    rep = build_report(raw)
-    assert rep["attention_merge_ab"]["rows"][0]["a_graph_tok_s"] == 475.0
-    md = markdown(rep)
-    assert '## Attention split merge in the o_proj GEMV (EngineConfig.attention_merge="o_proj") vs' in md
-    assert "deferred 1.00 merges per layer" in md
-    assert "| 1 | 470 | 460 | 1.022 | 1.0% / 2.0% | ok |" in md
-    assert "| 8 | 470 | 460 | 1.022 | 1.0% / 2.0% | slower |" in md
-
-
-def test_gemv_build_ab_reaches_the_report():
-    """The synthetic run's int8-vs-bf16 GEMV build section reaches bench.json and bench.md: one table per
-    int8 variant, with how many of its batch-1 graph's GEMVs ran on the int8 tensor cores."""
-    row = {"batch": 1, "a_tok_s": 480.0, "b_tok_s": 460.0, "a_over_b": 480 / 460, "spread_a": 0.01,
-           "spread_b": 0.02, "a_all": [480.0] * 4, "b_all": [460.0] * 4, "a_slower": False,
-           "a_graph_tok_s": 485.0, "b_graph_tok_s": 462.0}
-    raw = fake_raw()
-    paths = {"gemv_int4": 112, "gemv_int8_mma": 112}
-    variants = {"int8": {"rows": [row], "graph_paths": paths},
-                "int8-m1": {"rows": [row, dict(row, batch=8, a_slower=True)], "graph_paths": paths}}
-    raw["gemv_build_ab"] = {"reps": 4, "b": "bf16", "graph_paths_bf16": {"gemv_int4": 112}, "context": 128,
-                            "new_tokens": 128, "variants": variants}
-    rep = build_report(raw)
-    assert rep["gemv_build_ab"]["variants"]["int8-m1"]["rows"][1]["batch"] == 8
-    md = markdown(rep)
-    for variant in ("int8", "int8-m1"):
-        assert f'(EngineConfig.gemv_build="{variant}") vs bf16' in md
-        assert f"The {variant} side's batch-1 graph ran 112 of its 112 GEMVs on the int8 tensor cores." in md
-    assert "| 8 | 480 | 460 | 1.043 | 1.0% / 2.0% | slower |" in md
-
-
 def test_lm_head_ab_is_reported_with_each_sides_roofline_fraction():
     """The synthetic run's int4-vs-bf16 lm_head section reaches bench.json and bench.md: each side's graph
     replay as a fraction of the read roofline from its own bytes per token (issue 13's 900 tok/s goal),
@@ -231,10 +169,6 @@ def test_lm_head_ab_is_reported_with_each_sides_roofline_fraction():
                          "new_tokens": 128, "bytes_per_token_a": 3.66e9, "bytes_per_token_b": 4.46e9,
                          "graph_paths_a": {"gemv_int4": 113, "attention": 28},
                          "graph_paths_b": {"gemv_int4": 112, "cublas_bf16": 1}}
-    raw["lm_head_int8_wide_ab"] = dict(raw["lm_head_ab"], gemv_build_a="int8-wide",
-                                       rows=[dict(row, a_tok_s=540.0, a_over_b=540 / 470,
-                                                  a_graph_tok_s=550.0)],
-                                       graph_paths_a={"gemv_int4": 113, "gemv_int8_mma": 29})
     rep = build_report(raw)
     assert rep["lm_head_ab"]["bytes_per_token_a"] == 3.66e9
     md = markdown(rep)
@@ -245,19 +179,10 @@ def test_lm_head_ab_is_reported_with_each_sides_roofline_fraction():
     read = raw["read_bandwidth"]["bytes_per_s"]
     frac_a, frac_b = 100 * 530 * 3.66e9 / read, 100 * 480 * 4.46e9 / read
     assert f"| 1 | {frac_a:.1f}% | {frac_b:.1f}% |" in md
-    # lm_head_int8_wide_ab: the int4 lm_head with the int8 loop on the wide GEMVs, against bf16
-    assert rep["lm_head_int8_wide_ab"]["gemv_build_a"] == "int8-wide"
-    assert ('## INT4 lm_head with EngineConfig.gemv_build="int8-wide" vs the bf16 lm_head and GEMVs (same '
-            "run, context 128 + 128)" in md)
-    assert "That graph ran 29 of its 113 GEMVs on the int8 tensor cores." in md
-    assert "| 1 | 540 | 470 | 1.149 | 1.0% / 2.0% | ok |" in md
-    assert "| batch | graph replay int4+int8-wide, % of the read roofline | bf16 |" in md
-    assert f"| 1 | {100 * 550 * 3.66e9 / read:.1f}% | {frac_b:.1f}% |" in md
 
 
-def test_lm_head_ab_builds_the_int4_side_with_its_gemv_build(monkeypatch):
-    """lm_head_ab: the int4-lm_head weights (a) with the section's gemv_build against the bf16 ones with
-    the bf16 GEMVs (b), both features off; run_bench runs it with "bf16" and with "int8-wide"."""
+def test_lm_head_ab_builds_the_int4_side(monkeypatch):
+    """lm_head_ab: the int4-lm_head weights (a) against the bf16 ones (b), both features off."""
     import types
 
     built = []
@@ -274,14 +199,12 @@ def test_lm_head_ab_builds_the_int4_side_with_its_gemv_build(monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
     weights = random_weights(TINY, "cpu", seed=1)
     off = {"prefix_caching": False, "speculation": None}
-    for build in ("bf16", "int8-wide"):
-        built.clear()
-        lh = bench.lm_head_ab(TINY, weights, batches=(1,), reps=2, gemv_build=build)
-        (head_a, cfg_a), (head_b, cfg_b) = built
-        assert (cfg_a, cfg_b) == (dict(off, gemv_build=build), off)
-        assert head_b is weights.lm_head and head_a is not weights.lm_head and head_a.n == TINY.vocab_size
-        assert lh["gemv_build_a"] == build and lh["rows"] == [{"batch": 1}]
-        assert (lh["graph_paths_a"], lh["graph_paths_b"]) == ({"n": 1}, {"n": 2})
+    lh = bench.lm_head_ab(TINY, weights, batches=(1,), reps=2)
+    (head_a, cfg_a), (head_b, cfg_b) = built
+    assert cfg_a == cfg_b == off
+    assert head_b is weights.lm_head and head_a is not weights.lm_head and head_a.n == TINY.vocab_size
+    assert lh["rows"] == [{"batch": 1}]
+    assert (lh["graph_paths_a"], lh["graph_paths_b"]) == ({"n": 1}, {"n": 2})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -434,7 +357,7 @@ def test_patch_launches_marks_and_restores(monkeypatch):
     try:
         assert gemv.launch is not original and gemv.launch is klaunch.launch is layer_ops.launch
         tl.op = "linear qkv"
-        gemv.launch("gemv", "gemv_int4_g128_sym", 0, (1,), (1,), (), pdl=False)
+        gemv.launch("gemv", "gemv_int4_g128_sym", 0, (1,), (1,), ())
         tl.suspended = True
         layer_ops.launch("bench", "spin_ns", 0, (1,), (1,), ())
     finally:
@@ -473,6 +396,7 @@ def test_profile_marks_every_launch_of_the_kernel_backend(tiny_path, monkeypatch
     class FakePlan:
         def __init__(self, mode):
             self.mode = mode
+            self.can_defer_merge = False  # one launch per attention run: no split rows to merge
 
         def run(self, *args, **kw):  # the real plan launches through launch.launch too
             klaunch.launch("attention", f"paged_attention_{self.mode}", 0, (1,), (1,), ())
@@ -618,33 +542,3 @@ def test_profile_refuses_an_overlapped_engine(tiny_path):
     assert cfg.overlap  # the default
     with pytest.raises(ValueError, match="overlap=False"):
         bench_profile.profile_decode_ops(Engine.from_file(tiny_path, cfg), steps=1, prompt=20)
-
-
-def test_variant_sections_build_each_engine_from_its_config(monkeypatch):
-    """post_attention_ab / gemv_build_ab (`_variants_ab`): one engine per variant, built with that
-    variant's EngineConfig fields (a plain value of the section's option, or a (name, fields) pair such as
-    "block-int8"), each measured against the base engine; the report keeps each variant's fields."""
-    import types
-
-    built = []
-
-    def ab_engine(geom, weights, **cfg):
-        built.append(cfg)
-        runner = types.SimpleNamespace(context_classes=[512], graph_paths={(1, 512): {"n": len(built)}})
-        return types.SimpleNamespace(runner=runner)
-
-    monkeypatch.setattr(bench, "_ab_engine", ab_engine)
-    monkeypatch.setattr(bench, "ab_decode", lambda a, b, batches, reps: [{"batch": x} for x in batches])
-    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
-    pa = bench.post_attention_ab(TINY, None, batches=(1, 2), reps=2)
-    off = {"prefix_caching": False, "speculation": None}
-    assert built == [dict(off, post_attention_kernel="off"), dict(off, post_attention_kernel="block"),
-                     dict(off, post_attention_kernel="block+qkv"),
-                     dict(off, post_attention_kernel="block", gemv_build="int8")]
-    assert list(pa["variants"]) == ["block", "block+qkv", "block-int8"]
-    assert pa["variants"]["block-int8"]["config"] == {"post_attention_kernel": "block", "gemv_build": "int8"}
-    assert pa["variants"]["block"]["rows"] == [{"batch": 1}, {"batch": 2}] and pa["b"] == "off"
-    built.clear()
-    gb = bench.gemv_build_ab(TINY, None, batches=(1,), reps=2)
-    assert [c["gemv_build"] for c in built] == ["bf16", "int8", "int8-staged", "int8-m1", "int8-wide"]
-    assert list(gb["variants"]) == ["int8", "int8-staged", "int8-m1", "int8-wide"] and gb["context"] == 128

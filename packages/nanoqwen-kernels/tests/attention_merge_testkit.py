@@ -45,12 +45,12 @@ def check_merge_prologue_equals_combine(heads: tuple[int, int, int], lens: list[
                                         max_context_len: int, fuse_max: int = 1, gemv_split: str = "auto",
                                         group_size: int = 128, symmetric: bool = False,
                                         scale_dtype=torch.bfloat16, n_out: int | None = None,
-                                        seed: int = 0, runs: int = 2, family: str = "gemv") -> None:
+                                        seed: int = 0, runs: int = 2) -> None:
     """One decode batch (`lens`: the context per sequence, M = len(lens) <= 8 rows) of attention with
     heads (n_heads, n_kv_heads, head_dim) and the o projection [n_out, n_heads * head_dim] (random INT4
     weight) added into a random residual: combine kernel + `_resid` GEMV against the deferred merge +
     `_merge_resid` GEMV, bitwise. gemv_split: "auto" (plan_gemv) or "unsplit" (one block row stages
-    all of K). family: the GEMV build both sides run."""
+    all of K)."""
     nh, nkv, hd = heads
     m, k = len(lens), nh * hd
     n = n_out or k
@@ -80,7 +80,7 @@ def check_merge_prologue_equals_combine(heads: tuple[int, int, int], lens: list[
     def o_proj(x: torch.Tensor, merge) -> tuple[torch.Tensor, torch.Tensor]:
         residual = residual0.clone()
         stats = torch.full(stats_shape, float("nan"), dtype=torch.float32, device=device)
-        gemv_int4(x, w, None, None, ws, gplan, family=family, residual=ResidualEpilogue(residual, stats),
+        gemv_int4(x, w, None, None, ws, gplan, residual=ResidualEpilogue(residual, stats),
                   merge=merge)
         _sync(device)
         assert int(ws.counters.abs().sum()) == 0, "split-K counters not reset"

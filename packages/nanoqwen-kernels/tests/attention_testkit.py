@@ -1,6 +1,6 @@
 """Checks of the paged attention kernels (attention.py, csrc/attention.cuh) shared by their GPU tests
 (test_attention.py) and their emulator tests (test_attention_emu.py: the same checks on the CPU, the
-kernels' own source compiled by nanoqwen_kernels.emu). Each `check_*` takes a device; the sizes are
+kernels' own source compiled by nanoqwen_kernels.testing.emu). Each `check_*` takes a device; the sizes are
 arguments, the GPU tests' by default, so the emulator runs the same checks on smaller cases.
 
 What must hold, and why:

@@ -28,25 +28,13 @@ def device():
 
 @pytest.fixture
 def emu_compiler():
-    """The C++ compiler the kernel emulator (nanoqwen_kernels.emu) builds with; skips without one."""
-    from nanoqwen_kernels import emu
+    """The C++ compiler the kernel emulator (nanoqwen_kernels.testing.emu) builds with; skips without one."""
+    from nanoqwen_kernels.testing import emu
 
     try:
         return emu.compiler()
     except emu.EmulatorError as e:
         pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["i8mma", "i8mma-staged"])
-def int8_family(request):
-    """The int8 GEMV build (and the one with the staged scale records), registered for the requesting
-    module only (the registry is global: test_build.py iterates it); yields the family's name."""
-    from nanoqwen_kernels import gemv
-    from nanoqwen_kernels.specs import SPECS
-
-    name = gemv.register_int8_mma(staged=request.param)
-    yield name
-    del SPECS[name]
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Checks of the sampling kernel (sampling.py, csrc/sampling.cuh) shared by its GPU tests
 (test_sampling.py) and its emulator tests (test_sampling_emu.py: the same checks on the CPU, the
-kernel's own source compiled by nanoqwen_kernels.emu). Each `check_*` takes a generator and a device
+kernel's own source compiled by nanoqwen_kernels.testing.emu). Each `check_*` takes a generator and a device
 (the generator on the device); the sizes are arguments, the GPU tests' by default.
 
 What must hold: greedy equals torch.argmax (lowest index among ties; NaN never wins), also when a

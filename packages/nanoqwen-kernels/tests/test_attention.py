@@ -75,22 +75,19 @@ def test_prefill_block_size_8_and_single_long_chunk(device):
     check_prefill_block_size_8_and_single_long_chunk(device)
 
 
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-def test_decode_graph_replay_serves_new_lengths(pdl):
-    """One captured graph; new lengths, page tables and queries written into its buffers in place.
-    With PDL, the split kernel and the combine are programmatic edges of the graph."""
+def test_decode_graph_replay_serves_new_lengths():
+    """One captured graph; new lengths, page tables and queries written into its buffers in place."""
     nh, nkv, hd = GEOMS["7b"]
     g = AttentionGeometry(nh, nkv, hd, 16)
     first = make_paged_case(nh, nkv, hd, 16, [10, 200, 33], seed=41, max_pages=40, strided_q=False,
                             spare_blocks=60)
     plan = plan_decode(g, max_batch=3, max_context_len=640)
     out = torch.full_like(first.q, float("nan"))
-    plan.run(first.q, first.k_cache, first.v_cache, first.page_table, first.context_lens, out=out, pdl=pdl)
+    plan.run(first.q, first.k_cache, first.v_cache, first.page_table, first.context_lens, out=out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan.run(first.q, first.k_cache, first.v_cache, first.page_table, first.context_lens, out=out,
-                 pdl=pdl)
+        plan.run(first.q, first.k_cache, first.v_cache, first.page_table, first.context_lens, out=out)
     for seed, lens in ((42, [640, 1, 17]), (43, [5, 600, 1])):
         nxt = make_paged_case(nh, nkv, hd, 16, lens, seed=seed, max_pages=40, strided_q=False,
                               spare_blocks=first.k_cache.shape[0] - sum(-(-c // 16) for c in lens))

@@ -1,4 +1,4 @@
-"""The paged attention kernels on the CPU emulator (nanoqwen_kernels.emu: the kernels' own CUDA source
+"""The paged attention kernels on the CPU emulator (nanoqwen_kernels.testing.emu: the kernels' own CUDA source
 compiled for the host; the producer warp's cp.async copies land late, the consumer warps meet on their
 named barrier, ldmatrix and mma.sync gather the warp's fragments). The checks are
 attention_testkit.py's, the GPU tests' own, on smaller cases: fresh random inputs (seeded by the
@@ -31,9 +31,9 @@ from attention_testkit import (
     check_run_rejects_bad_input,
     run_repeated,
 )
-from nanoqwen_kernels import emu
 from nanoqwen_kernels.attention import AttentionGeometry, plan_decode
 from nanoqwen_kernels.reference_attention import make_paged_case
+from nanoqwen_kernels.testing import emu
 
 pytestmark = pytest.mark.usefixtures("emu_compiler")
 CPU = "cpu"

@@ -51,9 +51,8 @@ def test_spec_rejects_missing_source():
 
 def test_every_source_file_is_in_a_spec():
     """A .cu file that no spec builds would escape CI: each entry file belongs to exactly one family of
-    specs.py (`BASE_FAMILIES`: the compile-option builds that tests, benchmarks and engine options register
-    at run time, such as `gemv.register_int8_mma` or `block.register_build`, are variants of those families,
-    whichever of them an earlier test in this process registered)."""
+    specs.py (`BASE_FAMILIES`: the compile-option builds that benchmarks register at run time are variants
+    of those families)."""
     from nanoqwen_kernels.specs import BASE_FAMILIES
 
     listed = [s for name in BASE_FAMILIES for s in SPECS[name].sources]

@@ -1,4 +1,4 @@
-"""CPU: the kernel emulator itself (nanoqwen_kernels.emu, csrc/emu/): that what it claims to model, it
+"""CPU: the kernel emulator itself (nanoqwen_kernels.testing.emu, csrc/emu/): that what it claims to model, it
 models, so that a kernel test passing on it means something.
 
 - the tensor-core fragment layout and arithmetic: one mma.m16n8k16 from fragments loaded as the PTX ISA
@@ -17,7 +17,8 @@ models, so that a kernel test passing on it means something.
 - ldmatrix (.x4, .x4.trans) hands out the PTX ISA fragments; cp.async zero-fills past its src-size
   and lands late (a read without cp.async.wait_all sees the poison in some launches); the attention's
   named barrier counts only the threads that arrive (a count no set of warps can fill is a deadlock);
-- every PTX wrapper of the emulated families has a host branch: gemv and block build for the emulator.
+- every PTX wrapper of the emulated families has a host branch: they build for the emulator;
+- the emulator is test support: importing the kernels' modules never imports it.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import numpy as np
 import pytest
 import torch
 from int4_testkit import random_int4, reference_out
-from nanoqwen_kernels import emu
 from nanoqwen_kernels import reference as R
 from nanoqwen_kernels.build import KernelSpec
 from nanoqwen_kernels.launch import i32, ptr
+from nanoqwen_kernels.testing import emu
 
 pytestmark = pytest.mark.usefixtures("emu_compiler")
 SELFTEST = KernelSpec("emu_selftest", ("emu/selftest.cu",))
@@ -136,8 +137,6 @@ def test_int8_gemv_on_the_emulator_matches_the_reference(n, k, g, m):
 def test_the_emulated_families_have_their_kernels():
     from nanoqwen_kernels.specs import SPECS
 
-    names = set(emu.entry_points(SPECS["block"]))
-    assert set(SPECS["block"].hot_kernels) <= names
     assert {"gemv_int4_g128_asym_rope", "gemv_int8_g128"} <= set(emu.entry_points(SPECS["gemv"]))
     assert {"paged_attention_decode_hd128", "paged_attention_prefill_hd64",
             "paged_attention_combine_hd128"} <= set(emu.entry_points(SPECS["attention"]))
@@ -145,13 +144,13 @@ def test_the_emulated_families_have_their_kernels():
 
 
 def test_emulated_patches_every_launcher_and_restores_it():
-    from nanoqwen_kernels import attention, block, gemv, layer_ops, sampling
+    from nanoqwen_kernels import attention, gemv, layer_ops, sampling
 
-    modules = (gemv, block, layer_ops, attention, sampling)
+    modules = (gemv, layer_ops, attention, sampling)
     before = [(m.launch, m.require_sm90) for m in modules]
     with emu.emulated(sms=7):
         assert all(m.launch is emu.launch for m in modules)
-        assert gemv._sm_count(0) == 7  # the SM count every plan reads (attention, block, gemm too)
+        assert gemv._sm_count(0) == 7  # the SM count every plan reads (attention, gemm too)
         assert all(m.require_sm90(torch.device("cpu")) == 0 for m in modules)
     assert [(m.launch, m.require_sm90) for m in modules] == before
 
@@ -207,3 +206,17 @@ def test_named_barrier_counts_only_the_threads_that_arrive():
     assert out.tolist() == (32 + (t - 32 + 32) % 128).tolist()
     with pytest.raises(emu.EmulatorError, match="deadlock"):
         emu.launch_spec(SELFTEST, "selftest_named_barrier", 1, 128, (ptr(out),), 512)
+
+
+def test_the_kernels_never_import_the_emulator():
+    """nanoqwen_kernels.testing (the emulator) is off the kernels' import path: a fresh interpreter that
+    imports every launcher module has not loaded it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from nanoqwen_kernels import attention, build, cuda_driver, gemm, gemv, launch, layer_ops\n"
+            "from nanoqwen_kernels import reference, reference_attention, sampling, specs\n"
+            "print(sorted(m for m in sys.modules if m.startswith('nanoqwen_kernels.testing')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

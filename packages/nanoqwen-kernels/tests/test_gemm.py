@@ -154,11 +154,10 @@ def test_gemm_fused_silu_mul_input(m, n, k, group_size, symmetric, gen, device):
     R.assert_close(out, reference_out(gate_up, w, None, silu=True), f"gemm silu_mul input M={m}")
 
 
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("m,multi_block", [(16, False), (64, False), (300, False), (47, True)])
-def test_gemm_repeated_launches_and_graph_replay(pdl, m, multi_block, gen, device):
+def test_gemm_repeated_launches_and_graph_replay(m, multi_block, gen, device):
     """Counters return to zero (split-K at M <= 64, also with several M blocks): launches in a row and
-    a captured graph replayed with new inputs stay correct, also under PDL."""
+    a captured graph replayed with new inputs stay correct."""
     from nanoqwen_kernels.gemm import GemmPlan, allocate_workspace, gemm_int4, plan_gemm
     from nanoqwen_kernels.launch import warm_up
 
@@ -176,16 +175,16 @@ def test_gemm_repeated_launches_and_graph_replay(pdl, m, multi_block, gen, devic
     for _ in range(2):
         x.copy_(torch.randn(m, k, generator=gen, device=device))
         out.fill_(float("nan"))
-        gemm_int4(x, w, out, workspace=ws, plan=plan, pdl=pdl)
+        gemm_int4(x, w, out, workspace=ws, plan=plan)
         R.assert_close(out, reference_out(x, w, None), "repeated gemm")
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        gemm_int4(x, w, out, workspace=ws, plan=plan, pdl=pdl)
+        gemm_int4(x, w, out, workspace=ws, plan=plan)
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(3):  # back to back on one workspace
-                gemm_int4(x, w, out, workspace=ws, plan=plan, pdl=pdl)
+                gemm_int4(x, w, out, workspace=ws, plan=plan)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(2):
         x.copy_(torch.randn(m, k, generator=gen, device=device))

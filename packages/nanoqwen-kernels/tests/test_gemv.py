@@ -99,10 +99,8 @@ def test_gemv_fused_silu_mul_input(m, n, k, scale_dtype, gen, device):
     R.assert_close(out, reference_out(gate_up, w, None, silu=True), "gemv silu_mul input")
 
 
-@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-def test_gemv_repeated_launches_and_graph_replay(pdl, gen, device):
-    """Split-K counters return to zero: many launches in a row and a captured graph stay correct, also
-    when each launch may start under the previous one (PDL: the wait must cover workspace and counters)."""
+def test_gemv_repeated_launches_and_graph_replay(gen, device):
+    """Split-K counters return to zero: many launches in a row and a captured graph stay correct."""
     from nanoqwen_kernels.gemv import GemvWorkspace, gemv_int4, plan_gemv
     from nanoqwen_kernels.launch import warm_up
 
@@ -117,16 +115,16 @@ def test_gemv_repeated_launches_and_graph_replay(pdl, gen, device):
     for _ in range(3):
         x.copy_(torch.randn(2, k, generator=gen, device=device))
         out.fill_(float("nan"))
-        gemv_int4(x, w, out, workspace=ws, plan=plan, pdl=pdl)
+        gemv_int4(x, w, out, workspace=ws, plan=plan)
         R.assert_close(out, reference_out(x, w, None), "repeated gemv")
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        gemv_int4(x, w, out, workspace=ws, plan=plan, pdl=pdl)  # warm on the capture stream
+        gemv_int4(x, w, out, workspace=ws, plan=plan)  # warm on the capture stream
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(3):  # back to back on one workspace
-                gemv_int4(x, w, out, workspace=ws, plan=plan, pdl=pdl)
+                gemv_int4(x, w, out, workspace=ws, plan=plan)
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(2):
         x.copy_(torch.randn(2, k, generator=gen, device=device))

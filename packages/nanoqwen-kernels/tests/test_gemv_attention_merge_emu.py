@@ -1,5 +1,5 @@
-"""The o projection's attention merge prologue on the CPU emulator (nanoqwen_kernels.emu: the kernels' own
-CUDA source compiled for the host). The checks are attention_merge_testkit.py's, the GPU test's own, on
+"""The o projection's attention merge prologue on the CPU emulator (nanoqwen_kernels.testing.emu: the kernels'
+own CUDA source compiled for the host). The checks are attention_merge_testkit.py's, the GPU test's own, on
 smaller head counts: the deferred merge + `_merge_resid` GEMV against the combine kernel + `_resid` GEMV,
 bit for bit, with stale partials NaN and the split counts poisoned before each deferred run; unsplit,
 split, context-0 and in-kernel-merged rows in one batch; GEMV plans that split K and one that does not;
@@ -16,7 +16,7 @@ from attention_merge_testkit import (
     check_defer_merge_is_refused_where_it_cannot_run,
     check_merge_prologue_equals_combine,
 )
-from nanoqwen_kernels import emu
+from nanoqwen_kernels.testing import emu
 
 pytestmark = pytest.mark.usefixtures("emu_compiler")
 CPU = torch.device("cpu")

@@ -1,30 +1,26 @@
-"""CPU CI: the instruction count of the g128 decode GEMVs' main loop in the staged-scale build (issue 13,
-stage 1: the loop's issue rate limited them on the H200, bench/kernels/CEILINGS.md section 5;
-`gemv.staged_spec()`, opt-in since it measured 2.7% slower on the H100), from the SASS of the cubin
-nvcc builds for sm_90a, disassembled by nvdisasm and counted by
-nanoqwen_bench/kernels/ceilings/ceilings_report.py's `hot_loop_counts` (the loop body that holds the
-most HMMA). The build's hot kernels must not spill either.
+"""CPU CI: the instruction count of the g128 decode GEMVs' main loop, from the SASS of the cubin nvcc
+builds for sm_90a, disassembled by nvdisasm and counted by nanoqwen_bench/kernels/ceilings/ceilings_report.py's
+`hot_loop_counts` (the loop body that holds the most mma instructions: two tile-columns per trip). The
+loop's issue rate is what limits these kernels at HBM speed, so a change that
+makes ptxas issue more per tile-column fails here, before any device time is spent. The build's hot
+kernels must not spill either. Needs nvcc and nvdisasm (the `nvidia-cuda-nvdisasm` wheel, a test
+dependency in noxfile.py); skips with the reason where either is missing.
 
-The bound is derived, per tile-column (1 KiB of weights) and warp, from what the staged-scale loop must
-issue (csrc/gemv_int4.cuh):
+The bound is derived per tile-column (1 KiB of weights) and warp from what the loop must issue
+(csrc/gemv_int4.cuh `mma_tile_column`, `load_tile_column`), the floor:
 - the dequantisation: per 32-bit word 3 SHF + 4 LOP3 + 4 HADD2, 8 words: 88;
 - 8 HMMA (4 words x 2 mma.m16n8k16);
-- 4 LDS.128 of x, 1 LDS of the two rows' scale records, 2 LDG.128 of weights: 7;
-- 4 FFMA (the scales): 4;
-which is 107, plus at most 9 for the loop itself (two running weight pointers, two shared-memory
-pointers, the down-counter, its compare and branch, the guard of the next stage's loads, over two
-columns per trip): 116. The default build's per-column loop takes 141.5-161; a change that lets ptxas
-recompute addresses in the staged loop again (session 25: 151 -> 113 for gate_up's kernel) fails here,
-before any device time is spent. Needs nvcc and nvdisasm (the `nvidia-cuda-nvdisasm` wheel, a test dependency
-in noxfile.py); skips with the reason where either is missing.
-
-The int8 build with staged records (`gemv.int8_mma_spec(staged=True)`, session 26; the loop body that
-holds the most IMMA), per tile-column:
-- the dequantisation: per 32-bit word 1 SHF + 2 LOP3, 8 words: 24;
-- 8 IMMA (4 words x the lo and hi planes);
-- 4 LDS.128 of x's planes, 1 LDS.128 of the plane table, 1 LDS of the records, 2 LDG.128 of weights: 8;
-- per output of the fragment: 256 hi + lo, + z (-sum X), float(), x p, fma with the scale: 5 x 4 = 20;
-which is 60, plus the loop's 9 and 2 LOP3 that take the asymmetric zero points out of their records: 71.
+- loads: 4 LDS.128 of x, 2 LDG.128 of weights, 2 LDG of the two rows' scales, and for asymmetric weights
+  2 LDG of their zero points: 8 / 10;
+- the two scales widened to fp32 (a shift, or cvt for fp16 scales): 2; asymmetric, the two zero pairs
+  (one PRMT each): 2;
+- 4 FFMA (the scales);
+which is 110 symmetric, 114 asymmetric. Above the floor the loop may spend, per global load of the
+column, ADDR_PER_LOAD = 8 integer instructions on its 64-bit address (the addresses are derived from the
+row bases and the tile-column alone, which ptxas may rematerialise from the thread index: the lane's row,
+a 64-bit multiply-add by the row stride and its carry, the offset of the column), and LOOP_ALLOWANCE = 9
+on the loop itself (the column counter, the guards of the next stage's loads, their compares and
+branches, over two columns per trip).
 """
 
 from __future__ import annotations
@@ -36,14 +32,15 @@ from pathlib import Path
 
 import pytest
 from nanoqwen_kernels import build, gemv
+from nanoqwen_kernels.specs import SPECS
 
 CEILINGS = (Path(__file__).resolve().parents[2] / "nanoqwen-bench" / "src" / "nanoqwen_bench" / "kernels"
             / "ceilings" / "ceilings_report.py")
-FLOOR = 88 + 8 + 7 + 4  # dequantisation, mma, loads, scale fmas (module docstring)
+ADDR_PER_LOAD = 8
 LOOP_ALLOWANCE = 9
-HMMA_PER_TRIP = 16  # two tile-columns per trip
-INT8_FLOOR = 24 + 8 + 8 + 20  # the int8 staged build (module docstring)
-INT8_ALLOWANCE = LOOP_ALLOWANCE + 2
+MMA_PER_TRIP = 16  # two tile-columns per trip, 8 mma each
+# (floor, global loads) per tile-column, symmetric / asymmetric (module docstring)
+BF16 = {False: (88 + 8 + 8 + 2 + 4, 4), True: (88 + 8 + 10 + 2 + 2 + 4, 6)}
 
 pytestmark = [
     pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed on this machine"),
@@ -77,23 +74,28 @@ def _loops(spec, tmp_dir: Path, marker: str) -> dict[str, tuple[float, int]]:
     return out
 
 
+def _bound(table: dict, name: str) -> tuple[int, int]:
+    """(floor, most allowed) per tile-column of the kernel `name` (asymmetric or not)."""
+    floor, loads = table["_asym" in name]
+    return floor, floor + loads * ADDR_PER_LOAD + LOOP_ALLOWANCE
+
+
+def _check(loops: dict[str, tuple[float, int]], table: dict) -> None:
+    # every entry kind: plain, SiLU input, norm, RoPE, residual, merge; sym / asym; bf16 / fp16 scales
+    assert len(loops) == 36, sorted(loops)
+    assert {mma for _, mma in loops.values()} == {MMA_PER_TRIP}, "not the two-column loop"
+    out = {k: (v, _bound(table, k)) for k, (v, _) in loops.items()
+           if not _bound(table, k)[0] <= v <= _bound(table, k)[1]}
+    assert not out, f"instructions per tile-column outside (floor, bound): {out}"
+
+
 @pytest.fixture(scope="module")
 def g128_loops(tmp_path_factory) -> dict[str, tuple[float, int]]:
-    # not registered: the registry is global (test_build.py iterates it)
-    return _loops(gemv.staged_spec(), tmp_path_factory.mktemp("gemv_sass"), "HMMA")
-
-
-@pytest.fixture(scope="module")
-def int8_loops(tmp_path_factory) -> dict[str, tuple[float, int]]:
-    return _loops(gemv.int8_mma_spec(staged=True), tmp_path_factory.mktemp("gemv_i8_sass"), "IMMA")
+    return _loops(SPECS[gemv.FAMILY], tmp_path_factory.mktemp("gemv_sass"), "HMMA")
 
 
 def test_every_g128_gemv_loop_is_within_the_derived_bound(g128_loops):
-    # every entry kind: plain, SiLU input, norm, RoPE, residual, merge; sym / asym; bf16 / fp16 scales
-    assert len(g128_loops) == 36, sorted(g128_loops)
-    assert {hmma for _, hmma in g128_loops.values()} == {HMMA_PER_TRIP}, "not the two-column staged loop"
-    over = {k: v for k, (v, _) in g128_loops.items() if v > FLOOR + LOOP_ALLOWANCE}
-    assert not over, f"instructions per tile-column above {FLOOR} + {LOOP_ALLOWANCE}: {over}"
+    _check(g128_loops, BF16)
 
 
 def test_the_engines_decode_kernels_are_counted(g128_loops):
@@ -101,11 +103,5 @@ def test_the_engines_decode_kernels_are_counted(g128_loops):
     gate_up, down."""
     for name in ("gemv_int4_g128_asym_norm_rope", "gemv_int4_g128_asym_resid", "gemv_int4_g128_asym_norm",
                  "gemv_int4_g128_asym_silu_resid"):
-        assert FLOOR <= g128_loops[name][0] <= FLOOR + LOOP_ALLOWANCE, (name, g128_loops[name])
-
-
-def test_every_int8_gemv_loop_is_within_the_derived_bound(int8_loops):
-    assert len(int8_loops) == 36, sorted(int8_loops)
-    assert {mma for _, mma in int8_loops.values()} == {HMMA_PER_TRIP}, "not the two-column staged loop"
-    over = {k: v for k, (v, _) in int8_loops.items() if v > INT8_FLOOR + INT8_ALLOWANCE}
-    assert not over, f"instructions per tile-column above {INT8_FLOOR} + {INT8_ALLOWANCE}: {over}"
+        floor, most = _bound(BF16, name)
+        assert floor <= g128_loops[name][0] <= most, (name, g128_loops[name])

@@ -1,5 +1,5 @@
-"""The sampling kernel on the CPU emulator (nanoqwen_kernels.emu: the kernel's own CUDA source compiled
-for the host, 1024 fibers per block switched at its shuffles, ballots and barriers and at random at
+"""The sampling kernel on the CPU emulator (nanoqwen_kernels.testing.emu: the kernel's own CUDA source
+compiled for the host, 1024 fibers per block switched at its shuffles, ballots and barriers and at random at
 its shared-memory atomics; the blocks of a row running at once, in any order, to meet on the row's
 arrival counter). The checks are sampling_testkit.py's, the GPU tests' own, with fresh random logits
 (a generator seeded by the test's name) at smaller sizes: greedy with ties and NaN, greedy over
@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 import torch
-from nanoqwen_kernels import emu
+from nanoqwen_kernels.testing import emu
 from sampling_testkit import (
     check_distribution_matches_reference,
     check_greedy_across_chunks,

@@ -1,20 +1,15 @@
-"""CPU: the engine's kernel backend computing for real on the kernel emulator (nanoqwen_kernels.emu: the
-kernels' own CUDA source compiled for the host), against the fp32 reference, for each
-`EngineConfig.post_attention_kernel`: "off" (the GEMVs with their fused prologues and epilogues),
-"block" (o_proj, gate_up and down as one persistent launch) and "block+qkv" (the next layer's qkv
-projection, RoPE and paged K/V write in that launch too); and `EngineConfig.gemv_build` "int8" (the
-decode GEMVs on the int8 tensor cores, x rounded to 16-bit block floating point: within the same bound).
-It is test_engine_gpu.py's `test_post_attention_kernel_matches_reference` on the CPU: the model step's
-plumbing of the fused paths (`ops.fuses_post_attention`, the qkv projection skipped after "block+qkv",
-the residual and statistics handed between launches) with the kernels' real outputs.
+"""CPU: the engine's kernel backend computing for real on the kernel emulator (nanoqwen_kernels.testing.emu:
+the kernels' own CUDA source compiled for the host), against the fp32 reference: the GEMVs with their fused
+prologues and epilogues. The model step's plumbing of
+the fused paths (the residual and statistics handed between launches) with the kernels' real outputs.
 
-What is emulated: every gemv, block and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
-prologue, the qkv RoPE / K/V epilogue and the residual epilogue, the block kernel, the prefill's
-dequantisation); with `kernel_attention`, also the paged attention (the prefill and decode plans the
-engine makes, over its page tables) and the sampler (greedy over the engine's per-row parameter
-buffers), so that every launch of a step is the kernels' own code; otherwise those two come from the
-torch backend (`EmuKernelOps`). Not run: the INT4 GEMMs of 9..64 rows, which the test avoids (prompts
-of more than 64 tokens prefill in one chunk: the dequantise + matmul path).
+What is emulated: every gemv and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
+prologue, the qkv RoPE / K/V epilogue and the residual epilogue, the prefill's dequantisation); with
+`kernel_attention`, also the paged attention (the prefill and decode plans the engine makes, over its
+page tables) and the sampler (greedy over the engine's per-row parameter buffers), so that every launch
+of a step is the kernels' own code; otherwise those two come from the torch backend (`EmuKernelOps`).
+Not run: the INT4 GEMMs of 9..64 rows, which the test avoids (prompts of more than 64 tokens prefill in
+one chunk: the dequantise + matmul path).
 
 Bound (test_engine_gpu.py's, `engine.agreement`): at every teacher-forced position, |logits - reference|
 <= 2 x |torch backend - reference| + one bf16 ulp at the largest logit; the greedy choice equals the
@@ -57,11 +52,9 @@ def _config(**kw):
     return cpu_config(prefill_chunk=256, max_batch=2, graph_buckets=(1, 2), **kw)
 
 
-def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
-                attention_merge: str = "o_proj", gemv_build: str = "bf16") -> Engine:
+def _emu_engine(path, monkeypatch, kernel_attention: bool = False) -> Engine:
     """The CUDA engine's kernel backend on CPU tensors, its launches on the emulator (the caller holds
-    `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`
-    (`attention_merge`: the kernel backend's default, "o_proj", unless given)."""
+    `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`."""
     from nanoqwen_kernels import attention as kattn
     from nanoqwen_runtime.engine import ops_kernels
 
@@ -93,36 +86,24 @@ def _emu_engine(path, monkeypatch, variant: str, kernel_attention: bool = False,
     monkeypatch.setattr("nanoqwen_runtime.engine.engine.make_ops",
                         lambda config, geom: ops_class(geom, config, torch.device("cpu")))
     cfg = _config()
-    cfg.backend, cfg.post_attention_kernel = "kernels", variant  # after validation (it wants CUDA)
-    cfg.attention_merge, cfg.gemv_build = attention_merge, gemv_build
+    cfg.backend = "kernels"  # after validation (it wants CUDA)
     from nanoqwen_runtime.engine.loader import load
 
     model = load(path, "cpu")
     return Engine(model.geometry, model.weights, cfg)
 
 
-@pytest.mark.parametrize("variant, kernel_attention, gemv_build",
-                         [("off", False, "bf16"), ("block", False, "bf16"), ("block+qkv", False, "bf16"),
-                          ("block+qkv", True, "bf16"), ("off", True, "int8"), ("off", False, "int8-staged"),
-                          ("off", False, "int8-m1"), ("off", False, "int8-wide"), ("block", False, "int8"),
-                          ("block+qkv", False, "int8-m1")],
-                         ids=["off", "block", "block+qkv", "block+qkv-attention-sampling",
-                              "off-gemv-int8-attention-sampling", "off-gemv-int8-staged", "off-gemv-int8-m1",
-                              "off-gemv-int8-wide", "block-int8", "block+qkv-int8-m1"])
-def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch, variant,
-                                                             kernel_attention, gemv_build):
+@pytest.mark.parametrize("kernel_attention", [False, True], ids=["gemv", "gemv-attention-sampling"])
+def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch,
+                                                             kernel_attention):
     from nanoqwen_kernels import attention as kattn
-    from nanoqwen_kernels import emu
     from nanoqwen_kernels import sampling as ksamp
-    from nanoqwen_runtime.engine import ops_kernels
+    from nanoqwen_kernels.testing import emu
 
     try:
         emu.compiler()
     except emu.EmulatorError as e:
         pytest.skip(str(e))
-    # "int8-wide" at the tiny model's widths: gate_up (2 x 384 = 768 outputs) is the wide GEMV; qkv (512),
-    # o and down (256) are not, and its lm_head is bf16 (cuBLAS / torch)
-    monkeypatch.setattr(ops_kernels, "INT8_WIDE_MIN_N", 2 * TINY.intermediate_size)
     prompts, ref, bound = oracle
     launched: list[str] = []
     with emu.emulated(sms=4, seed=5, timeout_s=60.0):
@@ -131,54 +112,37 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
             emu.launch(family, kernel, *args, **kw)
 
         kattn.launch = ksamp.launch = counted  # emulated() puts the real launchers back on exit
-        engine = _emu_engine(tiny_path, monkeypatch, variant, kernel_attention, gemv_build=gemv_build)
-        # "int8-m1" takes the int8 loop at one-row steps only: the prompts one at a time
-        run = teacher_forced(engine, prompts, ref.tokens, batch=1 if gemv_build == "int8-m1" else 2)
+        engine = _emu_engine(tiny_path, monkeypatch, kernel_attention)
+        run = teacher_forced(engine, prompts, ref.tokens, batch=2)
     decided = 0
     for p in range(len(prompts)):
         diff = (run.logits[p] - ref.logits[p]).abs().amax(dim=-1)
-        assert bool((diff <= bound[p]).all()), f"{variant} prompt {p}: {diff.tolist()} > {bound[p].tolist()}"
+        assert bool((diff <= bound[p]).all()), (p, diff.tolist(), bound[p].tolist())
         clear = ref.gap(p) >= 2 * bound[p]
         for j in range(STEPS):
             if clear[j]:
-                assert run.chosen[p][j] == ref.tokens[p][j], f"{variant} prompt {p} position {j}"
+                assert run.chosen[p][j] == ref.tokens[p][j], f"prompt {p} position {j}"
                 decided += 1
     assert decided >= STEPS // 2
     paths = engine.ops.paths
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
-    # gemv_build "int8" / "int8-staged" / "int8-m1" (one-row steps here): every decode GEMV (g128; per step
-    # 4 per layer, or with the block kernel qkv only: 1 per layer, or layer 0's with "block+qkv") on the int8
-    # cores, and every block launch its int8 build; "int8-wide" (two-row steps here): gate_up only
-    int8_steps = decode_steps if gemv_build != "bf16" else 0
-    gemvs = {"off": 4 * layers, "block": layers, "block+qkv": 1}[variant]
-    if gemv_build == "int8-wide":
-        gemvs = layers
-    assert paths.get("gemv_int8_mma", 0) == gemvs * int8_steps, paths
-    blocks_int8 = 0 if variant == "off" else layers * int8_steps
-    assert paths.get("post_attention_block_int8", 0) == blocks_int8, paths
-    if variant == "off":
-        assert "post_attention_block" not in paths and paths["residual_epilogue"] > 0
-    else:
-        assert paths["post_attention_block"] == layers * decode_steps, paths
-        fused_qkv = (layers - 1) * decode_steps if variant == "block+qkv" else 0
-        assert paths.get("post_attention_qkv", 0) == fused_qkv, paths
+    assert paths["gemv_int4"] >= 4 * layers * decode_steps and paths["residual_epilogue"] > 0
     assert paths["dequant_gemm"] > 0 and "int4_gemm" not in paths  # the prefill took the emulated path
     if kernel_attention:  # every layer's attention and every step's sampling ran on the emulator
         assert launched.count("paged_attention_decode_hd64") >= layers * decode_steps, launched
         assert "paged_attention_prefill_hd64" in launched and "sample_tokens_bf16" in launched, launched
-        # the kernel backend's default merge: the o_proj GEMV merges every decode step's split rows (its
-        # int8 build too); a block launch takes none (its o_proj is not a GEMV of its own)
-        merged = layers * decode_steps if variant == "off" else 0
-        assert paths.get("attention_merge_o_proj", 0) == merged, paths
+        # the kernel backend's default merge: the o_proj GEMV merges every decode step's split rows
+        assert paths.get("attention_merge_o_proj", 0) == layers * decode_steps, paths
     else:
         assert not launched
     assert engine.kv_blocks_used() == 0
 
 
 def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, monkeypatch):
-    """EngineConfig.attention_merge="o_proj" against "combine", every launch on the emulator (attention and
-    sampling too): prompts of 130 and 125 tokens (one prefill chunk of 255: no INT4 GEMM, which the
+    """The o_proj GEMV's merge of the split attention rows against the combine kernel (the engine with
+    `KernelOps.fuses_attention_merge` forced off), every launch on the emulator (attention and sampling
+    too): prompts of 130 and 125 tokens (one prefill chunk of 255: no INT4 GEMM, which the
     emulator does not run), so that the decode steps' contexts split in the engine's decode plans (3
     tiles: the first prompt from its first step, the second from its fourth) and the combine kernel has
     rows to merge beside unsplit ones. The o_proj GEMV's merge
@@ -186,9 +150,10 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
     be bitwise equal; each decode step's layers must have deferred the merge ("attention_merge_o_proj")
     and launched the `_merge_hd64_resid` GEMV instead of the combine kernel, one launch fewer per layer."""
     from nanoqwen_kernels import attention as kattn
-    from nanoqwen_kernels import emu
     from nanoqwen_kernels import gemv as kgemv
     from nanoqwen_kernels import sampling as ksamp
+    from nanoqwen_kernels.testing import emu
+    from nanoqwen_runtime.engine import ops_kernels
 
     try:
         emu.compiler()
@@ -206,8 +171,11 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
                 emu.launch(family, kernel, *args, **kw)
 
             kattn.launch = ksamp.launch = kgemv.launch = counted  # put back by emulated() on exit
-            engine = _emu_engine(tiny_path, monkeypatch, "off", kernel_attention=True, attention_merge=merge)
-            runs[merge] = teacher_forced(engine, prompts, forced, batch=2)
+            with monkeypatch.context() as mp:
+                if merge == "combine":
+                    mp.setattr(ops_kernels.KernelOps, "fuses_attention_merge", lambda *a: False)
+                engine = _emu_engine(tiny_path, monkeypatch, kernel_attention=True)
+                runs[merge] = teacher_forced(engine, prompts, forced, batch=2)
         launches[merge], engines[merge] = launched, engine
     assert all(p.can_defer_merge for p in engines["o_proj"].ops.decode_plans.values())
     for p in range(len(prompts)):
@@ -229,36 +197,3 @@ def test_attention_merge_in_o_proj_gives_the_combine_kernels_bits(tiny_path, mon
     assert ops.fuses_attention_merge(plan, o_proj, 2)
     stand_in = types.SimpleNamespace(mode="prefill", can_defer_merge=True)
     assert not ops.fuses_attention_merge(stand_in, o_proj, 2)
-
-
-@pytest.mark.parametrize("gemv_build", ["bf16", "int8", "int8-staged", "int8-m1", "int8-wide"])
-def test_gemv_family_by_rows(tiny_path, monkeypatch, gemv_build):
-    """Which kernel family runs a decode GEMV step of 1..8 rows: the bf16 build, an int8 build at every
-    row count ("int8", "int8-staged"), or the int8 build at one row and bf16 at 2..8 ("int8-m1"); for each
-    weight alike but "int8-wide", which takes the int8 build at 1..4 rows on a weight of at least
-    INT8_WIDE_MIN_N outputs without the SiLU input, and bf16 for the rest and for a block launch
-    (no weight named)."""
-    from nanoqwen_kernels import emu
-    from nanoqwen_kernels import gemv as kgemv
-
-    try:
-        emu.compiler()
-    except emu.EmulatorError as e:
-        pytest.skip(str(e))
-    with emu.emulated(sms=4, seed=5, timeout_s=60.0):  # the engine's start launches kernels
-        ops = _emu_engine(tiny_path, monkeypatch, "off", False, gemv_build=gemv_build).ops
-    from nanoqwen_runtime.engine.ops_kernels import INT8_WIDE_MAX_ROWS, INT8_WIDE_MIN_N
-
-    int8, bf16 = kgemv.register_int8_mma(staged=gemv_build == "int8-staged"), kgemv.FAMILY
-    rows = range(1, kgemv.MAX_M + 1)
-    expected = {"bf16": [bf16] * 8, "int8": [int8] * 8, "int8-staged": [int8] * 8,
-                "int8-m1": [int8] + [bf16] * 7, "int8-wide": [bf16] * 8}[gemv_build]
-    assert [ops.gemv_family(m) for m in rows] == expected
-    # the 7B's shapes: gate_up 37,888 and lm_head 152,064 outputs, qkv 4,608, o 3,584, down (SiLU input)
-    wide = ([int8] * INT8_WIDE_MAX_ROWS + [bf16] * (8 - INT8_WIDE_MAX_ROWS) if gemv_build == "int8-wide"
-            else expected)
-    for n, silu in ((INT8_WIDE_MIN_N, False), (37888, False), (152064, False)):
-        assert [ops.gemv_family(m, n, silu) for m in rows] == wide, (n, silu)
-    narrow = [bf16] * 8 if gemv_build == "int8-wide" else expected
-    for n, silu in ((INT8_WIDE_MIN_N - 1, False), (4608, False), (3584, False), (3584, True), (37888, True)):
-        assert [ops.gemv_family(m, n, silu) for m in rows] == narrow, (n, silu)

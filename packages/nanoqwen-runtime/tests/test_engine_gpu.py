@@ -169,58 +169,26 @@ def _forced_within_bound(container, batch: int, **option):
     return engine, engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
 
 
-@pytest.mark.parametrize("gemv_build", ["bf16", "int8"])
-@pytest.mark.parametrize("variant", ["block", "block+qkv"])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_post_attention_kernel_matches_reference(container, variant, batch, gemv_build):
-    """EngineConfig.post_attention_kernel: at 1 and 2 rows each layer's o_proj, gate_up and down are one
-    persistent launch (nanoqwen_kernels.block), with "block+qkv" the next layer's qkv projection too;
-    teacher-forced decode within the reference bound, and the graph of the batch's bucket ran it once
-    per layer: the qkv GEMV runs for every layer ("block") or only for layer 0 ("block+qkv"). With
-    gemv_build "int8", every block launch is the block's int8 build."""
-    engine, graph = _forced_within_bound(container, batch, post_attention_kernel=variant,
-                                         gemv_build=gemv_build)
-    layers = engine.geom.num_hidden_layers
-    assert graph.get("post_attention_block") == layers, graph
-    assert graph.get("post_attention_block_int8", 0) == (layers if gemv_build == "int8" else 0), graph
-    qkv_gemvs = layers if variant == "block" else 1
-    assert graph.get("gemv_int4") == qkv_gemvs, graph
-    assert graph.get("post_attention_qkv", 0) == layers - qkv_gemvs, graph
-    assert "residual_epilogue" not in graph, graph
-    assert engine.kv_blocks_used() == 0
-
-
-@pytest.mark.parametrize("variant", ["int8", "int8-staged", "int8-m1", "int8-wide"])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_int8_gemv_build_matches_reference(container, variant, batch):
-    """EngineConfig.gemv_build "int8" / "int8-staged" / "int8-m1" / "int8-wide": the decode GEMVs on the
-    int8 tensor cores (x rounded to 16-bit block floating point per 128 columns, at most 2^-15 of the
-    group's largest |x|: far below the bound's bf16 noise); teacher-forced decode within the reference
-    bound, and the graph of the batch's bucket ran every layer's four GEMVs on the int8 build ("int8-m1":
-    at one row only; "int8-wide": gate_up only (9,728 / 37,888 outputs; the lm_head is bf16 here), at up
-    to 4 rows; the bucket of 8 of both on the bf16 one)."""
-    engine, graph = _forced_within_bound(container, batch, gemv_build=variant)
-    layers = engine.geom.num_hidden_layers
-    int8_gemvs = {"int8-m1": layers * 4 if batch == 1 else 0,
-                  "int8-wide": layers if batch <= 4 else 0}.get(variant, 4 * layers)
-    assert graph.get("gemv_int8_mma", 0) == int8_gemvs, graph
-    assert engine.kv_blocks_used() == 0
-
-
 @pytest.mark.parametrize("batch", [1, 2, 8])
-def test_attention_merge_in_o_proj_gives_the_same_logits(container, batch):
-    """EngineConfig.attention_merge="o_proj" against "combine": contexts of 1-490 tokens, within the
-    512-token context class (decode plans of at most 16 splits) and most of them over 2 tiles (split),
-    teacher-forced at 1, 2 and 8 rows. The o_proj GEMV merges the split attention rows with the combine
-    kernel's arithmetic, so every logit must be bitwise equal; the graph of the batch's bucket deferred
-    every layer's merge ("attention_merge_o_proj") and so launches one kernel fewer per layer."""
+def test_attention_merge_in_o_proj_gives_the_same_logits(container, batch, monkeypatch):
+    """The o_proj GEMV's merge of the split attention rows against the combine kernel (the engine with
+    `KernelOps.fuses_attention_merge` forced off): contexts of 1-490 tokens, within the 512-token context
+    class (decode plans of at most 16 splits) and most of them over 2 tiles (split), teacher-forced at 1,
+    2 and 8 rows. The merge uses the combine kernel's arithmetic, so every logit must be bitwise equal;
+    the graph of the batch's bucket deferred every layer's merge ("attention_merge_o_proj") and so
+    launches one kernel fewer per layer."""
+    from nanoqwen_runtime.engine.ops_kernels import KernelOps
+
     name, path = container
     prompts = prompts_of((130, 1, 480, 200, 129, 64, 300, 490), seed=5)
     forced = [[(7 * i + 13 * j) % 1000 + 10 for j in range(STEPS)] for i in range(len(prompts))]
     runs, engines = {}, {}
     for merge in ("combine", "o_proj"):
-        engines[merge] = Engine.from_file(path, gpu_config(attention_merge=merge))
-        runs[merge] = teacher_forced(engines[merge], prompts, forced, batch=batch)
+        with monkeypatch.context() as mp:
+            if merge == "combine":
+                mp.setattr(KernelOps, "fuses_attention_merge", lambda self, plan, o_proj, m: False)
+            engines[merge] = Engine.from_file(path, gpu_config())
+            runs[merge] = teacher_forced(engines[merge], prompts, forced, batch=batch)
     for p in range(len(prompts)):
         assert torch.equal(runs["o_proj"].logits[p], runs["combine"].logits[p]), f"{name} b{batch} prompt {p}"
     layers = engines["o_proj"].geom.num_hidden_layers
@@ -281,43 +249,6 @@ def test_reliability_1000_requests(container):
 
 
 @pytest.mark.parametrize("mode", ["graph", "eager"])
-def test_pdl_changes_nothing_but_timing(container, mode):
-    """Programmatic dependent launch only moves when kernels start: with it on and off, the same
-    requests (batch 3, prompts chunked over two prefill steps, 12 decode steps) must give bitwise
-    identical logits at every step. A kernel that read its predecessor's output before `pdl_wait`
-    would show here as a difference (or as run-to-run noise in the PDL run)."""
-    _, path = container
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, 150000, (n,), generator=g).tolist() for n in (600, 37, 129)]
-
-    def run(pdl: bool):
-        engine = Engine.from_file(path, gpu_config(mode=mode, pdl=pdl))
-        reqs = [Request(p, SamplingParams(max_tokens=12), f"r{i}", ignore_eos=True)
-                for i, p in enumerate(prompts)]
-        toks, logits = {}, {}
-        engine.record_logits = True
-        for ev in engine.generate(reqs):
-            if isinstance(ev, TokenEvent):
-                toks.setdefault(ev.request, []).append(ev.token_id)
-                logits.setdefault(ev.request, []).append(engine.last_logits[ev.request])
-        del engine
-        torch.cuda.empty_cache()
-        return toks, logits
-
-    toks_off, logits_off = run(False)
-    toks_on, logits_on = run(True)
-    toks_on2, logits_on2 = run(True)
-    assert toks_on == toks_off == toks_on2
-    steps = 0
-    for rid, seq in logits_off.items():
-        for a, b, c in zip(seq, logits_on[rid], logits_on2[rid], strict=True):
-            assert torch.equal(a, b) and torch.equal(b, c), f"{rid}: logits differ with PDL"
-            steps += 1
-    assert steps == 3 * 12
-    print(f"pdl[{mode}]: {steps} steps, logits bitwise equal with and without PDL")
-
-
-@pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_overlap_gives_the_synchronous_tokens(container, mode):
     """EngineConfig.overlap: decode step n+1 queued before step n is read back, its token ids copied on
     the device from step n's sampled tokens (test_engine_overlap.py has the CPU cases: EOS, arrivals,
@@ -358,7 +289,7 @@ def test_overlap_gives_the_synchronous_tokens(container, mode):
 
 
 # Not on the 0.5B geometry: it ties its embeddings, and its random-weight model repeats the prompt's last
-# token (H200, session 23), so no sampled token after the first is new and none can end a request at a
+# token, so no sampled token after the first is new and none can end a request at a
 # decode step.
 @pytest.mark.parametrize("container", ["7b-width-2layers"], indirect=True)
 def test_overlap_with_eos_matches_the_reference(container):
@@ -371,7 +302,7 @@ def test_overlap_with_eos_matches_the_reference(container):
     Each EOS id is a reference token inside its prompt's tie-free prefix (`tie_free_prefix`: the tokens
     that any engine within the bound must choose exactly), so the request must end there with reason
     "eos". On these random-weight models most prompts meet a near-tie at their first or second token
-    (H200, 2026-12-05: 7 tie-free tokens over 8 prompts of the 7B-width model), hence four prompts of
+    (measured: 7 tie-free tokens over 8 prompts of the 7B-width model), hence four prompts of
     each length, and only those with a token in their tie-free prefix that is new after the first get an
     EOS; the rest run to max_tokens."""
     _, path = container
@@ -418,23 +349,22 @@ def test_overlap_with_eos_matches_the_reference(container):
           f"EOS, {engine.num_rows_dropped} rows dropped")
 
 
-def test_int8_wide_with_an_int4_lm_head_matches_reference(tmp_path):
-    """An `--lm-head int4` container (7B width, 2 layers) with gemv_build "int8-wide": gate_up and the
-    INT4 lm_head (152,064 outputs) on the int8 loop at batches 1 and 3, the rest on bf16 (what
-    `nanoqwen-cli bench`'s lm_head_ab times as its fastest batch-1 step); teacher-forced decode within
-    the noise bound, and the batch-1 graph ran one int8 GEMV per layer plus the lm_head."""
+def test_int4_lm_head_matches_reference(tmp_path):
+    """An `--lm-head int4` container (7B width, 2 layers): the INT4 lm_head (152,064 outputs) as one more
+    decode GEMV at batches 1 and 3 (what `nanoqwen-cli bench`'s lm_head_ab times); teacher-forced decode
+    within the noise bound, and the batch-1 graph ran the lm_head as a GEMV, not cuBLAS."""
     path = write_container(tmp_path / "int4-head.nanoqwen", GEOMS["7b-width-2layers"], seed=9, lm_head="int4",
                            device="cuda")
     prompts = prompts_of((300, 41, 7), seed=4)
     ref, bound = oracle(path, prompts, steps=8)
-    engine = Engine.from_file(path, gpu_config(gemv_build="int8-wide"))
+    engine = Engine.from_file(path, gpu_config())
     for batch in (3, 1):
         run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
-        worst, decided = check_against_reference(f"int4-head-int8-wide/b{batch}", run, ref, bound)
+        worst, decided = check_against_reference(f"int4-head/b{batch}", run, ref, bound)
         assert decided >= len(prompts) * 8 // 4  # a quarter of the positions at the least, as below
     graph = engine.runner.graph_paths[(1, engine.runner.context_classes[0])]
     layers = engine.geom.num_hidden_layers
-    assert graph.get("gemv_int8_mma") == layers + 1 and graph.get("gemv_int4") == 4 * layers + 1, graph
+    assert graph.get("gemv_int4") == 4 * layers + 1, graph
     assert "cublas_bf16" not in graph and engine.kv_blocks_used() == 0
 
 

@@ -249,7 +249,7 @@ def test_speculation_keeps_its_drafts(tiny_path, batch):
 def test_a_drafter_without_matches_lets_every_step_go_ahead(tiny_path):
     """Speculation on, but the drafter's context never has a match (prompts of distinct tokens, and a
     model that makes its own tokens): every decode step after the first goes ahead, as with speculation
-    off (before session 27 each step waited for its token: the drafter might have found a match in it),
+    off (a step does not wait for its token for the drafter's sake: no match, no draft),
     and the tokens are those of the synchronous engine."""
     rng = np.random.default_rng(30)  # a seed whose 24 generated tokens never repeat an earlier one
     prompts = [[int(x) for x in rng.permutation(np.arange(10, 500))[:20]] for _ in range(2)]

@@ -113,8 +113,8 @@ def test_teacher_forced_decode_matches_reference(engine, prompts, reference, bou
     # per layer qkv, o_proj, gate_up and down: one INT4 GEMV launch (<= 8 rows: qkv with RoPE and the
     # K/V write fused, down with SiLU*mul fused; qkv (but layer 0's) and gate_up with the norm as
     # their prologue, o_proj and down adding into the residual) or one INT4 GEMM launch (more); the
-    # tied bf16 lm_head on cuBLAS; and where the step's attention plan splits (into at most 16: the
-    # default EngineConfig.attention_merge "o_proj"), the o_proj GEMV merges the split rows
+    # tied bf16 lm_head on cuBLAS; and where the step's attention plan splits (into at most 16), the
+    # o_proj GEMV merges the split rows
     if batch <= 8:
         merged = {"attention_merge_o_proj": layers} if engine.ops.decode_plans[key].can_defer_merge else {}
         assert paths == {"gemv_int4": 4 * layers, "qkv_rope_fused": layers, "norm_prologue": 2 * layers - 1,

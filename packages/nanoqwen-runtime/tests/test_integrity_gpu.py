@@ -111,8 +111,8 @@ def test_nan_at_a_decode_step_ends_requests(healthy, mode, sampling):
     """Healthy tokens first (the flag is clear on real logits, in graph replays too); then final_norm
     is overwritten with NaN on the device, and the next decode step (a graph replay in graph mode)
     ends every request with ERROR, emitting none of its tokens. Overlap off: with it, the step in flight
-    when the weights are overwritten was queued before, and its healthy tokens come back first (H200,
-    session 23: TokenEvents where this test wants the finish events)."""
+    when the weights are overwritten was queued before, and its healthy tokens come back first
+    (TokenEvents where this test wants the finish events)."""
     engine = Engine.from_file(healthy, gpu_config(mode=mode, overlap=False))
     reqs = [Request(list(range(200, 200 + n)), SAMPLING[sampling].with_(max_tokens=50), f"r{n}",
                     ignore_eos=True) for n in (5, 70, 3)]

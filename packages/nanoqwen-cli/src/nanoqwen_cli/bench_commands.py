@@ -57,7 +57,7 @@ def bench(
         "--max-tokens", help="--workload: generated-token limit per prompt (default 256)")] = None,
     only: Annotated[str | None, typer.Option(
         help="run only these sections, comma-separated, as bench.json names them (e.g. "
-             "decode_ctx128,attention_merge_ab,lm_head_ab); the bandwidths always run")] = None,
+             "decode_ctx128,overlap_ab,lm_head_ab); the bandwidths always run")] = None,
 ) -> None:
     """Benchmark the CUDA engine end to end on one GPU.
 

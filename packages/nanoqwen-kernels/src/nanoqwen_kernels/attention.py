@@ -43,12 +43,12 @@ from .launch import check, f32, i32, launch, ptr, require_sm90
 FAMILY = "attention"
 TILE = 64  # KV tokens per pipeline stage (csrc/attention.cuh TILE)
 THREADS = 160  # one producer warp + four consumer warps
-CTAS_PER_SM = 2  # shared memory and registers allow two CTAs per SM (see NOTES.md)
+CTAS_PER_SM = 2  # shared memory and registers allow two CTAs per SM
 MAX_SPLITS = 256  # csrc/attention.cuh MAX_SPLITS (the combine's shared weights)
 COMBINE_THREADS = 512  # csrc/attention.cuh COMBINE_THREADS
 CTA_OVERHEAD_TILES = 1  # prologue + epilogue + combine share of one CTA, in tile-times (a guess)
 FUSE_CAP = 16  # csrc/attention.cuh FUSE_CAP: the most splits the in-kernel merge can take
-# Measured on the H200 (kernels NOTES.md, session 14): a context of at most UNSPLIT_MAX_TILES tiles runs
+# Measured on the H200: a context of at most UNSPLIT_MAX_TILES tiles runs
 # unsplit (2 tiles: 7.1 us against 7.7-8.2 split in two + combine, batch 1); FUSE_MAX_SPLITS: the most
 # splits merged inside the attention launch by the last split to finish, more go to the combine kernel.
 # 1 = never: the in-kernel merge measured slower than the combine kernel at every split count tried
@@ -166,7 +166,7 @@ class PagedAttentionPlan:
             raise ValueError(f"max_query_len {max_query_len} > max_context_len {max_context_len}")
         dev = torch.device(device)
         self.device_index = require_sm90(dev)
-        # "cuda" -> "cuda:N": tensors compare equal (a CPU device only on the kernel emulator, emu.py)
+        # "cuda" -> "cuda:N": tensors compare equal (a CPU device only on the kernel emulator, testing/emu.py)
         self.device = torch.device("cuda", self.device_index) if dev.type == "cuda" else dev
         self.geometry = geometry
         self.mode = mode
@@ -175,7 +175,7 @@ class PagedAttentionPlan:
         self.kernel = _KERNELS[(mode, geometry.head_dim)]
         self.num_row_tiles = -(-max_query_len * geometry.group // self.kernel.rows)
         base = max_batch * geometry.n_kv_heads * self.num_row_tiles
-        num_sms = _gemv._sm_count(self.device_index)  # the one SM count every plan reads (emu.py)
+        num_sms = _gemv._sm_count(self.device_index)  # the one SM count every plan reads (testing/emu.py)
         self.unsplit_max_tiles = UNSPLIT_MAX_TILES if unsplit_max_tiles is None else unsplit_max_tiles
         self.fuse_max_splits = FUSE_MAX_SPLITS if fuse_max_splits is None else fuse_max_splits
         if self.unsplit_max_tiles < 0:
@@ -256,7 +256,6 @@ class PagedAttentionPlan:
         out: torch.Tensor | None = None,
         *,
         defer_merge: bool = False,
-        pdl: bool = False,
     ) -> torch.Tensor:
         """Attention output [total_q, n_heads, head_dim] bf16 (written into `out` when given).
 
@@ -264,8 +263,7 @@ class PagedAttentionPlan:
         k_cache, v_cache: bf16 [num_blocks, n_kv_heads, block_size, head_dim] (one layer of the pool);
         page_table: int32 [B, max_pages]; context_lens: int32 [B];
         query_start_loc: int32 [B + 1], prefill only (decode: total_q == B).
-        pdl: launch with programmatic dependent launch. One kernel launch, or two when the plan
-        can split more than fuse_max_splits ways (`launches`).
+        One kernel launch, or two when the plan can split more than fuse_max_splits ways (`launches`).
         defer_merge: leave the rows split more than fuse_max_splits ways unmerged in the plan's work
         buffers (no combine launch): the o projection's GEMV merges them while it stages its input,
         `gemv.gemv_int4(out, ..., merge=plan.merge_input())`, the same bits as the combine kernel. Only
@@ -295,11 +293,10 @@ class PagedAttentionPlan:
             i32(self.fuse_max_splits), f32(self.scale_log2),
         )
         grid = (self.num_row_tiles * self.num_splits, g.n_kv_heads, batch)
-        launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem,
-                      pdl=pdl)
+        launch(FAMILY, cfg.name, self.device_index, grid, (THREADS,), args, shared_mem=cfg.shared_mem)
         if self.launches == 2 and not defer_merge:
             launch(FAMILY, _COMBINE[g.head_dim], self.device_index, (total_q * g.n_heads,),
-                          (COMBINE_THREADS,), args + (i32(total_q),), pdl=pdl)
+                          (COMBINE_THREADS,), args + (i32(total_q),))
         return out
 
     @property

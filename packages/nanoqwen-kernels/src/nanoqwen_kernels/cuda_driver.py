@@ -1,14 +1,10 @@
 """ctypes bindings of the CUDA driver calls CuPy does not expose: `cuLaunchKernelEx` and
 `cuTensorMapEncodeTiled`.
 
-It is used for programmatic dependent launch (PDL): the launch attribute
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION lets a kernel's blocks start while the previous
-kernel on the stream is still running, each kernel resolving the dependency itself with
-`griddepcontrol.wait` (csrc/common.cuh states the contract). Under stream capture the driver turns
-it into a programmatic edge of the CUDA graph.
-
-The structures mirror cuda.h (CUDA 12.0 and later; `tests/test_cuda_driver_cpu.py` compiles a C
-program against the local cuda.h and compares sizes and offsets).
+`cuLaunchKernelEx` launches the kernels that take a CUtensorMap by value (the wgmma GEMM, family
+"gemm_ws"), which CuPy's launch cannot pass. The structures mirror cuda.h (CUDA 12.0 and later;
+`tests/test_launch_cpu.py` compiles a C program against the local cuda.h and compares sizes and
+offsets).
 """
 
 from __future__ import annotations
@@ -17,8 +13,6 @@ import ctypes
 import functools
 
 import numpy as np
-
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class CUlaunchAttribute(ctypes.Structure):
@@ -66,28 +60,17 @@ def _error_text(lib: ctypes.CDLL, code: int) -> str:
     return f"{(name.value or b'?').decode()} ({code}): {(text.value or b'?').decode()}"
 
 
-@functools.cache
-def _pdl_attribute() -> CUlaunchAttribute:
-    attr = CUlaunchAttribute()
-    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    # value.programmaticStreamSerializationAllowed: an int at offset 0 of the union
-    ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), ctypes.sizeof(ctypes.c_int))
-    return attr
-
-
-def launch_pdl(function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int, *,
-               pdl: bool = True) -> None:
-    """cuLaunchKernelEx of the CUfunction `function_ptr` on `stream_ptr`, with programmatic stream
-    serialization allowed when `pdl`. `args`: numpy scalars in the kernel's parameter order (their
-    dtype gives each parameter's size; a 128-byte `np.void` is a CUtensorMap passed by value). Raises
-    CudaDriverError when the driver refuses the launch."""
+def launch_ex(function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
+    """cuLaunchKernelEx of the CUfunction `function_ptr` on `stream_ptr`, no launch attributes.
+    `args`: numpy scalars in the kernel's parameter order (their dtype gives each parameter's size; a
+    128-byte `np.void` is a CUtensorMap passed by value). Raises CudaDriverError when the driver refuses
+    the launch."""
     if not all(isinstance(a, np.generic) for a in args):
-        raise TypeError("launch_pdl: every argument must be a numpy scalar (its dtype gives the size)")
+        raise TypeError("launch_ex: every argument must be a numpy scalar (its dtype gives the size)")
     lib = _libcuda()
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
-    cfg = CUlaunchConfig(gx, gy, gz, bx, by, bz, shared_mem, stream_ptr,
-                         ctypes.pointer(_pdl_attribute()) if pdl else None, 1 if pdl else 0)
+    cfg = CUlaunchConfig(gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, None, 0)
     holders = [np.asarray(a) for a in args]  # 0-d arrays own the parameter bytes during the call
     params = (ctypes.c_void_p * max(1, len(holders)))(*[h.ctypes.data for h in holders])
     code = lib.cuLaunchKernelEx(ctypes.byref(cfg), function_ptr, params, None)

@@ -167,36 +167,19 @@ def split_cost(blocks_n: int, kt: int, splits: int, slots: int, max_m: int) -> i
     return waves * (kc + (max_m // 8 if s > 1 else 0))
 
 
-# Split counts measured on the H200 (132 SMs) where they beat `split_cost`'s choice by more than 3%:
-# the Qwen2.5-Coder-7B layer linears at g128, every split count in {1, 2, 3, 4, 6} and the model's
-# own timed per shape (`bench_gemm.py --int4-only --ms 16,32,64 --splits S`, 2026-12-02,
-# bench/kernels/results/session9-2026-12-02/gemm-sweep.tgz; us, the model's plan -> this one):
-# qkv M=16 14.7 -> 13.8, M=32 23.2 -> 19.8; o M=16 14.4 -> 11.9, M=32 23.0 -> 16.8; gate_up M=32
-# 74.8 -> 66.6. The model counts no fixed cost per split (the last block's fence, counter and serial
-# reduction), which these small-K shapes pay most; a term of about one tile-column per split fits the
-# 7B table but moves the small models' plans far (K = 896: 7 splits -> 1), unmeasured, so it waits
-# for a sweep of those shapes. Key: (sm_count, n, k, group_size, max_m).
-# (qkv and o at M = 32 were 4 splits here too; MEASURED_MULTI_BLOCK now has faster plans for them.)
+# Split counts measured on the H200 (132 SMs) where they beat `split_cost`'s choice by more than 3%
+# (`bench_gemm.py --int4-only --ms 16,32,64 --splits S`, the Qwen2.5-Coder-7B layer linears at g128):
+# the model counts no fixed cost per split (the last block's fence, counter and serial reduction),
+# which these small-K shapes pay most. Key: (sm_count, n, k, group_size, max_m).
 MEASURED_SPLITS = {
     (132, 4608, 3584, 128, 16): 4, (132, 3584, 3584, 128, 16): 4, (132, 37888, 3584, 128, 32): 1,
 }
 
 # Shapes whose M class runs faster as several M blocks of 8 NT rows, each split along K, than as one
 # M block of the class's rows (the second and later M blocks find the weights in L2; NT = 4 with g128
-# runs two blocks per SM where NT = 8 runs one). Measured on the H200, g128 asym, us, M = 48 / 64 for
-# class 64 and M = 24 / 32 for class 32, the one-block plan -> this one:
-# - session 10 (`bench_gemm.py --multi-nt 4`, results/session10-2026-12-02/gemm-multi-*.md): gate_up
-#   class 64 130.5 / 134.7 -> 103.6 / 106.2 with NT = 4 unsplit (K splits there only add: 121-188 us
-#   for 2-6 splits, session 11).
-# - session 11 (`bench_gemm.py --multi-nt NT --splits S`, `device_steps.sh gemm-multi-splits`,
-#   bench/kernels/results/session11-2026-12-02/gemm-multi-splits.tgz; NT = 4 with S = 1, 2, 3, 4, 6
-#   and NT = 2 with S = 2, 3, 4 timed, the least sum over the class's two M values kept, NT = 4 where
-#   NT = 2 was within 2 us): class 64 qkv 29.4 / 29.7 (then NT = 4 unsplit) -> 26.2 / 26.0 (NT = 4, 3
-#   splits), o 23.8 / 28.0 -> 20.0 / 20.3 (NT = 4, 4 splits), down 69.8 / 74.1 -> 62.6 / 63.3 (NT = 4,
-#   4 splits); class 32 qkv 18.5 / 20.5 -> 18.2 / 18.6 (NT = 2, 3 splits), o 15.1 / 17.0 -> 13.8 /
-#   13.9 (NT = 2, 4 splits). gate_up at class 32 and down at class 32 keep one M block (NT = 2 blocks:
-#   89-93 and 46-69 us against 71-72 and 37-40).
-# Sum of the four 7B linears: M = 64 238.3 -> 216.1 us, M = 32 149.5 -> 144.5. Key as MEASURED_SPLITS;
+# runs two blocks per SM where NT = 8 runs one). Measured on the H200, g128 asym (`bench_gemm.py
+# --multi-nt NT --splits S`, the least time over the class's M values kept): the sum of the four 7B
+# linears goes from 238 to 216 us at M = 64 and from 150 to 145 us at M = 32. Key as MEASURED_SPLITS;
 # value: (NT, K splits of each M block).
 MEASURED_MULTI_BLOCK = {
     (132, 4608, 3584, 128, 64): (4, 3), (132, 3584, 3584, 128, 64): (4, 4),
@@ -207,16 +190,9 @@ MEASURED_MULTI_BLOCK = {
 
 # Shapes whose M class runs faster on the wgmma kernel (csrc/gemm_int4_ws.cuh), one M block of the
 # class's rows split this many ways along K. Measured on the H200 (`bench/kernels/gemm_ws_ab.py --ms
-# 16,32,64 --splits 1,2,3,4,6`, g128 asym, 2026-12-04, session 20: the split-K reduction with its loads
-# in flight; bench/kernels/results/gemm-ws-h200-2026-12-04-s20/new.md; us, the mma.sync plan -> wgmma),
-# kept where it wins by more than 3%:
-#   class 16: qkv 13.7 -> 10.8 (3 splits), o 11.6 -> 9.9 (4), gate_up 55.6 -> 45.3 (1),
-#             down 28.9 -> 23.8 (4);
-#   class 32: qkv 16.4 -> 13.5 (3), gate_up 73.6 -> 48.1 (1), down 41.1 -> 27.8 (4);
-#   class 64: qkv 22.8 -> 19.9 (1; 3 splits 19.4, within 3% of 1), gate_up 108.9 -> 59.9 (1),
-#             down 61.9 -> 37.0 (4).
-# Not taken: o at class 32 (mma 13.2, wgmma 13.1 at 4 splits) and at class 64 (mma 18.7, wgmma 18.8 at 4:
-# the faster reduction brought the mma.sync plan level). Key as MEASURED_SPLITS; value: K splits.
+# 16,32,64 --splits 1,2,3,4,6`, g128 asym) and kept where it beats the mma.sync plan by more than 3%
+# (0.55-0.87x its time; o at classes 32 and 64 is level, so it keeps mma.sync). Key as MEASURED_SPLITS;
+# value: K splits.
 MEASURED_WGMMA = {
     (132, 4608, 3584, 128, 16): 3, (132, 3584, 3584, 128, 16): 4, (132, 37888, 3584, 128, 16): 1,
     (132, 3584, 18944, 128, 16): 4,
@@ -286,8 +262,6 @@ def gemm_int4(
     plan: GemmPlan | None = None,
     silu_mul_input: bool = False,
     family: str | None = None,
-    *,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = x[M, K] @ W^T (+ bias), any M >= 1 (meant for M > 8), bf16, on the current stream.
 
@@ -296,7 +270,7 @@ def gemm_int4(
     bf16 [N] or None; out: bf16 [M, N], written completely (nothing outside it). plan: from
     `plan_gemm` for this M (default: made here); workspace: required when the plan splits K.
     family: the registry entry to launch from (default: the plan's kernel's; benchmarks may register
-    variants). pdl: launch with programmatic dependent launch. Returns out.
+    variants). Returns out.
     """
     n, k = weight.n, weight.k
     dev = weight.qweight.device
@@ -347,8 +321,7 @@ def gemm_int4(
                  cuda_driver.tensor_map_2d(weight.qweight.data_ptr(), n // 8, k // 128 * 64, 16, 64,
                                            cuda_driver.CU_TENSOR_MAP_DATA_TYPE_UINT64,
                                            cuda_driver.CU_TENSOR_MAP_SWIZZLE_NONE))
-    launch(family or KERNELS[plan.kernel][0], name, index, plan.grid(m), (plan.threads, 1, 1), args, shared,
-           pdl=pdl)
+    launch(family or KERNELS[plan.kernel][0], name, index, plan.grid(m), (plan.threads, 1, 1), args, shared)
     return out
 
 

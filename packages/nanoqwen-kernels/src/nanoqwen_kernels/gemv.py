@@ -30,10 +30,6 @@ combine kernel would (the same bits), so a decode layer launches five kernels in
 
 `gemv_int8` is the same decode product for the INT8 row-major layout of the `--lm-head int8` option
 (csrc/gemv_int8.cuh; `Int8Weight`, G = 64 or 128, no bias, no split-K).
-
-Every launcher takes a keyword-only `pdl` (default False): True launches with programmatic dependent
-launch (launch.launch), so the kernel may start under the previous kernel's tail (the GEMVs prefetch
-their first weights before they wait for their inputs).
 """
 
 from __future__ import annotations
@@ -53,7 +49,7 @@ ROWS_PER_BLOCK = 128  # nq_gemv::ROWS_PER_BLOCK: 8 warps x 16 rows
 THREADS = 256
 XPAD = 32  # nq_gemv::XPAD
 # Blocks per SM that split-K aims for, by kernel (`plan_shape`), measured on the H200 at the 7B
-# decode shapes (bench/kernels/CEILINGS.md, session 9; `bench/kernels/gemv_ab.py --target-blocks`):
+# decode shapes (`bench/kernels/gemv_ab.py --target-blocks`):
 # - g128, plain input (4 blocks of 8 warps resident at 64 registers): 3, i.e. fewer and longer blocks
 #   than a full wave (qkv 14 -> 10 splits: 0.91x the time, asym), unless that leaves a shape unsplit
 #   where 4 would split it (gate_up: 1 split took 1.03x the time of 2): then 4;
@@ -64,28 +60,6 @@ TARGET_BLOCKS_PER_SM = 4
 # Most tile-columns one block stages: M = 8 rows x 48 x 128 bf16 = 96 KB of shared memory, so two
 # blocks still fit an SM for any K (Qwen2.5-32B's down projection has K = 27648: 216 tile-columns).
 KC_MAX = 48
-# The opt-in build of the g128 kernels with the staged scale records (csrc/gemv_int4.cuh ScaleStager):
-# the same bits, 113-115 SASS instructions per tile-column instead of 141.5-161, but 2.7% slower on the
-# H100 (geometric mean of the 7B decode GEMVs; the INT4 lm_head at M = 8 1.17x: its records cost an
-# SM a block); not measured on the H200. Launch it with `family=register_staged()`.
-STAGED_FAMILY = "gemv_staged"
-STAGED_OPTION = "-DNQ_GEMV_STAGED_SCALES=1"
-# The opt-in build of the g128 kernels on the int8 tensor cores (csrc/gemv_int4.cuh, stage_x_planes and
-# mma_col_int8): the nibbles multiply 16-bit block-floating-point planes of x in mma.m16n8k32 (u8 x u8/s8,
-# s32), 3 instructions of dequantisation per word instead of 11. Not the same bits as the bf16 loop: x is
-# rounded to 16 bits per 128-column group (by at most 2^-15 of the group's largest |x|;
-# reference.int8_planes_input).
-INT8_MMA_FAMILY = "gemv_i8mma"
-INT8_MMA_OPTION = "-DNQ_GEMV_INT8_MMA=1"
-# its plain-input g128 kernels at 3 blocks per SM (<= 85 registers): at 4 (64 registers) the asym ones
-# spilled 4-136 bytes (nvcc 13.0)
-INT8_MMA_BLOCKS_OPTION = "-DNQ_GEMV_MIN_BLOCKS_G128=3"
-# the same with the staged scale records (STAGED_OPTION) and their two-column loop: 67.5-71 instructions
-# per tile-column in every g128 kernel, no spills at 3 blocks per SM
-INT8_MMA_STAGED_FAMILY = "gemv_i8mma_staged"
-# the int8 loop's plane table in shared memory, per tile-column of x: 8 rows m x (p bits, -sum(X)) as u32
-# (csrc/gemv_int4.cuh PLANE_TAB_WORDS = 16)
-PLANE_TAB_BYTES = 64
 SCALE_DTYPES = (torch.bfloat16, torch.float16)  # Int4Weight.scales: layouts int4-...-v1 / int4-...-f16s-v1
 
 
@@ -169,90 +143,14 @@ class GemvPlan:
     def shared_bytes(self, m: int) -> int:
         return m * (self.kc * 128 + XPAD) * 2
 
-    def staged_record_bytes(self, weight: Int4Weight, family: str) -> int:
-        """Shared memory after x that a family built with staged scale records (`staged_scales`) takes for
-        a G = 128 weight: per weight row and tile-column the fp32 scale, and the zero pair when
-        asymmetric (csrc/gemv_int4.cuh ScaleStager); 0 otherwise."""
-        if weight.group_size != 128 or not staged_scales(family):
-            return 0
-        return self.kc * ROWS_PER_BLOCK * (4 if weight.symmetric else 8)
-
-    def plane_table_bytes(self, weight: Int4Weight, family: str) -> int:
-        """Shared memory after x that the int8 build (`int8_mma`) takes for a G = 128 weight: per
-        tile-column, 8 rows of the x planes' (p, sum) (csrc/gemv_int4.cuh stage_x_planes); 0 otherwise.
-        It overlays the merge prologue's scratch, which is used up before it is written."""
-        if weight.group_size != 128 or not int8_mma(family):
-            return 0
-        return self.kc * PLANE_TAB_BYTES
-
-    def launch_shared_bytes(self, m: int, weight: Int4Weight, family: str, merge_head_dim: int = 0) -> int:
-        """Dynamic shared memory of one launch at M = m: x, then the staged records, then the merge
-        prologue's scratch (`merge_head_dim` > 0) or the int8 build's plane table over it."""
+    def launch_shared_bytes(self, m: int, merge_head_dim: int = 0) -> int:
+        """Dynamic shared memory of one launch at M = m: x, then the merge prologue's scratch
+        (`merge_head_dim` > 0)."""
         merge = merge_shared_bytes(m, self.kc, merge_head_dim) if merge_head_dim else 0
-        return (self.shared_bytes(m) + self.staged_record_bytes(weight, family)
-                + max(merge, self.plane_table_bytes(weight, family)))
+        return self.shared_bytes(m) + merge
 
     def workspace_floats(self, m: int) -> int:
         return self.splits * m * self.n if self.splits > 1 else 0
-
-
-def _variant_spec(name: str, *options: str):
-    """csrc/gemv.cu built with more options, as a `build.KernelSpec` named `name`; its hot kernels are
-    the g128 ones (no spills, like the default build's)."""
-    from .build import KernelSpec
-    from .specs import SPECS
-
-    base = SPECS[FAMILY]
-    hot = tuple(k for k in base.hot_kernels if k.startswith("gemv_int4_g128_"))
-    return KernelSpec(name, base.sources, (*base.options, *options), hot)
-
-
-def _register(spec) -> str:
-    """Register an opt-in build (not in the registry by default: `launch.warm_up` would compile it at
-    every engine start) and return its family name."""
-    from .specs import SPECS
-
-    SPECS.setdefault(spec.name, spec)
-    return spec.name
-
-
-def _built_with(family: str, option: str) -> bool:
-    from .specs import SPECS
-
-    return option in SPECS[family].options
-
-
-def staged_spec():
-    """The staged-scale build of csrc/gemv.cu (STAGED_OPTION), family STAGED_FAMILY."""
-    return _variant_spec(STAGED_FAMILY, STAGED_OPTION)
-
-
-def register_staged() -> str:
-    """Register `staged_spec()` as the op family STAGED_FAMILY and return its name."""
-    return _register(staged_spec())
-
-
-def staged_scales(family: str) -> bool:
-    """Whether `family` is a build of csrc/gemv.cu with the staged scale records (STAGED_OPTION)."""
-    return _built_with(family, STAGED_OPTION)
-
-
-def int8_mma_spec(staged: bool = False):
-    """The int8 tensor-core build of csrc/gemv.cu (INT8_MMA_OPTION), family INT8_MMA_FAMILY; staged: with
-    the staged scale records too, family INT8_MMA_STAGED_FAMILY."""
-    if staged:
-        return _variant_spec(INT8_MMA_STAGED_FAMILY, INT8_MMA_OPTION, STAGED_OPTION, INT8_MMA_BLOCKS_OPTION)
-    return _variant_spec(INT8_MMA_FAMILY, INT8_MMA_OPTION, INT8_MMA_BLOCKS_OPTION)
-
-
-def register_int8_mma(staged: bool = False) -> str:
-    """Register `int8_mma_spec(staged)` as its op family and return the family's name."""
-    return _register(int8_mma_spec(staged))
-
-
-def int8_mma(family: str) -> bool:
-    """Whether `family` is a build of csrc/gemv.cu with the int8 tensor-core loop (INT8_MMA_OPTION)."""
-    return _built_with(family, INT8_MMA_OPTION)
 
 
 @functools.cache
@@ -328,8 +226,8 @@ class NormPrologue:
     the residual [M, K], and the GEMV multiplies bf16(x * rsqrt(sum_b stats[m, b] / K + eps) * weight),
     `layer_ops.rms_norm`'s arithmetic on the sums of squares that a `ResidualEpilogue` left behind.
 
-    weight: bf16 [K]; stats: fp32 `norm_stats_shape(M, K)` (a GEMV's residual epilogue, or the
-    post-attention block kernel, block.py); eps: the norm's epsilon."""
+    weight: bf16 [K]; stats: fp32 `norm_stats_shape(M, K)` (a GEMV's residual epilogue); eps: the norm's
+    epsilon."""
 
     weight: torch.Tensor
     stats: torch.Tensor
@@ -378,7 +276,7 @@ class AttentionMerge:
 
 
 def merge_shared_bytes(m: int, kc: int, head_dim: int) -> int:
-    """Shared memory the merge prologue takes after the staged x and scale records: per (row, head) of a
+    """Shared memory the merge prologue takes after the staged x: per (row, head) of a
     block's kc tile-columns, MERGE_MAX_SPLITS weights, 1 / sum and the split count (4 bytes each)."""
     return m * (kc * 128 // head_dim) * (MERGE_MAX_SPLITS + 2) * 4
 
@@ -446,7 +344,6 @@ def gemv_int4(
     norm: NormPrologue | None = None,
     residual: ResidualEpilogue | None = None,
     merge: AttentionMerge | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor | None:
     """out[M, N] = x[M, K] @ W^T (+ bias), M = 1..8, bf16, on the current stream.
 
@@ -458,8 +355,7 @@ def gemv_int4(
     merge: x is an attention output whose split rows this launch merges while staging them
     (`AttentionMerge`; with `residual` only: the o projection). workspace: required when the plan
     splits K (plan.splits > 1). family: the registry entry to launch
-    from (benchmarks register compile-option variants of "gemv" under other names). pdl: launch with
-    programmatic dependent launch. Returns out.
+    from (benchmarks register compile-option variants of "gemv" under other names). Returns out.
     """
     n, k = weight.n, weight.k
     dev = weight.qweight.device
@@ -494,14 +390,14 @@ def gemv_int4(
     if merge is not None:
         extra += _merge_args(merge, m, k, dev)
         merged = f"_merge_hd{merge.head_dim}"
-    shared = plan.launch_shared_bytes(m, weight, family, merge.head_dim if merge is not None else 0)
+    shared = plan.launch_shared_bytes(m, merge.head_dim if merge is not None else 0)
     name = (f"gemv_int4_{weight.kernel_suffix()}{'_silu' if silu_mul_input else ''}"
             f"{'_norm' if norm is not None else ''}{merged}{'_resid' if residual is not None else ''}")
     args = (
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
         ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc), *extra,
     )  # fmt: skip
-    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, shared, pdl=pdl)
+    launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args, shared)
     return out
 
 
@@ -541,7 +437,6 @@ def gemv_int4_qkv_rope(
     family: str = FAMILY,
     *,
     norm: NormPrologue | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """The qkv projection of M = 1..8 decode rows and what follows it, in one launch: the GEMV
     qkv = x @ Wqkv^T + bias, then `layer_ops.qkv_rope_kv_write` on it as the GEMV's epilogue (RoPE on
@@ -552,7 +447,7 @@ def gemv_int4_qkv_rope(
     `layer_ops.AttentionShape` (n_heads, n_kv_heads, head_dim; head_dim in ROPE_HEAD_DIMS);
     positions, slot_mapping: int32 [M]; inv_freq: fp32 [D / 2]; q_out: bf16 [M, Hq, D]; k_cache,
     v_cache: bf16 [num_blocks, Hkv, block_size, D]. workspace, plan, norm (x is then the residual
-    stream: the `_norm_rope` kernels), family, pdl: as in `gemv_int4`. Returns q_out."""
+    stream: the `_norm_rope` kernels), family: as in `gemv_int4`. Returns q_out."""
     n, k = weight.n, weight.k
     dev = weight.qweight.device
     index = require_sm90(dev)
@@ -576,7 +471,7 @@ def gemv_int4_qkv_rope(
     )  # fmt: skip
     name = f"gemv_int4_{weight.kernel_suffix()}{'_norm' if norm is not None else ''}_rope"
     launch(family, name, index, (plan.blocks_n, plan.splits, 1), (THREADS, 1, 1), args,
-           plan.launch_shared_bytes(m, weight, family), pdl=pdl)
+           plan.launch_shared_bytes(m))
     return q_out
 
 
@@ -628,12 +523,12 @@ def int8_shared_bytes(m: int, k: int) -> int:
 
 
 def gemv_int8(
-    x: torch.Tensor, weight: Int8Weight, out: torch.Tensor, family: str = FAMILY, *, pdl: bool = False
+    x: torch.Tensor, weight: Int8Weight, out: torch.Tensor, family: str = FAMILY
 ) -> torch.Tensor:
     """out[M, N] = x[M, K] @ W^T, M = 1..8, bf16 in and out, fp32 accumulation, on the current stream.
 
     x: bf16 [M, K] contiguous; weight: Int8Weight [N, K]; out: bf16 [M, N] (written completely).
-    family, pdl: as in gemv_int4. Allocates nothing, never synchronises: graph-capturable. Returns out."""
+    family: as in gemv_int4. Allocates nothing, never synchronises: graph-capturable. Returns out."""
     n, k = weight.n, weight.k
     dev = weight.qweight.device
     index = require_sm90(dev)
@@ -643,15 +538,15 @@ def gemv_int8(
     args = (ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(out), i32(m), i32(n), i32(k))
     grid = (-(-n // INT8_ROWS_PER_BLOCK), 1, 1)
     launch(family, f"gemv_int8_g{weight.group_size}", index, grid, (THREADS, 1, 1), args,
-           int8_shared_bytes(m, k), pdl=pdl)
+           int8_shared_bytes(m, k))
     return out
 
 
-def dequantize_int4(weight: Int4Weight, out: torch.Tensor, *, pdl: bool = False,
+def dequantize_int4(weight: Int4Weight, out: torch.Tensor, *,
                     max_blocks: int | None = None) -> torch.Tensor:
-    """out[N, K] (bf16, preallocated) = bf16((q - z) * s): the dense weight, rounded once. pdl: as in
-    gemv_int4. max_blocks: at most this many blocks of 256 threads (the kernel strides over the tiles),
-    e.g. to leave most SMs to a GEMM on another stream; default 16 per SM."""
+    """out[N, K] (bf16, preallocated) = bf16((q - z) * s): the dense weight, rounded once. max_blocks: at
+    most this many blocks of 256 threads (the kernel strides over the tiles), e.g. to leave most SMs to a
+    GEMM on another stream; default 16 per SM."""
     dev = weight.qweight.device
     index = require_sm90(dev)
     check(out, "out", torch.bfloat16, (weight.n, weight.k), dev)
@@ -667,8 +562,7 @@ def dequantize_int4(weight: Int4Weight, out: torch.Tensor, *, pdl: bool = False,
         i32(weight.n),
         i32(weight.k),
     )
-    launch(FAMILY, f"dequant_int4_{weight.kernel_suffix()}", index, (blocks, 1, 1), (256, 1, 1), args,
-           pdl=pdl)
+    launch(FAMILY, f"dequant_int4_{weight.kernel_suffix()}", index, (blocks, 1, 1), (256, 1, 1), args)
     return out
 
 
@@ -678,16 +572,13 @@ def linear_int4_prefill(
     out: torch.Tensor,
     dense_scratch: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """out[T, N] = x[T, K] @ W^T (+ bias) for any T: dequantize into `dense_scratch` (bf16 [N, K],
     preallocated, reusable across layers), then one cuBLAS GEMM (torch.addmm / torch.mm, fp32
-    accumulation). pdl applies to the dequantize launch (cuBLAS launches its own kernels). First
-    version of the prefill path; see NOTES.md for its measured cost."""
+    accumulation)."""
     check(x, "x", torch.bfloat16, (None, weight.k), weight.qweight.device)
     check(out, "out", torch.bfloat16, (x.shape[0], weight.n), weight.qweight.device)
-    dequantize_int4(weight, dense_scratch, pdl=pdl)
+    dequantize_int4(weight, dense_scratch)
     if bias is None:
         torch.mm(x, dense_scratch.t(), out=out)
     else:

@@ -6,15 +6,8 @@ current torch stream as a CuPy `ExternalStream` and launches on it. Nothing here
 memory or synchronises the host, so launches can be captured in a CUDA graph once each family has
 been loaded (call `warm_up()` before capture: loading a module is not capturable).
 
-Programmatic dependent launch (PDL) is an explicit argument of every launch: `launch(..., pdl=True)`
-(and the `pdl=True` keyword of every public launcher, which passes it here) goes through
-`cuLaunchKernelEx` with the programmatic-stream-serialization attribute (cuda_driver.py), so a
-kernel's blocks may start under the tail of the previous kernel; each kernel waits for its inputs
-itself (`pdl_wait` in csrc/common.cuh; every kernel of this package keeps that contract, and without
-the attribute the wait is a no-op). There is no global switch: the caller decides per launch (the
-engine from `EngineConfig.pdl`), so a CUDA graph keeps what it was captured with. Off by default
-because on the H200 we measure on, the driver never starts a dependent grid early (NOTES.md, session
-2: same kernel-to-kernel gap with and without it, eager and in graphs), so it buys nothing there.
+A kernel that takes a CUtensorMap by value (an `np.void` argument) is launched through
+`cuLaunchKernelEx` (cuda_driver.py); every other one through CuPy.
 
 Only sm_90 (Hopper) is supported: `require_sm90` raises `UnsupportedDeviceError` on anything else;
 there is no slower fallback path.
@@ -95,13 +88,9 @@ def current_stream(device_index: int):
     return stream
 
 
-def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0, *,
-           pdl: bool = False) -> None:
-    """Launch `family.kernel` on the current torch stream. `args` are numpy scalars (see `ptr`).
-
-    pdl: True launches with programmatic stream serialization (`cuda_driver.launch_pdl`); the kernel
-    must call `pdl_wait` before it depends on the previous kernel (every kernel here does). False: a
-    plain launch in stream order."""
+def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0) -> None:
+    """Launch `family.kernel` on the current torch stream, in stream order. `args` are numpy scalars
+    (see `ptr`; a CUtensorMap is an `np.void`, launched through `cuda_driver.launch_ex`)."""
     fn = get_function(family, kernel, device_index)
     # the attribute starts at 48 KB less the kernel's static shared memory: opt in whenever the launch
     # needs more than that (not only above 48 KB of dynamic memory: with static memory beside it, less
@@ -111,9 +100,9 @@ def launch(family: str, kernel: str, device_index: int, grid, block, args, share
     import cupy
 
     with cupy.cuda.Device(device_index):
-        if pdl or any(isinstance(a, np.void) for a in args):  # PDL, or a CUtensorMap by value
+        if any(isinstance(a, np.void) for a in args):  # a CUtensorMap by value
             stream = torch.cuda.current_stream(device_index).cuda_stream
-            cuda_driver.launch_pdl(fn.kernel.ptr, grid, block, args, shared_mem, stream, pdl=pdl)
+            cuda_driver.launch_ex(fn.kernel.ptr, grid, block, args, shared_mem, stream)
             return
         with current_stream(device_index):
             fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)

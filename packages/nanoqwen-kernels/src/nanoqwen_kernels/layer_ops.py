@@ -1,8 +1,7 @@
 """Launchers of the per-token layer ops (csrc/layer_ops.cu): norms, SiLU*mul, embedding, RoPE + KV write.
 
 All take bf16 tensors on an sm_90 GPU, write into caller-provided outputs, launch on the current
-torch stream, allocate nothing and never synchronise (CUDA-graph capturable). Each takes a
-keyword-only `pdl` (default False): launch with programmatic dependent launch (launch.launch).
+torch stream, allocate nothing and never synchronise (CUDA-graph capturable).
 
 Paged KV cache (DESIGN.md): layer l's K and V caches are `pool[l, 0]` and `pool[l, 1]`, each
 [num_blocks, n_kv_heads, block_size, head_dim]. For a step over T tokens:
@@ -37,8 +36,7 @@ def _rows(x: torch.Tensor, name: str) -> tuple[int, int]:
     return t, h
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, *,
-             pdl: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
     """out[T, H] = x * rsqrt(mean(x^2) + eps) * weight. x, out: bf16 [T, H]; weight: bf16 [H]."""
     t, h = _rows(x, "x")
     index = require_sm90(x.device)
@@ -46,13 +44,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: floa
     check(out, "out", torch.bfloat16, (t, h), x.device)
     if t:
         launch(FAMILY, "rms_norm_bf16", index, (t, 1, 1), (256, 1, 1),
-               (ptr(x), ptr(weight), ptr(out), i32(h), f32(eps)), pdl=pdl)  # fmt: skip
+               (ptr(x), ptr(weight), ptr(out), i32(h), f32(eps)))  # fmt: skip
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float, *,
-    pdl: bool = False,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """residual <- bf16(x + residual) (in place); out <- rms_norm(residual) * weight.
 
@@ -65,11 +62,11 @@ def fused_add_rms_norm(
     check(out, "out", torch.bfloat16, (t, h), x.device)
     if t:
         launch(FAMILY, "fused_add_rms_norm_bf16", index, (t, 1, 1), (256, 1, 1),
-               (ptr(x), ptr(residual), ptr(weight), ptr(out), i32(h), f32(eps)), pdl=pdl)  # fmt: skip
+               (ptr(x), ptr(residual), ptr(weight), ptr(out), i32(h), f32(eps)))  # fmt: skip
     return out
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]. gate_up: bf16 [T, 2I]; I % 8 == 0."""
     t, two_i = _rows(gate_up, "gate_up")
     index = require_sm90(gate_up.device)
@@ -81,12 +78,11 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, *, pdl: bool = False) -> 
     if vecs:
         blocks = min(-(-vecs // 256), 132 * 8)
         launch(FAMILY, "silu_mul_bf16", index, (blocks, 1, 1), (256, 1, 1),
-               (ptr(gate_up), ptr(out), i32(t), i32(inter)), pdl=pdl)  # fmt: skip
+               (ptr(gate_up), ptr(out), i32(t), i32(inter)))  # fmt: skip
     return out
 
 
-def embedding_gather(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor, *,
-                     pdl: bool = False) -> torch.Tensor:
+def embedding_gather(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[T, H] = table[ids]. ids: int32 [T] (an id outside 0..V-1 gives a NaN row, never a bad
     read); table: bf16 [V, H]; out: bf16 [T, H]."""
     v, h = _rows(table, "table")
@@ -96,7 +92,7 @@ def embedding_gather(ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor, 
     check(out, "out", torch.bfloat16, (t, h), table.device)
     if t:
         launch(FAMILY, "embedding_gather_bf16", index, (t, 1, 1), (128, 1, 1),
-               (ptr(ids), ptr(table), ptr(out), i32(h), i32(v)), pdl=pdl)  # fmt: skip
+               (ptr(ids), ptr(table), ptr(out), i32(h), i32(v)))  # fmt: skip
     return out
 
 
@@ -136,8 +132,6 @@ def qkv_rope_kv_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Add the q/k/v bias (if given), rotate q and k (Qwen2 RoPE), write q and the paged K/V.
 
@@ -159,5 +153,5 @@ def qkv_rope_kv_write(
     if t:
         args = (ptr(qkv), ptr(bias), ptr(positions), ptr(slot_mapping), ptr(inv_freq), ptr(q_out),
                 ptr(k_cache), ptr(v_cache), i32(hq), i32(hkv), i32(d), i32(k_cache.shape[2]))  # fmt: skip
-        launch(FAMILY, "qkv_rope_kv_write_bf16", index, (t, 1, 1), (256, 1, 1), args, pdl=pdl)
+        launch(FAMILY, "qkv_rope_kv_write_bf16", index, (t, 1, 1), (256, 1, 1), args)
     return q_out

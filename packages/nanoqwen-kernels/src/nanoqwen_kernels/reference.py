@@ -33,7 +33,7 @@ from nanoqwen_model.sampling import sampling_mask, sampling_probs
 
 __all__ = [
     "Tolerance", "TOLERANCES", "assert_close", "RowTolerance", "ATTENTION_ROW", "assert_rows_close",
-    "dequantize_int4", "dequantize_int8", "linear", "int8_planes_input", "silu_mul", "rms_norm",
+    "dequantize_int4", "dequantize_int8", "linear", "silu_mul", "rms_norm",
     "fused_add_rms_norm", "residual_stats", "qkv_rope_kv_write", "sampling_mask", "sampling_probs",
 ]  # fmt: skip
 
@@ -169,24 +169,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     in the weight's dtype), i.e. the exact products of what the kernel reads, accumulated in fp32 as
     the kernels accumulate (TF32 off, torch's default)."""
     return forward.linear(x, w.float(), bias)
-
-
-def int8_planes_input(x: torch.Tensor) -> torch.Tensor:
-    """The GEMV input as the int8 tensor-core build multiplies it (csrc/gemv_int4.cuh stage_x_planes):
-    per row and 128-column group, X = round-half-even(x / p), p = 2^(e - 141), e = max(15, the biased
-    exponent of the group's largest |x|); returns p X, fp32 [M, K] (exact: |X| < 2^15, p >= 2^-126).
-    Differs from x by at most p / 2 <= 2^-15 of the group's largest |x|, and not at all where
-    |x| >= 2^-7 of it, when that largest is 2^-112 or more (below, the clamp at 15 rounds x to a
-    multiple of 2^-126).
-    x: bf16 [M, K], K % 128 == 0, finite."""
-    m, k = x.shape
-    bits = x.contiguous().view(torch.int16).to(torch.int32) & 0x7FFF
-    e = (bits.view(m, k // 128, 128).amax(dim=2) >> 7).clamp(min=15)
-    # p from its bits: exact on every device (torch.pow(2.0, n) on a GPU may be an ulp off, and an ulp off
-    # turns a rounding tie of x / p into a one-sided rounding)
-    p = ((e.to(torch.int64) - 141 + 1023) << 52).view(torch.float64)[..., None]
-    xq = torch.round(x.double().view(m, k // 128, 128) / p) * p
-    return xq.view(m, k).float()
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -73,11 +73,9 @@ class SamplingState:
         self.offsets[row] = 0
 
 
-def sample_tokens(logits: torch.Tensor, state: SamplingState, out: torch.Tensor, *,
-                  pdl: bool = False) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, state: SamplingState, out: torch.Tensor) -> torch.Tensor:
     """out[B] (int32) = one token per row of logits (bf16 [B, V], V % 8 == 0, rows may be strided by a
-    multiple of 8 elements). Advances state.offsets[:B] by one. pdl: launch with programmatic
-    dependent launch (launch.launch)."""
+    multiple of 8 elements). Advances state.offsets[:B] by one."""
     dev = logits.device
     index = require_sm90(dev)
     check(logits, "logits", torch.bfloat16, (None, None), dev, contiguous=False, align=2)
@@ -100,5 +98,5 @@ def sample_tokens(logits: torch.Tensor, state: SamplingState, out: torch.Tensor,
         args = (ptr(logits), np.int64(logits.stride(0)), i32(v), ptr(state.temperature), ptr(state.top_k),
                 ptr(state.top_p), ptr(state.seeds), ptr(state.offsets), ptr(out), ptr(state.partials),
                 ptr(state.counters))  # fmt: skip
-        launch(FAMILY, "sample_tokens_bf16", index, (b, chunks_per_row(v), 1), (THREADS, 1, 1), args, pdl=pdl)
+        launch(FAMILY, "sample_tokens_bf16", index, (b, chunks_per_row(v), 1), (THREADS, 1, 1), args)
     return out

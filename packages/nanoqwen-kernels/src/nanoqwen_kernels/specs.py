@@ -73,18 +73,6 @@ SPECS: dict[str, KernelSpec] = {
             for nt in (2, 4, 8)
         ),
     ),
-    # the post-attention block of a decode layer (o_proj, gate_up, down, and the next layer's qkv) as one
-    # persistent launch, M <= 2 (block.py)
-    "block": KernelSpec(
-        name="block",
-        sources=("block.cu",),
-        hot_kernels=tuple(
-            f"post_attention_block_g128_{kind}{scale}{qkv}"
-            for kind in ("sym", "asym")
-            for scale in ("", "_f16s")
-            for qkv in ("", "_qkv")  # _qkv: the next layer's qkv projection too
-        ),
-    ),
     "sampling": KernelSpec(
         name="sampling",
         sources=("sampling.cu",),
@@ -110,6 +98,6 @@ SPECS: dict[str, KernelSpec] = {
     ),
 }
 
-# The families defined here, before any opt-in build (gemv.register_int8_mma, block.register_build, ...)
+# The families defined here, before any compile-option variant (a benchmark's) is registered
 # adds its spec to SPECS at run time: each .cu entry file belongs to exactly one of them.
 BASE_FAMILIES = tuple(SPECS)

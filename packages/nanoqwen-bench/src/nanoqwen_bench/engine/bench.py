@@ -30,9 +30,9 @@ With the features on, `features_cost` then measures the no-regression goal in th
 on the same weights, one with both features and one without, decode tok/s at batch 1/8/32/64 measured
 alternately; a regression is every "on" repeat slower than every "off" repeat (`ab_decode`). With
 the synthetic model, `layout_speed` compares the default layout (g128 asym) with g128 sym the same way,
-and the engine options of issue 13 are compared with their defaults (`overlap_ab`, `attention_merge_ab`,
-`post_attention_ab`, `gemv_build_ab`), as is an INT4 lm_head with the bf16 one (`lm_head_ab`, each
-side's fraction of the read roofline). `only` (`nanoqwen-cli bench --only a,b`) runs just the named sections.
+and the engine options are compared with their defaults (`overlap_ab`), as is an INT4
+lm_head with the bf16 one (`lm_head_ab`, each side's fraction of the read roofline). `only`
+(`nanoqwen-cli bench --only a,b`) runs just the named sections.
 
 Results: bench.json and bench.md (`bench_report.py` builds both from the raw numbers collected here;
 they are rewritten after every section, so a run cut short keeps what it measured) and two plots.
@@ -268,84 +268,14 @@ def layout_speed(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 8
     return out
 
 
-def _variants_ab(geom: Qwen2Config, weights, option: str, base: str,
-                 variants: tuple[str | tuple[str, dict], ...], *, batches: tuple[int, ...],
-                 reps: int) -> dict:
-    """Each value in `variants` of the EngineConfig field `option` (a) against `base` (b), same weights,
-    features off, `ab_decode` (engine tok/s, and each side's graph replay); plus the path counts of each
-    engine's batch-1 graph: {"reps", "b": base, "graph_paths_<base>", "variants": {v: {"rows",
-    "graph_paths", "config"}}}. A variant may be (name, EngineConfig fields) instead of a value: several
-    fields at once."""
-    eb = _ab_engine(geom, weights, prefix_caching=False, speculation=None, **{option: base})
-    cls = eb.runner.context_classes[0]
-    out = {"reps": reps, "b": base, f"graph_paths_{base}": dict(eb.runner.graph_paths[(1, cls)]),
-           "variants": {}}
-    for variant in variants:
-        name, cfg = (variant, {option: variant}) if isinstance(variant, str) else variant
-        ea = _ab_engine(geom, weights, prefix_caching=False, speculation=None, **cfg)
-        out["variants"][name] = {"rows": ab_decode(ea, eb, batches=batches, reps=reps),
-                                 "graph_paths": dict(ea.runner.graph_paths[(1, cls)]), "config": cfg}
-        del ea
-        torch.cuda.empty_cache()
-    del eb
-    torch.cuda.empty_cache()
-    return out
-
-
-def post_attention_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2),
-                      reps: int = AB_REPS) -> dict:
-    """Issue 13: `EngineConfig.post_attention_kernel` "block" (each layer's o_proj, gate_up and down as
-    one persistent launch at 1..2 rows), "block+qkv" (the next layer's qkv in it too) and "block" with
-    gemv_build "int8" (the block's int8 build, "block-int8"), each against "off" (the bf16 GEMVs; the int8
-    GEMVs against those are `gemv_build_ab`): `_variants_ab`."""
-    int8 = ("block-int8", {"post_attention_kernel": "block", "gemv_build": "int8"})
-    return _variants_ab(geom, weights, "post_attention_kernel", "off", ("block", "block+qkv", int8),
-                        batches=batches, reps=reps)
-
-
-def attention_merge_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
-                       reps: int = AB_REPS) -> dict:
-    """Issue 13's five launches per layer: `EngineConfig.attention_merge` "o_proj" (a: the o_proj GEMV
-    merges the split attention rows while staging them, no combine launch) against "combine" (b), same
-    weights, features off, `ab_decode` at context 128 + 128 (3-4 tiles: the rows split in the 512-token
-    class's plans); plus each engine's batch-1 graph paths (the o_proj side's must show one deferred
-    merge per layer)."""
-    on = _ab_engine(geom, weights, prefix_caching=False, speculation=None, attention_merge="o_proj")
-    off = _ab_engine(geom, weights, prefix_caching=False, speculation=None, attention_merge="combine")
-    cls = on.runner.context_classes[0]
-    rows = ab_decode(on, off, batches=batches, reps=reps)
-    out = {"rows": rows, "reps": reps, "context": 128, "new_tokens": 128,
-           "graph_paths_o_proj": dict(on.runner.graph_paths[(1, cls)]),
-           "graph_paths_combine": dict(off.runner.graph_paths[(1, cls)]),
-           "deferred_per_layer": on.runner.graph_paths[(1, cls)].get("attention_merge_o_proj", 0)
-           / geom.num_hidden_layers}
-    del on, off
-    torch.cuda.empty_cache()
-    return out
-
-
-def gemv_build_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 2, 8),
-                  reps: int = AB_REPS) -> dict:
-    """Issue 13's GEMV loop: `EngineConfig.gemv_build` "int8", "int8-staged", "int8-m1" and "int8-wide"
-    (the decode GEMVs on the int8 tensor cores; "int8-m1" at one-row steps only, "int8-wide" on gate_up
-    and an INT4 lm_head at 1-4 rows only), each against "bf16", at context 128 + 128: `_variants_ab`
-    (each side's batch-1 graph paths say how many GEMVs ran as "gemv_int8_mma")."""
-    out = _variants_ab(geom, weights, "gemv_build", "bf16", ("int8", "int8-staged", "int8-m1", "int8-wide"),
-                       batches=batches, reps=reps)
-    return {**out, "context": 128, "new_tokens": 128}
-
-
-def lm_head_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1,), reps: int = AB_REPS,
-               gemv_build: str = "bf16") -> dict:
+def lm_head_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1,),
+               reps: int = AB_REPS) -> dict:
     """Issue 13's second batch-1 goal (900 tok/s, 80% of the roofline, with an int4 lm_head): the run's
-    weights with an INT4 g128 asymmetric lm_head (a: what `nanoqwen-quant pack --lm-head int4` gives
-    the decode step), its decode GEMVs built as `gemv_build`, against their bf16 lm_head with the bf16
-    GEMVs (b), features off, `ab_decode` at context 128 + 128; each side's bytes per token at the last
-    step's context (the report turns each side's graph replay into a fraction of the read roofline with
-    them) and each side's batch-1 graph paths (the int4 side must run its lm_head as one more INT4 GEMV
-    and no cuBLAS GEMM). The bench runs it twice: as it is ("lm_head_ab") and with "int8-wide"
-    ("lm_head_int8_wide_ab": gate_up and the INT4 lm_head on the int8 loop, the fastest batch-1 step the
-    kernels have)."""
+    weights with an INT4 g128 asymmetric lm_head (a: what `nanoqwen-quant pack --lm-head int4` gives the
+    decode step), against their bf16 lm_head (b), features off, `ab_decode` at context 128 + 128; each
+    side's bytes per token at the last step's context (the report turns each side's graph replay into a
+    fraction of the read roofline with them) and each side's batch-1 graph paths (the int4 side must run
+    its lm_head as one more INT4 GEMV and no cuBLAS GEMM)."""
     import dataclasses
 
     from nanoqwen_runtime.engine.synthetic import random_int4
@@ -355,12 +285,12 @@ def lm_head_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1,), r
     h = geom.hidden_size
     head = random_int4(geom.vocab_size, h, device, gen, 128, std=2.0 / h**0.5, symmetric=False)
     w4 = dataclasses.replace(weights, lm_head=head)
-    ea = _ab_engine(geom, w4, prefix_caching=False, speculation=None, gemv_build=gemv_build)
+    ea = _ab_engine(geom, w4, prefix_caching=False, speculation=None)
     eb = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
     rows = ab_decode(ea, eb, batches=batches, reps=reps)
     ctx = 128 + 128 - 1
     cls = ea.runner.context_class(ctx)
-    out = {"rows": rows, "reps": reps, "a": "int4", "b": "bf16", "gemv_build_a": gemv_build, "context": 128,
+    out = {"rows": rows, "reps": reps, "a": "int4", "b": "bf16", "context": 128,
            "new_tokens": 128, "bytes_per_token_a": sum(bytes_per_token(ea, ctx).values()),
            "bytes_per_token_b": sum(bytes_per_token(eb, ctx).values()),
            "graph_paths_a": dict(ea.runner.graph_paths.get((1, cls), {})),
@@ -628,31 +558,13 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
             log(f"overlap on/off batch {r['batch']}: engine {r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s = "
                 f"{r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / {r['b_graph_tok_s']:.0f}"
                 + ("  SLOWER" if r["a_slower"] else ""))
-        am = run.section("attention_merge_ab", attention_merge_ab, geom, weights_ref)
-        for r in (am or {}).get("rows", []):
-            log(f"attention_merge o_proj/combine batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
-                f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
-                f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
-        gb = run.section("gemv_build_ab", gemv_build_ab, geom, weights_ref)
-        for variant, res in (gb or {}).get("variants", {}).items():
-            for r in res["rows"]:
-                log(f"gemv_build {variant}/bf16 batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
-                    f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
-                    f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
-        for key, build in (("lm_head_ab", "bf16"), ("lm_head_int8_wide_ab", "int8-wide")):
-            lh = run.section(key, lm_head_ab, geom, weights_ref, gemv_build=build)
-            for r in (lh or {}).get("rows", []):
-                frac = (f" = {100 * r['a_graph_tok_s'] * lh['bytes_per_token_a'] / read_bps:.0f}% of the "
-                        "read roofline" if read_bps and r["a_graph_tok_s"] else "")
-                log(f"lm_head int4 (gemv_build {build}) / bf16 batch {r['batch']}: engine "
-                    f"{r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s; graph {r['a_graph_tok_s']:.0f} / "
-                    f"{r['b_graph_tok_s']:.0f}{frac}")
-        pa = run.section("post_attention_ab", post_attention_ab, geom, weights_ref)
-        for variant, res in (pa or {}).get("variants", {}).items():
-            for r in res["rows"]:
-                log(f"post_attention_kernel {variant}/off batch {r['batch']}: engine {r['a_tok_s']:.0f} / "
-                    f"{r['b_tok_s']:.0f} tok/s = {r['a_over_b']:.3f}; graph {r['a_graph_tok_s']:.0f} / "
-                    f"{r['b_graph_tok_s']:.0f}" + ("  SLOWER" if r["a_slower"] else ""))
+        lh = run.section("lm_head_ab", lm_head_ab, geom, weights_ref)
+        for r in (lh or {}).get("rows", []):
+            frac = (f" = {100 * r['a_graph_tok_s'] * lh['bytes_per_token_a'] / read_bps:.0f}% of the "
+                    "read roofline" if read_bps and r["a_graph_tok_s"] else "")
+            log(f"lm_head int4 / bf16 batch {r['batch']}: engine "
+                f"{r['a_tok_s']:.0f} / {r['b_tok_s']:.0f} tok/s; graph {r['a_graph_tok_s']:.0f} / "
+                f"{r['b_graph_tok_s']:.0f}{frac}")
     del weights_ref
     if load_test_dir is not None and run.section("load_test", load_time, geometry, load_test_dir):
         ld = raw["load_test"]

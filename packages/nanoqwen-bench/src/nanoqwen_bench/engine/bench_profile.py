@@ -49,7 +49,7 @@ LIBRARY = "<torch/cuBLAS>"
 # the op calls of ModelRunner._forward; anything else on the backend (plans, setup) passes through
 TIMED_OPS = ("embed", "rms_norm", "add_rms_norm", "norm", "linear", "linear_residual", "qkv_projection",
              "mlp_down", "silu_mul", "qkv_rope_kv_write", "attention_run", "attention", "logits_range",
-             "sample", "post_attention_block")
+             "sample")
 
 
 class Timeline:
@@ -260,9 +260,6 @@ def op_accounting(engine, context: int):
             return f"linear {names.get(id(args[1]), '?')} + rope/KV write{norm_form(args[0], args[1])}"
         if op == "norm":  # the final norm
             return "add_rms_norm" if args[0].update.pending is not None else "rms_norm"
-        if op == "post_attention_block":
-            ops = "o_proj + gate_up + down" + (" + next qkv" if engine.ops.fuses_next_qkv(args[5]) else "")
-            return f"post_attention_block ({ops}, one launch)"
         return op
 
     def nbytes(op, args, kw):
@@ -286,16 +283,6 @@ def op_accounting(engine, context: int):
             return b(args[0]) + act + args[2].nbytes + residual_bytes(args[2], args[3], args[4])
         if op == "silu_mul":
             return b(args[0]) + b(args[1])
-        if op == "post_attention_block":  # args: attn, layer, residual, gate_up, eps, next layer, ..., q_out:
-            # the three weights, the residual read and written twice, gate_up written and read; with the
-            # next qkv: its weight and bias, the residual once more, q and one token's K/V per row written
-            lw, nxt = args[1], args[5]
-            total = (b(args[0]) + lw.o_proj.nbytes + lw.gate_up.nbytes + lw.down.nbytes + 4 * b(args[2])
-                     + 2 * b(args[3]))
-            if engine.ops.fuses_next_qkv(nxt):
-                bias = b(nxt.qkv_bias) if nxt.qkv_bias is not None else 0
-                total += nxt.qkv.nbytes + bias + b(args[2]) + b(args[10]) + args[2].shape[0] * kv_token_layer
-            return total
         if op == "qkv_projection":  # x, the weight (+ bias) read; q and one token's K/V per row written;
             # the unfused form also writes and reads qkv (args: x, w, bias, qkv, .., q_out at 8)
             x, qkv, q_out = args[0], args[3], args[8]

@@ -31,14 +31,7 @@ raw = {
   "features_cost": bench.features_cost(...) result (features on vs off, same run),
   "layout_speed": bench.layout_speed(...) result (g128 asym vs sym, synthetic model only),
   "overlap_ab": bench.overlap_ab(...) result (EngineConfig.overlap on vs off, synthetic model only),
-  "attention_merge_ab": bench.attention_merge_ab(...) result (EngineConfig.attention_merge "o_proj" vs
-      "combine", synthetic model only),
-  "gemv_build_ab": bench.gemv_build_ab(...) result (EngineConfig.gemv_build "int8", "int8-staged",
-                   "int8-m1" and "int8-wide" each vs "bf16", synthetic model only),
-  "post_attention_ab": bench.post_attention_ab(...) result (EngineConfig.post_attention_kernel "block" and
-                       "block+qkv" each vs "off", synthetic model only),
   "lm_head_ab": bench.lm_head_ab(...) result (an INT4 lm_head vs bf16, synthetic model only),
-  "lm_head_int8_wide_ab": the same with the INT4 side's gemv_build "int8-wide",
   "errors": {section: message},
 }
 """
@@ -133,8 +126,7 @@ def build_report(raw: dict) -> dict:
     rep["speculation"] = meta.get("speculation")
     for k in ("engine_start_s", "num_kv_blocks", "kv_blocks_used_after", "model_load", "load_test",
               "prefix_cache", "engine_stats", "features_cost", "layout_speed", "overlap_ab",
-              "attention_merge_ab", "gemv_build_ab", "lm_head_ab", "lm_head_int8_wide_ab",
-              "post_attention_ab"):
+              "lm_head_ab"):
         if raw.get(k) is not None:
             rep[k] = raw[k]
     if raw.get("errors"):
@@ -225,11 +217,7 @@ def markdown(rep: dict) -> str:
     lines += _features_md(rep.get("features_cost"))
     lines += _layout_md(rep.get("layout_speed"))
     lines += _overlap_md(rep.get("overlap_ab"))
-    lines += _attention_merge_md(rep.get("attention_merge_ab"))
-    lines += _gemv_build_md(rep.get("gemv_build_ab"))
     lines += _lm_head_md(rep.get("lm_head_ab"), rep.get("read_bandwidth_GBps"))
-    lines += _lm_head_md(rep.get("lm_head_int8_wide_ab"), rep.get("read_bandwidth_GBps"))
-    lines += _post_attention_md(rep.get("post_attention_ab"))
     lines += ["", "## Graph vs eager (context 128, engine wall time)", "",
               "| batch | graph-mode tok/s | eager tok/s |",
               "| --- | --- | --- |"]
@@ -314,48 +302,15 @@ def _overlap_md(ov: dict | None) -> list[str]:
                          f"decode steps ahead (the off engine {ov['steps_ahead_off']}).")
 
 
-def _attention_merge_md(am: dict | None) -> list[str]:
-    if not am:
-        return []
-    return _engine_ab_md("## Attention split merge in the o_proj GEMV "
-                         "(EngineConfig.attention_merge=\"o_proj\") vs the combine kernel "
-                         f"(same run, context {am['context']} + {am['new_tokens']})",
-                         "o_proj", "combine", am["rows"], am["reps"],
-                         f"The batch-1 graph deferred {_f(am.get('deferred_per_layer'), '.2f')} merges per "
-                         "layer to the o_proj GEMV (1: one combine launch fewer per layer).")
-
-
-def _gemv_build_md(gb: dict | None) -> list[str]:
-    if not gb:
-        return []
-    lines = []
-    for variant, res in gb.get("variants", {}).items():
-        paths = res.get("graph_paths") or {}
-        title = (f"## Decode GEMVs on the int8 tensor cores (EngineConfig.gemv_build=\"{variant}\") vs bf16 "
-                 f"(same run, context {gb['context']} + {gb['new_tokens']})")
-        note = (f"The {variant} side's batch-1 graph ran {paths.get('gemv_int8_mma', 0)} of its "
-                f"{paths.get('gemv_int4', 0)} GEMVs on the int8 tensor cores.")
-        lines += _engine_ab_md(title, variant, "bf16", res["rows"], gb["reps"], note)
-    return lines
-
-
 def _lm_head_md(lh: dict | None, read_gbps: float | None) -> list[str]:
     if not lh:
         return []
-    build = lh.get("gemv_build_a", "bf16")
     paths = lh.get("graph_paths_a") or {}
     run = f"(same run, context {lh['context']} + {lh['new_tokens']})"
     note = (f"Bytes per token at the last step: int4 {lh['bytes_per_token_a'] / 1e9:.3f} GB, "
             f"bf16 {lh['bytes_per_token_b'] / 1e9:.3f} GB. lm_head path of the int4 side's "
             f"batch-1 graph: {_lm_head_path(paths)}.")
-    if build == "bf16":
-        name, title = "int4", f"## INT4 lm_head (`nanoqwen-quant pack --lm-head int4`) vs bf16 {run}"
-    else:
-        name = f"int4+{build}"
-        title = (f"## INT4 lm_head with EngineConfig.gemv_build=\"{build}\" vs the bf16 lm_head and "
-                 f"GEMVs {run}")
-        note += (f" That graph ran {paths.get('gemv_int8_mma', 0)} of its {paths.get('gemv_int4', 0)} "
-                 "GEMVs on the int8 tensor cores.")
+    name, title = "int4", f"## INT4 lm_head (`nanoqwen-quant pack --lm-head int4`) vs bf16 {run}"
     lines = _engine_ab_md(title, name, "bf16", lh["rows"], lh["reps"], note)
     lines += ["", f"| batch | graph replay {name}, % of the read roofline | bf16 |", "| --- | --- | --- |"]
     read_bps = read_gbps * 1e9 if read_gbps else None
@@ -375,20 +330,6 @@ def _lm_head_path(paths: dict | None) -> str:
     if not paths:
         return "not recorded"
     return ", ".join(f"{k} {v}" for k, v in sorted(paths.items()) if k in ("gemv_int4", "cublas_bf16"))
-
-
-def _post_attention_md(pa: dict | None) -> list[str]:
-    if not pa:
-        return []
-    lines = []
-    for variant, res in pa.get("variants", {}).items():
-        cfg = res.get("config") or {"post_attention_kernel": variant}
-        what = "o_proj + gate_up + down" + (" + the next qkv" if cfg["post_attention_kernel"] == "block+qkv"
-                                            else "")
-        fields = ", ".join(f'{k}="{v}"' for k, v in cfg.items())
-        lines += _engine_ab_md(f"## {what} as one persistent launch (EngineConfig {fields}) vs the GEMVs "
-                               "(same run, context 128 + 128)", variant, "off", res["rows"], pa["reps"])
-    return lines
 
 
 def profile_markdown(p: dict | None) -> list[str]:

@@ -54,8 +54,8 @@
 
 // Prefill register budget (160 threads, 2 CTAs/SM: ptxas caps at 168 registers). Q fragments held in
 // registers only fit with 16-token softmax steps (166 registers); re-reading Q from shared memory with
-// 32-token steps (162 registers) measured faster on the H200 (174 vs 160 TFLOP/s at 4096 tokens, see
-// bench/attention/RESULTS.md), so that is the default; the bench's --ablate builds the other corner.
+// 32-token steps (162 registers) measured faster on the H200 (174 vs 160 TFLOP/s at 4096 tokens), so
+// that is the default; bench_attention.py --ablate builds the other corner.
 #ifndef NQ_ATTN_PREFILL_QREGS
 #define NQ_ATTN_PREFILL_QREGS 0
 #endif

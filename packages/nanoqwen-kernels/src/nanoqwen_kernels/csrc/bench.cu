@@ -23,9 +23,7 @@
 // each warp publishes with one `red.global.xor` into *sink: the loads feed a store, so the compiler
 // cannot drop them, and the result is the XOR of every 32-bit word of the buffer (tests check it
 // against numpy). Bytes read: 16 * n_vec; bytes written: 4 per warp (nothing, at several GiB).
-//
-// Neither kernel calls pdl_wait: the launcher never asks for programmatic dependent launch, and
-// without it a kernel starts only after the previous one on the stream has finished.
+
 #include "common.cuh"
 
 NQ_DEVICE u32 xor4(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }

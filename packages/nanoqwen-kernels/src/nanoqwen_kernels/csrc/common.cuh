@@ -3,7 +3,7 @@
 // No CUDA toolkit header is included anywhere (NVRTC then needs no include path but csrc/): bf16 is
 // carried as raw 16-bit patterns (`bf16_t`) or packed pairs in a 32-bit word (`bf16x2_t`), converted
 // with shifts (bf16 -> f32 is exact) and `cvt.rn` PTX (f32 -> bf16, round to nearest even, like torch).
-// Also: the programmatic-dependent-launch contract (pdl_wait), warp/block reductions, 16-byte streaming loads, and the Philox4x32-10 counter-based RNG used
+// Also: warp/block reductions, 16-byte streaming loads, and the Philox4x32-10 counter-based RNG used
 // by the sampler (same constants as curand / torch's Philox).
 #pragma once
 
@@ -19,37 +19,13 @@ typedef u32 bf16x2_t;
 #define NQ_NEG_INF __int_as_float(0xff800000)
 
 // A kernel's dynamic shared memory (`extern __shared__`), as `unsigned char name[]` aligned to `align`.
-// NQ_HOST_EMU: the kernels compiled for the CPU (emu/simt.h, nanoqwen_kernels.emu), where each PTX
-// wrapper below takes its host branch.
+// NQ_HOST_EMU: the kernels compiled for the CPU (emu/simt.h, nanoqwen_kernels.testing.emu), where each
+// PTX wrapper below takes its host branch.
 #ifdef NQ_HOST_EMU
 #define NQ_DYNAMIC_SMEM(name, align) unsigned char* name = ::nq_emu::dynamic_smem()
 #else
 #define NQ_DYNAMIC_SMEM(name, align) extern __shared__ __align__(align) unsigned char name[]
 #endif
-
-// Programmatic dependent launch (PDL, Hopper; PTX `griddepcontrol`). A launcher called with pdl=True
-// (nanoqwen_kernels.launch.launch) launches the kernel with the programmatic-stream-serialization
-// attribute, so its blocks may start while the kernel before it on the stream is still running. The
-// contract every kernel whose launcher takes `pdl` keeps (tests/test_pdl_cpu.py checks it):
-//   pdl_wait() before its first read of memory an earlier kernel writes and before its first global
-//   write (it returns once the previous grid has completed and its writes are visible; it is a no-op
-//   in a launch without the attribute). Only reads of memory no kernel writes (the weights) may come
-//   before it: that is the overlap PDL buys, the weight stream of the next GEMV starting under the
-//   tail of the previous kernel.
-//   pdl_launch_dependents() lets the next kernel's blocks be scheduled (once every block of this grid
-//   has called it or exited); it orders nothing, so it may come anywhere.
-#ifdef NQ_HOST_EMU
-NQ_DEVICE void pdl_wait() {}  // launches on the emulator run one after the other
-NQ_DEVICE void pdl_launch_dependents() {}
-#else
-NQ_DEVICE void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-NQ_DEVICE void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-#endif
-// Both, at the top of a kernel that reads nothing before it depends on the previous one.
-NQ_DEVICE void pdl_enter() {
-  pdl_wait();
-  pdl_launch_dependents();
-}
 
 NQ_DEVICE float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
 NQ_DEVICE float bf16x2_lo(bf16x2_t v) { return __uint_as_float(v << 16); }

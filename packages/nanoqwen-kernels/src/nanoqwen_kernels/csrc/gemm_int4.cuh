@@ -28,7 +28,7 @@
 //            the next chunk arrive by cp.async into a raw buffer while the current chunk is multiplied;
 //            at the chunk boundary the block converts them into the (single) x buffer. Every row block
 //            recomputes the whole activation this way: at M = 32 / 64 that took twice the plain
-//            kernel's time, so the engine runs silu_mul + XMODE 0 instead (NOTES.md, session 12).
+//            kernel's time, so the engine runs silu_mul + XMODE 0 instead.
 //
 // Split-K (M <= 64 only, so the scratch is bounded): as in the GEMV, gridDim.z = S blocks share each
 // (M block, row block) tile, write their fp32 partials into [S, M, N] (rows m0.. of the M block), and
@@ -138,11 +138,9 @@ NQ_DEVICE void silu_mul_rows(bf16_t* xs, const bf16_t* raw) {
 // [m0, m0 + rows) in split order, add the bias, write bf16: the last block of a tile to finish runs
 // this (deterministic order). It is the launch's tail, so its L2 round trips must overlap: a thread
 // takes RE elements at a time (THREADS apart: a warp's loads stay coalesced) and keeps RS splits of all
-// of them in flight, ceil(S / RS) round trips per RE elements. (Before session 20: one element and one
-// split at a time, S round trips per element and 32 elements per thread at M = 64 -- ~10 us at S = 2,
-// which made every K split of the 7B qkv at M = 64 slower than none; kernels NOTES.md, session 20. RE = 4,
-// RS = 4: the widest batch with no spill in any GEMM entry.) Each element's sum is ((0 + p_0) + p_1) +
-// ..., as before: the output is bitwise the same.
+// of them in flight, ceil(S / RS) round trips per RE elements (one element and one split at a time took
+// ~10 us at M = 64, S = 2: slower than no split). RE = 4, RS = 4: the widest batch with no spill in any
+// GEMM entry. Each element's sum is ((0 + p_0) + p_1) + ..., in split order.
 NQ_DEVICE void reduce_splits(const float* __restrict__ ws, const bf16_t* __restrict__ bias,
                              bf16_t* __restrict__ out, int M, int N, int S, int row_base, int m0, int rows) {
   constexpr int RE = 4, RS = 4;
@@ -395,8 +393,7 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   constexpr int D = NQ_GEMM_STAGES(NT);
   TileColumn<G> st[D];
 #pragma unroll
-  for (int d = 0; d < D - 1; ++d) load(st[d], tc_begin + d);  // weights depend on no kernel: before the PDL wait
-  pdl_wait();
+  for (int d = 0; d < D - 1; ++d) load(st[d], tc_begin + d);  // the first stages' weights, before x is staged
   issue(0);
   const bf16_t* xb = xbuf;
   for (int tc = tc_begin; tc < tc_end; tc += D) {
@@ -406,7 +403,6 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
       if (tc + d < tc_end) step(st[d], tc + d, xb);
     }
   }
-  pdl_launch_dependents();
 
   // acc[i][0..1]: y[m0 + 8i + 2t, +1][row0]; acc[i][2..3]: the same m for row1
   if (S == 1) {

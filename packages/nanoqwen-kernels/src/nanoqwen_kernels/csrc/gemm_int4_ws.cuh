@@ -5,10 +5,10 @@
 // gemm_int4.cuh; the two consumer sets (below) keep one accumulator each, over the even and the odd
 // tile-columns, added at the end: the order of a 2-way K split, within the same tolerance.
 //
-// Why (kernels NOTES.md, sessions 8-13): the mma.sync GEMM is latency-bound at M = 64 -- one block of
-// 8 warps per SM, ~380 instructions per warp per tile-column of which half are addresses, guards and
-// the activation staging, a block barrier per chunk -- and session 8's wgmma version waited for each
-// group's wgmmas before dequantising the next and had every thread issue the ring's copies.
+// Why: the mma.sync GEMM is latency-bound at M = 64 -- one block of 8 warps per SM, ~380 instructions
+// per warp per tile-column of which half are addresses, guards and the activation staging, a block
+// barrier per chunk. Here one producer warp issues the ring's copies and the consumers dequantise the
+// next group while the previous group's wgmmas run.
 //
 // Block: 20 warps. Warps 0..15 are four consumer warpgroups in two sets of 8 warps (set p = warps 8p..
 // 8p + 7); warp 16 is the producer (warps 17..19 only complete its warpgroup, which gives registers to
@@ -26,7 +26,7 @@
 //          (row r's 128 bytes at 128 r, 16-byte chunk c at position c ^ (r % 8); each box 1024-aligned).
 //       W  the block's 16 weight tiles of the tile-column, 512 bytes each, as in global memory.
 //   Scales and zero points of the block's rows and K range are loaded once, by the consumers, into a
-//   [128, kc * G / 128] table before the main loop (they are weights: read before the PDL wait).
+//   [128, kc * G / 128] table before the main loop (they are weights).
 //   Consumers: set p takes the tile-columns rel = p (mod 2). In a set, warp w owns tile pair w (16
 //     rows: rows g and g + 8 of tiles 2w, 2w + 1), so each warpgroup's 64 rows are the A operand of
 //     `wgmma.m64nRk16` in registers (the GEMV's dequantised words, unchanged), B is the slot's X. Per
@@ -42,7 +42,7 @@
 // Timing probes (wrong outputs; tests never build them), each a -D option: NQ_GEMM_WS_PROBE_NO_MMA (the
 // consumers' steps without the wgmmas), NQ_GEMM_WS_PROBE_COPY_ONLY (the ring's copies and barriers
 // only), NQ_GEMM_WS_PROBE_NO_MAINLOOP (no copies and no consumer steps: the per-block prologue -- barrier
-// init, setmaxnreg, the scale / zero table -- and epilogue alone; kernels NOTES.md, session 20).
+// init, setmaxnreg, the scale / zero table -- and epilogue alone).
 //
 // Split-K: as gemm_int4.cuh (fp32 partials [S, M, N], an arrival counter per (M block, row block),
 // the last block sums in split order); set 0 synchronises with named barrier 1 (256 threads), all the
@@ -62,8 +62,8 @@ using nq_gemm::smem_addr;
 using nq_gemv::dq;
 using nq_gemv::neg_zero_pair;
 
-// Two sets of 8 consumer warps on the same 128 rows (measured against one set, kernels NOTES.md session
-// 19: 4-9% faster at M = 16..64: twice the warps to hide one another's latencies).
+// Two sets of 8 consumer warps on the same 128 rows (measured 4-9% faster than one set at M = 16..64:
+// twice the warps to hide one another's latencies).
 constexpr int KSETS = 2;
 constexpr int SET_WARPS = 8;  // one set: 8 warps x 16 rows = ROWS_PER_BLOCK
 constexpr int CONSUMER_WARPS = SET_WARPS * KSETS;
@@ -77,8 +77,8 @@ constexpr int THREADS = CONSUMERS + 128;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 112;
 static_assert(CONSUMERS * (CONSUMER_REGS - 65536 / THREADS / 8 * 8) <= 128 * (65536 / THREADS / 8 * 8 - PRODUCER_REGS),
               "setmaxnreg: the consumers take more registers than the producer gives back");
-// Quantization groups per consumer step: one (measured, kernels NOTES.md session 19: with one consumer
-// set, 2 was faster at M = 16 and 32; with two sets, ptxas fits 2 in the registers only with spills).
+// Quantization groups per consumer step: one (with two consumer sets, ptxas fits 2 in the registers only
+// with spills).
 // NQ_GEMM_WS_BATCH overrides it (experiments).
 #ifdef NQ_GEMM_WS_BATCH
 constexpr int GROUPS_PER_STEP = NQ_GEMM_WS_BATCH;
@@ -313,7 +313,6 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
     if (warp != CONSUMER_WARPS) return;
     constexpr u32 bytes = 2 * RG::XBOX + 16 * 512;  // whole boxes: rows past M or N arrive as zeros
-    pdl_wait();  // x is the previous kernel's output
 #ifdef NQ_GEMM_WS_PROBE_NO_MAINLOOP  // timing probe (wrong outputs): no copies, no main loop
     if (ntc >= 0) return;
 #endif
@@ -329,7 +328,6 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
         tma_load_2d(slot + RG::X + RG::XBOX, xmap, tc * 128 + 64, m0, &full[s]);
       }
     }
-    pdl_launch_dependents();
     return;
   }
 
@@ -392,7 +390,6 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 #pragma unroll
     for (int i = 0; i < NA; ++i) c.acc[i] += red[(wq * NA + i) * 32 + lane];
   }
-  pdl_launch_dependents();
   nq_gemm::finish_tile<NT, true>(c.acc, bias, out, ws, counters, M, N, gridDim.z, split, m0, rows_valid, row_base,
                                  row0, row1, has0, has1, t);
 }

@@ -48,11 +48,9 @@ using namespace nq_gemv;
   }
 #define NQ_GEMV_ENTRY(NAME, G, ASYM, XMODE, ST) NQ_GEMV_ENTRY_LOOP(NAME, G, ASYM, XMODE, ST, false)
 
-// One tile-column per pipeline stage (two stages in flight; deeper stages measured slower on the H200,
-// NOTES.md) and the blocks per SM the register budget must allow, tuned on the H200, overridable with
-// -D for benchmark variants. -DNQ_GEMV_STAGED_SCALES=1 builds the g128 kernels with the staged-scale loop
-// (gemv_int4.cuh, ScaleStager; the family gemv.STAGED_FAMILY; test_gemv_staged_scales_emu.py compares it
-// with this build bit for bit). -DNQ_GEMV_EXACT_LOOP builds every kernel with the exact-trip-count main
+// One tile-column per pipeline stage (two stages in flight; deeper stages measured slower on the H200)
+// and the blocks per SM the register budget must allow, tuned on the H200, overridable with
+// -D for benchmark variants. -DNQ_GEMV_EXACT_LOOP builds every kernel with the exact-trip-count main
 // loop (gemv_int4.cuh's EXACT; bench/kernels/gemv_ab.py times it); without it only the kernels built
 // with NQ_GEMV_ENTRY_LOOP(..., true) below have it: those where it measured faster and compiles without
 // spills (nvcc 13.0; test_build.py holds every hot kernel to that).
@@ -70,7 +68,7 @@ using namespace nq_gemv;
 // g128 SiLU-input (down): 2 blocks per SM (<= 128 registers), where the per-column loop's exact form was
 // unspilled (at 3 blocks it spilled 4-8 bytes, reloaded per iteration); measured 0.83x (asym) / 0.90x
 // (sym) the time of the other loop at 3 blocks on the 7B down at M = 1, with plan_gemv's split target 2
-// (gemv.py). The staged-scale loop (opt-in) takes 96 registers and compiles unspilled at 3 blocks too.
+// (gemv.py).
 #ifndef NQ_GEMV_MIN_BLOCKS_G128_SILU
 #define NQ_GEMV_MIN_BLOCKS_G128_SILU 2
 #endif
@@ -103,7 +101,7 @@ NQ_GEMV_ENTRY(gemv_int4_g32_asym_f16s_silu, 32, true, 1, ScaleF16)
 // The qkv GEMV with the RoPE / paged K/V write epilogue (gemv_int4.cuh, EPI = 1): plain input, every
 // layout, the blocks per SM of the plain kernel of the layout; the per-column-guard loop everywhere (the
 // exact loop spilled 12 bytes in g128 asym with the epilogue; on the qkv shape it measured 0.996 of the
-// other loop's time, NOTES.md). Launch as the GEMV, without out; extra arguments: positions,
+// other loop's time). Launch as the GEMV, without out; extra arguments: positions,
 // slot_mapping, inv_freq, q_out, k_cache, v_cache, Hq, Hkv, D, block_size.
 #define NQ_GEMV_ROPE_ENTRY(NAME, G, ASYM, ST, EXACT)                                                   \
   extern "C" __global__ void __launch_bounds__(THREADS, NQ_GEMV_BLOCKS(G, 0))                          \
@@ -244,7 +242,6 @@ NQ_GEMV_MERGE_ENTRIES(32, asym, true, _f16s, ScaleF16)
   extern "C" __global__ void __launch_bounds__(256)                                                   \
       NAME(const uint4* __restrict__ qweight, const u16* __restrict__ scales,                        \
            const u8* __restrict__ zeros, bf16_t* __restrict__ out, int N, int K) {                    \
-    pdl_enter();                                                                                      \
     dequant_int4<G, ASYM, ST>(qweight, scales, zeros, out, N, K);                                     \
   }
 
@@ -262,7 +259,7 @@ NQ_DEQUANT_ENTRY(dequant_int4_g32_sym_f16s, 32, false, ScaleF16)
 NQ_DEQUANT_ENTRY(dequant_int4_g32_asym_f16s, 32, true, ScaleF16)
 
 // Blocks per SM the INT8 GEMV's register budget must allow: 3 (72 registers). 4 (64 registers, 32 warps
-// per SM) measured 3.7% slower on the H200 at M = 1 (bench/kernels/results/int8_lm_head-2026-11-30.json).
+// per SM) measured 3.7% slower on the H200 at M = 1.
 #ifndef NQ_GEMV8_MIN_BLOCKS
 #define NQ_GEMV8_MIN_BLOCKS 3
 #endif

@@ -27,16 +27,11 @@
 //
 // Why it is fast: the weights are the only large stream (0.5 B/weight); each is read once with a
 // 16-byte L1-bypassing load, two tile-columns (4 loads) in flight per warp. The ALU work is the limit
-// at HBM speed (bench/kernels/CEILINGS.md: this loop on weights already in shared memory consumes them
-// at only ~1.03x (sym) / 1.14x (asym) the read bandwidth), so the loop is kept lean: per 2 weights one
-// shift, one lop3 and one bf16x2 add (`dq`), per 128 weights one mma, no masked loads, one PRMT per
-// zero point; 150 / 160 SASS instructions per tile-column (1 KiB of weights) at g128 sym / asym. Built
-// with -DNQ_GEMV_STAGED_SCALES=1 (opt-in), the g128 block stages its rows' fp32 scales and zero pairs in
-// shared memory beside x (ScaleStager) and a pipeline stage is the weights alone: 113 / 115
-// instructions per tile-column, the same bits, but 2.7% slower on the H100 (NOTES.md, session 25).
-// Built with -DNQ_GEMV_INT8_MMA=1 (opt-in, below: stage_x_planes, mma_col_int8), the g128 loop runs on the
-// int8 tensor cores, x rounded to 16-bit block floating point: 67.5-110 instructions per tile-column, not
-// the same bits (NOTES.md, session 26).
+// at HBM speed (this loop on weights already in shared memory consumes them at only ~1.03x (sym) /
+// 1.14x (asym) the read bandwidth), so the loop is kept lean: per 2 weights one shift, one lop3 and one
+// bf16x2 add (`dq`), per 128 weights one mma, no masked loads, one PRMT per zero point; 128-161 SASS
+// instructions per tile-column (1 KiB of weights) over the g128 kernels (tests/test_gemv_sass_cpu.py
+// holds them to a bound derived from this list).
 // Split-K: when N alone gives too few blocks for 132 SMs, gridDim.y = S blocks share each block's
 // rows, each over kc tile-columns; they write fp32 partials to a workspace [S, M, N] and the last
 // block to finish (an atomic counter per block row, reset to 0 by that block: graph-replay safe)
@@ -179,34 +174,25 @@ struct GroupIO {
 // XMODE 0: x is [M, K]. XMODE 1: x is gate_up [M, 2K] and the staged value is bf16(silu(g) * u).
 // XMODE 2 (the norm prologue): x is the residual [M, K] and the staged value is bf16(x * rs[m] * nw)
 // (rs: the rows' RMS scales, nw: the norm weight [K]).
-// CG: x is read past L1 (ld.cg), for an x that other blocks of the same launch wrote (the block kernel,
-// block_int4.cuh: L1 is not coherent, and the SM may hold an older copy of the lines).
-template <bool CG>
-NQ_DEVICE uint4 load_x(const void* p) {
-  if constexpr (CG) return ld_cg_v4(p);
-  else return ld_v4(p);
-}
-
-template <int XMODE, bool CG = false, int NORM_UNROLL = 1>
+template <int XMODE>
 NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M, int K, int k0,
                        int ncols, const bf16_t* __restrict__ nw = nullptr, const float* rs = nullptr) {
   const int vec_per_row = ncols / 8;
-  // unrolled 4 times, except the norm staging (XMODE 2): NORM_UNROLL times (1, not unrolled, where the
-  // first weight stage is live across the staging with its scales: unrolled, ptxas spilled in the per-column
-  // loop's g128 asym kernels; 4 with the staged scale records, whose stage is 8 registers)
-#pragma unroll(XMODE == 2 ? NORM_UNROLL : 4)
+  // unrolled 4 times, except the norm staging (XMODE 2): not unrolled (the first weight stage is live
+  // across the staging with its scales: unrolled, ptxas spilled in the g128 asym kernels)
+#pragma unroll(XMODE == 2 ? 1 : 4)
   for (int v = threadIdx.x; v < M * vec_per_row; v += blockDim.x) {
     const int m = v / vec_per_row, c8 = (v - m * vec_per_row) * 8;
     u32 w[4];
     if constexpr (XMODE == 0) {
-      const uint4 a = load_x<CG>(x + (i64)m * K + k0 + c8);
+      const uint4 a = ld_v4(x + (i64)m * K + k0 + c8);
       w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
     } else if constexpr (XMODE == 2) {
-      const uint4 a = nq::scale_bf16x8(load_x<CG>(x + (i64)m * K + k0 + c8), ld_v4(nw + k0 + c8), rs[m]);
+      const uint4 a = nq::scale_bf16x8(ld_v4(x + (i64)m * K + k0 + c8), ld_v4(nw + k0 + c8), rs[m]);
       w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
     } else {
-      const uint4 g = load_x<CG>(x + (i64)m * 2 * K + k0 + c8);
-      const uint4 u = load_x<CG>(x + (i64)m * 2 * K + K + k0 + c8);
+      const uint4 g = ld_v4(x + (i64)m * 2 * K + k0 + c8);
+      const uint4 u = ld_v4(x + (i64)m * 2 * K + K + k0 + c8);
       const u32 ga[4] = {g.x, g.y, g.z, g.w}, ua[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -223,150 +209,10 @@ NQ_DEVICE void stage_x(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, 
   }
 }
 
-// ---- the int8 tensor-core loop (opt-in build -DNQ_GEMV_INT8_MMA=1, family gemv.INT8_MMA_FAMILY) ----------
-// The bf16 dequantisation (3 shifts, 4 lop3, 4 bf16x2 adds per 32-bit word: 88 of the loop's 113-160
-// instructions per tile-column) goes: the nibbles ARE unsigned 8-bit integers once masked, and x becomes
-// integers too, so mma.m16n8k32 on u8 weights and 8-bit x planes multiplies them exactly, in s32.
-// - Weights: lo(w) = w & 0x0f0f0f0f holds the nibbles 0, 2, 4, 6 of a word (columns 2t, 2t + 16, 2t + 1,
-//   2t + 17 of its 32, header), hi(w) = (w >> 4) & 0x0f0f0f0f the nibbles 1, 3, 5, 7 (2t + 8, 2t + 24,
-//   2t + 9, 2t + 25): {lo(w0), lo(w1), hi(w0), hi(w1)} is the A fragment of one m16n8k32, whose k order
-//   is a permutation of the word's 32 columns that depends on t only. 3 instructions per word.
-// - x: block floating point per 128-column group and row m: X = rint(x / p) with p = 2^(e_max - 141),
-//   e_max the biased exponent of the group's largest |x|, so |X| <= 32640 < 2^15, and every x within 2^7
-//   of that largest (exponent e_max - 7 or above) is exact; smaller ones are rounded by at most p / 2
-//   (<= 2^-15 of the group's largest). X = 256 hi + lo: two planes, lo as u8 and hi as s8, each in the B
-//   fragment order (stage_x_planes rewrites each lane's 16 staged bytes in place).
-// - Per group, the two s32 fragments combine exactly: v = 256 c_hi + c_lo - z * sum(X) (the zero point
-//   folded out through the group's sum of X), then acc += (float(v) * p) * scale (float(v) rounds once:
-//   |v| < 2^26).
-// The group's p and -sum(X) per row m sit after x in shared memory: tab[column][m] = {p bits, -sum}.
-NQ_DEVICE void mma_u8(int* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, bool b_signed) {
-#ifdef NQ_HOST_EMU
-  const u32 a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
-  nq_emu::mma_m16n8k32_i8(c, a, b, false, b_signed);
-#else
-  if (b_signed)
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
-
-constexpr int PLANE_TAB_WORDS = 16;  // u32 per tile-column in the plane table: 8 rows m x {p bits, sum(X)}
-
-// Rewrite the staged x (M rows of ncols columns, stage_x's permutation) in place as the two 8-bit planes
-// of X (above), and write each (tile-column, row) group's p and -sum(X) to tab [ncols / 128][8][2]. A piece
-// is a lane's 16 bytes of one 32-column chunk (8 columns); a group is 16 pieces, one per half-warp, whose
-// shuffles reduce the group's largest magnitude and its sum. X by the float trick: fma(x, 1 / p, 1.5 2^23)
-// rounds x / p to the nearest integer (ties to even) and leaves it in the low 16 bits as two's complement:
-// byte 0 is lo, byte 1 is hi. A group holding an Inf or NaN gets p = NaN, so its outputs are NaN.
-NQ_DEVICE void stage_x_planes(bf16_t* xs, int xs_stride, int M, int ncols, u32* tab) {
-  const int groups = ncols >> 7, total = M * groups * 16;
-  for (int base = 0; base < total; base += blockDim.x) {  // whole warps: the shuffles need every lane
-    const int v = base + threadIdx.x;
-    const bool ok = v < total;  // half-warp uniform (total % 16 == 0)
-    const int vv = ok ? v : 0;
-    const int m = vv / (groups * 16), r = vv - m * groups * 16, gi = r >> 4, piece = r & 15;
-    u32* p = reinterpret_cast<u32*>(xs + m * xs_stride + gi * 128 + (piece >> 2) * 32 + (piece & 3) * 8);
-    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-    if (ok) raw = *reinterpret_cast<const uint4*>(p);
-    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
-    u32 mx = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) mx = max(mx, max(w[i] & 0x7fffu, (w[i] >> 16) & 0x7fffu));
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) mx = max(mx, (u32)__shfl_xor_sync(0xffffffffu, mx, o));
-    const u32 emax = max(mx >> 7, 15u);  // 15: p and 1 / p normal (below 2^-112, multiples of 2^-126)
-    const float inv_p = __uint_as_float((268u - emax) << 23);  // 2^(141 - emax)
-    const float magic = 12582912.f;                              // 1.5 2^23
-    u32 q[8];
-    int sum = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      q[2 * i] = __float_as_uint(fmaf(__uint_as_float(w[i] << 16), inv_p, magic));
-      q[2 * i + 1] = __float_as_uint(fmaf(__uint_as_float(w[i] & 0xffff0000u), inv_p, magic));
-      sum += (int)(q[2 * i] - 0x4B400000u) + (int)(q[2 * i + 1] - 0x4B400000u);
-    }
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (ok) {
-      // piece element i = 2j + e is column 2t + 8j + e; B register 0 takes the columns of lo(w)'s bytes
-      // (elements 0, 4, 1, 5), register 1 those of hi(w)'s (2, 6, 3, 7); bytes 0 (lo plane), 1 (hi plane)
-      uint4 o;
-      o.x = __byte_perm(__byte_perm(q[0], q[4], 0x0040), __byte_perm(q[1], q[5], 0x0040), 0x5410);
-      o.y = __byte_perm(__byte_perm(q[2], q[6], 0x0040), __byte_perm(q[3], q[7], 0x0040), 0x5410);
-      o.z = __byte_perm(__byte_perm(q[0], q[4], 0x0051), __byte_perm(q[1], q[5], 0x0051), 0x5410);
-      o.w = __byte_perm(__byte_perm(q[2], q[6], 0x0051), __byte_perm(q[3], q[7], 0x0051), 0x5410);
-      *reinterpret_cast<uint4*>(p) = o;
-      if (piece == 0) {
-        const u32 pb = mx >= 0x7f80u ? 0x7fc00000u : (emax - 14u) << 23;  // 2^(emax - 141), or NaN
-        tab[(gi * 8 + m) * 2] = pb;
-        tab[(gi * 8 + m) * 2 + 1] = (u32)-sum;
-      }
-    }
-  }
-}
-
-// One tile-column (G = 128) on the int8 tensor cores: the lane's words w0v (tile 0) and w1v (tile 1), the
-// x planes at xt (the lane's 16 bytes per 32-column chunk, stride 32 bf16), tabt: the lane's entries of
-// the column's plane table (rows m = 2t, 2t + 1), sc0 / sc1: the rows' fp32 scales, z0 / z1 their zero
-// points.
-NQ_DEVICE void mma_col_int8(float (&acc)[4], const uint4& w0v, const uint4& w1v, float sc0, float sc1, int z0,
-                            int z1, const bf16_t* xt, const u32* tabt) {
-  const u32 w0[4] = {w0v.x, w0v.y, w0v.z, w0v.w};
-  const u32 w1[4] = {w1v.x, w1v.y, w1v.z, w1v.w};
-  int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const uint4 b = *reinterpret_cast<const uint4*>(xt + 32 * w);
-    const u32 a0 = w0[w] & 0x0f0f0f0fu, a1 = w1[w] & 0x0f0f0f0fu;
-    const u32 a2 = (w0[w] >> 4) & 0x0f0f0f0fu, a3 = (w1[w] >> 4) & 0x0f0f0f0fu;
-    mma_u8(lo, a0, a1, a2, a3, b.x, b.y, false);
-    mma_u8(hi, a0, a1, a2, a3, b.z, b.w, true);
-  }
-  const uint4 tb = *reinterpret_cast<const uint4*>(tabt);
-  const float p0 = __uint_as_float(tb.x), p1 = __uint_as_float(tb.z);
-  const int nx0 = (int)tb.y, nx1 = (int)tb.w;  // -sum(X)
-  acc[0] = fmaf((float)(hi[0] * 256 + lo[0] + z0 * nx0) * p0, sc0, acc[0]);
-  acc[1] = fmaf((float)(hi[1] * 256 + lo[1] + z0 * nx1) * p1, sc0, acc[1]);
-  acc[2] = fmaf((float)(hi[2] * 256 + lo[2] + z1 * nx0) * p0, sc1, acc[2]);
-  acc[3] = fmaf((float)(hi[3] * 256 + lo[3] + z1 * nx1) * p1, sc1, acc[3]);
-}
-
-// One tile-column of G = 128 (one group) for the GEMV's staged-scale loop (ScaleStager): the arithmetic
-// of mma_tile_column<128> below, with the scales already widened to fp32 (sc0, sc1) and the zero pairs
-// made (nz0, nz1). (mma_tile_column<128> calling it changes the SASS of the kernels that still use it --
-// the -DNQ_GEMV_STAGED_SCALES=0 build, the block kernel -- by up to 4.5 instructions per tile-column.)
-NQ_DEVICE void mma_col_scaled(float (&acc)[4], const uint4& w0v, const uint4& w1v, float sc0, float sc1, u32 nz0,
-                              u32 nz1, const bf16_t* xt) {
-  const u32 w0[4] = {w0v.x, w0v.y, w0v.z, w0v.w};
-  const u32 w1[4] = {w1v.x, w1v.y, w1v.z, w1v.w};
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const uint4 b = *reinterpret_cast<const uint4*>(xt + 32 * w);
-    mma_bf16(c, dq(w0[w], 0, nz0), dq(w1[w], 0, nz1), dq(w0[w], 1, nz0), dq(w1[w], 1, nz1), b.x, b.y);
-    mma_bf16(c, dq(w0[w], 2, nz0), dq(w1[w], 2, nz1), dq(w0[w], 3, nz0), dq(w1[w], 3, nz1), b.z, b.w);
-  }
-  acc[0] = fmaf(c[0], sc0, acc[0]);
-  acc[1] = fmaf(c[1], sc0, acc[1]);
-  acc[2] = fmaf(c[2], sc1, acc[2]);
-  acc[3] = fmaf(c[3], sc1, acc[3]);
-}
-
 // One tile-column of a warp's tile pair: dequantize the lane's words (w0v: tile 0, w1v: tile 1), multiply
 // them by the staged x (xt: the tile-column's 128 staged columns of the lane's x row), scale each group
 // and add into acc (the C fragment, header). s0 / s1, z0 / z1: the raw scale bits and zero points of the
-// lane's rows g of tile 0 and tile 1; c3: neg_zero_pair_byte's per-lane register. The inner step of the
-// GEMV and of the post-attention block kernel (block_int4.cuh).
+// lane's rows g of tile 0 and tile 1; c3: neg_zero_pair_byte's per-lane register. The GEMV's inner step.
 template <int G, bool ASYM, typename ST>
 NQ_DEVICE void mma_tile_column(float (&acc)[4], const uint4& w0v, const uint4& w1v, typename ScaleBits<G>::type s0,
                                typename ScaleBits<G>::type s1, u32 z0, u32 z1, const bf16_t* xt, u32 c3) {
@@ -442,7 +288,7 @@ struct RopeKV {
 // Column pair (c, c + D/2) (c < D/2) of head h of row m, from va, vb = bf16(y + bias) of those columns:
 // RoPE on a q or k head (layer_ops.cu's qkv_rope_kv_write arithmetic, the shared rope_sincos /
 // rope_rotate), q to q_out, k and v into the paged cache at slot_mapping[m] (< 0: not written). The qkv
-// epilogue of the GEMV (EPI = 1) and of the post-attention block kernel (block_int4.cuh).
+// epilogue of the GEMV (EPI = 1).
 NQ_DEVICE void rope_kv_write_pair(const RopeKV& rk, int m, int h, int c, bf16_t va, bf16_t vb) {
   const int D = rk.D, half = D / 2, Hq = rk.Hq, Hkv = rk.Hkv, bs = rk.block_size;
   const int slot = rk.slot_mapping[m];
@@ -480,15 +326,13 @@ struct ResidOut {
 
 // rs[m] = rsqrt(sum_b stats[m, b] / K + eps) for m < M (warp m sums row m: lanes over b, then the
 // butterfly; a fixed order). The caller synchronises before reading rs.
-template <bool CG = false>
 NQ_DEVICE void norm_scales(const NormIn& ni, int M, int K, float* rs) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp >= M) return;
   float s = 0.f;
 #pragma unroll 1  // one or two trips (K <= 8192); unrolled, ptxas kept 16 loads live and spilled
   for (int b = lane; b < ni.stat_blocks; b += 32) {
-    if constexpr (CG) s += ld_cg_f32(ni.stats + warp * ni.stat_blocks + b);
-    else s += ni.stats[warp * ni.stat_blocks + b];
+    s += ni.stats[warp * ni.stat_blocks + b];
   }
   s = warp_sum(s);
   if (lane == 0) rs[warp] = rsqrtf(s / (float)K + ni.eps);
@@ -496,14 +340,12 @@ NQ_DEVICE void norm_scales(const NormIn& ni, int M, int K, float* rs) {
 
 // The norm prologue's staging: the rows' RMS scales from ni.stats, then x staged as stage_x<2>. Not
 // inlined: inlined, ptxas spilled 8 bytes inside the main loop of the g128 asym exact-loop kernel.
-// CG: x and the statistics read past L1 (stage_x).
-template <bool CG = false, int UNROLL = 1>
 __device__ __noinline__ void stage_x_normed(bf16_t* xs, int xs_stride, const bf16_t* __restrict__ x, int M,
                                             int K, int k0, int ncols, NormIn ni) {
   __shared__ float rs[8];
-  norm_scales<CG>(ni, M, K, rs);
+  norm_scales(ni, M, K, rs);
   __syncthreads();
-  stage_x<2, CG, UNROLL>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
+  stage_x<2>(xs, xs_stride, x, M, K, k0, ncols, ni.weight, rs);
 }
 
 // The attention merge prologue's arguments (XMODE 3; header): the split-KV partials of the attention
@@ -624,116 +466,13 @@ NQ_DEVICE bool split_k_arrive(const float (&acc)[4], float* __restrict__ ws, int
                               int N);
 NQ_DEVICE float sum_splits(const float* __restrict__ ws, int M, int N, int S, int m, int n);
 
-// G = 128 (STAGED_SCALES): what the main loop needs of each (row, tile-column) of the block besides the
-// weights, staged in shared memory beside x: the row's fp32 scale (ST::to_f32 of its 16 bits) and, when
-// asymmetric, its zero pair neg_zero_pair(z). Lane (g, t) of warp w reads, for tile-column j of the
-// block, the records of its rows 16 w + g (tile 0) and 16 w + 8 + g (tile 1) as one load at a constant
-// stride per column: symmetric, uint2 {scale0, scale1} at index (j * WARPS + w) * 8 + g; asymmetric,
-// uint4 {scale0, scale1, zero pair0, zero pair1} at the same index. Rows past N get scale 0 and zero
-// pair 0 (their outputs are never written). The loop then has no scale or zero-point address, load,
-// conversion or register per pipeline stage (bench/kernels/CEILINGS.md, session 25).
-template <bool ASYM>
-struct StagedRecord {
-  using type = uint2;  // {scale0, scale1}
-  static constexpr int WORDS = 2;
-};
-template <>
-struct StagedRecord<true> {
-  using type = uint4;  // {scale0, scale1, zero pair0, zero pair1}
-  static constexpr int WORDS = 4;
-};
-
-// Block row r's record of tile-column j (the layout above), from the row's raw 16-bit scale s and zero
-// point z: the fp32 scale at word 0 of the returned slot, the zero pair (asymmetric) at word 2. row_ok
-// false (a row past N): scale 0 and zero pair 0.
-template <bool ASYM, typename ST>
-NQ_DEVICE void write_record(u32* sz, int r, int j, bool row_ok, u16 s, u32 z) {
-  constexpr int W = StagedRecord<ASYM>::WORDS;
-  u32* rec = sz + j * ROWS_PER_BLOCK * (W / 2) + ((r >> 4) * 8 + (r & 7)) * W + ((r >> 3) & 1);
-  rec[0] = row_ok ? __float_as_uint(ST::to_f32(s)) : 0u;
-  if constexpr (ASYM) rec[2] = row_ok ? neg_zero_pair(z) : 0u;
-}
-
-// Thread t stages the records of block row r = t % 128, tile-columns j = t / 128 + 2 u (u = 0, 1, ...),
-// RECORD_BATCH of them per batch: all of a batch's loads are issued before any record is written, and
-// the first batch's go out before x is staged (`load`), are written after it (`store`), so that their
-// latency hides behind the staging's instead of adding to it.
-constexpr int RECORD_BATCH = 9;  // one batch covers kc <= 18: every 7B decode GEMV (down: kc = 17)
-
-template <bool ASYM, typename ST>
-struct ScaleStager {
-  u32 s[RECORD_BATCH], z[RECORD_BATCH];  // raw scale bits / zero points of the batch (z: asymmetric)
-  // Everything else is derived again where it is used, from the kernel's arguments and the thread
-  // index (kept in registers across the staging of x, it made ptxas spill).
-  const u16* scales;
-  const u8* zeros;
-  int N, KG, tc_begin, ncol;
-
-  NQ_DEVICE int row() const { return blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x & (ROWS_PER_BLOCK - 1)); }
-  NQ_DEVICE int j0() const { return threadIdx.x / ROWS_PER_BLOCK; }
-  // Issue the loads of the batch of columns jb + j0 + 2 u.
-  NQ_DEVICE void load(int jb) {
-    const int row = this->row();
-    const i64 at = (i64)row * KG + tc_begin;
-#pragma unroll
-    for (int u = 0; u < RECORD_BATCH; ++u) {
-      const int j = jb + j0() + 2 * u;
-      if (row < N && j < ncol) {
-        s[u] = scales[at + j];
-        if constexpr (ASYM) z[u] = zeros[at + j];
-      }
-    }
-  }
-  // Write the batch's records (rows past N: scale 0, zero pair 0; their outputs are never written).
-  NQ_DEVICE void store(u32* sz, int jb) const {
-    const int r = threadIdx.x & (ROWS_PER_BLOCK - 1);
-    const bool row_ok = row() < N;
-#pragma unroll
-    for (int u = 0; u < RECORD_BATCH; ++u) {
-      const int j = jb + j0() + 2 * u;
-      if (j < ncol) write_record<ASYM, ST>(sz, r, j, row_ok, (u16)s[u], z[u]);
-    }
-  }
-  // Write the first batch (loaded), then load and write the others (kc > 2 RECORD_BATCH).
-  NQ_DEVICE void store_all(u32* sz) {
-    store(sz, 0);
-    for (int jb = 2 * RECORD_BATCH; jb < ncol; jb += 2 * RECORD_BATCH) {
-      load(jb);
-      store(sz, jb);
-    }
-  }
-};
-
-// The same records, one per loop trip (each thread's loads wait for its previous store): the merge
-// kernels', whose o projection stages kc = 2 columns, i.e. one record per thread (with ScaleStager,
-// ptxas spilled 20-36 bytes in their main loop).
-template <bool ASYM, typename ST>
-NQ_DEVICE void stage_records_serial(u32* sz, const u16* __restrict__ scales, const u8* __restrict__ zeros, int N,
-                                    int KG, int tc_begin, int ncol) {
-  for (int i = threadIdx.x; i < ROWS_PER_BLOCK * ncol; i += blockDim.x) {
-    const int r = i / ncol, j = i - r * ncol;  // j fastest: a row's scales are adjacent in global memory
-    const int row = blockIdx.x * ROWS_PER_BLOCK + r;
-    const i64 at = (i64)row * KG + tc_begin + j;
-    write_record<ASYM, ST>(sz, r, j, row < N, scales[at], ASYM ? zeros[at] : 0u);
-  }
-}
-
-// scales: the raw 16-bit scale words, bf16 or fp16 as ST says. G = 128, built with -DNQ_GEMV_STAGED_SCALES=1
-// (the family gemv.STAGED_FAMILY): the staged-scale loop (below). EXACT (the other loop only): an exact
-// trip count (below), for the kernels where it compiles without spills (gemv.cu says which).
+// scales: the raw 16-bit scale words, bf16 or fp16 as ST says. EXACT: an exact trip count (below), for
+// the kernels where it compiles without spills (gemv.cu says which).
 // EPI: 0 stores y (+ bias) to out; 1 is the qkv epilogue (header), with rk; 2 the residual epilogue,
 // with ro (out unused). NORM: the norm prologue (XMODE 0 only), with ni. Separate instantiations (and
 // entry points), so the kernels without them compile exactly as before: near the 64-register cap a
 // run-time switch moved ptxas into spills in the main loop of the g128 asym kernels.
 // XMODE 3: the attention merge prologue (stage_x_merged) for head_dim MERGE_HD, with mi.
-#ifndef NQ_GEMV_STAGED_SCALES
-#define NQ_GEMV_STAGED_SCALES 0  // opt-in (gemv.py STAGED_FAMILY): 2.7% slower on the H100 (NOTES.md, session 25)
-#endif
-constexpr bool STAGED_SCALES = NQ_GEMV_STAGED_SCALES;
-#ifndef NQ_GEMV_INT8_MMA
-#define NQ_GEMV_INT8_MMA 0  // opt-in (gemv.py INT8_MMA_FAMILY): the int8 tensor-core loop of the g128 kernels
-#endif
-constexpr bool INT8_MMA = NQ_GEMV_INT8_MMA;
 
 template <int G, bool ASYM, int XMODE, typename ST, bool EXACT, int EPI = 0, bool NORM = false, int MERGE_HD = 0>
 NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
@@ -743,8 +482,6 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
                          const NormIn& ni = {}, const ResidOut& ro = {}, const MergeIn& mi = {}) {
   NQ_DYNAMIC_SMEM(smem_raw, 16);
   bf16_t* xs = reinterpret_cast<bf16_t*>(smem_raw);
-  constexpr bool STAGED = STAGED_SCALES && G == 128;
-  constexpr bool I8 = INT8_MMA && G == 128;  // the int8 tensor-core loop (stage_x_planes, mma_col_int8)
   const int KT = K / 128, NT = N / 8, KG = K / G;
   const int split = blockIdx.y;
   const int tc_begin = split * kc;
@@ -784,107 +521,29 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   auto load = [&](TileColumn<G>& st, int tc) {
     load_tile_column<G, ASYM>(st, w0p, w1p, s0p, s1p, z0p, z1p, tc);
   };
-  // I8: the plane table (stage_x_planes), after the staged records if any, over the merge scratch
-  u32* tab = reinterpret_cast<u32*>(xs + M * xs_stride) + (STAGED ? kc * ROWS_PER_BLOCK * StagedRecord<ASYM>::WORDS / 2 : 0);
-  const u32* tabt = tab + 4 * t;                           // I8: the lane's rows m = 2t, 2t + 1 in it
   // tile-column j of the block (tc_begin + j)
   auto compute = [&](const TileColumn<G>& st, int j) {
-    if constexpr (I8) {
-      mma_col_int8(acc, st.w0, st.w1, ST::to_f32((u16)st.s0), ST::to_f32((u16)st.s1), ASYM ? (int)st.z0 : 8,
-                   ASYM ? (int)st.z1 : 8, xsl + j * 128, tabt + j * PLANE_TAB_WORDS);
-    } else {
-      compute_col(st.w0, st.w1, st.s0, st.s1, st.z0, st.z1, xsl + j * 128);
-    }
+    compute_col(st.w0, st.w1, st.s0, st.s1, st.z0, st.z1, xsl + j * 128);
   };
 
   // Register pipeline: two stages of one tile-column, ping-pong: the loads of the next column are in
   // flight while the current one is dequantised and multiplied.
   // The first stage's weight loads go out before x is staged: their latency overlaps the staging.
-  // (Issuing the second stage here too measured 5-15% slower on the H200: NOTES.md, v3.)
-  // Under PDL this prefetch runs while the previous kernel finishes: weights, scales and zeros are
-  // never written by a kernel. Everything after pdl_wait() may touch what the previous kernel wrote.
+  // (Issuing the second stage here too measured 5-15% slower on the H200.)
   const bool work = has0 && tc_begin < tc_end;  // warp-uniform (a split past K has no columns)
   TileColumn<G> A, B;
-  u32* sz = reinterpret_cast<u32*>(xs + M * xs_stride);  // STAGED: the records (ScaleStager)
-  // STAGED: a stage is the weights alone; the records' loads go out here and are written after x is
-  // staged. The merge staging is a call (not inlined): with the first weights or the records in flight
-  // across it, ptxas spilled 12-36 bytes in the merge kernels, so they write the records before it and
-  // load the first weights after it.
-  constexpr bool PREFETCH = XMODE != 3;
-  ScaleStager<ASYM, ST> records{{}, {}, scales, zeros, N, KG, tc_begin, tc_end - tc_begin};  // STAGED only
-  auto load_first_weights = [&]() {  // STAGED: stage A, the weights of tile-column tc_begin
-    A.w0 = ld_stream_v4(w0p + (i64)tc_begin * 32);
-    A.w1 = ld_stream_v4(w1p + (i64)tc_begin * 32);
-  };
-  if constexpr (STAGED) {
-    if (work && PREFETCH) load_first_weights();
-    if constexpr (PREFETCH) records.load(0);
-    else stage_records_serial<ASYM, ST>(sz, scales, zeros, N, KG, tc_begin, tc_end - tc_begin);
-  } else if (work) {
-    load(A, tc_begin);
-  }
-  pdl_wait();
+  if (work) load(A, tc_begin);
   if constexpr (NORM) {
     static_assert(XMODE == 0, "the norm prologue takes a plain input");
-    stage_x_normed<false, STAGED ? 4 : 1>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
+    stage_x_normed(xs, xs_stride, x, M, K, tc_begin * 128, ncols, ni);
   } else if constexpr (XMODE == 3) {
     stage_x_merged<MERGE_HD>(xs, xs_stride, x, M, K, tc_begin * 128, ncols, mi,
-                             reinterpret_cast<float*>(sz + (STAGED ? kc * ROWS_PER_BLOCK * StagedRecord<ASYM>::WORDS / 2
-                                                                   : 0)));
+                             reinterpret_cast<float*>(xs + M * xs_stride));
   } else {
     stage_x<XMODE>(xs, xs_stride, x, M, K, tc_begin * 128, ncols);
   }
-  if constexpr (STAGED && PREFETCH) records.store_all(sz);
   __syncthreads();
-  if constexpr (I8) {  // x's planes over the staged x, the table over the merge scratch (used up)
-    stage_x_planes(xs, xs_stride, M, ncols, tab);
-    __syncthreads();
-  }
-  if constexpr (STAGED) {
-    if (work && !PREFETCH) load_first_weights();
-    if (work) {
-      // Two tile-columns per trip, the per-column loop's math in its order (the same bits): the weights
-      // from two running pointers, the records and x at constant offsets from running shared-memory
-      // pointers, one down-counter (a second loop variable spilled the accumulators in the asym kernels).
-      // 113 (asym) / 115 (sym) SASS instructions per tile-column at 64 registers, 113-114 for the SiLU
-      // kernels (96 registers), no spills (nvcc 13.0).
-      const uint4* p0 = w0p + (i64)tc_begin * 32;
-      const uint4* p1 = w1p + (i64)tc_begin * 32;
-      using Rec = typename StagedRecord<ASYM>::type;
-      const Rec* rec = reinterpret_cast<const Rec*>(sz) + warp * 8 + g;  // column j at rec[64 j]
-      const bf16_t* xt = xsl;
-      const u32* tb = tabt;  // I8: the lane's plane-table entries of the next column
-      auto col = [&](const uint4& w0v, const uint4& w1v, const Rec& r, const bf16_t* xc, const u32* tc) {
-        u32 nz0 = neg_zero_pair(8u), nz1 = nz0;
-        if constexpr (ASYM) {
-          nz0 = r.z;
-          nz1 = r.w;
-        }
-        if constexpr (I8)  // the zero point is the pair's low byte (bf16 -(128 + z): z < 128 is its mantissa)
-          mma_col_int8(acc, w0v, w1v, __uint_as_float(r.x), __uint_as_float(r.y), ASYM ? (int)(nz0 & 0xffu) : 8,
-                       ASYM ? (int)(nz1 & 0xffu) : 8, xc, tc);
-        else
-          mma_col_scaled(acc, w0v, w1v, __uint_as_float(r.x), __uint_as_float(r.y), nz0, nz1, xc);
-      };
-      int left = tc_end - tc_begin;  // columns not yet computed; stage A holds the next one
-      for (; left >= 2; left -= 2) {
-        B.w0 = ld_stream_v4(p0 + 32);
-        B.w1 = ld_stream_v4(p1 + 32);
-        col(A.w0, A.w1, rec[0], xt, tb);
-        if (left > 2) {  // warp-uniform
-          A.w0 = ld_stream_v4(p0 + 64);
-          A.w1 = ld_stream_v4(p1 + 64);
-        }
-        col(B.w0, B.w1, rec[64], xt + 128, tb + PLANE_TAB_WORDS);
-        p0 += 64;
-        p1 += 64;
-        rec += 128;
-        xt += 256;
-        if constexpr (I8) tb += 2 * PLANE_TAB_WORDS;
-      }
-      if (left) col(A.w0, A.w1, rec[0], xt, tb);
-    }
-  } else if (work && !EXACT) {
+  if (work && !EXACT) {
     // Per-column guards (warp-uniform): 150 (sym) / 160 (asym) SASS instructions per tile-column at
     // g128 (nvcc 13.0; 165.5 / 180.5 before the changes above), no spills.
     for (int tc = tc_begin; tc < tc_end; tc += 2) {
@@ -896,8 +555,8 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
   } else if (work) {
     // EXACT: an exact trip count, pairs of columns then the odd one, so that both columns' math is one
     // basic block (ptxas interleaves it): 131 (sym) / 151 (asym) instructions per tile-column at g128
-    // (nvcc 13.0). On the H200 (CEILINGS.md, session 7) the g128 asym kernel took 0.996 / 0.983 / 0.925
-    // of the loop above's time on qkv / o / gate_up at M = 1. In most other kernels ptxas spills a few
+    // (nvcc 13.0). On the H200 the g128 asym kernel took 0.996 / 0.983 / 0.925 of the loop above's time
+    // on qkv / o / gate_up at M = 1. In most other kernels ptxas spills a few
     // bytes with it, reloaded at every iteration, which the hot-kernel rule (test_build.py) forbids:
     // gemv.cu turns it on per kernel, and -DNQ_GEMV_EXACT_LOOP everywhere (bench/kernels/gemv_ab.py).
     int tc = tc_begin;  // the next column to compute; stage A holds it
@@ -909,7 +568,6 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     }
     if (tc < tc_end) compute(A, tc - tc_begin);
   }
-  pdl_launch_dependents();  // the weight stream is done: let the next kernel's prefetch start
   if constexpr (EPI == 0) store_gemv_out(acc, bias, out, ws, counters, M, N);
   else if constexpr (EPI == 1) store_gemv_rope(acc[0], acc[1], acc[2], acc[3], bias, ws, counters, M, N, rk);
   else if constexpr (XMODE == 0 || XMODE == 3)

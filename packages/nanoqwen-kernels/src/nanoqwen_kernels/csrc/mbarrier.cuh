@@ -1,7 +1,6 @@
 // mbarrier.cuh: shared-memory mbarriers and the bulk (1D TMA) global -> shared copy that completes on
-// them (sm_90). One definition for every kernel that pipelines through shared memory (today the paged
-// attention's KV ring, attention.cuh; the INT4 GEMM's bulk activation staging used it until it lost on
-// the H200: kernels NOTES.md, session 13).
+// them (sm_90). One definition for every kernel that pipelines through shared memory (the paged
+// attention's KV ring, attention.cuh).
 //
 // An mbarrier phase completes when `count` threads have arrived and its transaction count is back at
 // zero; waiters test the phase parity (0, 1, 0, ... for the 1st, 2nd, 3rd completion). A bulk copy

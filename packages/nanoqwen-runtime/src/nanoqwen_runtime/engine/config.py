@@ -18,16 +18,6 @@ from .scheduler import VERIFY_MAX_ROWS
 GRAPH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 
-# EngineConfig.post_attention_kernel's values: off; o_proj + gate_up + down as one launch; and the next
-# layer's qkv in it too
-POST_ATTENTION_KERNELS = ("off", "block", "block+qkv")
-# EngineConfig.attention_merge's values: who merges the split rows of decode attention
-ATTENTION_MERGES = ("combine", "o_proj")
-# EngineConfig.gemv_build's values: the decode GEMVs' inner loop on bf16 or on int8 tensor cores (the
-# latter with the staged scale records, at one-row steps only, or on the wide GEMVs of 1-4 rows only)
-GEMV_BUILDS = ("bf16", "int8", "int8-staged", "int8-m1", "int8-wide")
-
-
 @dataclass
 class EngineConfig:
     """Engine knobs. Nothing here is read from the file; the CLI maps its flags onto these fields.
@@ -66,58 +56,12 @@ class EngineConfig:
     # pass through the pinned staging buffers (overlapping the copies), and no NaN/Inf in norms,
     # embeddings, bf16 weights or scales. False (the CLI's --no-verify) skips both.
     verify: bool = True
-    # Kernel backend: launch with programmatic dependent launch (a kernel's blocks may start under the
-    # tail of the previous one; the next GEMV's weight prefetch would overlap it). Same arithmetic
-    # either way (a GPU test checks the logits bit for bit). Off by default: on the H200 we measure
-    # on, the driver never starts a dependent grid early (nanoqwen-kernels NOTES.md, session 2);
-    # `nanoqwen-cli bench` measures both beside each other.
-    pdl: bool = False
-    # Kernel backend, explicit option, "off": at 1 or 2 rows, run each layer's o_proj, gate_up and down
-    # as ONE persistent launch (nanoqwen_kernels.block: the weights stream through per-warp rings of
-    # bulk copies that run ahead across the ops) instead of three GEMVs ("block"), and with it the next
-    # layer's qkv projection, RoPE and K/V write ("block+qkv": a decode layer is then attention and
-    # this one launch). Same math, other summation order: the logits stay within the agreement bound,
-    # not bitwise. Off until it is measured faster on the GPU (bench/engine/NOTES.md, session 21).
-    # Needs INT4 g128 layer linears of one layout; the engine refuses other weights with it on.
-    post_attention_kernel: str = "off"
-    # Kernel backend: who merges the rows that split-KV decode attention left in fp32 partials.
-    # "combine": the combine kernel, a launch of its own (six per decode layer). "o_proj": the o
-    # projection's GEMV, while it stages its input (nanoqwen_kernels gemv `_merge_resid`), with the
-    # combine kernel's arithmetic: the same bits, five launches per layer. It applies to decode steps of
-    # at most 8 rows whose attention plan splits at most 16 ways (the 512-token context class at batches
-    # 1-8 on 132 SMs); other steps launch the combine kernel. None (the default): "o_proj" on the kernel
-    # backend, measured faster there (`nanoqwen-cli bench`'s attention_merge_ab, H100, 2026-12-05: engine
-    # 1.012 / 1.012 / 1.002 the tok/s of "combine" at batch 1 / 2 / 8, every repeat of it faster at 1 and
-    # 2; bitwise equal logits, test_engine_gpu.py), "combine" on the torch backend (one attention op:
-    # nothing to merge), where "o_proj" is refused.
-    attention_merge: str | None = None
-    # Kernel backend, explicit option, "bf16": the build of the decode GEMVs (M <= 8) on g128 weights.
-    # "bf16": the nibbles become bf16 and multiply the bf16 input exactly (the kernel tests' reference,
-    # bit for bit in fp32 products). "int8": the nibbles multiply the input rounded to 16-bit block floating
-    # point per 128 columns on the int8 tensor cores (nanoqwen_kernels gemv.INT8_MMA_FAMILY: 3 instead
-    # of 11 instructions of dequantisation per 8 weights; x off by at most 2^-15 of its group's largest
-    # |x|), so the logits move within the agreement bound, not bitwise. "int8-staged": the same with the
-    # rows' scales and zero points staged in shared memory (INT8_MMA_STAGED_FAMILY: 67.5-71 instead of
-    # 80-110 instructions per tile-column). "int8-m1": "int8" at steps of one row, "bf16" at 2-8 rows,
-    # where the kernels were measured (two H100s, sessions 26-27): at M = 1 the int8 loop takes 0.90-0.91x
-    # the time on gate_up and the INT4 lm_head, at M = 8 1.01-1.12x (every block rounds all M rows of x to
-    # the planes; bench/kernels/results/session27-h100-2026-12-05/). "int8-wide": "int8" only on the GEMVs
-    # with many weights per input element (N >= 8,192 outputs, no SiLU input: gate_up and an INT4
-    # lm_head) at steps of 1-4 rows, "bf16" elsewhere: the int8 loop's crossover per shape (H100, session
-    # 28, bench/kernels/results/session28-h100-2026-12-05/int8-ab-ms1248/): gate_up 0.91-0.93x the time
-    # at M = 1, 0.97-0.98x at 4, 1.02x at 8; the lm_head 0.91-0.93x at 1, 0.94-0.98x at 4, 1.10x at 8;
-    # down (N = 3,584) 1.02-1.12x, qkv and o (4,608 / 3,584) 1.00-1.05x at every M. In the engine
-    # (`nanoqwen-cli bench`'s gemv_build_ab, H100, session 29): "int8-wide" 1.019 / 1.008 / 1.001 the
-    # tok/s of "bf16" at batch 1 / 2 / 8, "int8-m1" 1.010 / 1.000 / 1.002. "bf16" stays the default until
-    # the default path's GPU tests have run with "int8-wide" (bench/engine/NOTES.md, session 29).
-    gemv_build: str = "bf16"
     # Overlapped decode (engine.py's header): in a run of plain decode steps, plan and queue step n+1
     # before reading step n's tokens back (its rows take their ids from step n's output on the device),
     # so the host's work between steps (commit, events, planning, inputs) runs while the device
     # computes. The same tokens as without; a sequence ended by a sampled token (EOS, stop string)
-    # computes one row more, which is dropped. On by default since it was measured on the GPU (H200,
-    # 2026-12-05, bench/engine/NOTES.md, session 23: engine / graph replay 0.81 -> 1.0 at batch 1, 0.75 ->
-    # 0.97 at batch 64); `nanoqwen-cli bench` keeps the A/B (`overlap_ab`).
+    # computes one row more, which is dropped. On: it takes the engine's wall time per step from 0.81 to
+    # 1.0 of the graph replay's at batch 1, 0.75 to 0.97 at batch 64 (`nanoqwen-cli bench`'s overlap_ab).
     overlap: bool = True
     seed: int = 0
     graph_buckets: tuple[int, ...] = GRAPH_BUCKETS
@@ -165,22 +109,6 @@ class EngineConfig:
         if self.prefill_chunk < self.block_size:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be >= block_size "
                              f"({self.block_size})")
-        if self.post_attention_kernel not in POST_ATTENTION_KERNELS:
-            raise ValueError(f"EngineConfig.post_attention_kernel must be one of {POST_ATTENTION_KERNELS}, "
-                             f"got {self.post_attention_kernel!r}")
-        if self.post_attention_kernel != "off" and self.backend != "kernels":
-            raise ValueError("EngineConfig.post_attention_kernel needs backend='kernels'")
-        if self.attention_merge is None:
-            self.attention_merge = "o_proj" if self.backend == "kernels" else "combine"
-        if self.attention_merge not in ATTENTION_MERGES:
-            raise ValueError(f"EngineConfig.attention_merge must be one of {ATTENTION_MERGES}, "
-                             f"got {self.attention_merge!r}")
-        if self.attention_merge != "combine" and self.backend != "kernels":
-            raise ValueError("EngineConfig.attention_merge='o_proj' needs backend='kernels'")
-        if self.gemv_build not in GEMV_BUILDS:
-            raise ValueError(f"EngineConfig.gemv_build must be one of {GEMV_BUILDS}, got {self.gemv_build!r}")
-        if self.gemv_build != "bf16" and self.backend != "kernels":
-            raise ValueError(f"EngineConfig.gemv_build={self.gemv_build!r} needs backend='kernels'")
         if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
             raise ValueError(f"EngineConfig.speculation must be a SpeculationConfig or None, "
                              f"got {self.speculation!r}")

@@ -410,7 +410,7 @@ def _storage_bytes(tensors) -> int:
 def _cuda_memory(device: torch.device) -> tuple[int, int]:
     """(torch reserved bytes, device free bytes) of a CUDA device; (0, 0) else. Cached blocks nobody
     holds are released first, as `torch.cuda.graph` does when capture starts: otherwise that release
-    would count against the capture (seen on the H200: -1.66 GB after earlier engines in one process)."""
+    would count against the capture (measured: -1.66 GB after earlier engines in one process)."""
     if device.type != "cuda":
         return 0, 0
     gc.collect()

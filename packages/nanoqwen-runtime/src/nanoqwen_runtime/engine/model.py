@@ -8,15 +8,12 @@ rows; ops_kernels.py says what runs above that):
     qkv_projection  RMSNorm(residual) (input norm) -> qkv GEMV (+ bias) -> RoPE + paged K/V write:
                     one GEMV with the norm as its prologue and RoPE / K/V as its epilogue (layer 0:
                     a plain RMSNorm of the embeddings first)
-    attention       paged decode attention (+ the split combine kernel when the plan can split, unless
-                    EngineConfig.attention_merge="o_proj" leaves the merge to the o_proj GEMV)
-    linear_residual o_proj GEMV, its output added into the residual by the GEMV's epilogue (and, with
-                    attention_merge="o_proj", the attention's split rows merged while it stages them)
+    attention       paged decode attention; where the plan splits the context, the o_proj GEMV merges
+                    the split rows (else the combine kernel, a launch of its own)
+    linear_residual o_proj GEMV, its output added into the residual by the GEMV's epilogue (and the
+                    attention's split rows merged while it stages them)
     linear          RMSNorm(residual) (post-attention norm) -> gate_up GEMV: one GEMV, norm prologue
     mlp_down        SiLU * mul -> down GEMV -> added into the residual: one GEMV
-    (or, where `ops.fuses_post_attention`: the last three as `post_attention_block`, one persistent
-    launch at 1..2 rows, EngineConfig.post_attention_kernel; with "block+qkv" that launch also makes
-    the next layer's qkv projection, whose own launch is then skipped)
 
 plus, per step: embedding gather, final norm, row gather, lm_head GEMV, the logits' range per row,
 sampling. The residual stream and the norms between the linears travel as `residual.ResidualUpdate`
@@ -198,29 +195,19 @@ class ModelRunner:
                                            context_lens=v["context_lens"], page_table=v["page_table"],
                                            num_rows=B, num_tokens=T, max_context_len=max_ctx)
         update = NO_UPDATE  # the residual stream holds the embeddings
-        qkv_done = False  # this layer's q and K/V already written (by the previous layer's block launch)
         for i, lw in enumerate(w.layers):
             kc, vc = self.kv[i, 0], self.kv[i, 1]
-            if not qkv_done:
-                x = NormedInput(resid, update, lw.input_norm, eps, normed)
-                ops.qkv_projection(x, lw.qkv, lw.qkv_bias, qkv, v["positions"], v["slot_mapping"], kc, vc, q,
-                                   g.num_attention_heads, g.num_key_value_heads)
-            block = ops.fuses_post_attention(T)
-            merge = None  # split rows left for the o projection to merge (EngineConfig.attention_merge)
+            x = NormedInput(resid, update, lw.input_norm, eps, normed)
+            ops.qkv_projection(x, lw.qkv, lw.qkv_bias, qkv, v["positions"], v["slot_mapping"], kc, vc, q,
+                               g.num_attention_heads, g.num_key_value_heads)
+            merge = None  # split rows left for the o projection to merge
             if attn_meta is not None:
                 merge = ops.attention_run(attn_meta, q, kc, vc, attn, o_proj=lw.o_proj)
             else:
                 ops.attention(q, kc, vc, v["query_start"], v["context_lens"], v["page_table"], attn, B)
-            if block:  # the three below as one launch (kernel backend, opt-in)
-                nxt = w.layers[i + 1] if i + 1 < len(w.layers) else None
-                nkv = (self.kv[i + 1, 0], self.kv[i + 1, 1]) if nxt is not None else (None, None)
-                update, qkv_done = ops.post_attention_block(attn, lw, resid, gu, eps, nxt, *nkv,
-                                                            v["positions"], v["slot_mapping"], q)
-            else:
-                update = ops.linear_residual(attn, lw.o_proj, proj, resid, merge=merge)
-                ops.linear(NormedInput(resid, update, lw.post_attn_norm, eps, normed), lw.gate_up, gu)
-                update = ops.mlp_down(gu, act, lw.down, proj, resid)
-                qkv_done = False
+            update = ops.linear_residual(attn, lw.o_proj, proj, resid, merge=merge)
+            ops.linear(NormedInput(resid, update, lw.post_attn_norm, eps, normed), lw.gate_up, gu)
+            update = ops.mlp_down(gu, act, lw.down, proj, resid)
         ops.norm(NormedInput(resid, update, w.final_norm, eps, normed))
         if kind == "decode":
             last = normed  # one token per row: every row is sampled

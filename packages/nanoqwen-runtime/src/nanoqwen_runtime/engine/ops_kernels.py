@@ -19,28 +19,23 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
 - MLP down projection: at M <= 8 the GEMV reads gate_up [M, 2I] and applies SiLU*mul while staging
   it (`silu_mul_input=True`), so the MLP is two launches; above 8 rows `silu_mul` runs first, then the
   plain linear (the SiLU-input GEMM recomputes the activation in every row block: 2x slower at
-  M = 32 / 64, bench/engine/NOTES.md session 11).
+  M = 32 / 64).
 - attention input: at M <= 8 the qkv GEMV applies RoPE and writes q and the paged K/V itself
   (`gemv_int4_qkv_rope`, path counter "qkv_rope_fused"); above, `linear` then `qkv_rope_kv_write`.
 - the residual stream (residual.py): at M <= 8 the o_proj and down GEMVs add their output into the residual
   in their epilogue and leave its sums of squares in a small fp32 buffer of this backend
   (`ResidualEpilogue`, path counter "residual_epilogue"); the next qkv / gate_up GEMV makes RMSNorm of the
   residual as its input prologue from them (`NormPrologue`, "norm_prologue"). So a decode layer launches no
-  add + RMSNorm: six launches, the four GEMVs and attention's two (five with
-  `EngineConfig.attention_merge="o_proj"`, the default, below: the o_proj GEMV merges the split attention
-  rows; four with `EngineConfig.post_attention_kernel="block"` at 1..2 rows: o_proj, gate_up and down are
-  then one persistent launch, `post_attention_block`, path counter "post_attention_block"; two, attention
-  and that launch, with "block+qkv", where it also makes the next layer's qkv projection with RoPE and the
-  K/V write, path counter "post_attention_qkv"; with an int8 `gemv_build` the block's int8 build runs the
-  steps whose GEMVs would be int8, path counter "post_attention_block_int8"). Otherwise (more rows, or a
+  add + RMSNorm: five launches, the four GEMVs and attention (the o_proj GEMV merges the split attention
+  rows, below). Otherwise (more rows, or a
   linear that is not INT4) the add stays pending and the norm is one fused_add_rms_norm launch; layer 0's
   input norm and the final norm are plain `rms_norm` launches (nothing fused made their statistics, or
   nothing consumes them fused).
 - attention: decode plans, one per graph bucket, planned for the longest context (`max_model_len`): one
-  graph serves every length. With `EngineConfig.attention_merge="o_proj"` (the default), a plan that would
-  launch the combine kernel (and splits at most 16 ways) leaves the split rows to the o_proj GEMV, which
-  merges them while staging its input (the same bits, path counter "attention_merge_o_proj"): five launches
-  per decode layer. One prefill plan for chunks of up to `prefill_chunk` tokens.
+  graph serves every length. A plan that would launch the combine kernel (and splits at most 16 ways)
+  leaves the split rows to the o_proj GEMV, which merges them while staging its input (the same bits,
+  path counter "attention_merge_o_proj"): five launches per decode layer. One prefill plan for chunks of
+  up to `prefill_chunk` tokens.
 - logits range: `torch.aminmax` per row into static buffers (the engine's NaN/Inf check of the logits).
 - sampling: `sample_tokens` over the engine's static per-row parameter buffers (a `SamplingState`
   whose tensors ARE those buffers); the row's offset (tokens generated so far) is written each step.
@@ -49,11 +44,9 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 import torch
 from nanoqwen_kernels import attention as kattn
-from nanoqwen_kernels import block as kblock
 from nanoqwen_kernels import gemm as kgemm
 from nanoqwen_kernels import gemv as kgemv
 from nanoqwen_kernels import launch as klaunch
@@ -65,19 +58,12 @@ from .config import EngineConfig
 from .residual import NormedInput, ResidualUpdate
 from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 
-# Steps of more than 8 rows: the INT4 GEMM up to INT4_GEMM_MAX_ROWS rows, then PREFILL_PATH. Set from
-# the crossover measured by bench/kernels/bench_gemm.py (bench/kernels/results/bench_gemm.md, H200,
-# 2026-12-01; sum of the four 7B linears of a layer): M = 64 int4_gemm 280 us vs dequant_gemm 334 us;
-# M = 128 int4_gemm 540 us vs dequant_gemm 339 us.
+# Steps of more than 8 rows: the INT4 GEMM up to INT4_GEMM_MAX_ROWS rows, then PREFILL_PATH: the
+# crossover bench/kernels/bench_gemm.py measured on the four 7B linears of a layer (at M = 64 the INT4
+# GEMM takes 0.84x the time of dequantize + cuBLAS, at M = 128 1.6x).
 INT4_GEMM_MAX_ROWS = 64
 PREFILL_PATH = "dequant_gemm"  # above INT4_GEMM_MAX_ROWS: "dequant_gemm" or "int4_gemm"
-# EngineConfig.gemv_build "int8-wide": the int8 loop on the GEMVs of at least INT8_WIDE_MIN_N outputs
-# without the SiLU input, at steps of at most INT8_WIDE_MAX_ROWS rows (config.py has the measurements:
-# the 7B's gate_up, 37,888, and lm_head, 152,064, gained; qkv, 4,608, o and down, 3,584, lost; the 0.5B's
-# and 1.5B's gate_up, 9,728 / 17,920, are wide too)
-INT8_WIDE_MIN_N = 8192
-INT8_WIDE_MAX_ROWS = 4
-FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")  # + "block" with post_attention_kernel
+FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")
 
 
 def _linears(weights) -> list[Linear]:
@@ -104,12 +90,6 @@ class KernelOps:
                                                           group_size=128 if g128 else 64)
                       for n, k in shapes for silu in (False, True) for g128 in (False, True)}
         self.workspace = kgemv.GemvWorkspace.allocate(self.plans.values(), device)
-        # EngineConfig.gemv_build: the kernel family of the decode GEMVs of steps up to `_int8_max_rows`
-        # rows (the bf16 family above; gemv_family(rows))
-        self._int8_family = (None if cfg.gemv_build == "bf16"
-                             else kgemv.register_int8_mma(staged=cfg.gemv_build == "int8-staged"))
-        self._int8_max_rows = {"int8-m1": 1, "int8-wide": INT8_WIDE_MAX_ROWS}.get(cfg.gemv_build, kgemv.MAX_M)
-        self._int8_wide_only = cfg.gemv_build == "int8-wide"
         # the GEMM's split-K scratch, for every M class and group size (plans are cached per shape)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self._sms = sms
@@ -119,34 +99,6 @@ class KernelOps:
         # buffer (each producer runs after the previous consumer on the stream)
         self._norm_stats = torch.empty(kgemv.MAX_M * kgemv.norm_stats_shape(1, H)[1], dtype=torch.float32,
                                        device=device)
-        # EngineConfig.post_attention_kernel: the block kernel's plan and scratch (its residual statistics
-        # go to _norm_stats, as the GEMV's residual epilogue's do)
-        # ("block+qkv": a second plan with the next layer's qkv op, which the last layer does not run)
-        # (with an int8 gemv_build, the block's int8 build runs the steps that gemv_family(rows) gives to the
-        # int8 GEMVs: `_block_plans_int8`; its plans have the bf16 ones' grid and warps, so one workspace
-        # serves)
-        self.block_plan: kblock.BlockPlan | None = None
-        self.block_plan_qkv: kblock.BlockPlan | None = None
-        if cfg.post_attention_kernel != "off":
-            self.block_plan = kblock.plan_post_attention(H, I, geom.q_dim, device)
-            sized_by = self.block_plan
-            if cfg.post_attention_kernel == "block+qkv":
-                if geom.head_dim not in kgemv.ROPE_HEAD_DIMS:
-                    raise ValueError(f"post_attention_kernel='block+qkv' needs head_dim in "
-                                     f"{kgemv.ROPE_HEAD_DIMS}, got {geom.head_dim}")
-                self.block_plan_qkv = kblock.plan_post_attention(H, I, geom.q_dim, device,
-                                                                 qkv_dim=geom.qkv_dim)
-                sized_by = self.block_plan_qkv
-            self.block_workspace = kblock.BlockWorkspace.allocate(sized_by, device)
-        # the same plans on the block's int8 build, for the steps gemv_family(rows) gives to the int8 loop
-        # (keyed by whether the plan has the next layer's qkv op)
-        # ("int8-wide" has none: a block launch multiplies narrow weights too, so it stays bf16)
-        self._block_plans_int8: dict[bool, kblock.BlockPlan] = {}
-        if self.block_plan is not None and self._int8_family is not None and not self._int8_wide_only:
-            family = kblock.register_int8_mma()
-            self._block_plans_int8 = {qkv: dataclasses.replace(p, family=family)
-                                      for qkv, p in ((False, self.block_plan), (True, self.block_plan_qkv))
-                                      if p is not None}
         self._scratch: torch.Tensor | None = None
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
@@ -162,8 +114,7 @@ class KernelOps:
         # (dequantize into scratch + cuBLAS); and, counted in "gemv_int4" too, "qkv_rope_fused" (a qkv
         # GEMV that also applied RoPE and wrote q and the paged K/V), "norm_prologue" (a GEMV whose input
         # was RMSNorm of the residual, made while staging) and "residual_epilogue" (a GEMV that added
-        # its output into the residual), "gemv_int8_mma" (a GEMV on the int8 tensor cores: an int8
-        # gemv_build).
+        # its output into the residual).
         self.paths: collections.Counter[str] = collections.Counter()
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -194,10 +145,7 @@ class KernelOps:
         return 0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size()
 
     def warm_up(self) -> None:
-        extra = (("block",) if self.block_plan is not None else ()) + (
-            (self._int8_family,) if self._int8_family is not None else ())
-        extra += tuple({p.family for p in self._block_plans_int8.values()})  # the block's int8 build
-        klaunch.warm_up(FAMILIES + extra, self.device)
+        klaunch.warm_up(FAMILIES, self.device)
 
     def check_weights(self, weights) -> None:
         """Refuse what the kernels cannot run; build the bf16 weight cache when configured."""
@@ -205,14 +153,6 @@ class KernelOps:
         for lin in lins:
             if isinstance(lin, Int8Linear):
                 self._int8(lin)  # refuses a layout the INT8 GEMV cannot run (G = 32), before any work
-        if self.block_plan is not None:
-            with_qkv = self.block_plan_qkv is not None
-            for lw in weights.layers:
-                lins = (lw.o_proj, lw.gate_up, lw.down) + ((lw.qkv,) if with_qkv else ())
-                if not all(isinstance(lin, Int4Linear) for lin in lins):
-                    raise ValueError(f"post_attention_kernel={self.cfg.post_attention_kernel!r} needs INT4 "
-                                     f"{'qkv, ' if with_qkv else ''}o_proj, gate_up and down weights")
-                kblock.check_layout(tuple(self._int4(lin) for lin in lins))  # g128, one layout
         if self.cfg.dense_weight_cache:
             print(f"nanoqwen engine: dense_weight_cache=True keeps a bf16 copy of every quantized linear: "
                   f"{self.dense_cache_bytes(weights) / 1e9:.2f} GB more on the GPU (taken from the KV pool)")
@@ -221,7 +161,7 @@ class KernelOps:
                     continue
                 if isinstance(lin, Int4Linear):
                     dense = torch.empty(lin.n, lin.k, dtype=torch.bfloat16, device=self.device)
-                    kgemv.dequantize_int4(self._int4(lin), dense, pdl=self.cfg.pdl)
+                    kgemv.dequantize_int4(self._int4(lin), dense)
                     self._dense[id(lin)] = dense
                 elif isinstance(lin, Int8Linear):
                     self._dense[id(lin)] = lin.dequantize()
@@ -250,13 +190,13 @@ class KernelOps:
 
     # ---- elementwise / norms -------------------------------------------------------------------------
     def embed(self, ids, table, out) -> None:
-        kops.embedding_gather(ids, table, out, pdl=self.cfg.pdl)
+        kops.embedding_gather(ids, table, out)
 
     def rms_norm(self, x, w, eps, out) -> None:
-        kops.rms_norm(x, w, out, eps, pdl=self.cfg.pdl)
+        kops.rms_norm(x, w, out, eps)
 
     def add_rms_norm(self, x, residual, w, eps, out) -> None:
-        kops.fused_add_rms_norm(x, residual, w, out, eps, pdl=self.cfg.pdl)
+        kops.fused_add_rms_norm(x, residual, w, out, eps)
 
     def norm(self, x: NormedInput) -> torch.Tensor:
         """Materialise x into x.out: fused add + RMSNorm when its update is pending, else RMSNorm (the
@@ -288,7 +228,7 @@ class KernelOps:
         return kgemv.ResidualEpilogue(residual, stats), ResidualUpdate(stats=stats)
 
     def silu_mul(self, gate_up, out) -> None:
-        kops.silu_mul(gate_up, out, pdl=self.cfg.pdl)
+        kops.silu_mul(gate_up, out)
 
     # ---- linear ------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor | NormedInput, lin: Linear, out: torch.Tensor,
@@ -297,9 +237,9 @@ class KernelOps:
         `fuses_norm`, else materialised first."""
         if isinstance(x, NormedInput):
             if self.fuses_norm(x, lin):
-                w, family = self._int4_gemv(lin, x.rows)
+                w = self._int4_gemv(lin)
                 kgemv.gemv_int4(x.residual, w, out, bias, self.workspace, self._gemv_plan(w, False),
-                                family=family, norm=self._norm_prologue(x), pdl=self.cfg.pdl)
+                                norm=self._norm_prologue(x))
                 return
             x = self.norm(x)
         m = x.shape[0]
@@ -322,25 +262,24 @@ class KernelOps:
             self.paths["gemv_int8"] += -(-m // kgemv.MAX_M)
             for r in range(0, m, kgemv.MAX_M):
                 e = min(m, r + kgemv.MAX_M)
-                kgemv.gemv_int8(x[r:e], w8, out[r:e], pdl=self.cfg.pdl)
+                kgemv.gemv_int8(x[r:e], w8, out[r:e])
             return
         if not isinstance(lin, Int4Linear):
             raise TypeError(f"kernel backend: unsupported linear {type(lin).__name__}")
         path = self.int4_path(m)
         if path == "gemv_int4":
-            w, family = self._int4_gemv(lin, m)
-            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False), family=family,
-                            pdl=self.cfg.pdl)
+            w = self._int4_gemv(lin)
+            kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False))
             return
         w = self._int4(lin)
         if path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
             # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMM)
             self.paths["int4_gemm"] += 1
-            kgemm.gemm_int4(x, w, out, bias, self.gemm_workspace, self._gemm_plan(w, m), pdl=self.cfg.pdl)
+            kgemm.gemm_int4(x, w, out, bias, self.gemm_workspace, self._gemm_plan(w, m))
         else:
             scratch = self._scratch[: lin.n * lin.k].view(lin.n, lin.k)
             self.paths["dequant_gemm"] += 1
-            kgemv.linear_int4_prefill(x, w, out, scratch, bias, pdl=self.cfg.pdl)
+            kgemv.linear_int4_prefill(x, w, out, scratch, bias)
 
     @staticmethod
     def int4_path(m: int) -> str:
@@ -349,29 +288,10 @@ class KernelOps:
             return "gemv_int4"
         return "int4_gemm" if m <= INT4_GEMM_MAX_ROWS else PREFILL_PATH
 
-    def gemv_family(self, rows: int, n: int | None = None, silu_input: bool = False) -> str:
-        """The kernel family of a decode GEMV step of `rows` rows (EngineConfig.gemv_build): an int8 build
-        up to its row limit ("int8-m1": 1; "int8-wide": INT8_WIDE_MAX_ROWS, and only for a weight of
-        n >= INT8_WIDE_MIN_N outputs without the SiLU input), else the bf16 one. n None: a launch of
-        several weights (the block kernel), which "int8-wide" leaves on bf16."""
-        if self._int8_family is None or rows > self._int8_max_rows:
-            return kgemv.FAMILY
-        if self._int8_wide_only and (n is None or n < INT8_WIDE_MIN_N or silu_input):
-            return kgemv.FAMILY
-        return self._int8_family
-
-    def _int4_gemv(self, lin: Int4Linear, rows: int,
-                   silu_input: bool = False) -> tuple[kgemv.Int4Weight, str]:
-        """The kernel view of an INT4 linear about to run as a decode GEMV of `rows` rows (`silu_input`:
-        the down projection's SiLU*mul input) and the kernel family that runs it; counted as path
-        "gemv_int4", and as "gemv_int8_mma" where an int8 build's loop multiplies it (`gemv_family`,
-        G = 128: the int8 builds are g128 only)."""
-        w = self._int4(lin)
-        family = self.gemv_family(rows, w.n, silu_input)
+    def _int4_gemv(self, lin: Int4Linear) -> kgemv.Int4Weight:
+        """The kernel view of an INT4 linear about to run as a decode GEMV, counted as path "gemv_int4"."""
         self.paths["gemv_int4"] += 1
-        if family != kgemv.FAMILY and w.group_size == 128:
-            self.paths["gemv_int8_mma"] += 1
-        return w, family
+        return self._int4(lin)
 
     def _gemv_plan(self, w: kgemv.Int4Weight, silu_input: bool) -> kgemv.GemvPlan:
         return self.plans[(w.n, w.k, silu_input, w.group_size == 128)]
@@ -385,10 +305,10 @@ class KernelOps:
         else out = x @ W^T with the add pending (the next norm makes it). merge: what `attention_run` left
         to this GEMV (x is then its output, whose split rows the GEMV merges while staging them)."""
         if self.fuses_residual(lin, x.shape[0]):
-            w, family = self._int4_gemv(lin, x.shape[0])
+            w = self._int4_gemv(lin)
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(x, w, None, None, self.workspace, self._gemv_plan(w, False),
-                            family=family, residual=epilogue, merge=merge, pdl=self.cfg.pdl)
+                            residual=epilogue, merge=merge)
             return update
         if merge is not None:  # attention_run defers only to a GEMV that fuses (fuses_attention_merge)
             raise AssertionError("an attention merge was left to an o projection that is not a fused GEMV")
@@ -401,53 +321,16 @@ class KernelOps:
         the SiLU is not fused."""
         # Fused into the GEMV only (M <= 8), with the residual epilogue. Above 8 rows the SiLU-input
         # GEMM recomputes silu(gate) * up in every row block (28x for the 7B's down) and took twice the
-        # plain kernel's time at M = 32 / 64 (bench/engine/NOTES.md, session 11): one silu_mul pass,
+        # plain kernel's time at M = 32 / 64: one silu_mul pass,
         # then the plain linear (INT4 GEMM or dequantize + cuBLAS).
         if self.fuses_silu_down(down, gate_up.shape[0]):
-            w, family = self._int4_gemv(down, gate_up.shape[0], silu_input=True)
+            w = self._int4_gemv(down)
             epilogue, update = self._residual_epilogue(residual)
             kgemv.gemv_int4(gate_up, w, None, None, self.workspace, self._gemv_plan(w, True),
-                            silu_mul_input=True, family=family, residual=epilogue, pdl=self.cfg.pdl)
+                            silu_mul_input=True, residual=epilogue)
             return update
-        kops.silu_mul(gate_up, act, pdl=self.cfg.pdl)
+        kops.silu_mul(gate_up, act)
         return self.linear_residual(act, down, out, residual)
-
-    def fuses_post_attention(self, m: int) -> bool:
-        """Whether a step of m rows runs o_proj, gate_up and down as one `post_attention_block` launch
-        (EngineConfig.post_attention_kernel, 1..kblock.MAX_M rows; the weights were checked at start)."""
-        return self.block_plan is not None and 1 <= m <= kblock.MAX_M
-
-    def fuses_next_qkv(self, next_layer) -> bool:
-        """Whether `post_attention_block` also makes `next_layer`'s qkv projection ("block+qkv"; the last
-        layer has no next one)."""
-        return next_layer is not None and self.block_plan_qkv is not None
-
-    def post_attention_block(self, attn: torch.Tensor, lw, residual: torch.Tensor, gate_up: torch.Tensor,
-                             eps: float, next_layer=None, k_cache=None, v_cache=None, positions=None,
-                             slot_mapping=None, q_out=None) -> tuple[ResidualUpdate, bool]:
-        """residual += o_proj(attn); gate_up = gate_up(RMSNorm(residual) * w); residual +=
-        down(silu(gate) * up): one launch (path "post_attention_block"); gate_up [M, 2I] is its scratch.
-        With "block+qkv" and a next layer (its weights, its K/V caches, the step's positions and slot
-        mapping, q_out), the launch also makes that layer's qkv projection as `qkv_projection` would
-        (path "post_attention_qkv"). Returns the update with the new residual's statistics for the next
-        norm prologue, and whether the next layer's q and K/V were written."""
-        rows = attn.shape[0]
-        shape = kgemv.norm_stats_shape(rows, self.g.hidden_size)
-        stats = self._norm_stats[: shape[0] * shape[1]].view(shape)
-        self.paths["post_attention_block"] += 1
-        w_o, w_gu, w_d = self._int4(lw.o_proj), self._int4(lw.gate_up), self._int4(lw.down)
-        with_qkv, nxt = self.fuses_next_qkv(next_layer), None
-        plan = self.block_plan_qkv if with_qkv else self.block_plan
-        if self.gemv_family(rows) != kgemv.FAMILY:  # the block's int8 build, as the GEMVs' (gemv_build)
-            plan = self._block_plans_int8[with_qkv]
-            self.paths["post_attention_block_int8"] += 1
-        if with_qkv:
-            nxt = kblock.NextQkv(self._int4(next_layer.qkv), next_layer.qkv_bias, next_layer.input_norm,
-                                 self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache, v_cache)
-            self.paths["post_attention_qkv"] += 1
-        kblock.post_attention_block(attn, w_o, lw.post_attn_norm, eps, w_gu, w_d, residual, gate_up, stats,
-                                    self.block_workspace, plan, next_qkv=nxt, pdl=self.cfg.pdl)
-        return ResidualUpdate(stats=stats), nxt is not None
 
     def fuses_silu_down(self, down: Linear, m: int) -> bool:
         """Whether `mlp_down` of m rows applies SiLU*mul inside the down GEMV's input staging (an INT4
@@ -463,7 +346,7 @@ class KernelOps:
         norm as its prologue where `fuses_norm`; otherwise `linear` + `qkv_rope_kv_write`."""
         rows = x.rows if isinstance(x, NormedInput) else x.shape[0]
         if self.fuses_qkv_rope(qkv_w, rows):
-            w, family = self._int4_gemv(qkv_w, rows)
+            w = self._int4_gemv(qkv_w)
             norm = None
             if isinstance(x, NormedInput):
                 if self.fuses_norm(x, qkv_w):
@@ -473,7 +356,7 @@ class KernelOps:
             self.paths["qkv_rope_fused"] += 1
             kgemv.gemv_int4_qkv_rope(x, w, bias, self.shape, positions, slot_mapping, self.inv_freq, q_out,
                                      k_cache, v_cache, self.workspace, self._gemv_plan(w, False),
-                                     family, norm=norm, pdl=self.cfg.pdl)
+                                     norm=norm)
             return
         self.linear(x, qkv_w, qkv, bias=bias)
         self.qkv_rope_kv_write(qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv)
@@ -486,7 +369,7 @@ class KernelOps:
 
     def qkv_rope_kv_write(self, qkv, positions, slot_mapping, k_cache, v_cache, q_out, n_heads, n_kv) -> None:
         kops.qkv_rope_kv_write(qkv, self.shape, positions, slot_mapping, self.inv_freq, q_out, k_cache,
-                               v_cache, None, pdl=self.cfg.pdl)
+                               v_cache, None)
 
     def attention_plan(self, *, kind, query_start, context_lens, page_table, num_rows, num_tokens,
                        max_context_len):
@@ -505,7 +388,7 @@ class KernelOps:
         bits; path counter "attention_merge_o_proj"). Else None."""
         plan, pt, cl, qsl = meta
         defer = o_proj is not None and self.fuses_attention_merge(plan, o_proj, q.shape[0])
-        plan.run(q, k_cache, v_cache, pt, cl, qsl, out.view(q.shape), defer_merge=defer, pdl=self.cfg.pdl)
+        plan.run(q, k_cache, v_cache, pt, cl, qsl, out.view(q.shape), defer_merge=defer)
         if not defer:
             return None
         self.paths["attention_merge_o_proj"] += 1
@@ -513,12 +396,11 @@ class KernelOps:
 
     def fuses_attention_merge(self, plan: kattn.PagedAttentionPlan, o_proj: Linear, m: int) -> bool:
         """Whether an attention run of m rows on `plan` leaves its split merge to the o projection's GEMV:
-        EngineConfig.attention_merge == "o_proj", a decode plan (one query row per sequence: what the
-        merge was tested on; a prefill or verify chunk of <= 8 tokens launches the combine kernel) that
-        launches the combine kernel and splits at most gemv.MERGE_MAX_SPLITS ways (`can_defer_merge`),
-        and o_proj is a GEMV with the residual epilogue."""
-        return (self.cfg.attention_merge == "o_proj" and plan.mode == "decode" and plan.can_defer_merge
-                and self.fuses_residual(o_proj, m) and not self.fuses_post_attention(m))
+        a decode plan (one query row per sequence: what the merge was tested on; a prefill or verify
+        chunk of <= 8 tokens launches the combine kernel) that launches the combine kernel and splits at
+        most gemv.MERGE_MAX_SPLITS ways (`can_defer_merge`), and o_proj is a GEMV with the residual
+        epilogue."""
+        return plan.mode == "decode" and plan.can_defer_merge and self.fuses_residual(o_proj, m)
 
     # ---- sampling ------------------------------------------------------------------------------------
     def logits_range(self, logits, out_min, out_max) -> None:
@@ -528,4 +410,4 @@ class KernelOps:
         torch.aminmax(logits, dim=-1, out=(out_min, out_max))
 
     def sample(self, logits, temperature, top_p, top_k, seed, offset, out) -> None:
-        ksamp.sample_tokens(logits, self.sampling_state, out, pdl=self.cfg.pdl)
+        ksamp.sample_tokens(logits, self.sampling_state, out)

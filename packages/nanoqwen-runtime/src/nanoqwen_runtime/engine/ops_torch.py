@@ -56,10 +56,6 @@ class TorchOps:
             self.rms_norm(x.residual, x.weight, x.eps, x.out)
         return x.out
 
-    def fuses_post_attention(self, m: int) -> bool:
-        """Never: this backend launches o_proj, gate_up and down one by one (ops_kernels.py can fuse)."""
-        return False
-
     def mlp_down(self, gate_up: torch.Tensor, act: torch.Tensor, down: Linear, out: torch.Tensor,
                  residual: torch.Tensor) -> ResidualUpdate:
         """out = down(silu(gate) * up), through the [T, I] scratch `act`; its add into `residual` is left

@@ -1,8 +1,8 @@
 // emu/runtime.cpp: the CPU launch of a kernel compiled with emu/simt.h (see its header for the model):
 // one OS thread per CTA, all CTAs at once; the CTA's threads are ucontext fibers switched at the
 // scheduling points; mbarriers, bulk copies and cp.async with late completion; named barriers; ldmatrix;
-// a watchdog for launches that stop making progress. Entry: `nq_emu_launch` (C ABI, called by nanoqwen_kernels/emu.py through
-// ctypes with cuLaunchKernel-style argument pointers).
+// a watchdog for launches that stop making progress. Entry: `nq_emu_launch` (C ABI, called by
+// nanoqwen_kernels/testing/emu.py through ctypes with cuLaunchKernel-style argument pointers).
 #include "emu/simt.h"
 
 #include <sched.h>
@@ -691,38 +691,6 @@ void mma_m16n8k16(float* c, const unsigned* a, const unsigned* b, bool f16) {
     double s = 0;
     for (int k = 0; k < 16; ++k) s += A[rows[i]][k] * B[k][cols[i]];
     c[i] = (float)(s + (double)c[i]);
-  }
-}
-
-void mma_m16n8k32_i8(int* c, const unsigned* a, const unsigned* b, bool a_signed, bool b_signed) {
-  struct Frag {
-    unsigned a[4], b[2];
-  } mine, all[32];
-  std::memcpy(mine.a, a, sizeof mine.a);
-  std::memcpy(mine.b, b, sizeof mine.b);
-  warp_exchange(&mine, all, sizeof(Frag));
-  auto val = [](unsigned word, int byte, bool is_signed) {
-    const unsigned v = (word >> (8 * byte)) & 0xffu;
-    return is_signed ? (long long)(signed char)v : (long long)v;
-  };
-  long long A[16][32], B[32][8];
-  for (int L = 0; L < 32; ++L) {  // PTX ISA, "mma.m16n8k32" fragments for .u8 / .s8
-    const int g = L >> 2, t = L & 3;
-    for (int i = 0; i < 4; ++i) {
-      A[g][4 * t + i] = val(all[L].a[0], i, a_signed);
-      A[g + 8][4 * t + i] = val(all[L].a[1], i, a_signed);
-      A[g][4 * t + 16 + i] = val(all[L].a[2], i, a_signed);
-      A[g + 8][4 * t + 16 + i] = val(all[L].a[3], i, a_signed);
-      B[4 * t + i][g] = val(all[L].b[0], i, b_signed);
-      B[4 * t + 16 + i][g] = val(all[L].b[1], i, b_signed);
-    }
-  }
-  const int lane = g_fiber->lane, g = lane >> 2, t = lane & 3;
-  const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
-  for (int i = 0; i < 4; ++i) {
-    long long s = c[i];
-    for (int k = 0; k < 32; ++k) s += A[rows[i]][k] * B[k][cols[i]];
-    c[i] = (int)(unsigned)(unsigned long long)s;  // s32 wraps (no .satfinite)
   }
 }
 

@@ -1,6 +1,6 @@
 // emu/simt.h: the kernels' CUDA source compiled for the CPU, to test what they compute where there is
-// no GPU (nanoqwen_kernels.emu). Included before every kernel header (g++ -include) with NQ_HOST_EMU
-// defined; the kernel headers then take the `#ifdef NQ_HOST_EMU` branch of each PTX wrapper, which
+// no GPU (nanoqwen_kernels.testing.emu). Included before every kernel header (g++ -include) with
+// NQ_HOST_EMU defined; the kernel headers then take the `#ifdef NQ_HOST_EMU` branch of each PTX wrapper, which
 // calls the functions declared here.
 //
 // The model. Every CTA of a launch runs on its own OS thread, all of them at once (so a persistent
@@ -115,8 +115,6 @@ unsigned short f32_to_bf16_rn(float f);
 float f16_bits_to_f32(unsigned short h);
 unsigned short f32_to_f16_rn(float f);
 void mma_m16n8k16(float* c, const unsigned* a, const unsigned* b, bool f16);
-// mma.sync m16n8k32 on 8-bit integers (A, B each u8 or s8 as the flags say; s32 accumulate, wrapping)
-void mma_m16n8k32_i8(int* c, const unsigned* a, const unsigned* b, bool a_signed, bool b_signed);
 int lane_id();  // the running thread's lane (its warp's fiber index, whatever the block's shape)
 
 unsigned char* dynamic_smem();  // the CTA's dynamic shared memory (NQ_DYNAMIC_SMEM), poisoned with 0xA5

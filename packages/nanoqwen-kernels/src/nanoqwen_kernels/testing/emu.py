@@ -1,8 +1,8 @@
 """The package's CUDA kernels run on the CPU, to test what they compute where there is no GPU.
 
     with emu.emulated(sms=4):
-        post_attention_block(...)   # the launchers as they are, on CPU tensors; each launch runs the
-                                    # kernel's own CUDA source, compiled for the host (csrc/emu/simt.h)
+        gemv_int4(...)   # the launchers as they are, on CPU tensors; each launch runs the kernel's
+                         # own CUDA source, compiled for the host (csrc/emu/simt.h)
 
 How. A family (specs.py: its `.cu` files and compile options) is compiled with g++ and
 `-DNQ_HOST_EMU -include emu/simt.h` into a shared library (cached under ~/.cache/nanoqwen/emu, keyed
@@ -15,11 +15,10 @@ operations, barriers, mbarrier waits and at random points; bulk copies and cp.as
 (emu/simt.h has the model and what it does not model: the memory model is the host's, stronger than
 the GPU's, so missing fences go unseen; fast-math intrinsics are the host's precise functions).
 
-`emulated()` points the launchers' module-level names (`launch`, `require_sm90`, the SM counts, the
-block kernel's occupancy query) of gemv, block, layer_ops, attention and sampling at the emulator and
-restores them on exit. `sms` is the SM count the
-launchers plan for: a persistent kernel's grid, and the GEMV's split-K. It is slow (fiber switches):
-for small shapes only.
+`emulated()` points the launchers' module-level names (`launch`, `require_sm90`, the SM count) of
+gemv, layer_ops, attention and sampling at the emulator and restores them on exit. `sms` is the SM
+count the launchers plan for (the GEMV's split-K, the attention plans' split count). It is slow (fiber
+switches): for small shapes only.
 """
 
 from __future__ import annotations
@@ -37,11 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .build import CSRC_DIR, KernelSpec
+from ..build import CSRC_DIR, KernelSpec
 
 EMU_DIR = CSRC_DIR / "emu"
 CACHE_DIR = Path(os.environ.get("NANOQWEN_CACHE", Path.home() / ".cache" / "nanoqwen")) / "emu"
-SHARED_MEM_PER_SM = 227 * 1024  # what the occupancy query of the emulator allows a CTA (the H200's)
 CXX_FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wno-unknown-pragmas",
              "-ftls-model=global-dynamic", "-DNQ_HOST_EMU")
 _ENTRY_RE = re.compile(r'extern\s+"C"\s+void\s+(\w+)\s*\(')
@@ -135,11 +133,10 @@ def _dims(d) -> tuple[int, int, int]:
     return (d + (1, 1, 1))[:3]
 
 
-def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0, *,
-           pdl: bool = False) -> None:
-    """`launch.launch` on the emulator (same arguments; `device_index` and `pdl` are ignored: launches run
-    one after the other). Raises EmulatorError with the emulator's reason when the launch fails."""
-    from .specs import SPECS
+def launch(family: str, kernel: str, device_index: int, grid, block, args, shared_mem: int = 0) -> None:
+    """`launch.launch` on the emulator (same arguments; `device_index` is ignored: launches run one after
+    the other). Raises EmulatorError with the emulator's reason when the launch fails."""
+    from ..specs import SPECS
 
     if family not in SPECS:
         raise KeyError(f"no kernel family {family!r}; known: {sorted(SPECS)}")
@@ -167,18 +164,15 @@ def launch_spec(spec: KernelSpec, kernel: str, grid, block, args, shared_mem: in
 
 @contextlib.contextmanager
 def emulated(sms: int = 4, seed: int = 0, timeout_s: float = 300.0):
-    """Run the launchers of gemv, block, layer_ops, attention and sampling on the emulator inside the
-    block (see the module header); `sms`: the SM count they plan for (the GEMV's split-K, the block
-    kernel's grid, the attention plans' split count); `seed`: varies the threads' interleavings."""
-    from . import attention, block, gemv, layer_ops, sampling
+    """Run the launchers of gemv, layer_ops, attention and sampling on the emulator inside the block (see
+    the module header); `sms`: the SM count they plan for (the GEMV's split-K, the attention plans'
+    split count); `seed`: varies the threads' interleavings."""
+    from .. import attention, gemv, layer_ops, sampling
 
-    def resident(family, kernel, index, shared):
-        return 1 if shared <= SHARED_MEM_PER_SM else 0
-
-    launchers = (gemv, block, layer_ops, attention, sampling)
+    launchers = (gemv, layer_ops, attention, sampling)
     patches = [(m, "launch", launch) for m in launchers if hasattr(m, "launch")]
     patches += [(m, "require_sm90", lambda device: 0) for m in launchers if hasattr(m, "require_sm90")]
-    patches += [(gemv, "_sm_count", lambda index: sms), (block, "_resident_blocks", resident)]
+    patches += [(gemv, "_sm_count", lambda index: sms)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     global _launches
     old, old_launches = dict(_settings), _launches

@@ -1,0 +1,101 @@
+"""CPU: the launch plumbing. `launch.launch` takes the `cuLaunchKernelEx` path (cuda_driver.py) only for a
+kernel that takes a CUtensorMap by value, the CuPy launch otherwise; the ctypes mirrors of cuda.h's
+CUlaunchConfig / CUlaunchAttribute have the C layout (a small C program compiled against the local
+cuda.h prints sizes and offsets, compared field by field); arguments that are not numpy scalars are
+refused before anything reaches the driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from nanoqwen_kernels import cuda_driver, launch
+
+
+def _cuda_include() -> Path | None:
+    nvcc = shutil.which("nvcc")
+    candidates = [Path(nvcc).resolve().parent.parent / "include"] if nvcc else []
+    candidates.append(Path("/usr/local/cuda/include"))
+    return next((c for c in candidates if (c / "cuda.h").is_file()), None)
+
+
+C_PROGRAM = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include <cuda.h>
+int main(void) {
+  printf("attr_size %zu\n", sizeof(CUlaunchAttribute));
+  printf("attr_value %zu\n", offsetof(CUlaunchAttribute, value));
+  printf("value_size %zu\n", sizeof(CUlaunchAttributeValue));
+  printf("config_size %zu\n", sizeof(CUlaunchConfig));
+  printf("sharedMemBytes %zu\n", offsetof(CUlaunchConfig, sharedMemBytes));
+  printf("hStream %zu\n", offsetof(CUlaunchConfig, hStream));
+  printf("attrs %zu\n", offsetof(CUlaunchConfig, attrs));
+  printf("numAttrs %zu\n", offsetof(CUlaunchConfig, numAttrs));
+  return 0;
+}
+"""
+
+
+def test_launch_structs_match_cuda_h(tmp_path):
+    inc, cc = _cuda_include(), shutil.which("cc") or shutil.which("gcc")
+    if inc is None or cc is None:
+        pytest.skip("needs cuda.h (a CUDA toolkit) and a C compiler to check the struct layout")
+    src, exe = tmp_path / "layout.c", tmp_path / "layout"
+    src.write_text(C_PROGRAM)
+    subprocess.run([cc, "-I", str(inc), str(src), "-o", str(exe)], check=True, capture_output=True)
+    c = dict(line.split() for line in subprocess.run([str(exe)], check=True, capture_output=True,
+                                                     text=True).stdout.splitlines())
+    c = {k: int(v) for k, v in c.items()}
+    A, C = cuda_driver.CUlaunchAttribute, cuda_driver.CUlaunchConfig
+    assert ctypes.sizeof(A) == c["attr_size"]
+    assert A.value.offset == c["attr_value"] and A.value.size == c["value_size"]
+    assert ctypes.sizeof(C) == c["config_size"]
+    for field in ("sharedMemBytes", "hStream", "attrs", "numAttrs"):
+        assert getattr(C, field).offset == c[field], field
+
+
+def test_launch_takes_the_driver_path_only_for_a_tensor_map(monkeypatch):
+    """launch.launch: a by-value CUtensorMap argument (np.void) -> cuda_driver.launch_ex on the current
+    torch stream; otherwise the plain CuPy launch. (CuPy, the module and the stream are stand-ins: no
+    GPU here.)"""
+    calls = []
+
+    class Kernel:
+        max_dynamic_shared_size_bytes = 0
+        kernel = types.SimpleNamespace(ptr=1234)
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            calls.append(("plain", grid, block, shared_mem))
+
+    fake_cupy = types.ModuleType("cupy")
+    fake_cupy.cuda = types.SimpleNamespace(Device=lambda index: contextlib.nullcontext())
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(launch, "get_function", lambda family, kernel, index: Kernel())
+    monkeypatch.setattr(launch, "current_stream", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: types.SimpleNamespace(cuda_stream=77))
+
+    def launch_ex(function_ptr, grid, block, args, shared_mem, stream_ptr):
+        calls.append(("driver", function_ptr, shared_mem, stream_ptr))
+
+    monkeypatch.setattr(cuda_driver, "launch_ex", launch_ex)
+    args = (np.int32(1),)
+    launch.launch("gemv", "k", 0, (2, 1, 1), (32, 1, 1), args)
+    launch.launch("gemv", "k", 0, (2, 1, 1), (32, 1, 1), args, 64)
+    launch.launch("gemm_ws", "k", 0, (2, 1, 1), (32, 1, 1), args + (np.void(bytes(128)),), 64)
+    assert calls == [("plain", (2, 1, 1), (32, 1, 1), 0), ("plain", (2, 1, 1), (32, 1, 1), 64),
+                     ("driver", 1234, 64, 77)]  # fmt: skip
+
+
+def test_launch_ex_refuses_python_ints():
+    with pytest.raises(TypeError, match="numpy scalar"):
+        cuda_driver.launch_ex(0, (1,), (32,), (np.int32(1), 5), 0, 0)
