@@ -142,7 +142,7 @@ def decode_at_context(engine: Engine, ctx: int, new: int, batch: int = 1, seed: 
     return out
 
 
-PREFILL_REPS = 3  # one n-token prefill is 4-120 ms on the H200: a single run moved by +-30% (session 12)
+PREFILL_REPS = 3  # one n-token prefill is 4-120 ms on the H200: a single run moves by +-30%
 
 
 def prefill_rate(engine: Engine, n: int, seed: int = 7, reps: int = PREFILL_REPS) -> dict:
@@ -523,7 +523,7 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
     torch.cuda.empty_cache()
 
     # eager: batch <= 8 runs the INT4 GEMVs either way, so no bf16 dense cache (saves 13 GB at 7B);
-    # synchronous steps, which the per-op profile needs (as every eager figure before session 23)
+    # synchronous steps, which the per-op profile needs (overlap off)
     eager = Engine(geom, weights_ref, EngineConfig(kv_memory_bytes=4 << 30, max_model_len=4096, mode="eager",
                                                    dense_weight_cache=False, overlap=False))
     for b in (1, 8):

@@ -107,7 +107,7 @@ class Timeline:
     def warm_up(self) -> None:
         """One zero-length wait before anything is timed: the first call loads (in a fresh process,
         compiles) the wait kernel, and inside a timed chunk that second of host time starved the chunk
-        (seen on the H200 in session 12 when the profile was the process's first use of the kernel)."""
+        (as when the profile is the process's first use of the kernel)."""
         self.suspended = True
         try:
             self._spin_fn(0)

@@ -543,8 +543,8 @@ class Run:
 
 def sass_section(cubins: dict[str, Path]) -> dict:
     """Instruction counts of the GEMV loops from the cubins (nvdisasm on PATH or in /usr/local/cuda/bin).
-    Each cubin is disassembled once; a kernel whose cubin nvdisasm refuses (session 6: the device's
-    nvdisasm on the package's cubin) gets {"error": ...} with nvdisasm's message, the others still count.
+    Each cubin is disassembled once; a kernel whose cubin nvdisasm refuses (a device's nvdisasm older than
+    the package's cubin) gets {"error": ...} with nvdisasm's message, the others still count.
     Raises only when no kernel could be counted."""
     import shutil
     import subprocess

@@ -61,7 +61,7 @@ difference between recipes, which both modes measure.
 
 Why sampling lowers the noise. Greedy gives each problem a 0/1 outcome. A small perturbation of the
 model (quantization) flips the problems whose leading candidates are close, in both directions, each
-flip 0.61 points: in session 6 gptq-asym and none disagreed on b + c = 26 problems, so the paired
+flip 0.61 points: in one greedy run gptq-asym and none disagreed on b + c = 26 problems, so the paired
 difference has a standard error of sqrt(b + c) / n = sqrt(26) / 164 = 3.1 points, and more runs of
 the same greedy decoding do not lower it (they repeat the same flips). Sampling N answers estimates
 each problem's pass probability p_i to within sqrt(p_i (1 - p_i) / N): the comparison becomes the mean
@@ -73,7 +73,7 @@ further (common random numbers: the engine's inverse-CDF draw takes the same uni
 so they pick the same token wherever their distributions nearly agree); the problems' own spread B
 stays (the bootstrap includes it), and this harness measures both (W, B, "N for ±1 pt").
 
-What N, what it costs. Greedy on the H200 (1.5B, session 6): 164 answers, ~31.7K tokens in 3.2 s of
+What N, what it costs. Greedy on an H200 (1.5B): 164 answers, ~31.7K tokens in 3.2 s of
 generation (the engine runs at most 64 sequences: that run was already mostly at the batch cap), load
 ~7 s; scoring 164 programs ~1 s on 16 cores. Sampled: 164 N requests and ~32K N tokens (sampled
 answers may run a little longer) at the same capped batch, so ~3.5 N s of generation and ~N s of

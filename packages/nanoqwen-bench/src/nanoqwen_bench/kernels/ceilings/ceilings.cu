@@ -292,7 +292,7 @@ NQ_DEVICE void gemv_compute(const uint4* __restrict__ qweight, const u16* __rest
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   const bool xrow = g < M;
   const bf16_t* xsl = xs + g * xs_stride + 8 * t;
-  // gemv_int4's compute_col for G = 128 (GPT = 1) as it was before session 7 (x rows g >= M masked to
+  // gemv_int4's compute_col for G = 128 (GPT = 1) before the masked-row fix (x rows g >= M masked to
   // zero), with today's shared `dq` (add.rn.bf16x2, the same bits as the fma by 1.0 it replaced): the
   // v1 that the v2 loops are checked against and measured over
   auto compute_col = [&](const St& st, int i) {
