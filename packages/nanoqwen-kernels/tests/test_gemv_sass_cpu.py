@@ -1,6 +1,7 @@
 """CPU CI: the instruction count of the g128 decode GEMVs' main loop, from the SASS of the cubin nvcc
 builds for sm_90a, disassembled by nvdisasm and counted by
-nanoqwen_bench/kernels/ceilings/ceilings_report.py's `hot_loop_counts` (the loop body that holds the most mma instructions: two tile-columns per trip). The
+nanoqwen_bench/kernels/ceilings/ceilings_report.py's `hot_loop_counts` (the loop body that holds the
+most mma instructions: two tile-columns per trip). The
 loop's issue rate is what limits these kernels at HBM speed, so a change that
 makes ptxas issue more per tile-column fails here, before any device time is spent. The build's hot
 kernels must not spill either. Needs nvcc and nvdisasm (the `nvidia-cuda-nvdisasm` wheel, a test
