@@ -134,7 +134,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "frequency_penalty": ((None, 0, 0.0), "frequency_penalty is not supported (only 0)"),
     "logit_bias": ((None,), "logit_bias is not supported"),
     "echo": ((None, False), "echo is not supported"),
-    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
 }
 
 
@@ -157,6 +156,7 @@ class GenerationSpec:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    suffix: str | None = None  # completion only: the text after the cursor (fill-in-the-middle, infill.py)
 
 
 def _load_json(body: bytes) -> dict[str, Any]:
@@ -231,6 +231,10 @@ def parse_chat(body: bytes, served_model: str) -> GenerationSpec:
 def parse_completion(body: bytes, served_model: str) -> GenerationSpec:
     """Validate a /v1/completions body. `prompt`: a string, a list of one string, or token ids."""
     req = _validate(CompletionRequest, _load_json(body))
+    if req.suffix and req.echo:
+        raise APIError(400, "echo cannot be combined with suffix: a fill-in-the-middle answer is the middle "
+                       "alone (the prompt is the text before the cursor, the suffix the text after it)",
+                       param="echo", code="unsupported_parameter")
     _check_supported(req, served_model)
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], str):
@@ -242,8 +246,17 @@ def parse_completion(body: bytes, served_model: str) -> GenerationSpec:
         if not p:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         p = tuple(p)
-    elif not p:
-        raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    elif not p and not req.suffix:
+        raise APIError(400, "the prompt is empty" + (" (and so is the suffix: nothing to fill in)"
+                                                     if req.suffix == "" else ""), param="prompt",
+                       code="invalid_value")
+    if req.suffix and not isinstance(p, str):
+        raise APIError(400, "suffix needs the prompt as text (the text before the cursor), not token ids",
+                       param="prompt", code="invalid_value")
+    if req.suffix and req.ignore_eos:
+        raise APIError(400, "ignore_eos cannot be combined with suffix (a middle ends at its end token)",
+                       param="ignore_eos", code="unsupported_parameter")
     return GenerationSpec("completion", req.model, p, None, req.max_tokens, req.temperature, req.top_p,
                           req.top_k, req.seed, _stop(req.stop), req.stream,
-                          bool(req.stream_options and req.stream_options.include_usage), req.ignore_eos)
+                          bool(req.stream_options and req.stream_options.include_usage), req.ignore_eos,
+                          req.suffix or None)
