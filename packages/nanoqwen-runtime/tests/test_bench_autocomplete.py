@@ -64,3 +64,31 @@ def test_autocomplete_on_the_reference_engine(qwen05b_packed, tmp_path):
     saved = json.loads((tmp_path / "autocomplete.json").read_text())
     assert saved["summary"] == rep["summary"]
     assert "| completed |" in (tmp_path / "autocomplete.md").read_text()
+
+
+@pytest.mark.gpu
+def test_autocomplete_on_the_cuda_engine(qwen05b_packed, tmp_path):
+    """The same workload on the CUDA engine (graphs, prefix caching on), at the issue's sizes: the cache
+    serves the full blocks two successive prompts share, cancelled requests end after 5 tokens, no
+    request keeps KV blocks, and the report has every latency figure."""
+    from nanoqwen_runtime.engine import Engine, EngineConfig
+
+    path = qwen05b_packed("rtn")
+    tok = Tokenizer.from_file(path)
+    engine = Engine.from_file(path, EngineConfig(kv_memory_bytes=2 << 30, prefix_caching=True))
+    rep = run_autocomplete(engine, tok, tmp_path, n_requests=8, max_tokens=32, log=lambda s: None)
+    rows = rep["requests"]
+    reqs = autocomplete_requests(tok, 8)
+    ids = [fim_prompt(tok, r.prefix, r.suffix, [r.extra], path=r.path).ids for r in reqs]
+    for i in range(1, 8):
+        common = next((k for k, (a, b) in enumerate(zip(ids[i - 1], ids[i], strict=False)) if a != b),
+                      min(len(ids[i - 1]), len(ids[i])))
+        assert rows[i]["cached_tokens"] == common // engine.config.block_size * engine.config.block_size, i
+    # odd requests are cancelled at their 5th token (unless the model ended before it)
+    assert all(r["finish"] != "cancelled" for r in rows[0::2])
+    assert all(r["finish"] == "eos" and r["generated_tokens"] < 5 or r["finish"] == "cancelled"
+               and r["generated_tokens"] == 5 for r in rows[1::2])
+    assert all(r["kv_blocks_used_after"] == 0 for r in rows)
+    s = rep["summary"]
+    cancelled = sum(r["finish"] == "cancelled" for r in rows)
+    assert s["ttlt_completed"]["p50_ms"] > 0 and s["ttft_cancelled"]["n"] == cancelled
