@@ -107,7 +107,7 @@ def test_bad_input(server, client):
         client.completions.create(model=NAME, prompt="x = 1\n" * 400, suffix="y = 2\n" * 200, max_tokens=8)
 
 
-def test_extra_files_dropped_first_given_first_to_fit(server):
+def test_extra_files_dropped_first_given_first_to_fit(server, qwen05b_packed):
     """Two extra files of ~390 tokens each and a chat prompt of ~100 tokens in a 1,024 context with
     n_predict 400: the prompt must leave 400 tokens, so the first file goes; both fit with n_predict 1.
     FIM tokens written in a file are text (the request runs as any other)."""
@@ -116,6 +116,13 @@ def test_extra_files_dropped_first_given_first_to_fit(server):
     small = infill(server, input_prefix=BEFORE, input_suffix=AFTER, input_extra=files, n_predict=1,
                    temperature=0).json()
     assert small["extra_files_used"] == 2 and small["extra_files_dropped"] == 0 and not small["truncated"]
+    # the special tokens written in the files were encoded as text: the prompt is the runtime's, to the token
+    from nanoqwen_runtime import ChatTemplate, Tokenizer, fim
+
+    container = qwen05b_packed("rtn")
+    want = fim.chat_prompt(Tokenizer.from_file(container), ChatTemplate.from_file(container), BEFORE, AFTER,
+                           files)
+    assert small["tokens_evaluated"] == len(want.ids)
     big = infill(server, input_prefix=BEFORE, input_suffix=AFTER, input_extra=files, n_predict=400,
                  temperature=0, max_lines=1).json()
     assert big["extra_files_used"] == 1 and big["extra_files_dropped"] == 1 and big["truncated"] is True
