@@ -59,7 +59,11 @@ BAD_COMPLETION = [
     (completion(prompt=[1, "a"]), 400, "prompt", "invalid_value"),
     (completion(echo=True), 400, "echo", "unsupported_parameter"),
     (completion(best_of=3), 400, "best_of", "unsupported_parameter"),
-    (completion(suffix="x"), 400, "suffix", "unsupported_parameter"),
+    # fill-in-the-middle (`suffix`, server/infill.py): refused with echo, token ids, ignore_eos; empty both
+    (completion(suffix="x", echo=True), 400, "echo", "unsupported_parameter"),
+    (completion(prompt=[1, 2], suffix="x"), 400, "prompt", "invalid_value"),
+    (completion(suffix="x", ignore_eos=True), 400, "ignore_eos", "unsupported_parameter"),
+    (completion(prompt="", suffix=""), 400, "prompt", "invalid_value"),
     (completion(logprobs=2), 400, "logprobs", "unsupported_parameter"),
 ]
 
@@ -90,3 +94,10 @@ def test_good_bodies():
     c = parse_completion(completion(prompt=[1, 2, 3], max_tokens=4), MODEL)
     assert c.prompt == (1, 2, 3) and c.max_tokens == 4 and not c.stream and c.temperature is None
     assert parse_completion(completion(prompt=["one"]), MODEL).prompt == "one"
+
+
+def test_suffix_is_fill_in_the_middle():
+    spec = parse_completion(completion(suffix="\n    return x\n", max_tokens=8), MODEL)
+    assert spec.suffix == "\n    return x\n" and spec.prompt == "def f("
+    assert parse_completion(completion(prompt="", suffix="x"), MODEL).prompt == ""  # the cursor at the top
+    assert parse_completion(completion(suffix=""), MODEL).suffix is None  # "" is no suffix (plain completion)
