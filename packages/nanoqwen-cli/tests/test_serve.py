@@ -100,6 +100,16 @@ def test_bad_input_table_over_http(server):
     assert server.metric('nanoqwen_requests_total{status="400"}') >= 6
 
 
+def test_fill_in_the_middle_refused_without_fim_tokens(server):
+    """The tiny test tokenizer has no FIM tokens: `suffix` and /infill are a 400 that says so (the real
+    model's infill is in test_serve_infill_qwen.py)."""
+    for path, body in (("/v1/completions", {"model": NAME, "prompt": "def f():", "suffix": "\n    return 1"}),
+                       ("/infill", {"input_prefix": "def f():", "input_suffix": "x"})):
+        err = assert_error(post(server, path, body), 400, "invalid_value")
+        assert "no fill-in-the-middle tokens" in err["message"], path
+    assert_error(post(server, "/infill", {"input_prefix": "a"}, key=None), 401, "invalid_api_key")
+
+
 def test_openai_client_chat_and_completion(client, server):
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello"}],
                                        max_tokens=6, temperature=0)

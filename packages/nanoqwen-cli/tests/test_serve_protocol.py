@@ -94,7 +94,13 @@ BAD_COMPLETION = [
     (completion(top_logprobs=2), 400, "top_logprobs", "unsupported_parameter"),
     (completion(n=0), 400, "n", "invalid_value"),
     (completion(best_of=3), 400, "best_of", "unsupported_parameter"),
-    (completion(suffix="x"), 400, "suffix", "unsupported_parameter"),
+    # fill-in-the-middle (`suffix`, server/infill.py): refused with echo, token ids, ignore_eos; empty both
+    (completion(suffix="x", echo=True), 400, "echo", "unsupported_parameter"),
+    (completion(prompt=[1, 2], suffix="x"), 400, "prompt", "invalid_value"),
+    (completion(suffix="x", ignore_eos=True), 400, "ignore_eos", "unsupported_parameter"),
+    (completion(prompt="", suffix=""), 400, "prompt", "invalid_value"),
+    (completion(suffix="x", logprobs=2), 400, "logprobs", "unsupported_parameter"),
+    (completion(suffix="x", n=2), 400, "n", "unsupported_parameter"),
 ]
 
 
@@ -135,3 +141,10 @@ def test_logprobs_n_and_echo_bodies():
     c = parse_completion(completion(logprobs=0, echo=True, max_tokens=0), MODEL)
     assert (c.logprobs, c.echo, c.max_tokens) == (0, True, 0)
     assert parse_completion(completion(logprobs=20, n=3), MODEL).logprobs == 20
+
+
+def test_suffix_is_fill_in_the_middle():
+    spec = parse_completion(completion(suffix="\n    return x\n", max_tokens=8), MODEL)
+    assert spec.suffix == "\n    return x\n" and spec.prompt == "def f("
+    assert parse_completion(completion(prompt="", suffix="x"), MODEL).prompt == ""  # the cursor at the top
+    assert parse_completion(completion(suffix=""), MODEL).suffix is None  # "" is no suffix (plain completion)

@@ -30,7 +30,9 @@ import typer
 from .errors import CliError, UsageError
 from .inputs import check_model_path
 
-WORKLOAD_NAMES = ("code-edit", "free-form")  # nanoqwen_bench.workloads.WORKLOADS (no import at startup)
+# nanoqwen_bench.workloads.WORKLOADS (no import at startup), and autocomplete
+# (nanoqwen_bench.engine.bench_autocomplete)
+WORKLOAD_NAMES = ("code-edit", "free-form", "autocomplete")
 
 
 def bench(
@@ -77,7 +79,12 @@ def bench(
     --workload code-edit|free-form (with --model) runs the workload benchmark
     instead: each prompt alone, greedy, speculation off then on, tok/s, the
     ratio, acceptance rate, mean accepted length and how many outputs agree;
-    writes workload-<name>.json and .md into --out.
+    writes workload-<name>.json and .md into --out. --workload autocomplete
+    replays a user typing down a file (fill-in-the-middle requests, half of
+    them cancelled after 5 tokens): TTFT and time to last token p50/p95, the
+    share of prompt tokens served from the prefix cache; --prompts is its
+    number of requests (default 32), --max-tokens its budget (default 48);
+    writes autocomplete.json and .md.
     """
     if profile_steps < 1:
         raise UsageError(f"--profile-steps must be >= 1, got {profile_steps}")
@@ -102,8 +109,11 @@ def bench(
     if not torch.cuda.is_available():
         raise CliError("nanoqwen-cli bench needs a CUDA GPU (sm_90); none is available here")
     if workload:
-        _run_workloads(model, out, kv_bytes, list(dict.fromkeys(workload)), spec, prompts or 16,
-                       max_tokens or 256)
+        if "autocomplete" in workload:
+            _run_autocomplete(model, out, kv_bytes, prompts or 32, max_tokens or 48)
+        rest = [w for w in dict.fromkeys(workload) if w != "autocomplete"]
+        if rest:
+            _run_workloads(model, out, kv_bytes, rest, spec, prompts or 16, max_tokens or 256)
         return
     from nanoqwen_bench.engine.bench import run_bench
 
@@ -149,6 +159,23 @@ def _check_workload_options(model, workload, speculate, prompts, max_tokens):
         raise UsageError("--speculate off leaves --workload nothing to compare (it runs speculation off "
                          "and on); give ngram or ngram:K")
     return spec
+
+
+def _run_autocomplete(model: Path, out: Path, kv_bytes: int, n_requests: int, max_tokens: int) -> None:
+    """The autocomplete latency workload (nanoqwen_bench.engine.bench_autocomplete) on the CUDA engine."""
+    from nanoqwen_bench.engine.bench_autocomplete import run_autocomplete
+    from nanoqwen_runtime import Tokenizer
+    from nanoqwen_runtime.engine.config import EngineConfig
+    from nanoqwen_runtime.engine.engine import Engine
+
+    engine = Engine.from_file(model, EngineConfig(kv_memory_bytes=kv_bytes))
+    rep = run_autocomplete(engine, Tokenizer.from_file(model), out, n_requests=n_requests,
+                           max_tokens=max_tokens,
+                           model=str(model), log=lambda s: typer.echo(s, err=True))
+    typer.echo((out / "autocomplete.md").read_text())
+    s = rep["summary"]
+    typer.echo(f"wrote {out}/autocomplete.json and .md; warm time to last token p50 "
+               f"{s['ttlt_completed']['p50_ms']} ms, cache share {s['cache_share_warm']}")
 
 
 def _run_workloads(model: Path, out: Path, kv_bytes: int, workloads: list[str], spec, n_prompts: int,

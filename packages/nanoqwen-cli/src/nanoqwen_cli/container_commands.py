@@ -13,7 +13,10 @@ verify FILE           checks the header, trailer, index, metadata and every tens
 
 JSON schema: {"path", "version": "1.0", "file_bytes", "data_offset", "index_offset",
 "tensor_bytes", "tensors": [{"name", "encoding", "dtype", "shape", "offset", "nbytes", "xxh3"
-(16 hex digits), "group_size", "symmetric", "layout"}], "metadata": {...}}.
+(16 hex digits), "group_size", "symmetric", "layout"}], "metadata": {...}, "model_variant": {"variant":
+"base" | "instruct", "why", "infill_way": "fim" | "chat"}}. The variant comes from the metadata
+(nanoqwen_runtime.fim.model_variant: the packer's `variant` key, else the name of the source the
+container was packed from); editor autocomplete wants a base model.
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ def _summarise(value, limit: int):
     return value
 
 
+def _variant(metadata: dict) -> dict:
+    """Base or Instruct model, and the fill-in-the-middle prompting the server uses for it."""
+    from nanoqwen_runtime import fim
+
+    variant, why = fim.model_variant(metadata)
+    return {"variant": variant, "why": why, "infill_way": fim.choose_way(variant)}
+
+
 def _describe(f: nqf.NanoqwenFile) -> dict:
     return {
         "path": f.path,
@@ -95,6 +106,7 @@ def _describe(f: nqf.NanoqwenFile) -> dict:
             for r in f.records.values()
         ],
         "metadata": _summarise(f.metadata, LONG_STRING),
+        "model_variant": _variant(f.metadata),
     }
 
 
@@ -114,6 +126,9 @@ def inspect(
         typer.echo(json.dumps(info, indent=2, ensure_ascii=False))
         return
     out.print(f"[bold]{escape(info['path'])}[/]", highlight=False)
+    mv = info["model_variant"]
+    out.print(f"model: {mv['variant']} ({escape(mv['why'])}); fill-in-the-middle prompting: "
+              f"{mv['infill_way']}", highlight=False)
     out.print(f".nanoqwen {info['version']}  {info['file_bytes']:,} bytes  {len(info['tensors'])} tensors "
               f"({info['tensor_bytes']:,} bytes)", highlight=False)
     headers = ["name", "encoding", "shape", "offset", "bytes", "xxh3"]

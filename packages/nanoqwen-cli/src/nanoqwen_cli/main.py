@@ -20,6 +20,7 @@ from .bench_commands import bench
 from .container_commands import inspect, verify
 from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, cli_command, set_debug
 from .generate_commands import chat, generate
+from .infill_command import infill
 from .model_commands import list_models, rm
 from .serve_command import serve
 
@@ -85,6 +86,7 @@ def _global_options(
 
 app.command("generate")(cli_command(generate))
 app.command("chat")(cli_command(chat))
+app.command("infill")(cli_command(infill))
 app.command("bench")(cli_command(bench))
 app.command("inspect")(cli_command(inspect))
 app.command("verify")(cli_command(verify))

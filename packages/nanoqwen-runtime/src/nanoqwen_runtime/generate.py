@@ -19,7 +19,7 @@ on stderr, exit code 1).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
@@ -31,6 +31,7 @@ from .backend import Backend, ReferenceBackend, TokenRequest
 from .chat import ChatTemplate, special_tokens_of
 from .container import opened
 from .events import FINISH_ERROR, FINISH_STOP, ErrorEvent
+from .fim import model_variant
 from .sampling import SamplingParams, StopMatcher
 from .tokenizer import Tokenizer
 
@@ -84,6 +85,7 @@ class _Track:
     prompt_tokens: int
     decoder: Any
     stop: StopMatcher
+    eos_ids: frozenset[int] = frozenset()
     ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     t_first: float | None = None
@@ -93,8 +95,11 @@ class Pipeline:
     """Tokenizer + chat template + backend, read from one container."""
 
     def __init__(self, backend: Backend | None, tokenizer: Tokenizer, template: ChatTemplate | None,
-                 eos_ids: Sequence[int], defaults: Mapping[str, Any] | None = None):
+                 eos_ids: Sequence[int], defaults: Mapping[str, Any] | None = None,
+                 variant: tuple[str, str] | None = None):
         self.backend = backend
+        # ("base" | "instruct", why): fim.model_variant of the container; None when not from one
+        self.variant = variant
         self.tokenizer = tokenizer
         self.template = template
         self.eos_ids = frozenset(int(e) for e in eos_ids)
@@ -129,7 +134,7 @@ class Pipeline:
         defaults = generation_defaults(f.metadata)
         eos = defaults.get("eos_token_ids") or f.config.get("eos_token_id") or []
         eos = eos if isinstance(eos, list) else [eos]
-        return cls(backend, tok, template, eos, defaults)
+        return cls(backend, tok, template, eos, defaults, model_variant(f.metadata))
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the container defaults, overridden by the non-None `overrides`."""
@@ -144,17 +149,24 @@ class Pipeline:
             raise ValueError("this container has no chat template")
         return self.template.render(messages, add_generation_prompt=True)
 
-    def stream(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-               ) -> Iterator[TextEvent]:
-        """Generate for several prompts at once (text, or token ids); yields events as tokens arrive."""
+    def stream(self, prompts: Sequence[str | Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams],
+               eos_ids: Sequence[Iterable[int]] | None = None) -> Iterator[TextEvent]:
+        """Generate for several prompts at once (text, or token ids); yields events as tokens arrive.
+        `eos_ids`: per prompt, the ids that end it (their text is not shown) instead of the container's
+        (fill-in-the-middle adds its own end tokens: fim.py)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        eos = [frozenset(int(t) for t in e) for e in eos_ids] if eos_ids is not None \
+            else [self.eos_ids] * len(prompts)
+        if len(eos) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(eos)} eos_ids sets")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        requests = [TokenRequest(tuple(i), p, self.eos_ids) for i, p in zip(ids, params, strict=True)]
-        tracks = [_Track(len(i), self.tokenizer.stream_decoder(), StopMatcher(p.stop))
-                  for i, p in zip(ids, params, strict=True)]
+        requests = [TokenRequest(tuple(i), p, e) for i, p, e in zip(ids, params, eos, strict=True)]
+        tracks = [_Track(len(i), self.tokenizer.stream_decoder(), StopMatcher(p.stop), e)
+                  for i, p, e in zip(ids, params, eos, strict=True)]
         t0 = time.perf_counter()
         run = self.backend.start(requests)
         open_requests = set(range(len(requests)))
@@ -179,7 +191,7 @@ class Pipeline:
                 else:
                     token = ev.token_id
                     tr.ids.append(token)
-                    piece = "" if token in self.eos_ids else tr.decoder.push(token)
+                    piece = "" if token in tr.eos_ids else tr.decoder.push(token)
                     if reason is not None:
                         piece += tr.decoder.flush()
                 shown, stopped = tr.stop.push(piece)
@@ -198,10 +210,11 @@ class Pipeline:
                 yield TextEvent(ev.request, shown, token, result)
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:
+                 params: SamplingParams | Sequence[SamplingParams],
+                 eos_ids: Sequence[Iterable[int]] | None = None) -> list[GenerationResult]:
         """Like `stream`, collecting one result per prompt (in prompt order)."""
         results: list[GenerationResult | None] = [None] * len(prompts)
-        for ev in self.stream(prompts, params):
+        for ev in self.stream(prompts, params, eos_ids):
             if ev.result is not None:
                 results[ev.index] = ev.result
         return results  # type: ignore[return-value]

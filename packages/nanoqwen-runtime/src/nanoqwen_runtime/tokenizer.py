@@ -225,6 +225,16 @@ class Tokenizer:
             self._encode_ordinary(text[pos:], out)
         return out
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` as plain text: added/special tokens written in it (`<|fim_prefix|>`,
+        `<|im_end|>`, ...) are encoded as the characters they are made of, never as control tokens.
+        For text a user supplies inside a prompt the caller builds (fill-in-the-middle, fim.py)."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode_text() takes a str, got {type(text).__name__}")
+        out: list[int] = []
+        self._encode_ordinary(text, out)
+        return out
+
     # ------------------------------------------------------------------ decoding
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (added tokens: their UTF-8 text)."""

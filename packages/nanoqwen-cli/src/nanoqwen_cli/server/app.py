@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes over one `EngineProcess`.
 
     POST /v1/chat/completions   messages -> the container's chat template -> tokens -> engine
-    POST /v1/completions        prompt (text or token ids) -> engine
+    POST /v1/completions        prompt (text or token ids) -> engine; with `suffix`: fill-in-the-middle
+    POST /infill                llama.cpp's fill-in-the-middle route (infill.py)
     GET  /v1/models             the one model served
     GET  /health                200 {"status": "ok", "engine_pid": PID} once the model is loaded (and
                                 CUDA graphs captured); 503 {"status": "loading" | "draining" | "error",
@@ -37,6 +38,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine_process import EngineProcess
+from .infill import InfillRoutes
 from .protocol import APIError, error_body
 from .routes import Routes
 
@@ -80,4 +82,7 @@ def create_app(cfg: AppConfig, loop: EngineProcess) -> FastAPI:
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    infill = InfillRoutes(routes)
+    routes.suffix_completions = infill.completions_with_suffix
+    app.add_api_route("/infill", infill.infill, methods=["POST"])  # llama.cpp's FIM route
     return app

@@ -144,7 +144,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((None, 0, 0.0), "presence_penalty is not supported (only 0)"),
     "frequency_penalty": ((None, 0, 0.0), "frequency_penalty is not supported (only 0)"),
     "logit_bias": ((None,), "logit_bias is not supported"),
-    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
 }
 
 
@@ -175,6 +174,7 @@ class GenerationSpec:
     chat_messages: tuple[dict[str, Any], ...] | None = None
     tool_plan: Any = None
     grammar: Any = None
+    suffix: str | None = None  # completion only: the text after the cursor (fill-in-the-middle, infill.py)
 
 
 def _load_json(body: bytes) -> dict[str, Any]:
@@ -259,6 +259,10 @@ def parse_chat(body: bytes, served_model: str) -> GenerationSpec:
 def parse_completion(body: bytes, served_model: str) -> GenerationSpec:
     """Validate a /v1/completions body. `prompt`: a string, a list of one string, or token ids."""
     req = _validate(CompletionRequest, _load_json(body))
+    if req.suffix and req.echo:
+        raise APIError(400, "echo cannot be combined with suffix: a fill-in-the-middle answer is the middle "
+                       "alone (the prompt is the text before the cursor, the suffix the text after it)",
+                       param="echo", code="unsupported_parameter")
     _check_supported(req, served_model)
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], str):
@@ -270,9 +274,21 @@ def parse_completion(body: bytes, served_model: str) -> GenerationSpec:
         if not p:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         p = tuple(p)
-    elif not p:
-        raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    elif not p and not req.suffix:
+        raise APIError(400, "the prompt is empty" + (" (and so is the suffix: nothing to fill in)"
+                                                     if req.suffix == "" else ""), param="prompt",
+                       code="invalid_value")
+    if req.suffix and not isinstance(p, str):
+        raise APIError(400, "suffix needs the prompt as text (the text before the cursor), not token ids",
+                       param="prompt", code="invalid_value")
+    if req.suffix and req.ignore_eos:
+        raise APIError(400, "ignore_eos cannot be combined with suffix (a middle ends at its end token)",
+                       param="ignore_eos", code="unsupported_parameter")
     lp = _completion_logprobs(req)
+    if req.suffix and ((req.n or 1) > 1 or lp is not None):
+        which = "n" if (req.n or 1) > 1 else "logprobs"
+        raise APIError(400, f"{which} cannot be combined with suffix: a fill-in-the-middle answer is one "
+                       "trimmed middle", param=which, code="unsupported_parameter")
     if req.echo and req.stream:
         raise APIError(400, "echo is not supported with stream", param="echo", code="unsupported_parameter")
     if req.max_tokens == 0 and not req.echo:
@@ -281,7 +297,7 @@ def parse_completion(body: bytes, served_model: str) -> GenerationSpec:
     return GenerationSpec("completion", req.model, p, None, req.max_tokens, req.temperature, req.top_p,
                           req.top_k, req.seed, _stop(req.stop), req.stream,
                           bool(req.stream_options and req.stream_options.include_usage), req.ignore_eos,
-                          req.n or 1, lp, bool(req.echo))
+                          n=req.n or 1, logprobs=lp, echo=bool(req.echo), suffix=req.suffix or None)
 
 
 def _chat_logprobs(req: ChatCompletionRequest) -> int | None:

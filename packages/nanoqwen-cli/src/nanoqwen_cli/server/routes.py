@@ -40,6 +40,7 @@ class Routes:
         self.metrics = loop.metrics
         self.created = int(time.time())
         self._key = cfg.api_key.encode() if cfg.api_key else None
+        self.suffix_completions = None  # /v1/completions with a suffix (app.py sets infill.py's handler)
 
     # ---- checks shared by the routes --------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -113,6 +114,8 @@ class Routes:
     async def completions(self, request: Request):
         self.authorize(request)
         spec = parse_completion(await self.read_body(request), self.cfg.model_name)
+        if spec.suffix:  # fill-in-the-middle: infill.InfillRoutes, set by app.py
+            return await self.suffix_completions(request, spec)
         return await self.generate(request, spec)
 
     # ---- generation -------------------------------------------------------------------------------
