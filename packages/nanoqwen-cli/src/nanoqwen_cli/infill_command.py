@@ -33,7 +33,6 @@ from .generate_commands import (
     Backend,
     Device,
     Dtype,
-    LoadOptions,
     MaxModelLen,
     MaxTokens,
     ModelArg,
@@ -43,10 +42,17 @@ from .generate_commands import (
     Threads,
     TopK,
     TopP,
-    _check_options,
-    _load,
 )
-from .inputs import check_model_path, decode_utf8, read_prompt
+from .inputs import decode_utf8, read_prompt
+from .loading import (
+    LoadOptions,
+    check_max_model_len,
+    check_sampling,
+    describe_threads,
+    load_backend,
+    open_container,
+)
+from .model_commands import resolve_model
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -103,7 +109,7 @@ def infill(
     opts = LoadOptions(device=device, backend=backend, dtype=dtype, threads=threads,
                        max_model_len=max_model_len)
     opts.check()
-    kw = _check_options(temperature, top_p, top_k,
+    kw = check_sampling(temperature, top_p, top_k,
                         max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS,
                         seed, stop)
     prefix = read_prompt(None, prefix_file)
@@ -112,7 +118,12 @@ def infill(
         raise UsageError("the prefix and the suffix are both empty: there is nothing to fill in")
     extra = [fim.ExtraFile(p.name, _read_file(p, "--extra-file")) for p in extra_file or []]
     name = path or (prefix_file.name if str(prefix_file) != "-" else "filename")
-    pipe = _load(check_model_path(model), opts)
+    from nanoqwen_runtime.generate import Pipeline
+
+    with open_container(resolve_model(model)) as f:  # opened and checked once; weights read last
+        check_max_model_len(f, opts.max_model_len)
+        pipe = Pipeline.from_file(f, None)
+        pipe.backend, threads = load_backend(f, opts, pipe.tokenizer)
     variant, why = pipe.variant or ("base", "not read from the container")
     chosen = way or fim.choose_way(variant)
     params = pipe.sampling_params(**kw)
@@ -129,7 +140,8 @@ def infill(
         raise CliError(str(e)) from None
     params = params.with_(stop=params.stop + prompt.stop)
     if not json_out:
-        typer.echo(f"backend: {pipe.backend.name}", err=True)
+        typer.echo(f"backend: {pipe.backend.name}" + (f"; {describe_threads(threads)}" if threads else ""),
+                   err=True)
         typer.echo(f"model: {variant} ({why}); infill way: {chosen}"
                    + (f"; extra files: {prompt.extras_used} used, {prompt.extras_dropped} dropped to fit"
                       if extra else ""), err=True)
