@@ -6,7 +6,8 @@ to last token <= 120 ms for 32 generated tokens with a warm cache. Random weight
 token, so requests run to `--max-tokens`. The real 1.5B runs through the CLI instead:
 `nanoqwen-cli bench --model coder-1.5b.nanoqwen --workload autocomplete --max-tokens 32`.
 
-    python -m nanoqwen_bench.engine.autocomplete_synthetic --tokenizer-from coder.nanoqwen [--max-tokens 32]
+    python -m nanoqwen_bench.engine.autocomplete_synthetic --tokenizer-from coder.nanoqwen|tokenizer.json
+        [--max-tokens 32]
         [--requests 32] [--kv-memory 16GiB] [--out bench/out/autocomplete-7b]
 """
 
@@ -18,7 +19,8 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokenizer-from", type=Path, required=True, help="a Qwen2.5-Coder .nanoqwen container")
+    ap.add_argument("--tokenizer-from", type=Path, required=True,
+                    help="a Qwen2.5-Coder .nanoqwen container, or its tokenizer.json")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--kv-memory", default="16GiB")
@@ -33,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from nanoqwen_bench.engine.bench_autocomplete import run_autocomplete
 
-    tok = Tokenizer.from_file(a.tokenizer_from)
+    tok = (Tokenizer.from_json(a.tokenizer_from.read_text()) if a.tokenizer_from.suffix == ".json"
+           else Tokenizer.from_file(a.tokenizer_from))
     weights = random_weights(QWEN25_CODER_7B, "cuda", seed=0)
     engine = Engine(QWEN25_CODER_7B, weights, EngineConfig(kv_memory_bytes=parse_bytes(a.kv_memory)))
     rep = run_autocomplete(engine, tok, a.out, n_requests=a.requests, max_tokens=a.max_tokens,
