@@ -142,15 +142,9 @@ async def generate(routes, request: Request, spec: GenerationSpec):
     response_id = reqs[0].request_id.rsplit("-", 1)[0] if spec.n > 1 else reqs[0].request_id
     first_handle = routes.submit(reqs[0])
     try:
-        first = await routes.next_event_or_abort(first_handle, request)
+        first = await routes.first_event(first_handle, request)
     except ClientGone:
         return Response(status_code=CLIENT_GONE)
-    if type(first) is Finish and first.reason in ("refused", "aborted"):
-        routes.metrics.finished("aborted" if first.reason == "aborted" else "400")
-        if first.reason == "aborted":
-            raise APIError(503, f"the request was ended before it ran: {first.detail}", type="server_error",
-                           code="aborted")
-        raise APIError(400, f"the request cannot run: {first.detail}", code="invalid_value")
     handles = [first_handle]
     try:
         for r in reqs[1:]:  # choice 0's prompt blocks are in the prefix cache by now

@@ -187,19 +187,25 @@ class Routes:
             return await choices.generate(self, request, spec)
         handle = self.submit(self.engine_request(spec, self.ready_engine()))
         try:
-            first = await self.next_event_or_abort(handle, request)
+            first = await self.first_event(handle, request)
         except ClientGone:
             return Response(status_code=CLIENT_GONE)
+        if spec.stream:
+            return StreamingResponse(self.stream(handle, spec, first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self.complete(request, handle, spec, first)
+
+    async def first_event(self, handle: RequestHandle, request: Request):
+        """A submitted request's first event. The engine's refusal of it before it ran is the request's
+        error: 400 (it cannot run) or 503 (it was ended). Raises ClientGone as `next_event_or_abort`."""
+        first = await self.next_event_or_abort(handle, request)
         if type(first) is Finish and first.reason in ("refused", "aborted"):
             self.metrics.finished("aborted" if first.reason == "aborted" else "400")
             if first.reason == "aborted":
                 raise APIError(503, f"the request was ended before it ran: {first.detail}",
                                type="server_error", code="aborted")
             raise APIError(400, f"the request cannot run: {first.detail}", code="invalid_value")
-        if spec.stream:
-            return StreamingResponse(self.stream(handle, spec, first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self.complete(request, handle, spec, first)
+        return first
 
     async def next_event(self, handle: RequestHandle, request: Request):
         """The handle's next event; aborts the request (and raises ClientGone) if the client left.
