@@ -365,16 +365,18 @@ def test_engine_is_ready_after_an_interrupted_reply(model, monkeypatch):
 
 
 def test_speculation_default_is_per_backend(model, monkeypatch):
-    """Left out, --speculate takes the backend's measured default (loading.DEFAULT_SPECULATION: off on
-    both today); `--speculate off` is off; a sampled request is never speculated."""
+    """Left out, --speculate takes the backend's measured default (loading.DEFAULT_SPECULATION: ngram:4
+    on the CUDA engine, off on the CPU reference); `--speculate off` is off; a sampled request is never
+    speculated."""
     import nanoqwen_cli.loading as loading
 
-    assert loading.DEFAULT_SPECULATION == {"reference": None, "engine": None}
+    assert loading.DEFAULT_SPECULATION == {"reference": None, "engine": "ngram:4"}
     assert loading.LoadOptions(device="cpu").speculation() is None
     monkeypatch.setitem(loading.DEFAULT_SPECULATION, "reference", "ngram:2")
     assert loading.LoadOptions(device="cpu").speculation().spec() == "ngram:2"
     assert loading.LoadOptions(device="cpu", speculate="off").speculation() is None
-    assert loading.LoadOptions(device="cuda").speculation() is None
+    assert loading.LoadOptions(device="cuda").speculation().spec() == "ngram:4"
+    assert loading.LoadOptions(device="cuda", speculate="off").speculation() is None
     args = ("-p", "def add(a, b):", "--json", "--max-tokens", "6", "--temperature", "0")
     default = json.loads(invoke("generate", model, *args).stdout)
     off = json.loads(invoke("generate", model, *args, "--speculate", "off").stdout)

@@ -42,8 +42,9 @@ with its one-line error and exit 1, in chat too.
 `--speculate ngram` (or `ngram:K`, K = 1..7 drafted tokens per step, default 4) or `off` sets
 prompt-lookup speculative decoding (nanoqwen_runtime.speculative): tokens that followed an earlier
 occurrence of the text's last few tokens are drafted and checked in one step, on either backend. Left
-out, the backend's measured default (loading.DEFAULT_SPECULATION: off on both; on the CPU it gains
-on answers that copy the prompt and loses on new text). The greedy output is
+out, the backend's measured default (loading.DEFAULT_SPECULATION): ngram:4 on the CUDA engine, where
+it gained on code edits and on new text; off on the CPU reference, where it gains on answers that copy
+the prompt and loses on new text. The greedy output is
 the same as without it (exactly on the reference backend; on the engine until a near-tie).
 Speculation is off for temperature > 0: the greedy path is exact; sampled requests are not
 speculated (the sampling line on stderr says so). `--no-prefix-cache` turns off prefix caching on
