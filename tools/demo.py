@@ -147,10 +147,12 @@ def main() -> None:
     names = check_code(text)
     print(f"[demo] the code block parses (ast.parse) and defines: {', '.join(names) or '(no function)'}")
     speed = float(STATS.search(stats).group(1))
+    threads = " ".join(_threads_args(args.threads))
+    again = f"nanoqwen-cli chat {container}" + (f" {threads}" if threads else "")
     print(f"\n[demo] the packed model: {container} ({container.stat().st_size / 1e6:.0f} MB)\n"
-          f"[demo] run it again:     nanoqwen-cli chat {container} --threads {args.threads}\n"
-          f"[demo] speed reached:    {speed:.2f} decode tok/s on the CPU (--threads {args.threads}, "
-          f"{args.dtype} matmuls): {stats}", flush=True)
+          f"[demo] run it again:     {again}\n"
+          f"[demo] speed reached:    {speed:.2f} decode tok/s on the CPU "
+          f"({threads or 'threads by the rule'}, {args.dtype} matmuls): {stats}", flush=True)
 
 
 if __name__ == "__main__":
