@@ -2,6 +2,8 @@
 
 - `tiny_bf16`, `tiny_int4`: tiny random containers (nanoqwen_runtime.testing), built once per session.
 - `qwen_hf_tokenizer`: the HF oracle tokenizer of the real 0.5B (transformers' own GGUF conversion).
+- `model`, `hf` (module scope): `tiny_int4`'s plain-torch model in fp32, and HF's model of it (the
+  oracle).
 - `qwen_packed_none`: the real 0.5B packed with `nanoqwen-quant pack --method none` (bf16 weights),
   through the root conftest's cached `qwen05b_packed`.
 - engine_testkit.py (importable from every test here): the tiny engine geometry, bounds and runners.
@@ -26,6 +28,21 @@ def tiny_bf16(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_int4(tmp_path_factory) -> Path:
     return write_tiny_container(tmp_path_factory.mktemp("tiny") / "tiny-int4.nanoqwen", method="rtn", seed=2)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_int4):
+    import torch
+    from nanoqwen_runtime.reference import ReferenceModel
+
+    return ReferenceModel.from_file(tiny_int4, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_int4):
+    from nanoqwen_runtime.testing import hf_model
+
+    return hf_model(tiny_int4)
 
 
 @pytest.fixture(scope="session")

@@ -131,3 +131,13 @@ def noise_bounds(container, twin_config: EngineConfig, prompts, reference, batch
     del engine
     torch.cuda.empty_cache()
     return [noise_bound(reference.logits[p], twin.logits[p]) for p in range(len(prompts))]
+
+
+def reference_engine(container, model, **cfg):
+    """A `ReferenceEngine` of `container` (ReferenceEngineConfig(**cfg)) on the already loaded `model`:
+    the same container's weights, one load per test module instead of one per engine."""
+    from nanoqwen_runtime.reference_engine import ReferenceEngine, ReferenceEngineConfig
+
+    eng = ReferenceEngine.from_file(container, ReferenceEngineConfig(**cfg))
+    eng.model = model
+    return eng

@@ -12,31 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_testkit import reference_engine
 from nanoqwen_runtime.engine import FinishEvent, Request, TokenEvent
 from nanoqwen_runtime.logprobs import MAX_TOP_LOGPROBS, PromptLogprobs, row_logprobs, unpack
 from nanoqwen_runtime.reference import ReferenceModel
-from nanoqwen_runtime.reference_engine import ReferenceEngine, ReferenceEngineConfig
 from nanoqwen_runtime.sampling import SamplingParams
 from nanoqwen_runtime.speculative import SpeculationConfig
-from nanoqwen_runtime.testing import hf_model, tiny_config
+from nanoqwen_runtime.testing import tiny_config
 
 REL = 2e-5  # the reference engine's logits vs HF's, relative to max |logit| (test_reference.py)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_int4) -> ReferenceModel:
-    return ReferenceModel.from_file(tiny_int4, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_int4):
-    return hf_model(tiny_int4)
-
-
-def engine(tiny_int4, model, **cfg) -> ReferenceEngine:
-    eng = ReferenceEngine.from_file(tiny_int4, ReferenceEngineConfig(**cfg))
-    eng.model = model
-    return eng
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -81,7 +65,7 @@ def check_token(lp, token: int, want_row: torch.Tensor, k: int) -> None:
 def test_sampled_and_prompt_logprobs_match_hf(tiny_int4, model, hf):
     """Greedy and sampled requests in one batch, the prompt prefilled in chunks of 7 (so the prompt
     logprobs are gathered over three chunks): every value within the bound of HF's log-softmax."""
-    eng = engine(tiny_int4, model, prefill_chunk=7)
+    eng = reference_engine(tiny_int4, model, prefill_chunk=7)
     p = prompt(17, seed=1)
     reqs = [Request(p, SamplingParams(max_tokens=5), request_id="greedy", ignore_eos=True, logprobs=3,
                     prompt_logprobs=True),
@@ -110,7 +94,7 @@ def test_sampled_and_prompt_logprobs_match_hf(tiny_int4, model, hf):
 def test_verified_tokens_get_the_verification_logits(tiny_int4, model, hf):
     """Prompt-lookup speculation on a repetitive prompt: drafts are verified, and each committed token's
     logprob is that of its verify row (HF at the same position)."""
-    eng = engine(tiny_int4, model, speculation=SpeculationConfig(k=4, ngram_min=1))
+    eng = reference_engine(tiny_int4, model, speculation=SpeculationConfig(k=4, ngram_min=1))
     base = prompt(6, seed=3)
     p = base * 4
     toks, _ = run(eng, [Request(p, SamplingParams(max_tokens=24), request_id="r", ignore_eos=True,
@@ -123,7 +107,7 @@ def test_verified_tokens_get_the_verification_logits(tiny_int4, model, hf):
 
 
 def test_prompt_logprobs_skip_the_prefix_cache(tiny_int4, model, hf):
-    eng = engine(tiny_int4, model)
+    eng = reference_engine(tiny_int4, model)
     p = prompt(40, seed=4)
     run(eng, [Request(p, SamplingParams(max_tokens=1), request_id="warm")])
     hit = eng.stats().prefix_hit_tokens
@@ -163,7 +147,7 @@ def test_row_logprobs_layout():
                                     ({"logprobs": True}, "0..20"),
                                     ({"prompt_logprobs": True}, "prompt_logprobs needs")])
 def test_bad_logprob_requests_are_refused(tiny_int4, model, kw, msg):
-    eng = engine(tiny_int4, model)
+    eng = reference_engine(tiny_int4, model)
     ev = eng.submit(Request([1, 2, 3], SamplingParams(max_tokens=2), **kw))
     assert ev is not None and ev.reason == "refused" and msg in ev.detail
 

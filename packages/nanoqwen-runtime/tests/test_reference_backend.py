@@ -5,11 +5,9 @@ caches nothing, and the run is the shared `engine_run.EngineRun`."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from nanoqwen_runtime.backend import ReferenceBackend, TokenRequest
 from nanoqwen_runtime.engine_run import EngineRun
-from nanoqwen_runtime.reference import ReferenceModel
 from nanoqwen_runtime.sampling import SamplingParams
 from nanoqwen_runtime.speculative import SpeculationConfig
 
@@ -31,11 +29,6 @@ def run(backend: ReferenceBackend, prompts: list[list[int]], max_tokens: int = 1
         for ev in events:
             out[ev.request].append(ev.token_id)
     return out
-
-
-@pytest.fixture(scope="module")
-def model(tiny_int4):
-    return ReferenceModel.from_file(tiny_int4, dtype=torch.float32)
 
 
 def test_speculation_and_prefix_cache_keep_greedy_tokens(model):

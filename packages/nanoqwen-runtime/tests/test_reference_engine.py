@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_testkit import hf_greedy
+from engine_testkit import hf_greedy, reference_engine
 from nanoqwen_runtime.engine import FinishEvent, FinishReason, Request, TokenEvent
-from nanoqwen_runtime.reference import ReferenceModel
-from nanoqwen_runtime.reference_engine import ReferenceEngine, ReferenceEngineConfig
+from nanoqwen_runtime.reference_engine import ReferenceEngineConfig
 from nanoqwen_runtime.sampling import SamplingParams
 from nanoqwen_runtime.stats import EngineStats
-from nanoqwen_runtime.testing import engine_events, hf_model, tiny_config
+from nanoqwen_runtime.testing import engine_events, tiny_config
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -26,24 +25,8 @@ def prompts(n: int, seed: int) -> list[list[int]]:
             for n_tok in torch.randint(3, 40, (n,), generator=g)]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_int4) -> ReferenceModel:
-    return ReferenceModel.from_file(tiny_int4, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_int4):
-    return hf_model(tiny_int4)
-
-
-def engine(tiny_int4, model, **cfg) -> ReferenceEngine:
-    eng = ReferenceEngine.from_file(tiny_int4, ReferenceEngineConfig(**cfg))
-    eng.model = model  # share the loaded weights: same container, saves a load per test
-    return eng
-
-
 def test_batched_requests_match_hf_greedy(tiny_int4, model, hf):
-    eng = engine(tiny_int4, model, prefill_chunk=7)
+    eng = reference_engine(tiny_int4, model, prefill_chunk=7)
     ps = prompts(4, seed=5)
     reqs = [Request(p, SamplingParams(max_tokens=6), request_id=f"r{i}", ignore_eos=True)
             for i, p in enumerate(ps)]
@@ -58,7 +41,7 @@ def test_batched_requests_match_hf_greedy(tiny_int4, model, hf):
 
 def test_request_joins_mid_run(tiny_int4, model, hf):
     """A request submitted between steps joins the running batch and still gets the oracle's tokens."""
-    eng = engine(tiny_int4, model)
+    eng = reference_engine(tiny_int4, model)
     a, b = prompts(2, seed=9)
     eng.submit(Request(a, SamplingParams(max_tokens=8), request_id="a", ignore_eos=True))
     got: dict[str, list[int]] = {"a": [], "b": []}
@@ -79,7 +62,7 @@ def test_preemption_under_a_small_pool_keeps_tokens(tiny_int4, model, hf):
     """A pool too small for all sequences at once forces preemption; recomputed sequences go on exactly."""
     # tiny model: 2 layers x 2 (K,V) x 2 heads x 32 x 4 B = 1 KiB a token, 4 KiB a 4-token block.
     # 12 blocks (1 padding) hold 44 tokens; 4 sequences of up to 39 + 12 tokens need far more.
-    eng = engine(tiny_int4, model, kv_memory_bytes=12 * 4096, block_size=4)
+    eng = reference_engine(tiny_int4, model, kv_memory_bytes=12 * 4096, block_size=4)
     assert eng.num_blocks == 12
     ps = [p[:10] for p in prompts(4, seed=3)]
     reqs = [Request(p, SamplingParams(max_tokens=12), request_id=f"r{i}", ignore_eos=True)
@@ -93,7 +76,7 @@ def test_preemption_under_a_small_pool_keeps_tokens(tiny_int4, model, hf):
 
 
 def test_abort_frees_blocks_and_stats(tiny_int4, model):
-    eng = engine(tiny_int4, model)
+    eng = reference_engine(tiny_int4, model)
     p = prompts(1, seed=1)[0]
     eng.submit(Request(p, SamplingParams(max_tokens=50), request_id="x", ignore_eos=True))
     eng.submit(Request(p, SamplingParams(max_tokens=50), request_id="queued", ignore_eos=True))
@@ -112,13 +95,13 @@ def test_abort_frees_blocks_and_stats(tiny_int4, model):
 
 
 def test_text_stop_strings_and_eos(tiny_int4, model):
-    eng = engine(tiny_int4, model)
+    eng = reference_engine(tiny_int4, model)
     tok = eng.tokenizer
     p = tok.encode("def add(a, b):\n    return")
     toks, fins = engine_events(eng, [Request(p, SamplingParams(max_tokens=24), request_id="t",
                                              ignore_eos=True)])
     events = []
-    eng2 = engine(tiny_int4, model)
+    eng2 = reference_engine(tiny_int4, model)
     text = tok.decode(toks["t"], skip_special_tokens=True)
     assert len(text) >= 6, text
     stop = text[3:6]
@@ -137,7 +120,7 @@ def test_text_stop_strings_and_eos(tiny_int4, model):
 
 
 def test_seeded_sampling_repeats(tiny_int4, model):
-    eng = engine(tiny_int4, model)
+    eng = reference_engine(tiny_int4, model)
     p = prompts(1, seed=4)[0]
     params = SamplingParams(temperature=1.1, top_k=40, seed=7, max_tokens=10)
     runs = [engine_events(eng, [Request(p, params, request_id=str(i), ignore_eos=True)])[0][str(i)]
@@ -147,7 +130,7 @@ def test_seeded_sampling_repeats(tiny_int4, model):
 
 
 def test_refusals(tiny_int4, model):
-    eng = engine(tiny_int4, model, max_model_len=32)
+    eng = reference_engine(tiny_int4, model, max_model_len=32)
     long = Request(list(range(40)), SamplingParams(max_tokens=4))
     ev = eng.submit(long)
     assert ev.reason is FinishReason.REFUSED and "context limit is 32" in ev.detail
