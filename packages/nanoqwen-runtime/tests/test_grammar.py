@@ -1,9 +1,9 @@
 """Constrained decoding (grammar.py, token_mask.py) on the CPU: the bitmask against a brute-force check
 of every token on a tiny vocabulary, the torch mask op against a bit-by-bit loop, schema errors that
 name the feature and the path, and both engines (the reference engine and the CUDA engine's code on
-the torch backend) running constrained and unconstrained rows in one batch, never speculating or
-running a constrained step ahead, stopping when the grammar is complete and ending with "length"
-when it cannot complete."""
+the torch backend) running constrained and unconstrained rows in one batch, never speculating, taking
+the masks of a step planned ahead after its forward, stopping when the grammar is complete and ending
+with "length" when it cannot complete."""
 
 from __future__ import annotations
 
@@ -122,17 +122,20 @@ def _requests(grammar, prompt, max_tokens=24):
 def test_constrained_and_unconstrained_rows_share_a_batch(tmp_path):
     """Both engines: one free row and two constrained rows (greedy, sampled) in the same steps. The
     constrained outputs are valid JSON under the schema and end with EOS (the grammar completes);
-    the free row's tokens are those it gets alone (the mask left its logits alone); the CUDA engine's
-    code ran those steps synchronously (never ahead) and masked every constrained token."""
+    the free row's tokens are those it gets alone (the mask left its logits alone); every constrained
+    token was sampled under a mask. The CUDA engine's code kept overlapping: its steps with constrained
+    rows went ahead, each masked after the step before it was committed, and gave the tokens of the
+    same engine without overlap."""
     grammar = compile_json_schema({"type": "object", "properties": {"ok": {"type": "boolean"}},
                                    "required": ["ok"], "additionalProperties": False})
     ref, eng = _engines(tmp_path)
+    sync = Engine.from_file(tmp_path / "tiny.nanoqwen", cpu_config(max_model_len=256, overlap=False))
     tok = ref.tokenizer
     prompt = tok.encode("def f(x):\n    return")
-    for engine in (ref, eng):
+    outputs = {}
+    for name, engine in (("ref", ref), ("overlap", eng), ("sync", sync)):
         alone, _ = engine_events(engine, [Request(list(prompt), SamplingParams(max_tokens=24),
                                                   request_id="a")])
-        ahead = getattr(engine, "num_steps_ahead", 0)
         toks, fins = engine_events(engine, _requests(grammar, prompt))
         assert toks["free"] == alone["a"]
         for rid in ("json", "json-sampled"):
@@ -142,11 +145,9 @@ def test_constrained_and_unconstrained_rows_share_a_batch(tmp_path):
         masked = sum(len(toks[r]) for r in ("json", "json-sampled"))
         assert engine.num_masked_rows == masked  # every constrained token was sampled under a mask
         engine.check_accounting()
-    # the alone run went ahead; with the grammar rows running the steps were synchronous (a step with a
-    # constrained row planned ahead raises in Engine._token_bitmask), and the free row alone went
-    # ahead again after they ended (EOS within a few tokens, it runs to 24)
-    assert ahead > 0 and eng.num_steps_sync_grammar > 0
-    assert eng.num_steps_ahead - ahead < 24 - 1
+        outputs[name] = toks
+    assert outputs["overlap"] == outputs["sync"]
+    assert eng.num_steps_ahead_masked > 0 and sync.num_steps_ahead_masked == 0
 
 
 def test_a_grammar_that_cannot_finish_ends_with_length(tmp_path):

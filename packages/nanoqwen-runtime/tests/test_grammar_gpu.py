@@ -69,5 +69,5 @@ def test_graph_captured_step_masks_constrained_rows(qwen05b_packed):
         assert set(doc) == {"ok", "n"} and isinstance(doc["ok"], bool) and doc["n"] in (1, 2, 3)
     assert sum(engine.runner.replays.values()) > replays  # decode steps replayed captured graphs
     assert engine.num_masked_rows == sum(len(toks[f"j{i}"]) for i in range(5))
-    assert engine.num_steps_sync_grammar > 0
+    assert engine.num_steps_ahead_masked > 0  # masks taken after the forward of steps planned ahead
     engine.check_accounting()

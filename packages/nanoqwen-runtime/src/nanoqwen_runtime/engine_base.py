@@ -17,6 +17,7 @@ A subclass sets, before any request: `geom` (Qwen2Config), `tokenizer` (or None)
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
@@ -38,6 +39,7 @@ class EngineBase(ABC):
         self._ids = 0
         self._prompt_lp: dict = {}  # seq_id -> logprobs.PromptLogprobs, while its prompt is prefilled
         self.num_logprob_requests = 0  # live requests that asked for logprobs (none: steps skip the work)
+        self.mask_seconds = 0.0  # host time spent computing token masks of constrained rows
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, request: Request) -> FinishEvent | None:
@@ -116,9 +118,12 @@ class EngineBase(ABC):
 
     def _fill_token_masks(self, rows: list[tuple[int, Sequence]], out: torch.Tensor) -> int:
         """Write the bitmask of each (row, constrained sequence) into `out[row]` (int32 [R, W], CPU);
-        other rows are left as they are (all ones). Returns the number of rows written."""
+        other rows are left as they are (all ones). Returns the number of rows written; the host time
+        it took adds to `mask_seconds`."""
+        t0 = time.perf_counter()
         for r, seq in rows:
             seq.matcher.fill_bitmask(out[r])
+        self.mask_seconds += time.perf_counter() - t0
         return len(rows)
 
     def _advance_grammar(self, seq: Sequence) -> str | None:

@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         model = args.model
     else:
         from nanoqwen_model import QWEN25_CODER_7B
-
-        from .synthetic import random_weights
+        from nanoqwen_runtime.engine.synthetic import random_weights
 
         engine = Engine(QWEN25_CODER_7B, random_weights(QWEN25_CODER_7B, torch.device("cuda"), seed=0,
                                                         symmetric=False), cfg)

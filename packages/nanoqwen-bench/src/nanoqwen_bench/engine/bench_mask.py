@@ -9,25 +9,34 @@ batch 1 and 64"): two measurements, for the bench to run as a section of its own
 - `token_mask_ab`: decode tok/s of a graph-mode engine with `EngineConfig.token_mask` on (a: the mask
   is part of every captured step, all ones here) against off (b), same weights, features off
   (`bench._variants_ab`: engine tok/s and each side's graph replay).
+- `constrained_neighbours`: what one constrained row costs the rows beside it (it needs a tokenizer):
+  the engine's wall time per decode step of a full batch, all rows free (a) against one row under a
+  grammar (b, overlapped as the engine runs it) and (c, the same with overlap off: what running such
+  steps synchronously would cost), beside the host time llguidance took per mask
+  (`EngineBase.mask_seconds`). The goal: b - a no more than the mask's own cost.
 
-Neither needs a tokenizer: the host-side cost of a constrained row (llguidance computing its bitmask,
-~tens of microseconds per row and token for a JSON schema, and the synchronous steps such a batch runs)
-comes on top; `nanoqwen-cli serve` on a real model shows it per request.
+    python -m nanoqwen_bench.engine.bench_mask --tokenizer-from tokenizer.json --out DIR
 
-    from nanoqwen_bench.engine.bench_mask import token_mask_ab, token_mask_op_us
-    op = token_mask_op_us(geom, batches=(1, 64))
-    ab = token_mask_ab(geom, weights, batches=(1, 64))
+writes DIR/mask_cost.json (synthetic Qwen2.5-Coder-7B geometry, random INT4 weights).
 """
 
 from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
 
 import torch
 from nanoqwen_model import Qwen2Config
 from nanoqwen_runtime.token_mask import apply_token_bitmask_, bit_values, bitmask_words
 
-__all__ = ["token_mask_op_us", "token_mask_ab", "MASK_BATCHES"]
+__all__ = ["token_mask_op_us", "token_mask_ab", "constrained_neighbours", "MASK_BATCHES", "main"]
 
 MASK_BATCHES = (1, 64)
+# The grammar of the constrained row: letters and spaces, then a rare terminator, so that random
+# weights keep the row running (and its mask non-trivial: most of the vocabulary is forbidden).
+NEIGHBOUR_GRAMMAR = 'start: /[a-z ]+/ "@@@"'
 
 
 def token_mask_op_us(geom: Qwen2Config, *, batches: tuple[int, ...] = MASK_BATCHES, iters: int = 200,
@@ -77,3 +86,87 @@ def token_mask_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = MASK
 
     return _variants_ab(geom, weights, "token_mask", False, (True,), batches=batches,
                         reps=AB_REPS if reps is None else reps)
+
+
+def constrained_neighbours(engine, *, batch: int = 64, new: int = 64, reps: int = 3,
+                           seed: int = 400_000) -> dict:
+    """Median wall ms per decode step of `batch` rows (steps where every row emitted a token: the
+    constrained row still running), all free (a) against one row under NEIGHBOUR_GRAMMAR (b), then
+    (c) b with overlap off; alternating a, b, c over `reps` repeats. `engine`: graph mode, with a
+    tokenizer, prefix caching off. Also the host ms per mask (llguidance) and the steps b ran ahead
+    with masks taken after their forward."""
+    from nanoqwen_runtime.engine.scheduler import Request
+    from nanoqwen_runtime.grammar import lark_grammar
+    from nanoqwen_runtime.sampling import SamplingParams
+
+    from .bench import _prompt, _run
+
+    grammar = lark_grammar(NEIGHBOUR_GRAMMAR)
+    vocab = engine.geom.vocab_size
+    steps: dict[str, list[float]] = {"a": [], "b": [], "c": []}
+    full_steps = {"a": 0, "b": 0, "c": 0}
+    mask_s = masks = ahead_masked = 0
+    for rep in range(reps):
+        for side in "abc":
+            reqs = [Request(_prompt(128, vocab, seed + 1000 * rep + i), SamplingParams(max_tokens=new),
+                            f"n{rep}{side}-{i}", ignore_eos=True) for i in range(batch)]
+            if side != "a":
+                reqs[0] = Request(reqs[0].prompt_tokens, SamplingParams(max_tokens=new), reqs[0].request_id,
+                                  grammar=grammar)
+            engine.config.overlap = side != "c"
+            m0, n0, k0 = engine.mask_seconds, engine.num_masked_rows, engine.num_steps_ahead_masked
+            _, log = _run(engine, reqs)
+            full = [dt for k, r, dt in log if k == "decode" and r == batch][2:]
+            steps[side].append(statistics.median(full) * 1e3)
+            full_steps[side] += len(full)
+            if side == "b":
+                mask_s += engine.mask_seconds - m0
+                masks += engine.num_masked_rows - n0
+                ahead_masked += engine.num_steps_ahead_masked - k0
+    engine.config.overlap = True
+    a, b, c = (statistics.median(steps[k]) for k in "abc")
+    host_mask_ms = 1e3 * mask_s / max(masks, 1)
+    return {"batch": batch, "grammar": NEIGHBOUR_GRAMMAR, "step_ms_free": a, "step_ms_constrained": b,
+            "step_ms_constrained_sync": c, "cost_ms": b - a, "cost_ms_sync": c - a,
+            "host_mask_ms": host_mask_ms, "steps_ahead_masked": ahead_masked, "full_steps": full_steps,
+            "all_ms": steps}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokenizer-from", type=Path, required=True,
+                    help="a Qwen2.5-Coder .nanoqwen container, or its tokenizer.json")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    from nanoqwen_model import QWEN25_CODER_7B
+    from nanoqwen_runtime import Tokenizer
+    from nanoqwen_runtime.engine import Engine, EngineConfig
+    from nanoqwen_runtime.engine.synthetic import random_weights
+
+    src = args.tokenizer_from
+    tok = Tokenizer.from_json(src.read_text()) if src.suffix == ".json" else Tokenizer.from_file(src)
+    geom = QWEN25_CODER_7B
+    weights = random_weights(geom, torch.device("cuda"), seed=0, symmetric=False)
+    out = {"device": torch.cuda.get_device_name(), "model": "synthetic Qwen2.5-Coder-7B geometry",
+           "op_us": token_mask_op_us(geom)}
+    engine = Engine(geom, weights, EngineConfig(kv_memory_bytes=8 << 30, max_model_len=4096,
+                                                prefix_caching=False, speculation=None), tokenizer=tok)
+    out["neighbours"] = [constrained_neighbours(engine, batch=b, reps=args.reps) for b in (8, 64)]
+    del engine
+    out["mask_in_step_ab"] = token_mask_ab(geom, weights)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.out / "mask_cost.json.tmp"
+    tmp.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    tmp.replace(args.out / "mask_cost.json")
+    for r in out["op_us"]:
+        print(f"mask op alone, batch {r['batch']}: {r['all_ones_us']:.1f} us (all ones), "
+              f"{r['random_us']:.1f} us (random)")
+    for r in out["neighbours"]:
+        print(f"batch {r['batch']}: step {r['step_ms_free']:.3f} ms free, {r['step_ms_constrained']:.3f} ms "
+              f"with one constrained row (+{r['cost_ms']:.3f}; synchronous +{r['cost_ms_sync']:.3f}); "
+              f"host mask {r['host_mask_ms']:.3f} ms; {r['steps_ahead_masked']} steps masked ahead")
+
+
+if __name__ == "__main__":
+    main()

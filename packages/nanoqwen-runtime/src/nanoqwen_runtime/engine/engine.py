@@ -43,11 +43,14 @@ all of its sequences have ended (the next `step()` reads it back first).
 Constrained decoding (`Request.grammar`, grammar.py). Every step applies a token bitmask to its logits
 before sampling (`EngineConfig.token_mask`): `ModelRunner.token_bitmask`, an int32 [rows, ceil(V/32)]
 device buffer that the captured decode graphs read, all ones in rows without a grammar, so constrained
-and unconstrained rows share a batch and a graph. A step with constrained rows uploads their masks
-(computed on the host from each request's matcher as last committed) before it runs. The mask of step
-n+1 depends on token n, so while a running sequence has a grammar no step is planned ahead
-(`num_steps_sync_grammar` counts them): those steps run synchronously, and overlap resumes when it
-ends. A constrained request is never speculated (the scheduler gives it no drafter).
+and unconstrained rows share a batch and a graph. A step with constrained rows uploads their masks,
+computed on the host from each request's matcher as last committed. The mask of step n+1 depends on
+token n, so a step planned ahead with constrained rows is queued in two parts (`ModelRunner.
+queue_forward` / `queue_sample`, a captured step being two graphs): its forward before step n is read
+back, its masks and sampling after step n is committed (`num_steps_ahead_masked` counts such steps).
+The device computes step n+1's forward while the host reads step n back and runs the matchers, so a
+constrained row costs its neighbours the mask's work, not the overlap. A constrained request is never
+speculated (the scheduler gives it no drafter).
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class Engine(EngineBase):
         self.num_steps = {"prefill": 0, "decode": 0}
         self.num_steps_ahead = 0  # decode steps planned ahead and queued before their predecessor's read-back
         self.num_rows_dropped = 0  # rows of sequences that ended after their step was queued ahead
-        self.num_steps_sync_grammar = 0  # steps not planned ahead because a running sequence has a grammar
+        self.num_steps_ahead_masked = 0  # steps planned ahead whose masks were taken after their forward
         self.num_masked_rows = 0  # sampled rows a grammar's bitmask constrained
         self.supports_grammar = config.token_mask
         self._in_flight: _InFlight | None = None  # the step queued ahead, not yet read back
@@ -181,7 +184,7 @@ class Engine(EngineBase):
         the next one before it reads that step back.
 
         `side_work`, when given, is called once during a step that runs (not at all when there is
-        nothing to run), where the caller's own host work costs the step least (ModelRunner.launch):
+        nothing to run), where the caller's own host work costs the step least (ModelRunner.queue_forward):
         right after a captured decode graph is launched, while the host would only wait for the device;
         or before an eager forward, whose host work is the step's pace anyway (the server's engine
         process sends the previous step's tokens there)."""
@@ -198,23 +201,30 @@ class Engine(EngineBase):
             ahead = self._plan_ahead(cur.plan)
             if ahead is None and side_work is not None:
                 side_work()  # the host would only wait for `cur` now
+        queued = None
         if ahead is not None:
-            self._in_flight = self._launch(ahead, side_work)
             self.num_steps_ahead += 1
-        return self._complete(cur.plan, cur.launched.result())
+            if self._has_constrained_rows(ahead):  # its masks need `cur`'s tokens committed
+                queued = self.runner.queue_forward(self._step_inputs(ahead), side_work)
+                self.num_steps_ahead_masked += 1
+            else:
+                self._in_flight = self._launch(ahead, side_work)
+        events = self._complete(cur.plan, cur.launched.result())
+        if queued is not None:
+            masks, lp = self._token_bitmask(ahead), self._step_logprobs(ahead)
+            self._in_flight = _InFlight(ahead, self.runner.queue_sample(queued, masks, lp))
+        return events
 
     def _plan_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The next decode step, planned before `plan` is read back (overlap on), or None. Not while
-        `record_logits` keeps each step's logits: the next step would overwrite them first. Not while
-        a running sequence has a grammar: its next mask depends on the token being read back, so
-        steps run synchronously until it ends (`num_steps_sync_grammar` counts the steps this kept
-        from running ahead)."""
+        `record_logits` keeps each step's logits: the next step would overwrite them first."""
         if not self.config.overlap or self.record_logits:
             return None
-        if any(s.matcher is not None for s in self.scheduler.running):
-            self.num_steps_sync_grammar += 1
-            return None
         return self.scheduler.plan_ahead(plan)
+
+    @staticmethod
+    def _has_constrained_rows(plan: StepPlan) -> bool:
+        return any(s.matcher is not None for s, smp in zip(plan.seqs, plan.sample, strict=True) if smp)
 
     def _complete(self, plan: StepPlan, out) -> list[Event]:
         """Commit a step that has been read back (`out`: model.StepOutput) and emit its events."""
@@ -286,31 +296,38 @@ class Engine(EngineBase):
         return step_logprobs(plan) if self.num_logprob_requests else None
 
     def _step_inputs(self, plan: StepPlan):
+        """The step's inputs, with its token masks unless it was planned ahead (`step()` computes
+        those after the step before it is committed)."""
         pad_to = None
         if plan.kind == "decode" and self.config.mode == "graph":
             pad_to = self.config.bucket_for(plan.num_tokens)
         self.num_steps[plan.kind] += 1
         inputs = build_step_inputs(plan, block_size=self.config.block_size, max_pages=self.max_pages,
                                    padding_block=self.blocks.padding_block, pad_to=pad_to)
-        inputs.token_bitmask = self._token_bitmask(plan)
+        if not plan.ahead:
+            inputs.token_bitmask = self._token_bitmask(plan)
         return inputs
 
     def _token_bitmask(self, plan: StepPlan):
         """int32 [real rows, W] bitmask of a step with constrained rows (all ones elsewhere), or None.
-        A constrained sequence is never speculated, so it has one row; it is computed from the matcher
-        as last committed (such a step is never planned ahead: `_plan_ahead`)."""
+        A constrained sequence is never speculated, so it has one row; its mask comes from the matcher
+        as last committed, which must have taken the row's input token: a step planned ahead is masked
+        only after the step before it is committed (`step()`). A sequence that ended meanwhile keeps
+        all ones (its row is dropped)."""
         spec = plan_rows(plan)
         rows: dict[int, int] = {}  # plan index -> its (last) row
         for r, (i, _, _) in enumerate(spec):
             rows[i] = r
-        constrained = [(rows[i], s) for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True))
+        constrained = [(i, s) for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True))
                        if smp and s.matcher is not None and s.status is SeqStatus.RUNNING]
         if not constrained:
             return None
-        if plan.ahead:
-            raise AssertionError("a step with a constrained row was planned ahead")
+        for i, s in constrained:
+            if plan.start_pos[i] + plan.query_lens[i] != len(s.tokens):
+                raise AssertionError(f"the mask of sequence {s.seq_id} was asked before its input token "
+                                     f"was committed ({len(s.tokens)} tokens, row at {plan.start_pos[i]})")
         masks = full_bitmask(len(spec), self.geom.vocab_size)
-        self.num_masked_rows += self._fill_token_masks(constrained, masks)
+        self.num_masked_rows += self._fill_token_masks([(rows[i], s) for i, s in constrained], masks)
         return masks.numpy()
 
     # ---- introspection ---------------------------------------------------------------------------

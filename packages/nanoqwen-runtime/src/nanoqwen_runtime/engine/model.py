@@ -35,6 +35,7 @@ addresses. The workspace memory is counted before the KV pool is sized.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -161,14 +162,14 @@ class ModelRunner:
                                      pin_memory=cuda) for _ in range(2)]
         self._out_turn = 0
         # constrained decoding: the step's token bitmask (token_mask.py), all ones outside the rows
-        # of a step that carries masks; one pinned host mirror (such steps run synchronously: its
-        # previous upload has been read back when it is written again)
+        # of a step that carries masks; one pinned host mirror (a step's masks are written after the
+        # step before it is read back, and so its upload has completed)
         self.token_bitmask = full_bitmask(self.max_rows, geom.vocab_size, self.device)
         self._mask_host = full_bitmask(self.max_rows, geom.vocab_size, pin_memory=cuda)
         self._mask_bits = bit_values(self.device)
         self._mask_dirty = 0  # rows of `token_bitmask` the last masked step wrote (to reset to ones)
         self.context_classes = cfg.context_classes(max_pages * cfg.block_size)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, context class)
+        self.graphs: dict[tuple[int, int], StepGraph] = {}  # (bucket, context class)
         # which code paths each graph runs (the op backend's `paths` counted during its capture), and
         # how often each was replayed: tests assert the path that ran instead of assuming it
         self.graph_paths: dict[tuple[int, int], collections.Counter[str]] = {}
@@ -183,6 +184,7 @@ class ModelRunner:
 
     # ---- the forward pass ------------------------------------------------------------------------
     def _forward(self, v: dict[str, torch.Tensor], T: int, B: int, kind: str, max_ctx: int) -> None:
+        """The step up to its logits (bf16 [B, Vp] in `Workspace.logits`) and their range per row."""
         g, w, ops, ws = self.g, self.w, self.ops, self.ws
         eps = g.rms_norm_eps
         resid, normed = ws.resid[:T], ws.normed[:T]
@@ -220,34 +222,44 @@ class ModelRunner:
             ops.linear(last, w.lm_head, ws.logits_unpadded[:B])
             ws.logits[:B, : g.vocab_size].copy_(ws.logits_unpadded[:B])
         ops.logits_range(ws.logits[:B, : g.vocab_size], ws.logit_min[:B], ws.logit_max[:B])
-        if self.cfg.token_mask:  # after the range: a masked -inf is not a non-finite logit
-            apply_token_bitmask_(ws.logits[:B, : g.vocab_size], self.token_bitmask[:B], self._mask_bits)
-        ops.sample(ws.logits[:B], v["temperature"], v["top_p"], v["top_k"], v["seed"], v["offset"],
-                   ws.tokens[:B])
+
+    def _sample(self, v: dict[str, torch.Tensor], B: int) -> None:
+        """The step's tail: the token bitmask over the logits `_forward` left (after their range: a
+        masked -inf is not a non-finite logit), then sampling into `Workspace.tokens`."""
+        ws, V = self.ws, self.g.vocab_size
+        if self.cfg.token_mask:
+            apply_token_bitmask_(ws.logits[:B, :V], self.token_bitmask[:B], self._mask_bits)
+        self.ops.sample(ws.logits[:B], v["temperature"], v["top_p"], v["top_k"], v["seed"], v["offset"],
+                        ws.tokens[:B])
 
     # ---- steps -----------------------------------------------------------------------------------
     def run(self, inputs: StepInputs, side_work: Callable[[], None] | None = None,
             logprobs: StepLogprobs | None = None) -> StepOutput:
         """Run one step; returns the sampled tokens and finite-logits flags of the real rows (and the
-        logprobs `logprobs` asks for: `launch`)."""
+        logprobs `logprobs` asks for: `queue_sample`)."""
         return self.launch(inputs, side_work, logprobs).result()
 
-    @torch.inference_mode()
     def launch(self, inputs: StepInputs, side_work: Callable[[], None] | None = None,
                logprobs: StepLogprobs | None = None) -> LaunchedStep:
-        """Queue one step and the copy of its output to the host; `LaunchedStep.result()` reads it.
+        """Queue one step whole, with the token bitmask its inputs carry; `LaunchedStep.result()` reads
+        it back."""
+        return self.queue_sample(self.queue_forward(inputs, side_work), inputs.token_bitmask, logprobs)
+
+    @torch.inference_mode()
+    def queue_forward(self, inputs: StepInputs, side_work: Callable[[], None] | None = None
+                      ) -> QueuedForward:
+        """Queue a step up to its logits (a captured decode graph's body, or the eager forward); the
+        caller then queues its tail with `queue_sample`, before any other step. In between, the host
+        may compute the step's token masks: the engine does so for a step planned ahead with
+        constrained rows, whose masks depend on the token still being read back.
         A step planned ahead (`inputs.feed_rows`) first copies its rows' token ids from the sampled
         tokens the previous step left in `Workspace.tokens` (on the device, in stream order: that step
         has not finished when this one is queued).
         `side_work()`, when given, runs once: right after a captured graph is launched (the host then
         only waits for the device until the read-back), or before an eager forward (prefill chunks,
         uncaptured decode), whose launches are host-bound: a caller's work there would delay them
-        all, and its output (the server's previous tokens) would wait for the whole forward.
-        `logprobs` (built only when a row asked): after the forward (outside the captured graph, on the
-        same stream), the log-softmax of the step's logits at the rows that asked and its top-k
-        (`_logprobs`), copied to the host beside the tokens; a prefill chunk's prompt logprobs too."""
+        all, and its output (the server's previous tokens) would wait for the whole forward."""
         views = self.buffers.load(inputs)
-        self._load_token_bitmask(inputs.token_bitmask)
         if inputs.feed_rows is not None:
             n = len(inputs.feed_rows)
             torch.index_select(self.ws.tokens, 0, views["feed_rows"], out=views["input_ids"][:n])
@@ -255,7 +267,7 @@ class ModelRunner:
         cls = self.context_class(inputs.max_context_len)
         graph = self.graphs.get((B, cls)) if inputs.kind == "decode" else None
         if graph is not None:
-            graph.replay()
+            graph.body.replay()
             self.replays[(B, cls)] += 1
             if side_work is not None:
                 side_work()
@@ -263,6 +275,21 @@ class ModelRunner:
             if side_work is not None:
                 side_work()
             self._forward(views, T, B, inputs.kind, cls)
+        return QueuedForward(inputs.num_real, B, views, graph)
+
+    @torch.inference_mode()
+    def queue_sample(self, step: QueuedForward, token_bitmask: np.ndarray | None = None,
+                     logprobs: StepLogprobs | None = None) -> LaunchedStep:
+        """Queue the tail of the step `queue_forward` queued last: upload its token bitmask rows
+        (int32 [real rows, W] numpy, or None: all ones), sample, and copy the output to the host.
+        `logprobs` (built only when a row asked): after sampling (outside the captured graphs, on the
+        same stream), the log-softmax of the step's logits at the rows that asked and its top-k
+        (`_logprobs`), copied to the host beside the tokens; a prefill chunk's prompt logprobs too."""
+        self._load_token_bitmask(token_bitmask)
+        if step.graph is not None:
+            step.graph.tail.replay()
+        else:
+            self._sample(step.views, step.num_rows)
         # tokens and logit ranges in one device-to-host copy; this buffer's previous step (two
         # launches ago) has been read back, as the engine keeps at most one step in flight beyond it
         turn = self._out_turn
@@ -274,7 +301,7 @@ class ModelRunner:
         host.copy_(self.ws.step_out, non_blocking=True)
         if done is not None:
             done.record()
-        return LaunchedStep(inputs.num_real, host, done, host_lp, prompt_lp)
+        return LaunchedStep(step.num_real, host, done, host_lp, prompt_lp)
 
     def _logprobs(self, lp: StepLogprobs, turn: int) -> tuple[torch.Tensor | None, list]:
         """Queue the logprobs of the rows `lp.rows` of the step just queued (its logits and sampled
@@ -333,11 +360,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self, padding_block: int) -> None:
-        """Capture one decode-step graph per (bucket, context class) (the kernels must be loaded:
-        `ops.warm_up()`)."""
+        """Capture the decode step per (bucket, context class) as a `StepGraph`: its body per class,
+        its tail once per bucket (the kernels must be loaded: `ops.warm_up()`)."""
         if not getattr(self.ops, "graph_capturable", False):
             raise RuntimeError(f"op backend {self.ops.name!r} cannot be captured; use mode='eager'")
         for bucket in sorted(self.cfg.graph_buckets, reverse=True):
+            tail = tail_paths = None
             for cls in self.context_classes:
                 inputs = padding_inputs(bucket, self.max_pages, padding_block, self.cfg.block_size)
                 views = self.buffers.load(inputs)
@@ -346,16 +374,49 @@ class ModelRunner:
                 with torch.cuda.stream(stream):
                     for _ in range(2):
                         self._forward(views, bucket, bucket, "decode", cls)
+                        self._sample(views, bucket)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                if self._graph_pool is None:
-                    self._graph_pool = torch.cuda.graph_pool_handle()
-                before = collections.Counter(self.ops.paths)
-                with torch.cuda.graph(graph, pool=self._graph_pool):
-                    self._forward(views, bucket, bucket, "decode", cls)
-                self.graphs[(bucket, cls)] = graph
-                self.graph_paths[(bucket, cls)] = collections.Counter(self.ops.paths) - before
+                body, body_paths = self._capture(functools.partial(self._forward, views, bucket, bucket,
+                                                                   "decode", cls))
+                if tail is None:
+                    tail, tail_paths = self._capture(functools.partial(self._sample, views, bucket))
+                self.graphs[(bucket, cls)] = StepGraph(body, tail)
+                self.graph_paths[(bucket, cls)] = body_paths + tail_paths
         torch.cuda.synchronize(self.device)
+
+    def _capture(self, fn: Callable[[], None]) -> tuple[torch.cuda.CUDAGraph, collections.Counter[str]]:
+        """A CUDA graph of `fn` in the runner's graph memory pool, and the op paths its capture ran."""
+        graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        before = collections.Counter(self.ops.paths)
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            fn()
+        return graph, collections.Counter(self.ops.paths) - before
+
+
+@dataclass
+class StepGraph:
+    """A captured decode step: `body`, the forward to the logits and their range; `tail`, the token
+    mask and sampling (one per bucket, shared by its context classes). Split so that a step planned
+    ahead can take its token masks after its forward is queued; `replay()` runs the whole step."""
+
+    body: torch.cuda.CUDAGraph
+    tail: torch.cuda.CUDAGraph
+
+    def replay(self) -> None:
+        self.body.replay()
+        self.tail.replay()
+
+
+@dataclass
+class QueuedForward:
+    """A step whose forward is queued and whose tail is not yet (`ModelRunner.queue_forward`)."""
+
+    num_real: int
+    num_rows: int
+    views: dict[str, torch.Tensor]  # the step-input buffers its tail reads
+    graph: StepGraph | None  # the captured step it replays, or None (eager)
 
 
 def padding_inputs(rows: int, max_pages: int, padding_block: int, block_size: int) -> StepInputs:

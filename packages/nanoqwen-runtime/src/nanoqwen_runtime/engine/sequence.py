@@ -50,7 +50,7 @@ class Request:
     (nanoqwen_runtime.logprobs); a request with `prompt_logprobs` never takes its prompt from the
     prefix cache.
     `grammar` constrains the sampled tokens to it (a token bitmask per step, grammar.py); such a request
-    is never speculated and, in the CUDA engine, runs its steps synchronously (engine.py).
+    is never speculated (engine.py says how its masks join steps planned ahead).
     """
 
     prompt_tokens: list[int]
