@@ -193,9 +193,9 @@ def test_chat_logprobs_shape_and_stream(client):
 
 
 def test_n_choices_prefill_the_prompt_once(client, server):
-    """n=4 sampled choices: four distinct texts, usage counts the prompt once, and the prefix cache
-    shows the prompt's full blocks computed once (choices 1..3 take them from the cache); the seeds
-    are seed + i (choice 2 alone with seed + 2 repeats it)."""
+    """n=4 sampled choices: four distinct texts, usage and the metrics count the prompt once (and the
+    request once), and the prefix cache shows the prompt's full blocks computed once (choices 1..3
+    take them from the cache); the seeds are seed + i (choice 2 alone with seed + 2 repeats it)."""
     prompt = ("# n-choices test: a Python module of small string helpers (slugs, case conversion, padding)\n"
               "import re\nimport unicodedata\n\n\ndef slugify(text: str) -> str:")
     hits = "nanoqwen_prefix_cache_hit_tokens_total"
@@ -211,6 +211,12 @@ def test_n_choices_prefill_the_prompt_once(client, server):
     full = (n_prompt - 1) // 16 * 16  # the full blocks a later choice can take (one token is computed)
     assert after[queried] - before.get(queried, 0.0) == 4 * n_prompt
     assert after[hits] - before.get(hits, 0.0) == 3 * full  # choice 0 prefilled it, 1..3 took it
+    def grew(name):
+        return after[name] - before.get(name, 0.0)
+
+    assert grew('nanoqwen_requests_total{status="length"}') == 1
+    assert grew("nanoqwen_prompt_tokens_total") == n_prompt
+    assert grew("nanoqwen_generation_tokens_total") == 16
     assert client.completions.create(**{**kw, "seed": 13}).choices[0].text == texts[2]
     chunks = list(client.completions.create(**kw, n=2, stream=True, stream_options={"include_usage": True},
                                             logprobs=1))
@@ -227,6 +233,8 @@ def test_n_choices_prefill_the_prompt_once(client, server):
 
 
 def test_disconnect_aborts_every_choice(server):
+    """A client that leaves an n=3 stream aborts its three choices: no KV block stays held, and the
+    request counts once as aborted."""
     aborted = server.metrics().get('nanoqwen_requests_total{status="aborted"}', 0.0)
     with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
                       json={"model": "qwen-coder", "prompt": "def long_function():", "max_tokens": 500,
@@ -235,7 +243,7 @@ def test_disconnect_aborts_every_choice(server):
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
         assert '"text"' in first
     assert server.wait_metric("nanoqwen_kv_blocks_used", 0.0) == 0.0
-    assert server.wait_metric('nanoqwen_requests_total{status="aborted"}', aborted + 3) == aborted + 3
+    assert server.wait_metric('nanoqwen_requests_total{status="aborted"}', aborted + 1) == aborted + 1
     assert server.metric("nanoqwen_requests_running") == 0
 
 

@@ -12,7 +12,9 @@
 So the prompt is prefilled once (the prefix-cache counters show it: n - 1 hits of its full blocks),
 and the KV blocks are shared through the cache's reference counts, not copied. With the prefix cache
 off (`serve --no-prefix-caching`) each choice prefills the prompt. Usage counts the prompt once and
-the choices' generated tokens summed. A client that goes away aborts every choice.
+the choices' generated tokens summed; so do the metrics, which count the request once when its last
+choice ends, with the first of aborted, error, length, stop that a choice ended with. A client that
+goes away aborts every choice.
 
 Logprobs (nanoqwen_runtime.logprobs: the log-softmax of the raw logits, before temperature, top-k and
 top-p) take the OpenAI shapes:
@@ -77,6 +79,7 @@ class _Group:
         self.tasks = [asyncio.ensure_future(self._pump(i, h, skip_first=i == 0 and type(first) is Finish))
                       for i, h in enumerate(handles)]
         self.t_checked = time.monotonic()
+        self.counted = False  # the request has been counted in the metrics
 
     async def _pump(self, i: int, h: RequestHandle, skip_first: bool) -> None:
         if skip_first:  # choice 0 already ended with its first event
@@ -105,18 +108,34 @@ class _Group:
             except TimeoutError:
                 continue
 
+    def finished(self, c: _Choice, ev: Finish) -> None:
+        """Record that choice c ended; the last choice to end counts the request in the metrics."""
+        c.finish = ev
+        if not self.live and not self.counted:
+            self.counted = True
+            status = min((_status(x.finish) for x in self.choices), key=_STATUS_ORDER.index)
+            self.routes.metrics.finished(status, max(x.finish.num_prompt_tokens for x in self.choices),
+                                         sum(x.finish.num_generated for x in self.choices))
+
     def abort(self) -> None:
-        """End every choice that has not finished (counted as aborted)."""
+        """End every choice that has not finished (as aborted)."""
         for c in self.choices:
             if c.finish is None:
                 c.handle.abort()
-                c.finish = Finish(c.handle.request_id, "aborted")
-                self.routes.metrics.finished("aborted")
+                self.finished(c, Finish(c.handle.request_id, "aborted"))
         self.close()
 
     def close(self) -> None:
         for t in self.tasks:
             t.cancel()
+
+
+_STATUS_ORDER = ("aborted", "error", "length", "stop")
+
+
+def _status(ev: Finish) -> str:
+    """The metrics status of one choice's end."""
+    return ev.reason if ev.reason in ("error", "aborted") else finish_reason(ev.reason)
 
 
 def _choice_requests(routes, spec: GenerationSpec, info) -> list:
@@ -152,7 +171,7 @@ async def generate(routes, request: Request, spec: GenerationSpec):
     except APIError:
         for h in handles:
             h.abort()
-            routes.metrics.finished("aborted")
+        routes.metrics.finished("aborted")
         raise
     group = _Group(routes, request, handles, first)
     answer = _Answer(routes, spec, response_id, reqs[0].prompt_tokens)
@@ -182,11 +201,10 @@ class _Answer:
         self._token_cache: dict[int, tuple[str, list[int]]] = {}
 
     # ---- events ---------------------------------------------------------------------------------
-    def take(self, c: _Choice, ev) -> tuple[str, list[tuple[int, Any]]]:
+    def take(self, group: _Group, c: _Choice, ev) -> tuple[str, list[tuple[int, Any]]]:
         """Record one event of choice c: the text it adds and the (token id, logprobs) it lists."""
         if type(ev) is Finish:
-            c.finish = ev
-            self.routes.count(ev)
+            group.finished(c, ev)
             text, new = ("" if self.drop else ev.text), []
         elif type(ev) is TokenOut:
             if ev.prompt_logprobs is not None:
@@ -266,7 +284,7 @@ class _Answer:
             while group.live:
                 i, ev = await group.next(poll=True)
                 c = group.choices[i]
-                self.take(c, ev)
+                self.take(group, c, ev)
                 if type(ev) is Finish and (err := self.failure(ev)) is not None:
                     group.abort()
                     raise err
@@ -312,7 +330,7 @@ class _Answer:
             while group.live:
                 i, ev = await group.next(poll=False)
                 c = group.choices[i]
-                text, new = self.take(c, ev)
+                text, new = self.take(group, c, ev)
                 if type(ev) is Finish and (err := self.failure(ev)) is not None:
                     group.abort()
                     yield sse(error_body(f"the request ended early: {err.message}", "server_error", None,
