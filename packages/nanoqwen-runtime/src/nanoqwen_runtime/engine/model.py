@@ -27,6 +27,12 @@ tokens and ranges back in one copy, the synchronisation every step already has. 
 maximum is not finite (NaN propagates through min/max; +-Inf is an extreme) had non-finite logits: the
 engine ends its request with an error instead of emitting its token (`StepOutput.finite`).
 
+A step has two parts: the forward to the logits and their range (`_forward`), then the token mask and
+sampling (`_sample`). A decode step is captured as two graphs (`StepGraph`: its body per bucket and
+context class, its tail per bucket), queued by `queue_forward` and `queue_sample`; the engine queues
+them back to back, or, for a step planned ahead with constrained rows, puts the host's mask work
+between them (engine.py).
+
 All activations live in workspace tensors sized for the largest step (`prefill_chunk` tokens or
 `max_batch` rows), so a step allocates nothing and a captured graph always reads and writes the same
 addresses. The workspace memory is counted before the KV pool is sized.
