@@ -20,14 +20,14 @@ Phases (one server subprocess, `--device cuda`, started by this script on a free
    ids and max_tokens, ignore_eos, greedy) through the server's engine built in this process
    (`EngineBaseline`: what `Engine.generate` does), so each round's three runs are seconds apart.
    Ratio = the median over the rounds of (HTTP tokens/s / engine tokens/s of the same round) (goal
-   >= 0.95); the ratio of the medians of all runs, the figure before session 7, is kept beside it.
+   >= 0.95); the ratio of the medians of all runs is kept beside it.
    The server runs its engine in a child process (server/engine_process.py).
    Where the clients run (`--client-cpus`): with `--cpu-placement auto` the server's engine process has
    two CPUs of its own and the engine baseline runs alone on the same two; the load generator (this
    process) is a client, which on a real deployment runs on another host or, on the same host, among
    the HTTP process's CPUs (server/cpu_placement.py). So by default ("http") every client run of this
-   process is bound to the HTTP process's CPUs; "any" leaves it where the scheduler puts it (before
-   session 17: also on the engine's two CPUs, beside its stepping and sender threads); "both" runs the
+   process is bound to the HTTP process's CPUs; "any" leaves it where the scheduler puts it (possibly
+   on the engine's two CPUs, beside its stepping and sender threads); "both" runs the
    lean clients both ways in every round ("lean" bound, "lean-any" not, each paired with the round's
    engine run) to measure what the binding changes.
    Where the time goes: the engine process records its steps (`NANOQWEN_ENGINE_TRACE`, see
@@ -205,12 +205,12 @@ class EngineBaseline:
 
     The engine is the server's: `EngineSpec` with the options this script gives `serve` (and serve's
     defaults for the rest: graph mode, prefix caching, no speculation, no dense bf16 copy), so both
-    sides run the same kernels. (Before 2026-12-01 session 6 the baseline was
-    `Engine.from_file(EngineConfig(...))`, whose default then kept a bf16 copy of the linears and ran
-    batch 32 on cuBLAS: 2.9 ms per decode step of the 0.5B against the server's 3.45 ms on the INT4
-    GEMM, which the old ratios counted as server overhead.) It is built while the server runs (both
+    sides run the same kernels. (A baseline built with other
+    options measures other kernels: a bf16 copy of the linears on cuBLAS ran a batch-32 step of the
+    0.5B in 2.9 ms against the server's 3.45 ms on the INT4 GEMM, which a ratio would count as server
+    overhead.) It is built while the server runs (both
     engines fit the GPU; each waits while the other works), so that its runs can alternate with the
-    HTTP runs: session 7 saw the host drift by +-10% within one load test, which a baseline timed
+    HTTP runs: the host has been seen to drift by +-10% within one load test, which a baseline timed
     after the server had exited counted as overhead or as a gain."""
 
     def __init__(self, model: Path, kv_memory: str, device: str = "cuda",
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             failures_early.append(f"the baseline's engine ({report['overhead_engine']['engine']}) is not the "
                                   f"server's ({report['server_engine']})")
         # the goal's figure: the median of the rounds' paired ratios (overhead_phase); the ratio of the
-        # medians of all runs is kept beside it (the figure before session 7)
+        # medians of all runs is kept beside it
         report["overhead_paired_ratios"] = paired
         report["overhead_ratio"] = statistics.median(paired["lean"])
         report["overhead_ratio_httpx"] = statistics.median(paired["httpx"])
@@ -568,7 +568,7 @@ def markdown(r: dict) -> str:
 
 def submit_arrival(r: dict) -> list[str]:
     """The table of how each timed HTTP run's submits reached the engine (step_trace.breakdown's keys;
-    a report from before 2026-12-01 session 7 has only its median runs' breakdowns)."""
+    an older report has only its median runs' breakdowns)."""
     lines = [
         f"Submit arrival: how the {r['overhead_clients']} submits of each timed run reached the engine "
         "(pipe messages with a submit; first to last message; engine iterations that applied submits, "

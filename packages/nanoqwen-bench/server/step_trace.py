@@ -6,8 +6,8 @@ processes of one host):
     recv[0] .. recv[-1] ... t_wake ... commands applied ... t_step [ engine.step() ] t_done ... t_sent
 
 `recv`, where a row has it, lists the pipe messages the iteration took, each `[t_recv, n_cmds,
-n_submits]`: the coalesced-submit worker tried in session 7 (bench/server/attempts/, not landed) wrote
-it; the landed worker's rows lack it.
+n_submits]`: a coalesced-submit worker (tried, not landed) wrote it; the landed worker's rows lack
+it.
 
 `breakdown(rows, t0, t1)` takes the rows that woke within [t0, t1] and splits the window into:
 - the engine's steps: all (count, mean ms), decode steps (count, mean and median ms) and prefill steps

@@ -535,7 +535,7 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
 
 def test_profile_refuses_an_overlapped_engine(tiny_path):
     """An overlapped engine's step() returns with the step it queued still running: its marks are not
-    complete when the profile reads them (the H100 run of session 27 failed there), so the profile asks
+    complete when the profile reads them (an H100 run failed there), so the profile asks
     for a synchronous engine instead of timing half-finished steps."""
     cfg = EngineConfig(device="cpu", backend="torch", mode="eager", num_blocks=64, block_size=16,
                        max_model_len=256, prefill_chunk=48, max_batch=8)
