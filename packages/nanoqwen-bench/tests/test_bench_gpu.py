@@ -96,7 +96,9 @@ def test_memory_report_and_report_of_a_graph_engine(weights):
     assert m["dense_cache_bytes"] == 0
     assert m["weights_gpu_bytes"] == m["weight_buffer_bytes"]
     assert m["container_bytes"] <= m["weight_buffer_bytes"] <= 1.05 * m["container_bytes"]
-    assert m["graph_pool_bytes"] >= 0 and m["graph_device_bytes"] >= 0  # capture took, never gave back
+    # capture took from torch's pool, never gave back (the device's free memory is not checked: other
+    # processes on the GPU, such as parallel test workers, move it during the capture)
+    assert m["graph_pool_bytes"] >= 0
     assert m["peak_allocated_bytes"] >= m["kv_pool_bytes"] + m["weight_buffer_bytes"]
     raw = {"meta": {"device": torch.cuda.get_device_name()}, "memory": m, "decode_batched": [],
            "prefill": [], "eager": [],

@@ -53,7 +53,7 @@ def _decode(engine: Engine, batch: int, new: int, seed: int, logprobs: int | Non
 
 def _op_seconds(engine: Engine, batch: int, reps: int = 50) -> float:
     """Median GPU seconds of the logprob work of a step of `batch` rows (on the workspace's logits)."""
-    from nanoqwen_kernels.bench import event_seconds
+    from nanoqwen_bench.gpu import event_seconds
 
     ws, v = engine.runner.ws, engine.geom.vocab_size
     host = torch.empty(batch * (1 + 2 * MAX_TOP_LOGPROBS), dtype=torch.float32, pin_memory=True)

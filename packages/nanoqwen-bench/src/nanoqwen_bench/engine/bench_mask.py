@@ -108,11 +108,13 @@ def constrained_neighbours(engine, *, batch: int = 64, new: int = 64, reps: int 
     mask_s = masks = ahead_masked = 0
     for rep in range(reps):
         for side in "abc":
+            # detokenize=False: random weights sample ids past the tokenizer's vocabulary (the model's
+            # padded rows), which have no text
             reqs = [Request(_prompt(128, vocab, seed + 1000 * rep + i), SamplingParams(max_tokens=new),
-                            f"n{rep}{side}-{i}", ignore_eos=True) for i in range(batch)]
+                            f"n{rep}{side}-{i}", ignore_eos=True, detokenize=False) for i in range(batch)]
             if side != "a":
                 reqs[0] = Request(reqs[0].prompt_tokens, SamplingParams(max_tokens=new), reqs[0].request_id,
-                                  grammar=grammar)
+                                  detokenize=False, grammar=grammar)
             engine.config.overlap = side != "c"
             m0, n0, k0 = engine.mask_seconds, engine.num_masked_rows, engine.num_steps_ahead_masked
             _, log = _run(engine, reqs)
