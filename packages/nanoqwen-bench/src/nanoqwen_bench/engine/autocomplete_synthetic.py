@@ -28,15 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from nanoqwen_model.config import QWEN25_CODER_7B
-    from nanoqwen_runtime import Tokenizer
     from nanoqwen_runtime.engine import Engine, EngineConfig
     from nanoqwen_runtime.engine.config import parse_bytes
     from nanoqwen_runtime.engine.synthetic import random_weights
 
+    from nanoqwen_bench.engine.bench import tokenizer_from
     from nanoqwen_bench.engine.bench_autocomplete import run_autocomplete
 
-    tok = (Tokenizer.from_json(a.tokenizer_from.read_text()) if a.tokenizer_from.suffix == ".json"
-           else Tokenizer.from_file(a.tokenizer_from))
+    tok = tokenizer_from(a.tokenizer_from)
     weights = random_weights(QWEN25_CODER_7B, "cuda", seed=0)
     engine = Engine(QWEN25_CODER_7B, weights, EngineConfig(kv_memory_bytes=parse_bytes(a.kv_memory)))
     rep = run_autocomplete(engine, tok, a.out, n_requests=a.requests, max_tokens=a.max_tokens,

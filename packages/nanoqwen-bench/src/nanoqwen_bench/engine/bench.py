@@ -80,6 +80,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) 
     return 2 * nbytes / statistics.median(times)
 
 
+def tokenizer_from(path: Path):
+    """The tokenizer of a .nanoqwen container, or of a tokenizer.json (the synthetic model's benches
+    that need real text or a grammar)."""
+    from nanoqwen_runtime import Tokenizer
+
+    return Tokenizer.from_json(path.read_text()) if path.suffix == ".json" else Tokenizer.from_file(path)
+
+
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, min(vocab, 150000), (n,), generator=g).tolist()

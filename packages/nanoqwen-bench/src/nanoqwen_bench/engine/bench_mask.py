@@ -142,12 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     from nanoqwen_model import QWEN25_CODER_7B
-    from nanoqwen_runtime import Tokenizer
     from nanoqwen_runtime.engine import Engine, EngineConfig
     from nanoqwen_runtime.engine.synthetic import random_weights
 
-    src = args.tokenizer_from
-    tok = Tokenizer.from_json(src.read_text()) if src.suffix == ".json" else Tokenizer.from_file(src)
+    from .bench import tokenizer_from
+
+    tok = tokenizer_from(args.tokenizer_from)
     geom = QWEN25_CODER_7B
     weights = random_weights(geom, torch.device("cuda"), seed=0, symmetric=False)
     out = {"device": torch.cuda.get_device_name(), "model": "synthetic Qwen2.5-Coder-7B geometry",
