@@ -84,3 +84,17 @@ def test_read_bandwidth_reports_a_plausible_rate(device):
     r = read_bandwidth(device, nbytes=512 << 20, reps=5)
     assert r["nbytes"] == 512 << 20 and r["min_s"] <= r["median_s"] <= r["max_s"]
     assert 0.5e12 < r["bytes_per_s"] < 10e12  # H100 / H200 HBM: a few TB/s
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_tinygemm_baseline_computes_the_dequantized_product(m, device):
+    """The baseline the kernel benches time is the product they claim: within its bound at odd M, and
+    the check catches a weight whose values it was not told (another random weight's)."""
+    from nanoqwen_bench.kernels.baselines import check_tinygemm, random_tinygemm_weight
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    w = random_tinygemm_weight(256, 1536, gen, keep_values=True)
+    check_tinygemm(w, m, gen)
+    w.q = random_tinygemm_weight(256, 1536, gen, keep_values=True).q
+    with pytest.raises(AssertionError, match="tinygemm"):
+        check_tinygemm(w, m, gen)

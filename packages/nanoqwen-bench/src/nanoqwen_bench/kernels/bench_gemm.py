@@ -12,7 +12,9 @@ y[M, N] = x[M, K] @ W^T:
 - cublas_bf16:   torch.mm on a bf16 weight (what a bf16 copy of the weights buys: the ceiling the INT4
                  GEMM must approach at large M, and beat at small M);
 - dequant_gemm:  gemv.linear_int4_prefill = dequantize into one bf16 scratch + torch.mm (the engine's
-                 path above INT4_GEMM_MAX_ROWS when PREFILL_PATH says so).
+                 path above INT4_GEMM_MAX_ROWS when PREFILL_PATH says so);
+- tinygemm:      torch._weight_int4pack_mm on its own tiled layout, g128 (baselines.py): torch's
+                 built-in INT4 matmul, the one gpt-fast and torchao use.
 
 Method as bench_kernels.py: R launches captured in one CUDA graph, each on a different copy of the
 weights (together > 4x the L2, so weights come from HBM), median of 15 replays. The read bandwidth
@@ -51,6 +53,7 @@ from nanoqwen_kernels import gemm, gemv
 from nanoqwen_kernels import reference as R
 
 from ..gpu import read_bandwidth, time_graph
+from .baselines import check_tinygemm, random_tinygemm_weight, tinygemm_mm
 from .bench_kernels import random_weight
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
@@ -89,6 +92,13 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
         plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
     ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values()),
                                  torch.device("cuda"))
+    tiny = []
+    if not int4_only:
+        tiny = [random_tinygemm_weight(n, k, gen, keep_values=True)]
+        check_tinygemm(tiny[0], ms[0], gen)
+        tiny[0].q = None
+        n_tiny = max(2, math.ceil(L2_ROTATE_BYTES / tiny[0].nbytes()))
+        tiny += [random_tinygemm_weight(n, k, gen) for _ in range(n_tiny - 1)]
     for m in ms:
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
@@ -101,6 +111,8 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
                             2 * n * k + act),
             "dequant_gemm": (lambda i: gemv.linear_int4_prefill(x, weights[i % copies], out, scratch),
                              copies, w0.nbytes() + act),
+            "tinygemm": (lambda i: tinygemm_mm(x, tiny[i % len(tiny)]), len(tiny),
+                         tiny[0].nbytes() + act if tiny else 0),
         }  # fmt: skip
         if int4_only:
             paths = {"int4_gemm": paths["int4_gemm"]}
@@ -126,7 +138,7 @@ def crossover(rows) -> dict:
     timed = {r["path"] for r in rows}
     for m in sorted({r["m"] for r in rows}):
         tot = {p: sum(r["us"] for r in rows if r["m"] == m and r["path"] == p)
-               for p in ("int4_gemm", "dequant_gemm", "cublas_bf16")}
+               for p in ("int4_gemm", "dequant_gemm", "cublas_bf16", "tinygemm")}
         quantized = [p for p in ("int4_gemm", "dequant_gemm") if p in timed]
         faster = min(quantized, key=tot.__getitem__) if len(quantized) > 1 else None
         out[m] = tot | {"faster_quantized": faster}
@@ -138,18 +150,19 @@ def markdown(rep) -> str:
              f"- read bandwidth: {rep['read_bandwidth_GBps']:.0f} GB/s (1 GiB, median of 30 launches)",
              f"- weights: INT4 g128 {'asymmetric' if rep.get('asym') else 'symmetric'}; "
              "bytes = weights (+ scales) + x + out, each once", "",
-             "| shape | M | path | us | TFLOP/s | % of read BW | vs cuBLAS bf16 | plan |",
+             "| shape | M | path | us | TFLOP/s | % of read BW | cuBLAS bf16 time / this | plan |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     cub = {(r["shape"], r["m"]): r["us"] for r in rep["rows"] if r["path"] == "cublas_bf16"}
     for r in rep["rows"]:
         vs = f"{cub[(r['shape'], r['m'])] / r['us']:.2f}x" if cub else "-"  # --int4-only: no cuBLAS
         lines.append(f"| {r['shape']} | {r['m']} | {r['path']} | {r['us']:.1f} | {r['tflops']:.1f} | "
                      f"{r['frac_read_bw']:.1%} | {vs} | {r.get('plan', '')} |")
-    lines += ["", "Sum over the four shapes (us), and the faster quantized path:", "",
-              "| M | int4_gemm | dequant_gemm | cublas_bf16 | faster |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "Sum over the four shapes (us), and the faster of nanoqwen's quantized paths:", "",
+              "| M | int4_gemm | dequant_gemm | cublas_bf16 | tinygemm | faster |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for m, c in rep["crossover"].items():
         lines.append(f"| {m} | {c['int4_gemm']:.1f} | {c['dequant_gemm']:.1f} | {c['cublas_bf16']:.1f} | "
-                     f"{c['faster_quantized']} |")
+                     f"{c['tinygemm']:.1f} | {c['faster_quantized']} |")
     return "\n".join(lines) + "\n"
 
 

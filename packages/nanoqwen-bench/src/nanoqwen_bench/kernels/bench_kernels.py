@@ -36,11 +36,21 @@ from nanoqwen_kernels import build, gemv, layer_ops, sampling
 from nanoqwen_kernels.specs import SPECS
 
 from ..gpu import read_bandwidth, time_graph
+from .baselines import check_tinygemm, random_tinygemm_weight, tinygemm_mm
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944),
           ("lm_head", 152064, 3584)]  # fmt: skip
+# the real 1.5B's decode shapes (`--model 1.5b`): the 7B's structure at head_dim 128, untied lm_head
+SHAPES_15B = [("1.5b qkv", 2048, 1536), ("1.5b o", 1536, 1536), ("1.5b gate_up", 17920, 1536),
+              ("1.5b down", 1536, 8960), ("1.5b lm_head", 151936, 1536)]  # fmt: skip
+MODELS = {"7b": SHAPES, "1.5b": SHAPES_15B}
 # goals of the INT4 GEMV, as fractions of the read bandwidth (its roofline: it reads its weights)
 GOALS = {"qkv": 0.70, "o": 0.70, "gate_up": 0.85, "down": 0.85, "lm_head": 0.85}
+
+
+def goal(shape: str) -> float:
+    """The read-bandwidth goal of a GEMV shape ("qkv" or "1.5b qkv": by the linear's name)."""
+    return GOALS[shape.split()[-1]]
 L2_ROTATE_BYTES = 256 << 20
 # compile-option builds of the "gemv" family, timed with --all-variants (default build: 4 blocks per SM
 # at g128; the deeper-stage builds gemv_u2/u4 measured slower and went with the one-column pipeline)
@@ -94,16 +104,16 @@ class Row:
     note: str = ""
 
 
-def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False):
+def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SHAPES):
     ws = gemv.GemvWorkspace.allocate(
-        [gemv.plan_gemv(n, k, target_blocks_per_sm=t) for _, n, k in SHAPES for t in (2, 3, 4, 6)],
+        [gemv.plan_gemv(n, k, target_blocks_per_sm=t) for _, n, k in shapes for t in (2, 3, 4, 6)],
         torch.device("cuda"),
     )
     if all_variants:
         for fam, opts in BUILD_VARIANTS.items():
             SPECS[fam] = build.KernelSpec(fam, ("gemv.cu",), opts)
     ms = (1, 8) if quick else (1, 2, 4, 8)
-    for name, n, k in SHAPES:
+    for name, n, k in shapes:
         w0 = random_weight(n, k, gen)
         copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
         weights = [w0] + [random_weight(n, k, gen) for _ in range(copies - 1)]
@@ -141,6 +151,8 @@ def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False):
 
         t = time_graph(fa, 2 * copies)
         rows.append(Row("gemv_int4_g128_asym", name, 1, "default", t * 1e6, nb / t / 1e9, nb / t / copy_bw))
+        weights = wa = None
+        bench_tinygemm(name, n, k, ms, gen, rows, read_bw, copy_bw)
         # cuBLAS bf16 at the same shape (4x the weight bytes), for scale
         if name != "gate_up" or not quick:
             wd = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2)]
@@ -153,8 +165,25 @@ def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False):
                 rows.append(Row("cublas_bf16_mm", name, m, "torch.mm", t * 1e6, bw / 1e9, bw / copy_bw,
                                 "bf16 weights: 4x the bytes"))  # fmt: skip
             wd = None
-        weights = wa = None
         torch.cuda.empty_cache()
+
+
+def bench_tinygemm(name, n, k, ms, gen, rows, read_bw, copy_bw):
+    """torch's tinygemm (baselines.py) at the shape, g128, each M: checked, then timed like the GEMV."""
+    w0 = random_tinygemm_weight(n, k, gen, keep_values=True)
+    check_tinygemm(w0, 1, gen)
+    w0.q = None
+    copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
+    weights = [w0] + [random_tinygemm_weight(n, k, gen) for _ in range(copies - 1)]
+    for m in ms:
+        x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+        nbytes = w0.nbytes() + x.numel() * 2 + m * n * 2
+        t = time_graph(lambda i, x=x: tinygemm_mm(x, weights[i % copies]), reps=2 * copies)
+        bw = nbytes / t
+        rows.append(Row("tinygemm_int4_g128", name, m, "torch._weight_int4pack_mm", t * 1e6, bw / 1e9,
+                        bw / copy_bw))  # fmt: skip
+        print(f"{name:8s} M={m} tinygemm {t * 1e6:8.1f} us {bw / 1e9:7.0f} GB/s "
+              f"{bw / read_bw:6.1%} of read BW", flush=True)
 
 
 def bench_other(copy_bw, gen, rows):
@@ -250,24 +279,28 @@ def markdown(meta: dict, rows: list[Row]) -> list[str]:
              f"GiB, median of {meta['read_reps']} launches): **{meta['read_GBps']:.0f} GB/s**",
              f"- copy bandwidth (read + write, best of: {copies}): {meta['copy_GBps']:.0f} GB/s", "",
              "## INT4 GEMV, default plan (t4), g128 symmetric: share of the read bandwidth vs the goal", "",
-             "| GEMV | M | us | GB/s | of read BW | of copy BW | goal (read) | met | best variant |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| GEMV | M | us | GB/s | of read BW | of copy BW | goal (read) | met | tinygemm us | "
+             "speedup over tinygemm | best variant |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     sym = [r for r in rows if r.kernel == "gemv_int4_g128_sym"]
+    tiny = {(r.shape, r.m): r.us for r in rows if r.kernel == "tinygemm_int4_g128"}
     for r in (r for r in sym if r.variant.startswith("t4 ")):
         best = min((x for x in sym if x.shape == r.shape and x.m == r.m), key=lambda x: x.us)
-        goal = GOALS[r.shape]
-        met = "yes" if r.gbps * 1e9 / read_bw >= goal else "no"
+        g = goal(r.shape)
+        met = "yes" if r.gbps * 1e9 / read_bw >= g else "no"
+        t_tiny = tiny.get((r.shape, r.m))
+        vs = f"{t_tiny:.1f} | {t_tiny / r.us:.2f}x" if t_tiny else "- | -"
         lines.append(f"| {r.shape} | {r.m} | {r.us:.1f} | {r.gbps:.0f} | {_frac(r.gbps, read_bw)} | "
-                     f"{_frac(r.gbps, copy_bw)} | {goal:.0%} | {met} "
+                     f"{_frac(r.gbps, copy_bw)} | {g:.0%} | {met} | {vs} "
                      f"| {best.variant}: {best.us:.1f} us, {_frac(best.gbps, read_bw)} |")  # fmt: skip
     lines += ["", "## Every row", "",
               "| kernel | shape | M | variant | us | GB/s | of read BW | of copy BW | goal (read) | note |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
-        goal = GOALS.get(r.shape) if r.kernel.startswith("gemv_int4_g128") else None
+        g = goal(r.shape) if r.kernel.startswith("gemv_int4_g128") else None
         lines.append(f"| {r.kernel} | {r.shape} | {r.m} | {r.variant} | {r.us:.1f} | "
                      f"{r.gbps:.0f} | {_frac(r.gbps, read_bw)} | {_frac(r.gbps, copy_bw)} | "
-                     f"{'' if goal is None else f'{goal:.0%}'} | {r.note} |")  # fmt: skip
+                     f"{'' if g is None else f'{g:.0%}'} | {r.note} |")  # fmt: skip
     return lines
 
 
@@ -276,6 +309,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/out/kernels", help="folder for bench_kernels.json and .md")
     ap.add_argument("--quick", action="store_true", help="M = 1 and 8 only; fewer variants")
     ap.add_argument("--gemv-only", action="store_true")
+    ap.add_argument("--model", default="7b",
+                    help="comma-separated: whose decode shapes the GEMVs run at (7b, 1.5b; default 7b)")
     ap.add_argument("--all-variants", action="store_true",
                     help="also the compile-option builds (BUILD_VARIANTS)")
     args = ap.parse_args()
@@ -293,7 +328,8 @@ def main() -> int:
     print(f"device {props.name}, {props.multi_processor_count} SMs; read bandwidth {read_bw / 1e9:.0f} GB/s; "
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s ({copies})", flush=True)  # fmt: skip
     rows: list[Row] = []
-    bench_gemv(copy_bw, gen, args.quick, rows, read_bw, all_variants=args.all_variants)
+    shapes = [s for name in args.model.split(",") for s in MODELS[name]]
+    bench_gemv(copy_bw, gen, args.quick, rows, read_bw, all_variants=args.all_variants, shapes=shapes)
     if not args.gemv_only:
         bench_other(copy_bw, gen, rows)
     meta = {"device": props.name, "sms": props.multi_processor_count, "read_GBps": read_bw / 1e9,
