@@ -66,6 +66,31 @@ def test_autocomplete_on_the_reference_engine(qwen05b_packed, tmp_path):
     assert "| completed |" in (tmp_path / "autocomplete.md").read_text()
 
 
+def test_autocomplete_with_cache_reuse_on_the_reference_engine(qwen05b_packed, tmp_path):
+    """With `cache_reuse` the exact prefix is served as before, and past it the suffix's blocks that the
+    previous prompt computed are copied at their shifted positions (engine/blocks.py): the reuse path
+    ran, and the report counts those tokens apart."""
+    path = qwen05b_packed("rtn")
+    tok = Tokenizer.from_file(path)
+    engine = ReferenceEngine.from_file(path, ReferenceEngineConfig(kv_memory_bytes=64 << 20, max_batch=1,
+                                                                   cache_reuse=16))
+    rep = run_autocomplete(engine, tok, tmp_path, n_requests=4, max_tokens=6, cancel_after=2,
+                           log=lambda s: None, **SIZES)
+    rows = rep["requests"]
+    reqs = autocomplete_requests(tok, 4, **SIZES)
+    ids = [fim_prompt(tok, r.prefix, r.suffix, [r.extra], path=r.path).ids for r in reqs]
+    assert rows[0]["cached_tokens"] == rows[0]["reused_tokens"] == 0
+    for i in range(1, 4):
+        common = next((k for k, (a, b) in enumerate(zip(ids[i - 1], ids[i], strict=False)) if a != b),
+                      min(len(ids[i - 1]), len(ids[i])))
+        assert rows[i]["cached_tokens"] - rows[i]["reused_tokens"] == common // 16 * 16, i
+        assert rows[i]["reused_tokens"] % 16 == 0 and rows[i]["cached_tokens"] < rows[i]["prompt_tokens"]
+    assert sum(r["reused_tokens"] for r in rows) > 0 and rep["summary"]["reused_share_warm"] > 0
+    assert rep["settings"]["cache_reuse"] == 16
+    assert all(r["kv_blocks_used_after"] == 0 for r in rows)
+    engine.check_accounting()
+
+
 @pytest.mark.gpu
 def test_autocomplete_on_the_cuda_engine(qwen05b_packed, tmp_path):
     """The same workload on the CUDA engine (graphs, prefix caching on), at the issue's sizes: the cache

@@ -149,3 +149,26 @@ def test_disconnect_mid_infill_stream_frees_kv_blocks(server):
         assert server.metric("nanoqwen_kv_blocks_used") > 0
     assert server.wait_metric("nanoqwen_kv_blocks_used", 0.0) == 0.0
     assert server.metrics()['nanoqwen_requests_total{status="aborted"}'] == aborted + 1
+
+
+def test_cache_reuse_serves_the_code_below_a_moved_cursor(qwen05b_packed):
+    """`serve --cache-reuse 16`: the cursor moves on (the prefix grows), so the code below it sits at
+    a new position in the second prompt; the server copies it from the first request's cached blocks
+    instead of prefilling it (the metric counts the copied tokens) and still answers."""
+    below = "".join(f"def scale_{i}(x):\n    return x * {i}\n\n" for i in range(12))
+    with ServerProcess(qwen05b_packed("rtn"), "--model-name", NAME, "--max-model-len", str(CONTEXT),
+                       "--cache-reuse", "16") as srv:
+        for prefix in ("import math\n\n\ndef area(r):\n", "import math\n\n\ndef area(r):\n    r = abs(r)\n"):
+            r = infill(srv, input_prefix=prefix, input_suffix=below, n_predict=4, temperature=0)
+            assert r.status_code == 200, r.text
+        assert srv.metrics()["nanoqwen_prefix_cache_reused_tokens_total"] >= 16
+
+
+def test_serve_rejects_bad_cache_reuse(qwen05b_packed):
+    from nanoqwen_cli.main import app
+    from typer.testing import CliRunner
+
+    for args, words in ((["--cache-reuse", "-1"], ">= 0"), (["--cache-reuse", "64", "--no-prefix-cache"],
+                                                            "--no-prefix-cache")):
+        r = CliRunner().invoke(app, ["serve", str(qwen05b_packed("rtn")), *args])
+        assert r.exit_code == 2 and "--cache-reuse" in r.output and words in r.output, r.output

@@ -3,7 +3,7 @@
 serve MODEL [--host 127.0.0.1] [--port 8000] [--device cpu|cuda|cuda:N] [--api-key KEY]
       [--model-name NAME] [--kv-memory SIZE] [--max-model-len N] [--max-batch N] [--max-waiting N]
       [--max-body SIZE] [--drain-timeout S] [--eager] [--no-overlap] [--no-verify] [--threads N]
-      [--speculate ngram[:K]] [--no-prefix-cache] [--cpu-placement auto|off]
+      [--speculate ngram[:K]] [--no-prefix-cache] [--cache-reuse N] [--cpu-placement auto|off]
 
 `--device cuda` runs the CUDA `Engine` (CUDA graphs unless --eager; the next decode step queued before the
 last one is read back unless `--no-overlap`: EngineConfig.overlap); `--device cpu` runs the
@@ -29,6 +29,12 @@ system prompt or conversation skips their prefill; `--no-prefix-cache` turns it 
 `--speculate ngram[:K]`, speculate greedy (temperature 0) requests by prompt lookup
 (nanoqwen_runtime.speculative). GET /metrics shows both: prefix-cache hit tokens and hit rate, cached
 blocks, drafted and accepted tokens and verify steps (server/metrics.py).
+
+`--cache-reuse N` (llama-server's option of the same name; off by default) also reuses, past the cached
+prefix, runs of at least N tokens that cached blocks hold at another position, with their keys rotated
+(nanoqwen_runtime.engine.blocks): fill-in-the-middle requests from an editor, whose code below the
+cursor follows a prefix that changed, skip its prefill. Those tokens keep the K/V of their old context,
+so an answer may differ from the exact one; nothing computed from them enters the prefix cache.
 """
 
 from __future__ import annotations
@@ -91,6 +97,9 @@ def serve(
     threads: Threads = None,
     speculate: Speculate = None,
     no_prefix_cache: NoPrefixCache = False,
+    cache_reuse: Annotated[int, typer.Option(
+        "--cache-reuse", help="reuse cached K/V at shifted positions for runs of at least this many tokens "
+        "past the cached prefix (editor autocomplete: the code below the cursor); approximate, 0 = off")] = 0,
     dense_weight_cache: Annotated[bool, typer.Option(
         "--dense-weight-cache", help="cuda: also keep a bf16 copy of every INT4 linear for steps of more "
         "than 8 rows (faster batched decode and prefill while the INT4 GEMM is slower than cuBLAS; costs "
@@ -116,6 +125,10 @@ def serve(
         raise UsageError("--dense-weight-cache applies to --device cuda (the CUDA engine's linears) only")
     if max_batch is not None and max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
+    if cache_reuse < 0:
+        raise UsageError(f"--cache-reuse must be >= 0 (0: off), got {cache_reuse}")
+    if cache_reuse and no_prefix_cache:
+        raise UsageError("--cache-reuse copies the prefix cache's blocks: not with --no-prefix-cache")
     if max_waiting < 1:
         raise UsageError(f"--max-waiting must be >= 1, got {max_waiting}")
     if drain_timeout < 0:
@@ -139,7 +152,7 @@ def serve(
     engine = EngineSpec(path=str(path), device=device, eager=eager, overlap=opts.overlap,
                         kv_memory_bytes=kv_bytes,
                         max_model_len=max_model_len, max_batch=max_batch, verify=not no_verify,
-                        speculation=spec, prefix_caching=not no_prefix_cache,
+                        speculation=spec, prefix_caching=not no_prefix_cache, cache_reuse=cache_reuse,
                         dense_weight_cache=dense_weight_cache, threads=threads)
 
     from .server import cpu_placement as placement

@@ -23,8 +23,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 import torch
+from nanoqwen_model.forward import rope_inv_freq
 
 from .engine.sequence import FinishReason, Request, SeqStatus, Sequence
+from .kv_cache import shift_kv
 from .request_stream import Event, FinishEvent, RequestStream
 from .stats import EngineStats
 
@@ -40,6 +42,7 @@ class EngineBase(ABC):
         self._prompt_lp: dict = {}  # seq_id -> logprobs.PromptLogprobs, while its prompt is prefilled
         self.num_logprob_requests = 0  # live requests that asked for logprobs (none: steps skip the work)
         self.mask_seconds = 0.0  # host time spent computing token masks of constrained rows
+        self._inv_freq: torch.Tensor | None = None  # RoPE frequencies of K/V shifts (made at the first)
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, request: Request) -> FinishEvent | None:
@@ -171,6 +174,18 @@ class EngineBase(ABC):
             self.num_logprob_requests -= 1
         return st.finish_event(reason, detail)
 
+    def _apply_kv_shifts(self, pool: torch.Tensor) -> None:
+        """Copy the K/V that the last `schedule()`'s admissions reuse at shifted positions
+        (`Scheduler.pending_shifts`, engine/blocks.py) into `pool`, before the step's forward."""
+        shifts = self.scheduler.pending_shifts
+        if not shifts:
+            return
+        if self._inv_freq is None:
+            self._inv_freq = rope_inv_freq(self.geom.head_dim, self.geom.rope_theta, pool.device)
+        for shift in shifts:
+            shift_kv(pool, shift, self._inv_freq)
+        shifts.clear()
+
     # ---- introspection ----------------------------------------------------------------------------
     def kv_blocks_used(self) -> int:
         return self.blocks.num_used
@@ -186,6 +201,7 @@ class EngineBase(ABC):
                            kv_blocks_total=bm.usable_blocks, kv_blocks_used=bm.num_used,
                            kv_blocks_cached=bm.num_cached, preemptions=sch.num_preemptions,
                            prefix_queried_tokens=sch.prefix_queried_tokens,
-                           prefix_hit_tokens=sch.prefix_hit_tokens, spec_steps=sch.spec_steps,
+                           prefix_hit_tokens=sch.prefix_hit_tokens,
+                           prefix_reused_tokens=sch.reuse_hit_tokens, spec_steps=sch.spec_steps,
                            spec_drafted_tokens=sch.spec_drafted_tokens,
                            spec_accepted_tokens=sch.spec_accepted_tokens)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from nanoqwen_model.forward import apply_rope
 
 __all__ = [
     "KVCacheSpec",
@@ -34,6 +35,8 @@ __all__ = [
     "PagedKVCache",
     "StepMetadata",
     "build_step_metadata",
+    "KVShift",
+    "shift_kv",
 ]
 
 
@@ -260,3 +263,36 @@ class PagedKVCache:
         k = kc[pages].permute(1, 0, 2, 3).reshape(h, n * self.spec.block_size, d)[:, :context_len]
         v = vc[pages].permute(1, 0, 2, 3).reshape(h, n * self.spec.block_size, d)[:, :context_len]
         return k, v
+
+
+@dataclass(frozen=True)
+class KVShift:
+    """A copy of cached K/V to other positions (the prefix cache's shifted reuse, blocks.py): the token
+    at flat slot `src_slots[j]` (position p) goes to `dst_slots[j]` (position p + `delta`), its key
+    rotated by `delta` positions."""
+
+    src_slots: list[int]
+    dst_slots: list[int]
+    delta: int
+
+
+def shift_kv(pool: torch.Tensor, shift: KVShift, inv_freq: torch.Tensor) -> None:
+    """Apply `shift` to every layer of `pool` [L, 2, num_blocks, Hkv, block_size, D] in place.
+
+    A cached key is RoPE(k, p); RoPE composes by adding angles, so RoPE(RoPE(k, p), delta) is the key
+    the token would have at p + delta (`apply_rope` at position delta, in fp32, rounded once to the
+    pool's dtype). Values move unchanged. The sources are read in full before any destination is
+    written, so the two may share blocks. Runs in stream order on the pool's device."""
+    bs = pool.shape[4]
+    src = torch.tensor(shift.src_slots, dtype=torch.int64, device=pool.device)
+    dst = torch.tensor(shift.dst_slots, dtype=torch.int64, device=pool.device)
+    if src.shape != dst.shape or src.numel() == 0:
+        raise ValueError(f"a KV shift needs as many sources as destinations, at least one (got "
+                         f"{src.numel()}, {dst.numel()})")
+    rows = pool[:, :, src // bs, :, src % bs]  # [T, L, 2, Hkv, D] (a copy)
+    t, layers, _, heads, d = rows.shape
+    if shift.delta:
+        k = rows[:, :, 0].reshape(t, layers * heads, d)
+        pos = torch.full((t,), shift.delta, dtype=torch.int64, device=pool.device)
+        rows[:, :, 0] = apply_rope(k, pos, inv_freq).reshape(t, layers, heads, d).to(pool.dtype)
+    pool[:, :, dst // bs, :, dst % bs] = rows

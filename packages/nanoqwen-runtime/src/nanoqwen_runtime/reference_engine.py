@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .engine.blocks import cache_reuse_error
 from .engine.metadata import plan_rows
 from .engine.scheduler import BlockManager, FinishReason, Scheduler, SeqStatus, StepPlan
 from .engine_base import EngineBase
@@ -67,6 +68,8 @@ class ReferenceEngineConfig:
       longest cached prefix of its prompt (engine/blocks.py), as the CUDA engine.
     speculation: prompt-lookup speculation for greedy requests that leave `Request.speculation` None
       (speculation is off for temperature > 0); None = off unless a request asks.
+    cache_reuse: shifted reuse of cached K/V for runs of at least this many tokens (0: off), as the
+      CUDA engine's `EngineConfig.cache_reuse`.
     """
 
     kv_memory_bytes: int = 256 << 20
@@ -78,6 +81,7 @@ class ReferenceEngineConfig:
     admit_watermark: float = 0.01
     prefix_caching: bool = True
     speculation: SpeculationConfig | None = None
+    cache_reuse: int = 0
 
     def __post_init__(self) -> None:
         for name in ("kv_memory_bytes", "block_size", "max_batch", "prefill_chunk"):
@@ -86,6 +90,9 @@ class ReferenceEngineConfig:
                 raise ValueError(f"ReferenceEngineConfig.{name} must be a positive int, got {v!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        why = cache_reuse_error(self.cache_reuse, self.prefix_caching)
+        if why:
+            raise ValueError(f"ReferenceEngineConfig.{why}")
         if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
             raise ValueError(f"ReferenceEngineConfig.speculation must be a SpeculationConfig or None, "
                              f"got {self.speculation!r}")
@@ -117,7 +124,7 @@ class ReferenceEngine(EngineBase):
                                    prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_batch=config.max_batch, max_model_len=self.max_model_len,
                                    prefill_chunk=config.prefill_chunk, admit_watermark=config.admit_watermark,
-                                   speculation=config.speculation)
+                                   speculation=config.speculation, cache_reuse=config.cache_reuse)
         EngineBase.__init__(self)
         self._samplers: dict[int, Sampler] = {}  # seq_id -> its CPU sampler (made at its first token)
         self.num_steps = {"prefill": 0, "decode": 0}
@@ -147,6 +154,7 @@ class ReferenceEngine(EngineBase):
         sequence carrying drafts one greedy token after each of its verify rows); its events.
         `side_work()` runs before the forward pass (host-bound on the CPU; EngineBase.step)."""
         plan = self.scheduler.schedule()
+        self._apply_kv_shifts(self.cache.pool)
         if plan is None:
             return []
         self.num_steps[plan.kind] += 1

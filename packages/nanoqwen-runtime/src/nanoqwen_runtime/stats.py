@@ -23,6 +23,7 @@ class EngineStats:
     preemptions: int = 0             # sequences preempted since creation
     prefix_queried_tokens: int = 0   # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0       # of those, taken from the cache instead of prefilled
+    prefix_reused_tokens: int = 0    # of the rest, copied from cached blocks at a shifted position
     spec_steps: int = 0              # verify steps that carried at least one drafted token
     spec_drafted_tokens: int = 0     # tokens proposed by the drafter
     spec_accepted_tokens: int = 0    # drafted tokens the model accepted

@@ -8,7 +8,10 @@ token, so requests run to `--max-tokens`. The real 1.5B runs through the CLI ins
 
     python -m nanoqwen_bench.engine.autocomplete_synthetic --tokenizer-from coder.nanoqwen|tokenizer.json
         [--max-tokens 32]
-        [--requests 32] [--kv-memory 16GiB] [--out bench/out/autocomplete-7b]
+        [--requests 32] [--kv-memory 16GiB] [--cache-reuse N] [--out bench/out/autocomplete-7b]
+
+`--cache-reuse N`: the engine's shifted reuse of cached K/V (EngineConfig.cache_reuse, serve's
+--cache-reuse; 0, the default, is exact prefix caching only).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--kv-memory", default="16GiB")
+    ap.add_argument("--cache-reuse", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/out/autocomplete-7b"))
     a = ap.parse_args(argv)
 
@@ -37,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = tokenizer_from(a.tokenizer_from)
     weights = random_weights(QWEN25_CODER_7B, "cuda", seed=0)
-    engine = Engine(QWEN25_CODER_7B, weights, EngineConfig(kv_memory_bytes=parse_bytes(a.kv_memory)))
+    engine = Engine(QWEN25_CODER_7B, weights, EngineConfig(kv_memory_bytes=parse_bytes(a.kv_memory),
+                                                           cache_reuse=a.cache_reuse))
     rep = run_autocomplete(engine, tok, a.out, n_requests=a.requests, max_tokens=a.max_tokens,
                            model="synthetic Qwen2.5-Coder-7B (random INT4 weights)")
     print((a.out / "autocomplete.md").read_text())

@@ -10,7 +10,9 @@ tokens, one after the other, as a user's requests come. Every odd request is can
 
 Reported (autocomplete.json / .md):
 - per request: prompt tokens, tokens served from the prefix cache (the engine's `prefix_hit_tokens`
-  counter across the request), TTFT (submit -> first token) and time to last token (submit -> the
+  counter across the request, plus `prefix_reused_tokens` when the engine's `cache_reuse` is on: the
+  code below the cursor copied from cached blocks at a shifted position, engine/blocks.py), TTFT
+  (submit -> first token) and time to last token (submit -> the
   request's end; for a cancelled request, its abort), generated tokens, cancelled or not;
 - p50 / p95 of TTFT and time-to-last-token, over the warm requests (all but the first, whose prefix
   nothing has cached yet), apart for completed and cancelled ones; the first request alone;
@@ -86,7 +88,10 @@ def _one(engine, ids: list[int], stop_ids, max_tokens: int, cancel_after: int | 
     if reason in ("error", "refused"):
         raise RuntimeError(f"autocomplete request {rid} ended with {reason}")
     after = engine.stats()
-    return {"prompt_tokens": len(ids), "cached_tokens": after.prefix_hit_tokens - before.prefix_hit_tokens,
+    reused = after.prefix_reused_tokens - before.prefix_reused_tokens
+    return {"prompt_tokens": len(ids),
+            "cached_tokens": after.prefix_hit_tokens - before.prefix_hit_tokens + reused,
+            "reused_tokens": reused,
             "queried_tokens": after.prefix_queried_tokens - before.prefix_queried_tokens,
             "generated_tokens": n, "ttft_s": (t_first - t0) if t_first else None, "ttlt_s": t_end - t0,
             "finish": reason, "kv_blocks_used_after": engine.kv_blocks_used()}
@@ -102,15 +107,16 @@ def _summary(rows: list[dict]) -> dict:
     cancelled = [r for r in warm if r["finish"] == "cancelled"]
     after_cancel = [r for i, r in enumerate(rows) if i > 0 and rows[i - 1]["finish"] == "cancelled"]
 
-    def share(sel):
+    def share(sel, key="cached_tokens"):
         p = sum(r["prompt_tokens"] for r in sel)
-        return round(sum(r["cached_tokens"] for r in sel) / p, 4) if p else None
+        return round(sum(r[key] for r in sel) / p, 4) if p else None
 
     return {"ttft_completed": pct("ttft_s", done), "ttlt_completed": pct("ttlt_s", done),
             "ttft_cancelled": pct("ttft_s", cancelled), "ttlt_cancelled": pct("ttlt_s", cancelled),
             "first_request": {"ttft_ms": _ms(rows[0]["ttft_s"]), "ttlt_ms": _ms(rows[0]["ttlt_s"]),
                               "prompt_tokens": rows[0]["prompt_tokens"]},
             "cache_share_warm": share(warm), "cache_share_after_cancel": share(after_cancel),
+            "reused_share_warm": share(warm, "reused_tokens"),
             "mean_prompt_tokens": round(sum(r["prompt_tokens"] for r in rows) / len(rows), 1),
             "mean_generated_completed": round(sum(r["generated_tokens"] for r in done) / len(done), 2)
             if done else None,
@@ -156,7 +162,8 @@ def run_autocomplete(engine, tokenizer, out_dir: Path | None = None, *, n_reques
            "file": reqs[0].path, "extra_file": reqs[0].extra.filename,
            "settings": {"n_requests": n_requests, "max_tokens": max_tokens, "cancel_after": cancel_after,
                         "prefix_tokens": [prefix_min, prefix_max], "suffix_tokens": suffix_tokens,
-                        "extra_tokens": extra_tokens, "greedy": True},
+                        "extra_tokens": extra_tokens, "greedy": True,
+                        "cache_reuse": getattr(getattr(engine, "config", None), "cache_reuse", 0)},
            "summary": _summary(rows), "requests": rows}
     if out_dir is not None:
         out_dir = Path(out_dir)
@@ -189,7 +196,9 @@ def render_markdown(rep: dict) -> str:
         f"- first request (cold cache): TTFT {s['first_request']['ttft_ms']} ms, last token "
         f"{s['first_request']['ttlt_ms']} ms, {s['first_request']['prompt_tokens']} prompt tokens",
         f"- prompt tokens served from the prefix cache (warm requests): {s['cache_share_warm']}; right after "
-        f"a cancelled request: {s['cache_share_after_cancel']}",
+        f"a cancelled request: {s['cache_share_after_cancel']}; of the warm requests' prompt tokens, "
+        f"{s['reused_share_warm']} copied at a shifted position (cache reuse "
+        f"{st['cache_reuse'] or 'off'})",
         f"- mean prompt {s['mean_prompt_tokens']} tokens; mean generated (completed) "
         f"{s['mean_generated_completed']}; KV blocks in use after a request, at most: "
         f"{s['max_kv_blocks_after']} (0: aborted requests free theirs)",

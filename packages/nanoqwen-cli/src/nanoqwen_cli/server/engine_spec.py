@@ -38,6 +38,7 @@ class EngineSpec:
     verify: bool = True
     speculation: SpeculationConfig | None = None
     prefix_caching: bool = True
+    cache_reuse: int = 0  # EngineConfig.cache_reuse (serve --cache-reuse)
     dense_weight_cache: bool = False
     threads: int | None = None
 
@@ -54,7 +55,7 @@ class EngineSpec:
                                kv_memory_bytes=self.kv_memory_bytes, max_model_len=self.max_model_len,
                                verify=self.verify, speculation=self.speculation,
                                prefix_caching=self.prefix_caching, dense_weight_cache=self.dense_weight_cache,
-                               overlap=self.overlap,
+                               overlap=self.overlap, cache_reuse=self.cache_reuse,
                                **({"max_batch": self.max_batch} if self.max_batch else {}))
             return Engine.from_file(self.path, cfg)
         from nanoqwen_runtime.cpu_threads import apply_threads
@@ -65,7 +66,7 @@ class EngineSpec:
         engine = ReferenceEngine.from_file(
             self.path, ReferenceEngineConfig(max_batch=self.max_batch or 16, max_model_len=self.max_model_len,
                                              speculation=self.speculation, prefix_caching=self.prefix_caching,
-                                             **kw),
+                                             cache_reuse=self.cache_reuse, **kw),
             device=self.device, verify=self.verify)
         engine.name += f"; {threads.threads} CPU thread{'s' * (threads.threads != 1)} ({threads.why})"
         return engine

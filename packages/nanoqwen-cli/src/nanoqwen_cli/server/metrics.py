@@ -64,6 +64,8 @@ class _EngineCollector:
                  s.prefix_queried_tokens),
                 ("nanoqwen_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache",
                  s.prefix_hit_tokens),
+                ("nanoqwen_prefix_cache_reused_tokens", "Prompt tokens past the cached prefix copied from "
+                 "cached blocks at a shifted position (--cache-reuse)", s.prefix_reused_tokens),
                 ("nanoqwen_spec_verify_steps", "Decode steps that verified drafted tokens", s.spec_steps),
                 ("nanoqwen_spec_drafted_tokens", "Tokens drafted by prompt lookup", s.spec_drafted_tokens),
                 ("nanoqwen_spec_accepted_tokens", "Drafted tokens the model accepted",

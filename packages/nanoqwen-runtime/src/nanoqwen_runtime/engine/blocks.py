@@ -23,12 +23,21 @@ starts after them. A block becomes cacheable when the sequence has computed all 
 or decode step, `register`), never earlier: a cached block is never written again, because every
 holder computes only positions past it. Two sequences computing the same block at once both keep
 their own copy; the first registered is the cached one.
+
+Shifted reuse (`find_shifted`; the scheduler's `cache_reuse`, llama-server's `--cache-reuse`). Past
+the exact prefix, a run of cached blocks whose tokens appear again at another position (an editor's
+fill-in-the-middle prompt: the code below the cursor, after a prefix that changed) can be copied there
+with its keys rotated to the new positions (kv_cache.shift_kv) instead of being computed again. That
+K/V is approximate: each token attended to the old context, not the new one. So a sequence's blocks
+from the first shifted token on are never registered (`Sequence.cacheable_blocks`): the cache only
+ever holds exactly computed K/V, and only opted-in requests see the approximation.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -46,6 +55,35 @@ class BlockAllocatorProtocol(Protocol):
     def free(self, blocks: list[int]) -> None: ...
     @property
     def num_free(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ShiftedRun:
+    """Cached blocks `blocks` (consecutive in one chain, the first at chain index `first_index`) whose
+    tokens are the prompt's tokens [start, start + len(blocks) * block_size)."""
+
+    start: int
+    blocks: list[int]
+    first_index: int
+    block_size: int
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.blocks) * self.block_size
+
+    @property
+    def delta(self) -> int:
+        """Positions the run moves by (new position - cached position)."""
+        return self.start - self.first_index * self.block_size
+
+
+def cache_reuse_error(cache_reuse, prefix_caching: bool) -> str | None:
+    """Why an engine config's `cache_reuse` (the shortest run worth a shifted copy; 0: off) is invalid."""
+    if isinstance(cache_reuse, bool) or not isinstance(cache_reuse, int) or cache_reuse < 0:
+        return f"cache_reuse must be an int >= 0 (0: off), got {cache_reuse!r}"
+    if cache_reuse and not prefix_caching:
+        return "cache_reuse copies the prefix cache's blocks: it needs prefix caching on"
+    return None
 
 
 def block_key(parent: bytes, tokens) -> bytes:
@@ -69,6 +107,8 @@ class BlockManager:
         self._cache: dict[bytes, int] = {}                 # key -> block (used or cached)
         self._meta: dict[int, tuple[bytes, bytes, tuple[int, ...]]] = {}  # block -> (key, parent, tokens)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recent first
+        self._index: dict[int, int] = {}                   # cached block -> its index in its chain
+        self._by_tokens: dict[tuple[int, ...], set[int]] = {}  # a cached block's tokens -> blocks
         self.num_evictions = 0
 
     # ---- sizes ----------------------------------------------------------------------------------
@@ -118,6 +158,34 @@ class BlockManager:
             parent = key
         return blocks, keys
 
+    def find_shifted(self, tokens: list[int], start: int, end: int, min_tokens: int) -> ShiftedRun | None:
+        """The longest run of cached blocks, of at least `min_tokens` tokens, whose tokens are
+        `tokens[q : q + n * block_size]` for some start <= q and q + n * block_size <= end (module
+        header, shifted reuse); None if there is none. Blocks of a run follow each other in their chain
+        (each one's parent is the previous one's key); the first may sit anywhere."""
+        if not self.prefix_caching or not self._by_tokens:
+            return None
+        bs = self.block_size
+        best: ShiftedRun | None = None
+        q = start
+        while q + bs <= end:
+            found = 0
+            for b in self._by_tokens.get(tuple(tokens[q:q + bs]), ()):
+                run = [b]
+                key = self._meta[b][0]
+                while q + (len(run) + 1) * bs <= end:
+                    chunk = tuple(tokens[q + len(run) * bs:q + (len(run) + 1) * bs])
+                    nxt = self._cache.get(block_key(key, chunk))
+                    if nxt is None or self._meta[nxt][1] != key or self._meta[nxt][2] != chunk:
+                        break
+                    run.append(nxt)
+                    key = self._meta[nxt][0]
+                found = max(found, len(run))
+                if len(run) * bs >= min_tokens and (best is None or len(run) > len(best.blocks)):
+                    best = ShiftedRun(q, run, self._index[b], bs)
+            q += found * bs if found else 1
+        return best
+
     def evictable_among(self, blocks: list[int]) -> int:
         """How many of `blocks` are cached with no holder (taking them lowers `num_free`)."""
         return sum(1 for b in blocks if b in self._evictable)
@@ -138,21 +206,31 @@ class BlockManager:
             return
         bs = self.block_size
         parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
-        for i in range(len(seq.block_keys), seq.num_computed // bs):
+        full = seq.num_computed // bs
+        if seq.cacheable_blocks is not None:  # K/V from a shifted copy on: never cached (module header)
+            full = min(full, seq.cacheable_blocks)
+        for i in range(len(seq.block_keys), full):
             chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
             key = block_key(parent, chunk)
             b = seq.blocks[i]
             if key not in self._cache and b not in self._meta:
                 self._cache[key] = b
                 self._meta[b] = (key, parent, chunk)
+                self._index[b] = i
+                self._by_tokens.setdefault(chunk, set()).add(b)
             seq.block_keys.append(key)
             parent = key
 
     def _evict(self, n: int) -> None:
         for _ in range(n):
             b, _ = self._evictable.popitem(last=False)
-            key, _, _ = self._meta.pop(b)
+            key, _, chunk = self._meta.pop(b)
             del self._cache[key]
+            del self._index[b]
+            same = self._by_tokens[chunk]
+            same.discard(b)
+            if not same:
+                del self._by_tokens[chunk]
             self.allocator.free([b])
             self.num_evictions += 1
 
@@ -240,6 +318,10 @@ class BlockManager:
         if len(self._cache) != len(self._meta) or any(self._cache.get(k) != b
                                                        for b, (k, _, _) in self._meta.items()):
             raise AssertionError("prefix cache tables disagree")
+        by_tokens = {b for same in self._by_tokens.values() for b in same}
+        if by_tokens != set(self._meta) or set(self._index) != set(self._meta) or any(
+                b not in self._by_tokens.get(toks, ()) for b, (_, _, toks) in self._meta.items()):
+            raise AssertionError("shifted-reuse indexes disagree with the prefix cache")
         if self.num_used + self.num_cached + self.allocator.num_free + 1 != self.num_blocks:
             raise AssertionError(f"used {self.num_used} + cached {self.num_cached} + free "
                                  f"{self.allocator.num_free} + 1 != {self.num_blocks}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..speculative import SpeculationConfig
+from .blocks import cache_reuse_error
 from .scheduler import VERIFY_MAX_ROWS
 
 # Decode batches are padded up to one of these sizes; one CUDA graph is captured per size. Powers of
@@ -77,6 +78,12 @@ class EngineConfig:
     # Unreferenced cached blocks are evicted LRU when pages run out, so it never refuses or preempts
     # more than without it. False (the CLI's --no-prefix-cache) frees blocks at once.
     prefix_caching: bool = True
+    # Shifted reuse of cached K/V (engine/blocks.py; llama-server's --cache-reuse): past a new prompt's
+    # cached prefix, a run of at least this many tokens found in cached blocks at another position is
+    # copied there with its keys rotated instead of computed again (fill-in-the-middle: the code below
+    # the cursor). Approximate: those tokens keep the K/V of their old context; nothing computed from
+    # them enters the prefix cache. 0: off (exact prefix caching only).
+    cache_reuse: int = 0
     # Prompt-lookup speculative decoding for requests that leave `Request.speculation` None (greedy
     # requests only; speculation is off for temperature > 0). None: off unless a request asks.
     speculation: SpeculationConfig | None = None
@@ -109,6 +116,9 @@ class EngineConfig:
         if self.prefill_chunk < self.block_size:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be >= block_size "
                              f"({self.block_size})")
+        why = cache_reuse_error(self.cache_reuse, self.prefix_caching)
+        if why:
+            raise ValueError(f"EngineConfig.{why}")
         if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
             raise ValueError(f"EngineConfig.speculation must be a SpeculationConfig or None, "
                              f"got {self.speculation!r}")

@@ -106,7 +106,8 @@ class Engine(EngineBase):
             verify_rows = min(VERIFY_MAX_ROWS, max(config.graph_buckets))
         self.scheduler = Scheduler(self.blocks, max_batch=config.max_batch, max_model_len=self.max_model_len,
                                    prefill_chunk=config.prefill_chunk, admit_watermark=config.admit_watermark,
-                                   speculation=config.speculation, verify_max_rows=verify_rows)
+                                   speculation=config.speculation, verify_max_rows=verify_rows,
+                                   cache_reuse=config.cache_reuse)
         self.runner = ModelRunner(geom, weights, config, self.ops, self.num_blocks, self.max_pages)
         EngineBase.__init__(self)
         self.num_steps = {"prefill": 0, "decode": 0}
@@ -191,6 +192,7 @@ class Engine(EngineBase):
         cur, self._in_flight = self._in_flight, None
         if cur is None:
             plan = self.scheduler.schedule()
+            self._apply_kv_shifts(self.runner.kv)  # before any forward that could write their sources
             if plan is None:
                 return []
             ahead = self._plan_ahead(plan)

@@ -34,10 +34,11 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..kv_cache import KVShift
 from ..logprobs import check_request as check_logprobs
 from ..sampling import SamplingParams
 from ..speculative import NgramDrafter, SpeculationConfig, accept_greedy
-from .blocks import BlockAllocatorProtocol, BlockManager
+from .blocks import BlockAllocatorProtocol, BlockManager, ShiftedRun
 from .sequence import FinishReason, Request, SeqStatus, Sequence
 
 __all__ = ["FinishReason", "SeqStatus", "Request", "Sequence", "StepPlan", "Scheduler", "BlockManager",
@@ -99,8 +100,14 @@ class Scheduler:
 
     def __init__(self, blocks: BlockManager, *, max_batch: int, max_model_len: int, prefill_chunk: int,
                  admit_watermark: float = 0.01, speculation: SpeculationConfig | None = None,
-                 verify_max_rows: int = VERIFY_MAX_ROWS):
+                 verify_max_rows: int = VERIFY_MAX_ROWS, cache_reuse: int = 0):
         self.blocks = blocks
+        # shifted reuse of cached K/V past the exact prefix (blocks.py), for runs of at least this many
+        # tokens; 0: off. The copies an admission decides wait in `pending_shifts` for the engine, which
+        # applies them (kv_cache.shift_kv) before the step's forward.
+        self.cache_reuse = cache_reuse
+        self.pending_shifts: list[KVShift] = []
+        self.reuse_hit_tokens = 0
         self.speculation = speculation
         self.verify_max_rows = verify_max_rows
         # counters (EngineStats): prompt tokens looked up in / taken from the prefix cache at admission,
@@ -257,20 +264,48 @@ class Scheduler:
         reserve = self.watermark_blocks if continuing else 0
         return need_at_least + reserve > free_at_most
 
-    def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], list[bytes], int, int]:
+    def _admission(self, seq: Sequence, budget: int
+                   ) -> tuple[list[int], list[bytes], int, int, ShiftedRun | None]:
         """Admitting waiting `seq` into a prefill step with `budget` tokens left: its cached prefix
         (blocks, keys), the tokens it would compute now (at least one is left to compute: the step
-        must produce logits), and the free blocks that takes (new ones, and cached blocks of the prefix
-        no one holds, which leave the free count). A request that wants its prompt's logprobs takes
-        no cached prefix: they need the logits at every prompt position (logprobs.py)."""
+        must produce logits), the free blocks that takes (new ones, and cached blocks of the prefix
+        no one holds, which leave the free count), and with `cache_reuse` the run of cached blocks it
+        would copy past the prefix (blocks.find_shifted; the pages it lands in are taken now). The
+        chunk then stops where the run starts, or starts after it when it starts at the prefix's end. A
+        request that wants its prompt's logprobs takes no cached K/V: they need the logits at every
+        prompt position (logprobs.py)."""
+        n = len(seq.tokens)
         if seq.request.prompt_logprobs:
             hit_blocks, hit_keys = [], []
         else:
-            hit_blocks, hit_keys = self.blocks.lookup(seq.tokens, len(seq.tokens) - 1)
+            hit_blocks, hit_keys = self.blocks.lookup(seq.tokens, n - 1)
         hit = len(hit_blocks) * self.blocks.block_size
-        q = min(len(seq.tokens) - hit, budget)
-        need = self.blocks.blocks_for(hit + q) - len(hit_blocks) + self.blocks.evictable_among(hit_blocks)
-        return hit_blocks, hit_keys, q, need
+        run = None
+        if self.cache_reuse and not seq.request.prompt_logprobs:
+            run = self.blocks.find_shifted(seq.tokens, hit, n - 1, self.cache_reuse)
+        start, stop = hit, n
+        if run is not None:
+            start, stop = (run.end, n) if run.start == hit else (hit, run.start)
+        q = min(stop - start, budget)
+        held = max(start + q, run.end if run is not None else 0)
+        need = self.blocks.blocks_for(held) - len(hit_blocks) + self.blocks.evictable_among(hit_blocks)
+        return hit_blocks, hit_keys, q, need, run
+
+    def _reuse(self, seq: Sequence, run: ShiftedRun) -> None:
+        """Take pages through `run` for newly admitted `seq` and queue the copy of the run's K/V into
+        them (`pending_shifts`); prefill skips the run (`Sequence.reused_span`), and nothing from its
+        first token on is cached."""
+        bs = self.blocks.block_size
+        self.blocks.grow(seq, run.end)
+        src = [b * bs + j for b in run.blocks for j in range(bs)]
+        dst = [seq.blocks[p // bs] * bs + p % bs for p in range(run.start, run.end)]
+        self.pending_shifts.append(KVShift(src, dst, run.delta))
+        seq.cacheable_blocks = run.start // bs
+        if run.start == seq.num_computed:
+            seq.num_computed = run.end
+        else:
+            seq.reused_span = (run.start, run.end)
+        self.reuse_hit_tokens += run.end - run.start
 
     def _preempt_youngest(self, exclude: Sequence | None) -> Sequence | None:
         victims = [s for s in self.running if s is not exclude]
@@ -284,6 +319,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.num_computed = 0
+        seq.reused_span = seq.cacheable_blocks = None  # recomputed on resume (or reused anew)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -350,7 +386,7 @@ class Scheduler:
         for seq in sorted([s for s in self.running if s.uncomputed > 1], key=lambda s: s.admitted_order):
             if budget == 0 or seq.status is not SeqStatus.RUNNING:
                 continue
-            q = min(seq.uncomputed, budget)
+            q = min(seq.prefill_left, budget)
             if self._reserve(seq, seq.num_computed + q, preempted):
                 chosen.append((seq, q))
                 budget -= q
@@ -360,7 +396,7 @@ class Scheduler:
         # compute: the step must produce logits)
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            hit_blocks, hit_keys, q, need = self._admission(seq, budget)
+            hit_blocks, hit_keys, q, need, run = self._admission(seq, budget)
             hit = len(hit_blocks) * self.blocks.block_size
             reserve = self.watermark_blocks if self.running else 0
             if need + reserve > self.blocks.num_free:
@@ -374,7 +410,9 @@ class Scheduler:
                 self.prefix_hit_tokens += hit
             self.blocks.acquire(seq, hit_blocks, hit_keys)
             seq.num_computed = hit
-            self.blocks.grow(seq, hit + q)
+            if run is not None:
+                self._reuse(seq, run)
+            self.blocks.grow(seq, seq.num_computed + q)
             chosen.append((seq, q))
             budget -= q
         if not chosen:
@@ -416,6 +454,9 @@ class Scheduler:
                 self.blocks.shrink(seq, len(seq.tokens))
             else:
                 seq.num_computed += q
+                if seq.reused_span is not None and seq.num_computed == seq.reused_span[0]:
+                    seq.num_computed = seq.reused_span[1]  # its K/V were copied at admission
+                    seq.reused_span = None
                 if not smp:
                     self.blocks.register(seq)
                     continue

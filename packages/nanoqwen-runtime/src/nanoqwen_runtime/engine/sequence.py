@@ -84,6 +84,18 @@ class Sequence:
     drafter: NgramDrafter | None = None  # prompt-lookup drafts (greedy requests with speculation)
     num_new_tokens: int = 0  # tokens the last `Scheduler.commit` appended (> 1 after a verify step)
     matcher: GrammarMatcher | None = None  # the request's grammar state (engine_base; never speculated)
+    # shifted reuse (blocks.py): [start, end) holds K/V copied at admission, skipped by prefill once
+    # num_computed reaches start (None when there is no such gap left); blocks from the first copied
+    # token on never enter the prefix cache
+    reused_span: tuple[int, int] | None = None
+    cacheable_blocks: int | None = None
+
+    @property
+    def prefill_left(self) -> int:
+        """Tokens the next prefill chunk may compute: up to the reused span when one lies ahead."""
+        if self.reused_span is not None:
+            return self.reused_span[0] - self.num_computed
+        return self.uncomputed
 
     @property
     def num_generated(self) -> int:
