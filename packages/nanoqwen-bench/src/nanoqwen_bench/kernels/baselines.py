@@ -11,11 +11,12 @@ against the fp32 product of the dequantized weight does not depend on the zero's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TinyGemmWeight", "random_tinygemm_weight", "tinygemm_mm", "check_tinygemm"]
+__all__ = ["TinyGemmWeight", "random_tinygemm_weight", "tinygemm_copies", "tinygemm_mm", "check_tinygemm"]
 
 
 @dataclass
@@ -63,3 +64,14 @@ def check_tinygemm(w: TinyGemmWeight, m: int, gen: torch.Generator) -> None:
     bound = float(ref.abs().max()) * 2**-7
     if not err <= bound:
         raise AssertionError(f"tinygemm [{w.n}, {w.k}] at M={m}: max error {err:.3g} > {bound:.3g}")
+
+
+def tinygemm_copies(n: int, k: int, gen: torch.Generator, total_bytes: int, check_m: int = 1
+                    ) -> list[TinyGemmWeight]:
+    """At least two random [N, K] tinygemm weights, together at least `total_bytes` (so that a timed
+    loop over them reads from HBM, not L2); the first is checked (`check_tinygemm` at M = `check_m`)."""
+    first = random_tinygemm_weight(n, k, gen, keep_values=True)
+    check_tinygemm(first, check_m, gen)
+    first.q = None
+    count = max(2, math.ceil(total_bytes / first.nbytes()))
+    return [first] + [random_tinygemm_weight(n, k, gen) for _ in range(count - 1)]

@@ -53,7 +53,7 @@ from nanoqwen_kernels import gemm, gemv
 from nanoqwen_kernels import reference as R
 
 from ..gpu import read_bandwidth, time_graph
-from .baselines import check_tinygemm, random_tinygemm_weight, tinygemm_mm
+from .baselines import tinygemm_copies, tinygemm_mm
 from .bench_kernels import random_weight
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
@@ -92,13 +92,7 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
         plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
     ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values()),
                                  torch.device("cuda"))
-    tiny = []
-    if not int4_only:
-        tiny = [random_tinygemm_weight(n, k, gen, keep_values=True)]
-        check_tinygemm(tiny[0], ms[0], gen)
-        tiny[0].q = None
-        n_tiny = max(2, math.ceil(L2_ROTATE_BYTES / tiny[0].nbytes()))
-        tiny += [random_tinygemm_weight(n, k, gen) for _ in range(n_tiny - 1)]
+    tiny = [] if int4_only else tinygemm_copies(n, k, gen, L2_ROTATE_BYTES, ms[0])
     for m in ms:
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")

@@ -36,7 +36,7 @@ from nanoqwen_kernels import build, gemv, layer_ops, sampling
 from nanoqwen_kernels.specs import SPECS
 
 from ..gpu import read_bandwidth, time_graph
-from .baselines import check_tinygemm, random_tinygemm_weight, tinygemm_mm
+from .baselines import tinygemm_copies, tinygemm_mm
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944),
           ("lm_head", 152064, 3584)]  # fmt: skip
@@ -170,11 +170,8 @@ def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SH
 
 def bench_tinygemm(name, n, k, ms, gen, rows, read_bw, copy_bw):
     """torch's tinygemm (baselines.py) at the shape, g128, each M: checked, then timed like the GEMV."""
-    w0 = random_tinygemm_weight(n, k, gen, keep_values=True)
-    check_tinygemm(w0, 1, gen)
-    w0.q = None
-    copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
-    weights = [w0] + [random_tinygemm_weight(n, k, gen) for _ in range(copies - 1)]
+    weights = tinygemm_copies(n, k, gen, L2_ROTATE_BYTES)
+    w0, copies = weights[0], len(weights)
     for m in ms:
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         nbytes = w0.nbytes() + x.numel() * 2 + m * n * 2
