@@ -98,3 +98,20 @@ def test_tinygemm_baseline_computes_the_dequantized_product(m, device):
     w.q = random_tinygemm_weight(256, 1536, gen, keep_values=True).q
     with pytest.raises(AssertionError, match="tinygemm"):
         check_tinygemm(w, m, gen)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_gemlite_baseline_computes_the_dequantized_product(m, device):
+    """gemlite, as the kernel benches time it (where installed): its product within the bound at odd M
+    (each M class runs another of its kernels), and the check catches values it was not told."""
+    from nanoqwen_bench.kernels.baselines import check_gemlite, gemlite_missing, random_gemlite_weight
+
+    missing = gemlite_missing()
+    if missing:
+        pytest.skip(missing)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    w = random_gemlite_weight(256, 1536, gen, keep_values=True)
+    check_gemlite(w, m, gen)
+    w.q = random_gemlite_weight(256, 1536, gen, keep_values=True).q
+    with pytest.raises(AssertionError, match="gemlite"):
+        check_gemlite(w, m, gen)

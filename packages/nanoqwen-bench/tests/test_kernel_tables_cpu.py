@@ -1,7 +1,8 @@
 """The kernel benches' tables without a GPU (their rows are made up here): the GEMV table sets each shape
-against its goal by the linear's name (the 1.5B's shapes too) and against tinygemm's time, and the GEMM
-table sums tinygemm beside nanoqwen's paths. What the benches time is tested on the GPU
-(test_bench_kernels.py); here, only what their reports say about given rows."""
+against its goal by the linear's name (the 1.5B's shapes too) and against tinygemm's and gemlite's times,
+and the GEMM table sums them beside nanoqwen's paths (a path not timed at every shape has no sum). What
+the benches time is tested on the GPU (test_bench_kernels.py); here, only what their reports say about
+given rows."""
 
 from __future__ import annotations
 
@@ -13,28 +14,34 @@ META = {"read_GBps": 3000.0, "copy_GBps": 2600.0, "copy_methods_GBps": {"memcpy_
         "torch": "2.x", "date": "today", "read_bytes": 4 << 30, "read_reps": 30}
 
 
-def test_gemv_table_compares_each_shape_with_its_goal_and_tinygemm():
+def test_gemv_table_compares_each_shape_with_its_goal_and_the_other_int4_kernels():
     assert bench_kernels.goal("1.5b qkv") == bench_kernels.goal("qkv") == 0.70
     assert bench_kernels.goal("1.5b gate_up") == 0.85
     rows = [Row("gemv_int4_g128_sym", "1.5b qkv", 1, "t4 S=1 kc=1", 10.0, 2250.0, 0.8),
             Row("tinygemm_int4_g128", "1.5b qkv", 1, "torch._weight_int4pack_mm", 15.0, 1500.0, 0.6),
-            Row("gemv_int4_g128_sym", "down", 1, "t4 S=2 kc=1", 20.0, 2400.0, 0.9)]
+            Row("gemlite_int4_g128", "1.5b qkv", 1, "gemlite.GemLiteLinear", 12.0, 1875.0, 0.7),
+            Row("gemv_int4_g128_sym", "down", 1, "t4 S=2 kc=1", 20.0, 2400.0, 0.9),
+            Row("gemlite_int4_g128", "down", 1, "not timed", 0, 0, 0, "no tuned config")]
     lines = bench_kernels.markdown(META, rows)
     qkv = next(ln for ln in lines if ln.startswith("| 1.5b qkv | 1 |"))
-    assert "| 75.0% |" in qkv and "| 70% | yes |" in qkv and "| 15.0 | 1.50x |" in qkv
+    assert "| 75.0% |" in qkv and "| 70% | yes | 15.0 | 1.50x | 12.0 | 1.20x |" in qkv
     down = next(ln for ln in lines if ln.startswith("| down | 1 |"))
-    assert "| 80.0% |" in down and "| 85% | no |" in down and "| - | - |" in down  # no tinygemm row
+    assert "| 80.0% |" in down and "| 85% | no | - | - | - | - |" in down  # neither baseline timed
+    note = "| gemlite_int4_g128 | down | 1 | not timed |"
+    assert any(note in ln and "no tuned config" in ln for ln in lines)
 
 
-def test_gemm_table_sums_tinygemm_beside_the_other_paths():
+def test_gemm_table_sums_the_baselines_beside_the_other_paths():
     rows = [{"shape": s, "n": 1, "k": 1, "m": 16, "path": p, "us": us, "tflops": 1.0, "bytes": 1,
              "frac_read_bw": 0.5}
             for s in ("qkv", "o") for p, us in (("int4_gemm", 20.0), ("cublas_bf16", 30.0),
                                                  ("dequant_gemm", 40.0), ("tinygemm", 25.0))]
+    rows.append({"shape": "qkv", "n": 1, "k": 1, "m": 16, "path": "gemlite", "us": 22.0, "tflops": 1.0,
+                 "bytes": 1, "frac_read_bw": 0.5})  # gemlite at one of the two shapes: no sum
     cross = bench_gemm.crossover(rows)
     assert cross[16] == {"int4_gemm": 40.0, "dequant_gemm": 80.0, "cublas_bf16": 60.0, "tinygemm": 50.0,
-                         "faster_quantized": "int4_gemm"}
+                         "gemlite": None, "faster_quantized": "int4_gemm"}
     md = bench_gemm.markdown({"date": "today", "device": "GPU", "read_bandwidth_GBps": 3000.0, "rows": rows,
                               "crossover": cross})
     assert "| qkv | 16 | tinygemm | 25.0 | 1.0 | 50.0% | 1.20x |" in md
-    assert "| 16 | 40.0 | 80.0 | 60.0 | 50.0 | int4_gemm |" in md
+    assert "| 16 | 40.0 | 80.0 | 60.0 | 50.0 | - | int4_gemm |" in md

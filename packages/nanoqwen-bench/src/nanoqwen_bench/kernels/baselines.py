@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TinyGemmWeight", "random_tinygemm_weight", "tinygemm_copies", "tinygemm_mm", "check_tinygemm"]
+__all__ = ["TinyGemmWeight", "random_tinygemm_weight", "tinygemm_copies", "tinygemm_mm", "check_tinygemm",
+           "GemliteWeight", "gemlite_missing", "gemlite_tuned", "random_gemlite_weight", "gemlite_copies",
+           "gemlite_mm", "check_gemlite"]
 
 
 @dataclass
@@ -52,26 +54,111 @@ def tinygemm_mm(x: torch.Tensor, w: TinyGemmWeight) -> torch.Tensor:
     return torch._weight_int4pack_mm(x, w.packed, w.group_size, w.scales_and_zeros)
 
 
-def check_tinygemm(w: TinyGemmWeight, m: int, gen: torch.Generator) -> None:
-    """tinygemm's product against the fp32 product of the dequantized weight (w made with keep_values):
-    within 2^-7 of the largest output (bf16 accumulation order and the output's rounding)."""
-    x = torch.randn(m, w.k, generator=gen, device="cuda").to(torch.bfloat16)
-    scale = w.scales_and_zeros[..., 0].float().repeat_interleave(w.group_size, dim=0).t()  # [N, K]
-    dense = (w.q.float() - 8) * scale
+def _check_product(what: str, got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    """got (bf16 [M, N]) against x.float() @ dense^T (dense: the dequantized weight, fp32 [N, K]): within
+    2^-7 of the largest output (the kernels' accumulation order and the bf16 output's rounding)."""
     ref = x.float() @ dense.t()
-    got = tinygemm_mm(x, w).float()
-    err = float((got - ref).abs().max())
+    err = float((got.float() - ref).abs().max())
     bound = float(ref.abs().max()) * 2**-7
     if not err <= bound:
-        raise AssertionError(f"tinygemm [{w.n}, {w.k}] at M={m}: max error {err:.3g} > {bound:.3g}")
+        raise AssertionError(f"{what} at M={x.shape[0]}: max error {err:.3g} > {bound:.3g}")
 
 
-def tinygemm_copies(n: int, k: int, gen: torch.Generator, total_bytes: int, check_m: int = 1
-                    ) -> list[TinyGemmWeight]:
-    """At least two random [N, K] tinygemm weights, together at least `total_bytes` (so that a timed
-    loop over them reads from HBM, not L2); the first is checked (`check_tinygemm` at M = `check_m`)."""
-    first = random_tinygemm_weight(n, k, gen, keep_values=True)
-    check_tinygemm(first, check_m, gen)
+def check_tinygemm(w: TinyGemmWeight, m: int, gen: torch.Generator) -> None:
+    """tinygemm's product against the fp32 product of the dequantized weight (w made with keep_values)."""
+    x = torch.randn(m, w.k, generator=gen, device="cuda").to(torch.bfloat16)
+    scale = w.scales_and_zeros[..., 0].float().repeat_interleave(w.group_size, dim=0).t()  # [N, K]
+    _check_product(f"tinygemm [{w.n}, {w.k}]", tinygemm_mm(x, w), x, (w.q.float() - 8) * scale)
+
+
+def _checked_copies(make, check, total_bytes: int, check_ms) -> list:
+    """At least two weights from make(keep_values), together at least `total_bytes` (so that a timed loop
+    over them reads from HBM, not L2); the first is made with its values kept, checked at each M of
+    `check_ms` (check(w, m): each M may run another kernel), then its values are dropped."""
+    first = make(True)
+    for m in check_ms:
+        check(first, m)
     first.q = None
     count = max(2, math.ceil(total_bytes / first.nbytes()))
-    return [first] + [random_tinygemm_weight(n, k, gen) for _ in range(count - 1)]
+    return [first] + [make(False) for _ in range(count - 1)]
+
+
+def tinygemm_copies(n: int, k: int, gen: torch.Generator, total_bytes: int, check_ms=(1,)
+                    ) -> list[TinyGemmWeight]:
+    """Random [N, K] tinygemm weights for a timed loop (`_checked_copies`)."""
+    return _checked_copies(lambda keep: random_tinygemm_weight(n, k, gen, keep_values=keep),
+                           lambda w, m: check_tinygemm(w, m, gen), total_bytes, check_ms)
+
+
+@dataclass
+class GemliteWeight:
+    """An [N, K] INT4 weight as a packed `gemlite.GemLiteLinear`, and, kept for the check, its int4
+    values `q` (uint8 [N, K]) and bf16 scales [N, K / group_size] (zero point 8)."""
+
+    linear: torch.nn.Module
+    q: torch.Tensor | None
+    scales: torch.Tensor | None
+    n: int
+    k: int
+    group_size: int = 128
+
+    def nbytes(self) -> int:
+        """Bytes a product reads from the weight: the packed values, the scales and the zeros."""
+        parts = (self.linear.W_q, self.linear.scales, self.linear.zeros)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def gemlite_missing() -> str | None:
+    """Why gemlite cannot be timed here (not installed, or failing at import), or None."""
+    try:
+        import gemlite  # noqa: F401
+    except Exception as e:  # its import queries the GPU and compiles nothing: any failure is the reason
+        return f"gemlite not importable: {type(e).__name__}: {e}"
+    return None
+
+
+def gemlite_tuned(n: int, k: int, m: int, group_size: int = 128) -> bool:
+    """Whether gemlite ships a tuned config for this GPU and a bf16 A16W4 [N, K] product at M rows (else
+    its first call runs its autotune: tens of seconds per shape and M)."""
+    from gemlite import core
+    from gemlite.triton_kernels.utils import get_closest_m
+
+    # the key of gemlite's config cache: (M class, N, K, group, values per 32-bit word, fp16/bf16 W4 type)
+    key = str((get_closest_m(m), n, k, group_size, 8, 104))
+    return key in core.GEMLITE_TRITON_CONFIG_CACHE.get(core.get_matmul_type(m, 4), {})
+
+
+def random_gemlite_weight(n: int, k: int, gen: torch.Generator, group_size: int = 128,
+                          keep_values: bool = False) -> GemliteWeight:
+    """A random [N, K] INT4 weight (zero point 8) packed by gemlite, on cuda."""
+    import gemlite
+
+    q = torch.randint(0, 16, (n, k), generator=gen, device="cuda", dtype=torch.uint8)
+    scales = ((0.5 + torch.rand(n, k // group_size, generator=gen, device="cuda")) / (4.6 * k**0.5)
+              ).to(torch.bfloat16)  # fmt: skip
+    linear = gemlite.GemLiteLinear(4, group_size=group_size, in_features=k, out_features=n,
+                                   input_dtype=gemlite.DType.BF16, output_dtype=gemlite.DType.BF16)
+    linear.pack(q, scales, torch.full_like(scales, 8.0), bias=None)
+    kept = (q, scales) if keep_values else (None, None)
+    return GemliteWeight(linear, *kept, n, k, group_size)
+
+
+def gemlite_mm(x: torch.Tensor, w: GemliteWeight) -> torch.Tensor:
+    """y (bf16 [M, N]) = x (bf16 [M, K]) @ dequant(w)^T."""
+    return w.linear(x)
+
+
+def check_gemlite(w: GemliteWeight, m: int, gen: torch.Generator) -> None:
+    """gemlite's product against the fp32 product of the dequantized weight (w made with keep_values)."""
+    x = torch.randn(m, w.k, generator=gen, device="cuda").to(torch.bfloat16)
+    dense = (w.q.float() - 8) * w.scales.float().repeat_interleave(w.group_size, dim=1)
+    _check_product(f"gemlite [{w.n}, {w.k}]", gemlite_mm(x, w), x, dense)
+
+
+def gemlite_copies(n: int, k: int, gen: torch.Generator, total_bytes: int, check_ms=(1,)
+                   ) -> list[GemliteWeight]:
+    """Random [N, K] gemlite weights for a timed loop (`_checked_copies`)."""
+    copies = _checked_copies(lambda keep: random_gemlite_weight(n, k, gen, keep_values=keep),
+                             lambda w, m: check_gemlite(w, m, gen), total_bytes, check_ms)
+    copies[0].scales = None
+    return copies

@@ -14,7 +14,9 @@ y[M, N] = x[M, K] @ W^T:
 - dequant_gemm:  gemv.linear_int4_prefill = dequantize into one bf16 scratch + torch.mm (the engine's
                  path above INT4_GEMM_MAX_ROWS when PREFILL_PATH says so);
 - tinygemm:      torch._weight_int4pack_mm on its own tiled layout, g128 (baselines.py): torch's
-                 built-in INT4 matmul, the one gpt-fast and torchao use.
+                 built-in INT4 matmul, the one gpt-fast and torchao use;
+- gemlite:       gemlite.GemLiteLinear (Triton, A16W4 g128, baselines.py) at the M values where it
+                 ships a tuned config for the GPU (`--gemlite-autotune`: every M, tuned in the warm-up).
 
 Method as bench_kernels.py: R launches captured in one CUDA graph, each on a different copy of the
 weights (together > 4x the L2, so weights come from HBM), median of 15 replays. The read bandwidth
@@ -53,7 +55,14 @@ from nanoqwen_kernels import gemm, gemv
 from nanoqwen_kernels import reference as R
 
 from ..gpu import read_bandwidth, time_graph
-from .baselines import tinygemm_copies, tinygemm_mm
+from .baselines import (
+    gemlite_copies,
+    gemlite_missing,
+    gemlite_mm,
+    gemlite_tuned,
+    tinygemm_copies,
+    tinygemm_mm,
+)
 from .bench_kernels import random_weight
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
@@ -75,7 +84,7 @@ def check_output(out, x, w) -> None:
     R.assert_close(out, R.linear(x, dense, None), what="bench_gemm output")
 
 def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False, splits=None, asym=False,
-                check=True, multi_nt=None):
+                check=True, multi_nt=None, gemlite_autotune=False):
     w0 = random_weight(n, k, gen, symmetric=not asym)
     copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
     weights = [w0] + [random_weight(n, k, gen, symmetric=not asym) for _ in range(copies - 1)]
@@ -92,7 +101,15 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
         plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
     ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values()),
                                  torch.device("cuda"))
-    tiny = [] if int4_only else tinygemm_copies(n, k, gen, L2_ROTATE_BYTES, ms[0])
+    tiny = [] if int4_only else tinygemm_copies(n, k, gen, L2_ROTATE_BYTES, ms)
+    missing = gemlite_missing()
+    lite_ms = [] if int4_only or missing else [
+        m for m in ms if gemlite_autotune or gemlite_tuned(n, k, m)]
+    lite = gemlite_copies(n, k, gen, L2_ROTATE_BYTES, lite_ms) if lite_ms else []
+    if not int4_only and len(lite_ms) < len(ms):
+        print(f"{name}: gemlite not timed at M {sorted(set(ms) - set(lite_ms))}: "
+              f"{missing or 'no tuned config shipped for this GPU and shape (--gemlite-autotune)'}",
+              flush=True)
     for m in ms:
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
@@ -108,6 +125,9 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
             "tinygemm": (lambda i: tinygemm_mm(x, tiny[i % len(tiny)]), len(tiny),
                          tiny[0].nbytes() + act if tiny else 0),
         }  # fmt: skip
+        if m in lite_ms:
+            paths["gemlite"] = (lambda i: gemlite_mm(x, lite[i % len(lite)]), len(lite),
+                                lite[0].nbytes() + act)
         if int4_only:
             paths = {"int4_gemm": paths["int4_gemm"]}
         if check:  # a timing probe's outputs are wrong by design
@@ -127,13 +147,16 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
 
 
 def crossover(rows) -> dict:
-    """Per M: the sum over the shapes of each path's time, and which quantized path is faster."""
+    """Per M: the sum over the shapes of each path's time (None for a path not timed at every shape),
+    and which of nanoqwen's quantized paths is faster."""
     out = {}
-    timed = {r["path"] for r in rows}
+    shapes = {r["shape"] for r in rows}
     for m in sorted({r["m"] for r in rows}):
-        tot = {p: sum(r["us"] for r in rows if r["m"] == m and r["path"] == p)
-               for p in ("int4_gemm", "dequant_gemm", "cublas_bf16", "tinygemm")}
-        quantized = [p for p in ("int4_gemm", "dequant_gemm") if p in timed]
+        tot = {}
+        for p in ("int4_gemm", "dequant_gemm", "cublas_bf16", "tinygemm", "gemlite"):
+            times = [r["us"] for r in rows if r["m"] == m and r["path"] == p]
+            tot[p] = sum(times) if len(times) == len(shapes) else None
+        quantized = [p for p in ("int4_gemm", "dequant_gemm") if tot[p] is not None]
         faster = min(quantized, key=tot.__getitem__) if len(quantized) > 1 else None
         out[m] = tot | {"faster_quantized": faster}
     return out
@@ -152,11 +175,12 @@ def markdown(rep) -> str:
         lines.append(f"| {r['shape']} | {r['m']} | {r['path']} | {r['us']:.1f} | {r['tflops']:.1f} | "
                      f"{r['frac_read_bw']:.1%} | {vs} | {r.get('plan', '')} |")
     lines += ["", "Sum over the four shapes (us), and the faster of nanoqwen's quantized paths:", "",
-              "| M | int4_gemm | dequant_gemm | cublas_bf16 | tinygemm | faster |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "| M | int4_gemm | dequant_gemm | cublas_bf16 | tinygemm | gemlite | faster |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for m, c in rep["crossover"].items():
-        lines.append(f"| {m} | {c['int4_gemm']:.1f} | {c['dequant_gemm']:.1f} | {c['cublas_bf16']:.1f} | "
-                     f"{c['tinygemm']:.1f} | {c['faster_quantized']} |")
+        cells = " | ".join("-" if c[p] is None else f"{c[p]:.1f}"
+                           for p in ("int4_gemm", "dequant_gemm", "cublas_bf16", "tinygemm", "gemlite"))
+        lines.append(f"| {m} | {cells} | {c['faster_quantized']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -174,6 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--asym", action="store_true",
                     help="asymmetric weights (zero points), the default recipe's")
     ap.add_argument("--model", choices=sorted(MODEL_SHAPES), default="7b", help="whose layer shapes (7b)")
+    ap.add_argument("--gemlite-autotune", action="store_true",
+                    help="time gemlite also where it ships no tuned config (its autotune runs first)")
     args = ap.parse_args(argv)
     family = None  # the plan's kernel family (mma.sync "gemm" or wgmma "gemm_ws", gemm.KERNELS)
     if args.define:
@@ -192,7 +218,8 @@ def main(argv=None) -> int:
     ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (16, 64, 512) if args.quick else MS
     for name, n, k in MODEL_SHAPES[args.model]:
         bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only, args.splits, args.asym,
-                    multi_nt=args.multi_nt, check=not any(d.startswith("NQ_GEMM_PROBE") for d in args.define))
+                    multi_nt=args.multi_nt, check=not any(d.startswith("NQ_GEMM_PROBE") for d in args.define),
+                    gemlite_autotune=args.gemlite_autotune)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
     rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "defines": args.define, "splits": args.splits, "model": args.model, "asym": args.asym,

@@ -14,7 +14,9 @@ achieved bandwidth counting weight + scale + activation + output bytes, as a fra
 bandwidth (the goal column too) and of the copy bandwidth. Timing: R launches captured in one CUDA
 graph, each on a different copy of the weights (together > 4x the L2, so nothing is served from
 cache), median of 15 replays after warm-up. Also: the split-K target variants of the default kernel
-(t2/t3/t6; same module), asymmetric g128, cuBLAS bf16 at the same shapes, the fused SiLU*mul input,
+(t2/t3/t6; same module), asymmetric g128, the other INT4 kernels at the same shapes and M (torch's
+tinygemm and gemlite, baselines.py: gemlite where it ships a tuned config for the GPU, everywhere with
+`--gemlite-autotune`), cuBLAS bf16 at the same shapes, the fused SiLU*mul input,
 the prefill path, the layer ops and the sampler. `--all-variants` adds the compile-option builds
 (`BUILD_VARIANTS`). Writes bench_kernels.json and bench_kernels.md under --out.
 """
@@ -36,7 +38,14 @@ from nanoqwen_kernels import build, gemv, layer_ops, sampling
 from nanoqwen_kernels.specs import SPECS
 
 from ..gpu import read_bandwidth, time_graph
-from .baselines import tinygemm_copies, tinygemm_mm
+from .baselines import (
+    gemlite_copies,
+    gemlite_missing,
+    gemlite_mm,
+    gemlite_tuned,
+    tinygemm_copies,
+    tinygemm_mm,
+)
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944),
           ("lm_head", 152064, 3584)]  # fmt: skip
@@ -104,7 +113,7 @@ class Row:
     note: str = ""
 
 
-def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SHAPES):
+def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SHAPES, gemlite_autotune=False):
     ws = gemv.GemvWorkspace.allocate(
         [gemv.plan_gemv(n, k, target_blocks_per_sm=t) for _, n, k in shapes for t in (2, 3, 4, 6)],
         torch.device("cuda"),
@@ -152,7 +161,7 @@ def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SH
         t = time_graph(fa, 2 * copies)
         rows.append(Row("gemv_int4_g128_asym", name, 1, "default", t * 1e6, nb / t / 1e9, nb / t / copy_bw))
         weights = wa = None
-        bench_tinygemm(name, n, k, ms, gen, rows, read_bw, copy_bw)
+        bench_baselines(name, n, k, ms, gen, rows, read_bw, copy_bw, gemlite_autotune)
         # cuBLAS bf16 at the same shape (4x the weight bytes), for scale
         if name != "gate_up" or not quick:
             wd = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2)]
@@ -168,18 +177,34 @@ def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SH
         torch.cuda.empty_cache()
 
 
-def bench_tinygemm(name, n, k, ms, gen, rows, read_bw, copy_bw):
-    """torch's tinygemm (baselines.py) at the shape, g128, each M: checked, then timed like the GEMV."""
-    weights = tinygemm_copies(n, k, gen, L2_ROTATE_BYTES)
+def bench_baselines(name, n, k, ms, gen, rows, read_bw, copy_bw, gemlite_autotune=False):
+    """torch's tinygemm and gemlite (baselines.py) at the shape, g128, each M: checked at every M, then
+    timed like the GEMV. gemlite runs where it ships a tuned config for the GPU, or everywhere with
+    `gemlite_autotune` (its autotune then runs in the warm-up); a note row says why any M is not timed."""
+    bench_baseline("tinygemm_int4_g128", "torch._weight_int4pack_mm",
+                   tinygemm_copies(n, k, gen, L2_ROTATE_BYTES, ms), tinygemm_mm, name, n, k, ms, gen, rows,
+                   read_bw, copy_bw)  # fmt: skip
+    missing = gemlite_missing()
+    timed = [] if missing else [m for m in ms if gemlite_autotune or gemlite_tuned(n, k, m)]
+    for m in (m for m in ms if m not in timed):
+        rows.append(Row("gemlite_int4_g128", name, m, "not timed", 0, 0, 0, missing or
+                        "gemlite ships no tuned config for this GPU and shape (--gemlite-autotune: tune it)"))
+    if timed:
+        bench_baseline("gemlite_int4_g128", "gemlite.GemLiteLinear",
+                       gemlite_copies(n, k, gen, L2_ROTATE_BYTES, timed), gemlite_mm, name, n, k, timed, gen,
+                       rows, read_bw, copy_bw)  # fmt: skip
+
+
+def bench_baseline(kernel, variant, weights, mm, name, n, k, ms, gen, rows, read_bw, copy_bw):
+    """Time mm(x, weights[i]) at each M over the checked copies (baselines.py) as the GEMV is timed."""
     w0, copies = weights[0], len(weights)
     for m in ms:
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         nbytes = w0.nbytes() + x.numel() * 2 + m * n * 2
-        t = time_graph(lambda i, x=x: tinygemm_mm(x, weights[i % copies]), reps=2 * copies)
+        t = time_graph(lambda i, x=x: mm(x, weights[i % copies]), reps=2 * copies)
         bw = nbytes / t
-        rows.append(Row("tinygemm_int4_g128", name, m, "torch._weight_int4pack_mm", t * 1e6, bw / 1e9,
-                        bw / copy_bw))  # fmt: skip
-        print(f"{name:8s} M={m} tinygemm {t * 1e6:8.1f} us {bw / 1e9:7.0f} GB/s "
+        rows.append(Row(kernel, name, m, variant, t * 1e6, bw / 1e9, bw / copy_bw))
+        print(f"{name:8s} M={m} {kernel} {t * 1e6:8.1f} us {bw / 1e9:7.0f} GB/s "
               f"{bw / read_bw:6.1%} of read BW", flush=True)
 
 
@@ -277,18 +302,20 @@ def markdown(meta: dict, rows: list[Row]) -> list[str]:
              f"- copy bandwidth (read + write, best of: {copies}): {meta['copy_GBps']:.0f} GB/s", "",
              "## INT4 GEMV, default plan (t4), g128 symmetric: share of the read bandwidth vs the goal", "",
              "| GEMV | M | us | GB/s | of read BW | of copy BW | goal (read) | met | tinygemm us | "
-             "speedup over tinygemm | best variant |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "speedup over tinygemm | gemlite us | speedup over gemlite | best variant |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     sym = [r for r in rows if r.kernel == "gemv_int4_g128_sym"]
-    tiny = {(r.shape, r.m): r.us for r in rows if r.kernel == "tinygemm_int4_g128"}
+    baseline = {(r.kernel, r.shape, r.m): r.us for r in rows if r.us}
     for r in (r for r in sym if r.variant.startswith("t4 ")):
         best = min((x for x in sym if x.shape == r.shape and x.m == r.m), key=lambda x: x.us)
         g = goal(r.shape)
         met = "yes" if r.gbps * 1e9 / read_bw >= g else "no"
-        t_tiny = tiny.get((r.shape, r.m))
-        vs = f"{t_tiny:.1f} | {t_tiny / r.us:.2f}x" if t_tiny else "- | -"
+        vs = []
+        for other in ("tinygemm_int4_g128", "gemlite_int4_g128"):
+            t = baseline.get((other, r.shape, r.m))
+            vs.append(f"{t:.1f} | {t / r.us:.2f}x" if t else "- | -")
         lines.append(f"| {r.shape} | {r.m} | {r.us:.1f} | {r.gbps:.0f} | {_frac(r.gbps, read_bw)} | "
-                     f"{_frac(r.gbps, copy_bw)} | {g:.0%} | {met} | {vs} "
+                     f"{_frac(r.gbps, copy_bw)} | {g:.0%} | {met} | {' | '.join(vs)} "
                      f"| {best.variant}: {best.us:.1f} us, {_frac(best.gbps, read_bw)} |")  # fmt: skip
     lines += ["", "## Every row", "",
               "| kernel | shape | M | variant | us | GB/s | of read BW | of copy BW | goal (read) | note |",
@@ -310,6 +337,8 @@ def main() -> int:
                     help="comma-separated: whose decode shapes the GEMVs run at (7b, 1.5b; default 7b)")
     ap.add_argument("--all-variants", action="store_true",
                     help="also the compile-option builds (BUILD_VARIANTS)")
+    ap.add_argument("--gemlite-autotune", action="store_true",
+                    help="time gemlite also where it ships no tuned config (its autotune runs first)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -326,7 +355,8 @@ def main() -> int:
           f"copy bandwidth {copy_bw / 1e9:.0f} GB/s ({copies})", flush=True)  # fmt: skip
     rows: list[Row] = []
     shapes = [s for name in args.model.split(",") for s in MODELS[name]]
-    bench_gemv(copy_bw, gen, args.quick, rows, read_bw, all_variants=args.all_variants, shapes=shapes)
+    bench_gemv(copy_bw, gen, args.quick, rows, read_bw, all_variants=args.all_variants, shapes=shapes,
+               gemlite_autotune=args.gemlite_autotune)
     if not args.gemv_only:
         bench_other(copy_bw, gen, rows)
     meta = {"device": props.name, "sms": props.multi_processor_count, "read_GBps": read_bw / 1e9,
