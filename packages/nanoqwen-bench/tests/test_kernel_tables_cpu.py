@@ -45,3 +45,17 @@ def test_gemm_table_sums_the_baselines_beside_the_other_paths():
                               "crossover": cross})
     assert "| qkv | 16 | tinygemm | 25.0 | 1.0 | 50.0% | 1.20x |" in md
     assert "| 16 | 40.0 | 80.0 | 60.0 | 50.0 | - | int4_gemm |" in md
+
+
+def test_split_sweep_has_each_split_count_once_at_its_evenest():
+    """`--split-sweep`'s plans: every split count some tile-columns-per-block value gives, once, each at
+    the fewest tile-columns per block that reach it (the evenest split; the last block is never empty)."""
+    kt = 18944 // 128
+    plans = bench_kernels.sweep_plans(3584, 18944)
+    splits = [p.splits for p in plans]
+    assert splits == sorted(set(splits)) and splits[-1] == kt
+    for p in plans:
+        assert p.kc * p.splits >= kt > p.kc * (p.splits - 1)  # covers K; the last split has columns
+        assert p.kc == 1 or -(-kt // (p.kc - 1)) > p.splits  # one column fewer per block needs more splits
+        assert p.kc <= bench_kernels.gemv.KC_MAX
+    assert {(p.splits, p.kc) for p in bench_kernels.sweep_plans(37888, 3584)} >= {(1, 28), (2, 14), (7, 4)}

@@ -113,11 +113,22 @@ class Row:
     note: str = ""
 
 
-def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SHAPES, gemlite_autotune=False):
-    ws = gemv.GemvWorkspace.allocate(
-        [gemv.plan_gemv(n, k, target_blocks_per_sm=t) for _, n, k in shapes for t in (2, 3, 4, 6)],
-        torch.device("cuda"),
-    )
+def sweep_plans(n: int, k: int) -> list[gemv.GemvPlan]:
+    """Every distinct split-K plan of an [N, K] GEMV: one per split count that some number of tile-columns
+    per block (1 .. KC_MAX) gives, fewest splits first."""
+    kt = k // 128
+    by_splits = {}
+    for kc in range(1, min(kt, gemv.KC_MAX) + 1):  # the fewest tile-columns per block: the evenest split
+        by_splits.setdefault(-(-kt // kc), kc)
+    return [gemv.GemvPlan(n, k, splits, kc) for splits, kc in sorted(by_splits.items())]
+
+
+def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SHAPES, gemlite_autotune=False,
+               split_sweep=False):
+    plans = [gemv.plan_gemv(n, k, target_blocks_per_sm=t) for _, n, k in shapes for t in (2, 3, 4, 6)]
+    if split_sweep:
+        plans += [p for _, n, k in shapes for p in sweep_plans(n, k)]
+    ws = gemv.GemvWorkspace.allocate(plans, torch.device("cuda"))
     if all_variants:
         for fam, opts in BUILD_VARIANTS.items():
             SPECS[fam] = build.KernelSpec(fam, ("gemv.cu",), opts)
@@ -148,6 +159,8 @@ def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SH
                 print(f"{name:8s} M={m} {vname:6s} S={plan.splits:2d} {t * 1e6:8.1f} us {bw / 1e9:7.0f} GB/s "
                       f"{bw / read_bw:6.1%} of read BW, {bw / copy_bw:6.1%} of copy BW",
                       flush=True)  # fmt: skip
+            if split_sweep and m == 1:
+                bench_split_sweep(name, n, k, weights, x, out, ws, nbytes, rows, read_bw, copy_bw)
         # asymmetric g128 at M=1 with the default plan
         wa = [random_weight(n, k, gen, symmetric=False) for _ in range(copies)]
         x = torch.randn(1, k, generator=gen, device="cuda").to(torch.bfloat16)
@@ -175,6 +188,22 @@ def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SH
                                 "bf16 weights: 4x the bytes"))  # fmt: skip
             wd = None
         torch.cuda.empty_cache()
+
+
+def bench_split_sweep(name, n, k, weights, x, out, ws, nbytes, rows, read_bw, copy_bw):
+    """The GEMV at every split-K plan of the shape (`sweep_plans`), at x's M: how much the split count
+    (the blocks per SM, and their last partial wave) moves the time."""
+    default = gemv.plan_gemv(n, k)
+    for plan in sweep_plans(n, k):
+        t = time_graph(lambda i, plan=plan: gemv.gemv_int4(x, weights[i % len(weights)], out, workspace=ws,
+                                                           plan=plan), reps=2 * len(weights))  # fmt: skip
+        bw = nbytes / t
+        blocks = plan.blocks_n * plan.splits
+        note = f"{blocks} blocks" + (" (the engine's plan)" if plan == default else "")
+        rows.append(Row("gemv_int4_g128_sym_splits", name, x.shape[0], f"S={plan.splits} kc={plan.kc}",
+                        t * 1e6, bw / 1e9, bw / copy_bw, note))  # fmt: skip
+        print(f"{name:8s} M={x.shape[0]} sweep S={plan.splits:3d} kc={plan.kc:2d} {blocks:5d} blocks "
+              f"{t * 1e6:8.1f} us {bw / read_bw:6.1%} of read BW", flush=True)
 
 
 def bench_baselines(name, n, k, ms, gen, rows, read_bw, copy_bw, gemlite_autotune=False):
@@ -304,7 +333,7 @@ def markdown(meta: dict, rows: list[Row]) -> list[str]:
              "| GEMV | M | us | GB/s | of read BW | of copy BW | goal (read) | met | tinygemm us | "
              "speedup over tinygemm | gemlite us | speedup over gemlite | best variant |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    sym = [r for r in rows if r.kernel == "gemv_int4_g128_sym"]
+    sym = [r for r in rows if r.kernel in ("gemv_int4_g128_sym", "gemv_int4_g128_sym_splits")]
     baseline = {(r.kernel, r.shape, r.m): r.us for r in rows if r.us}
     for r in (r for r in sym if r.variant.startswith("t4 ")):
         best = min((x for x in sym if x.shape == r.shape and x.m == r.m), key=lambda x: x.us)
@@ -337,6 +366,8 @@ def main() -> int:
                     help="comma-separated: whose decode shapes the GEMVs run at (7b, 1.5b; default 7b)")
     ap.add_argument("--all-variants", action="store_true",
                     help="also the compile-option builds (BUILD_VARIANTS)")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="also time every split-K plan of each GEMV shape at M = 1")
     ap.add_argument("--gemlite-autotune", action="store_true",
                     help="time gemlite also where it ships no tuned config (its autotune runs first)")
     args = ap.parse_args()
@@ -356,7 +387,7 @@ def main() -> int:
     rows: list[Row] = []
     shapes = [s for name in args.model.split(",") for s in MODELS[name]]
     bench_gemv(copy_bw, gen, args.quick, rows, read_bw, all_variants=args.all_variants, shapes=shapes,
-               gemlite_autotune=args.gemlite_autotune)
+               gemlite_autotune=args.gemlite_autotune, split_sweep=args.split_sweep)
     if not args.gemv_only:
         bench_other(copy_bw, gen, rows)
     meta = {"device": props.name, "sms": props.multi_processor_count, "read_GBps": read_bw / 1e9,
