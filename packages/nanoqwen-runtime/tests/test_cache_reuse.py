@@ -242,6 +242,38 @@ def test_a_run_never_reaches_the_last_prompt_token():
     assert seq.num_computed == len(X) + 11 + 5 * BS < len(ids)
 
 
+def test_a_waiting_request_is_searched_once_while_the_cache_stays_the_same():
+    """A request that waits for pages is planned again every step; its shifted-run search (about a
+    microsecond per prompt token) runs again only when a block enters or leaves the cache."""
+    sched = scheduler(32, num_blocks=40)
+    run_prefill_then_finish(sched, A)
+    searched = []
+    find_shifted = sched.blocks.find_shifted
+
+    def counting(tokens, start, end, min_tokens):
+        if len(tokens) == len(B):
+            searched.append(sched.blocks.cache_version)
+        return find_shifted(tokens, start, end, min_tokens)
+
+    sched.blocks.find_shifted = counting
+    long = sched.add(req([rng.randrange(10, 500) for _ in range(470)], "long", max_tokens=40))
+    waiting = None
+    for step in range(12):
+        if step == 3:
+            waiting = sched.add(req(B, "b", max_tokens=1))
+        plan = sched.schedule()
+        assert waiting not in plan.seqs  # it waits for pages throughout
+        sched.commit(plan, {long.seq_id: 99} if plan.sample[0] else {})
+    assert sched.waiting[0] is waiting and plan.kind == "decode"
+    assert len(searched) == 1  # 9 steps planned it; nothing entered or left the cache
+    version = sched.blocks.cache_version
+    while sched.blocks.cache_version == version:  # the long request's next full block is cached
+        plan = sched.schedule()
+        sched.commit(plan, {long.seq_id: 99})
+    sched.schedule()
+    assert len(searched) >= 2 and sorted(set(searched)) == searched  # again, once per cache version
+
+
 def test_shift_kv_rotates_keys_to_their_new_positions():
     gen = torch.Generator().manual_seed(0)
     layers, blocks, heads, d = 2, 6, 2, 64

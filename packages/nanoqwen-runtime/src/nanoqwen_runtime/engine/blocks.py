@@ -110,6 +110,7 @@ class BlockManager:
         self._index: dict[int, int] = {}                   # cached block -> its index in its chain
         self._by_tokens: dict[tuple[int, ...], set[int]] = {}  # a cached block's tokens -> blocks
         self.num_evictions = 0
+        self.cache_version = 0  # bumped whenever a block enters or leaves the cache (what lookups see)
 
     # ---- sizes ----------------------------------------------------------------------------------
     @property
@@ -218,6 +219,7 @@ class BlockManager:
                 self._meta[b] = (key, parent, chunk)
                 self._index[b] = i
                 self._by_tokens.setdefault(chunk, set()).add(b)
+                self.cache_version += 1
             seq.block_keys.append(key)
             parent = key
 
@@ -233,6 +235,7 @@ class BlockManager:
                 del self._by_tokens[chunk]
             self.allocator.free([b])
             self.num_evictions += 1
+            self.cache_version += 1
 
     # ---- growing and releasing ------------------------------------------------------------------
     def grow(self, seq: Sequence, num_tokens: int) -> None:

@@ -107,6 +107,9 @@ class Scheduler:
         # applies them (kv_cache.shift_kv) before the step's forward.
         self.cache_reuse = cache_reuse
         self.pending_shifts: list[KVShift] = []
+        # the last find_shifted answer: (seq_id, cache_version, hit, end, run); the search costs about a
+        # microsecond per prompt token and a queued request is planned again every step
+        self._last_shifted: tuple | None = None
         self.reuse_hit_tokens = 0
         self.speculation = speculation
         self.verify_max_rows = verify_max_rows
@@ -282,7 +285,7 @@ class Scheduler:
         hit = len(hit_blocks) * self.blocks.block_size
         run = None
         if self.cache_reuse and not seq.request.prompt_logprobs:
-            run = self.blocks.find_shifted(seq.tokens, hit, n - 1, self.cache_reuse)
+            run = self._shifted_run(seq, hit, n - 1)
         start, stop = hit, n
         if run is not None:
             start, stop = (run.end, n) if run.start == hit else (hit, run.start)
@@ -290,6 +293,14 @@ class Scheduler:
         held = max(start + q, run.end if run is not None else 0)
         need = self.blocks.blocks_for(held) - len(hit_blocks) + self.blocks.evictable_among(hit_blocks)
         return hit_blocks, hit_keys, q, need, run
+
+    def _shifted_run(self, seq: Sequence, hit: int, end: int) -> ShiftedRun | None:
+        """blocks.find_shifted for waiting `seq` past its exact hit, asked again only when the cache or
+        the hit changed since the last answer (a waiting sequence's tokens do not change)."""
+        key = (seq.seq_id, self.blocks.cache_version, hit, end)
+        if self._last_shifted is None or self._last_shifted[:4] != key:
+            self._last_shifted = (*key, self.blocks.find_shifted(seq.tokens, hit, end, self.cache_reuse))
+        return self._last_shifted[4]
 
     def _reuse(self, seq: Sequence, run: ShiftedRun) -> None:
         """Take pages through `run` for newly admitted `seq` and queue the copy of the run's K/V into
