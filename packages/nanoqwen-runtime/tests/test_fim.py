@@ -126,7 +126,27 @@ def test_empty_prefix_and_suffix_refused(qwen_tok):
 def test_model_variant(meta, variant):
     got, why = fim.model_variant(meta)
     assert got == variant and why
-    assert fim.choose_way(got) == ("chat" if variant == "instruct" else "fim")
+
+
+@pytest.mark.parametrize(("variant", "hidden", "way"), [
+    ("instruct", 896, "chat"),   # 0.5B-Instruct: chat 45.0 % vs FIM tokens 26.8 % (bench/RESULTS.md)
+    ("instruct", 1536, "fim"),   # 1.5B-Instruct: FIM tokens 72.9 % vs chat 60.4 %
+    ("instruct", 3584, "fim"),   # 7B-Instruct: not measured, the 1.5B's way
+    ("base", 896, "fim"), ("base", 3584, "fim"),
+])
+def test_choose_way_by_variant_and_size(variant, hidden, way):
+    assert fim.choose_way(variant, hidden) == way
+
+
+def test_pipeline_infill_way_reads_the_container(qwen05b_packed, qwen_tok):
+    """The real 0.5B-Instruct's pipeline infills the chat way (its metadata and hidden size); the same
+    text side with the 1.5B's size would use the FIM tokens, and one not from a container is a base."""
+    from nanoqwen_runtime.generate import Pipeline
+
+    pipe = Pipeline.from_container(qwen05b_packed("rtn"), None)
+    assert (pipe.variant[0], pipe.hidden_size, pipe.infill_way) == ("instruct", 896, "chat")
+    assert Pipeline(None, qwen_tok, None, [], variant=pipe.variant, hidden_size=1536).infill_way == "fim"
+    assert Pipeline(None, qwen_tok, None, []).infill_way == "fim"
 
 
 @pytest.mark.parametrize(("middle", "suffix", "want"), [

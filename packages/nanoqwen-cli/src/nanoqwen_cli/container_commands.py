@@ -74,12 +74,13 @@ def _summarise(value, limit: int):
     return value
 
 
-def _variant(metadata: dict) -> dict:
+def _variant(metadata: dict, config: dict) -> dict:
     """Base or Instruct model, and the fill-in-the-middle prompting the server uses for it."""
     from nanoqwen_runtime import fim
 
     variant, why = fim.model_variant(metadata)
-    return {"variant": variant, "why": why, "infill_way": fim.choose_way(variant)}
+    way = fim.choose_way(variant, int(config["hidden_size"]))
+    return {"variant": variant, "why": why, "infill_way": way}
 
 
 def _describe(f: nqf.NanoqwenFile) -> dict:
@@ -106,7 +107,7 @@ def _describe(f: nqf.NanoqwenFile) -> dict:
             for r in f.records.values()
         ],
         "metadata": _summarise(f.metadata, LONG_STRING),
-        "model_variant": _variant(f.metadata),
+        "model_variant": _variant(f.metadata, f.config),
     }
 
 

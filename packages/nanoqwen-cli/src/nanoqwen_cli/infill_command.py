@@ -125,7 +125,7 @@ def infill(
         pipe = Pipeline.from_file(f, None)
         pipe.backend, threads = load_backend(f, opts, pipe.tokenizer)
     variant, why = pipe.variant or ("base", "not read from the container")
-    chosen = way or fim.choose_way(variant)
+    chosen = way or pipe.infill_way
     params = pipe.sampling_params(**kw)
     limit = pipe.backend.max_context
     try:

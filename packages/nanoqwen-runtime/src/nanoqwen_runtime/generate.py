@@ -31,7 +31,7 @@ from .backend import Backend, ReferenceBackend, TokenRequest
 from .chat import ChatTemplate, special_tokens_of
 from .container import opened
 from .events import FINISH_ERROR, FINISH_STOP, ErrorEvent
-from .fim import model_variant
+from .fim import Way, choose_way, model_variant
 from .sampling import SamplingParams, StopMatcher
 from .tokenizer import Tokenizer
 
@@ -96,10 +96,11 @@ class Pipeline:
 
     def __init__(self, backend: Backend | None, tokenizer: Tokenizer, template: ChatTemplate | None,
                  eos_ids: Sequence[int], defaults: Mapping[str, Any] | None = None,
-                 variant: tuple[str, str] | None = None):
+                 variant: tuple[str, str] | None = None, hidden_size: int | None = None):
         self.backend = backend
         # ("base" | "instruct", why): fim.model_variant of the container; None when not from one
         self.variant = variant
+        self.hidden_size = hidden_size  # the model's (config hidden_size); None when not from a container
         self.tokenizer = tokenizer
         self.template = template
         self.eos_ids = frozenset(int(e) for e in eos_ids)
@@ -134,7 +135,16 @@ class Pipeline:
         defaults = generation_defaults(f.metadata)
         eos = defaults.get("eos_token_ids") or f.config.get("eos_token_id") or []
         eos = eos if isinstance(eos, list) else [eos]
-        return cls(backend, tok, template, eos, defaults, model_variant(f.metadata))
+        return cls(backend, tok, template, eos, defaults, model_variant(f.metadata),
+                   int(f.config["hidden_size"]))
+
+    @property
+    def infill_way(self) -> Way:
+        """How this model is prompted to fill in the middle unless a request says (fim.choose_way): a
+        pipeline not read from a container is taken as a base model."""
+        if self.variant is None or self.hidden_size is None:
+            return "fim"
+        return choose_way(self.variant[0], self.hidden_size)
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the container defaults, overridden by the non-None `overrides`."""

@@ -11,12 +11,12 @@
         "stop": true and the fields above (llama-server sends no `[DONE]` on this route)
     POST /v1/completions with "suffix": the same prompt, OpenAI's text_completion answer
 
-The prompt is `nanoqwen_runtime.fim`'s: the FIM tokens for a base model, the chat-template infill for an
-Instruct model (`fim.model_variant` of the container, `fim.choose_way`); `infill_way` overrides it
-per request. `prompt` (llama-server: text typed after the prefix on the cursor's line) is appended to
-the prefix. Extra files that do not fit the context (less `n_predict`) are dropped whole, the first
-given first, before anything else; a prefix and suffix that do not fit alone are a 400 with both
-lengths.
+The prompt is `nanoqwen_runtime.fim`'s: the FIM tokens, or the chat-template infill for a small
+Instruct model (`Pipeline.infill_way`: `fim.choose_way` by the container's variant and size, as
+measured); `infill_way` overrides it per request. `prompt` (llama-server: text typed after the
+prefix on the cursor's line) is appended to the prefix. Extra files that do not fit the context (less
+`n_predict`) are dropped whole, the first given first, before anything else; a prefix and suffix that
+do not fit alone are a 400 with both lengths.
 
 The middle is trimmed on its way out (`fim.MiddleTrimmer`): where it starts repeating the suffix (as
 editors do; `trim_suffix_repeat: false` turns it off) and at `max_lines` lines. `t_max_predict_ms` (as
@@ -159,8 +159,7 @@ class InfillRoutes:
         from nanoqwen_runtime.sampling import SamplingError
 
         pipe = self.routes.cfg.pipeline
-        variant = (pipe.variant or ("base", ""))[0]
-        way = job.way or fim.choose_way(variant)
+        way = job.way or pipe.infill_way
         limit = info.max_model_len
         try:
             params = pipe.sampling_params(temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
