@@ -87,31 +87,20 @@ def test_read_bandwidth_reports_a_plausible_rate(device):
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
-def test_tinygemm_baseline_computes_the_dequantized_product(m, device):
-    """The baseline the kernel benches time is the product they claim: within its bound at odd M, and
-    the check catches a weight whose values it was not told (another random weight's)."""
-    from nanoqwen_bench.kernels.baselines import check_tinygemm, random_tinygemm_weight
+@pytest.mark.parametrize("kernel", ["tinygemm", "gemlite"])
+def test_baseline_computes_the_dequantized_product(kernel, m, device):
+    """The other INT4 kernels the benches time (baselines.py) compute the product they claim: within the
+    bound at odd M (gemlite runs another kernel per M class), and the check catches a weight whose
+    values it was not told (another random weight's). gemlite runs where it is installed."""
+    from nanoqwen_bench.kernels import baselines
 
+    if kernel == "gemlite" and baselines.gemlite_missing():
+        pytest.skip(baselines.gemlite_missing())
+    make = getattr(baselines, f"random_{kernel}_weight")
+    check = getattr(baselines, f"check_{kernel}")
     gen = torch.Generator(device="cuda").manual_seed(m)
-    w = random_tinygemm_weight(256, 1536, gen, keep_values=True)
-    check_tinygemm(w, m, gen)
-    w.q = random_tinygemm_weight(256, 1536, gen, keep_values=True).q
-    with pytest.raises(AssertionError, match="tinygemm"):
-        check_tinygemm(w, m, gen)
-
-
-@pytest.mark.parametrize("m", [1, 3, 17])
-def test_gemlite_baseline_computes_the_dequantized_product(m, device):
-    """gemlite, as the kernel benches time it (where installed): its product within the bound at odd M
-    (each M class runs another of its kernels), and the check catches values it was not told."""
-    from nanoqwen_bench.kernels.baselines import check_gemlite, gemlite_missing, random_gemlite_weight
-
-    missing = gemlite_missing()
-    if missing:
-        pytest.skip(missing)
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    w = random_gemlite_weight(256, 1536, gen, keep_values=True)
-    check_gemlite(w, m, gen)
-    w.q = random_gemlite_weight(256, 1536, gen, keep_values=True).q
-    with pytest.raises(AssertionError, match="gemlite"):
-        check_gemlite(w, m, gen)
+    w = make(256, 1536, gen, keep_values=True)
+    check(w, m, gen)
+    w.q = make(256, 1536, gen, keep_values=True).q
+    with pytest.raises(AssertionError, match=kernel):
+        check(w, m, gen)
