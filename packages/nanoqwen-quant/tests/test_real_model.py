@@ -89,7 +89,11 @@ def test_containers_are_valid(packed, qwen05b_gguf):
             assert prov["source_sha256"] == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
             assert "<|im_start|>" in f.chat_template
             tok = json.loads(f.tokenizer_json)
-            assert any(t["content"] == "<|im_end|>" and t["id"] == 151645 for t in tok["added_tokens"])
+            added = {t["content"]: (t["id"], t["special"]) for t in tok["added_tokens"]}
+            # every control and user-defined token of the GGUF, at its id (the FIM tokens among them)
+            assert added["<|im_end|>"] == (151645, True) and added["<|fim_prefix|>"] == (151659, True)
+            assert added["<|file_sep|>"] == (151664, True) and added["<tool_call>"] == (151657, False)
+            assert len(added) == 22
             assert f.metadata["generation"]["eos_token_ids"] == [151645, 151643]
             assert f.config["intermediate_size"] == INTERMEDIATE_05B
 

@@ -226,10 +226,18 @@ class GGUFSource(Source):
         self.chat_template = str(fields.get("tokenizer.chat_template", ""))
         if not self.chat_template:
             raise SourceError(f"{path}: GGUF has no tokenizer.chat_template")
-        self.tokenizer_json = gguf_tokenizer_json(self.path)
+        self.tokenizer_json = with_gguf_added_tokens(gguf_tokenizer_json(self.path), *self._token_kinds())
         self.generation = qwen_generation_defaults(eos_ids)
         # every decoder linear Q4_0: they can be imported exactly (quantized_layer); no --method imports
         self.scheme: QuantScheme | None = gguf_q4_0_scheme() if self._all_linears_q4_0() else None
+
+    def _token_kinds(self) -> tuple[list[str], list[int]]:
+        """The GGUF vocabulary's tokens and their `tokenizer.ggml.token_type` (1 normal, 3 control, 4
+        user-defined, 5 unused, ...)."""
+        toks = self._reader.fields["tokenizer.ggml.tokens"]
+        kinds = self._reader.fields["tokenizer.ggml.token_type"]
+        return ([bytes(toks.parts[i]).decode("utf-8") for i in toks.data],
+                [int(kinds.parts[i][0]) for i in kinds.data])
 
     def _eos_ids(self, eos: int | None) -> list[int]:
         """The GGUF eos plus `<|endoftext|>`: Qwen's generation_config.json stops on both."""
@@ -319,6 +327,35 @@ def gguf_tokenizer_json(path: Path) -> str:
         raise SourceError("converting a GGUF tokenizer needs transformers: pip install transformers") from e
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return tok.backend_tokenizer.to_str()
+
+
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+def with_gguf_added_tokens(tokenizer_json: str, tokens: list[str], kinds: list[int]) -> str:
+    """`tokenizer_json` with every control and user-defined token of the GGUF vocabulary among its added
+    tokens, at its GGUF id (control: special, as Qwen's own tokenizer.json marks them; user-defined, like
+    `<tool_call>`: not special). transformers' GGUF conversion leaves some of them out in some versions
+    (the FIM tokens, seen on one machine), and a container without them cannot infill. An added token at
+    another id than the GGUF's is a SourceError."""
+    data = json.loads(tokenizer_json)
+    added = data.setdefault("added_tokens", [])
+    have = {t["content"]: t["id"] for t in added}
+    missing = 0
+    for i, (tok, kind) in enumerate(zip(tokens, kinds, strict=True)):
+        if kind not in (GGUF_CONTROL, GGUF_USER_DEFINED):
+            continue
+        if tok in have:
+            if have[tok] != i:
+                raise SourceError(f"the converted tokenizer has {tok!r} at id {have[tok]}, the GGUF at {i}")
+            continue
+        added.append({"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+                      "normalized": False, "special": kind == GGUF_CONTROL})
+        missing += 1
+    if not missing:
+        return tokenizer_json  # byte for byte what the conversion gave
+    added.sort(key=lambda t: t["id"])
+    return json.dumps(data, ensure_ascii=False)
 
 
 def qwen_generation_defaults(eos_ids: list[int], gen: dict | None = None) -> dict:
