@@ -8,7 +8,7 @@ batch 1 and 64"): two measurements, for the bench to run as a section of its own
   same, the numbers should agree).
 - `token_mask_ab`: decode tok/s of a graph-mode engine with `EngineConfig.token_mask` on (a: the mask
   is part of every captured step, all ones here) against off (b), same weights, features off
-  (`bench._variants_ab`: engine tok/s and each side's graph replay).
+  (`bench.ab_decode`: engine tok/s and each side's graph replay, in alternating repeats).
 - `constrained_neighbours`: what one constrained row costs the rows beside it (it needs a tokenizer):
   the engine's wall time per decode step of a full batch, all rows free (a) against one row under a
   grammar (b, overlapped as the engine runs it) and (c, the same with overlap off: what running such
@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from nanoqwen_model import Qwen2Config
 from nanoqwen_runtime.token_mask import apply_token_bitmask_, bit_values, bitmask_words
+
+from .bench import AB_REPS, _ab_engine, _prompt, _run, ab_decode, tokenizer_from
 
 __all__ = ["token_mask_op_us", "token_mask_ab", "constrained_neighbours", "MASK_BATCHES", "main"]
 
@@ -81,11 +83,15 @@ def token_mask_op_us(geom: Qwen2Config, *, batches: tuple[int, ...] = MASK_BATCH
 def token_mask_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = MASK_BATCHES,
                   reps: int | None = None) -> dict:
     """Decode with the token mask in every captured step (a, `token_mask=True`) against without it (b),
-    `bench._variants_ab` (rows per batch size: engine tok/s of each side and its graph replay)."""
-    from .bench import AB_REPS, _variants_ab
-
-    return _variants_ab(geom, weights, "token_mask", False, (True,), batches=batches,
-                        reps=AB_REPS if reps is None else reps)
+    same weights, features off: `bench.ab_decode` rows per batch size (engine tok/s of each side, its
+    graph replay, the rank-test verdict)."""
+    reps = AB_REPS if reps is None else reps
+    on = _ab_engine(geom, weights, prefix_caching=False, speculation=None, token_mask=True)
+    off = _ab_engine(geom, weights, prefix_caching=False, speculation=None, token_mask=False)
+    rows = ab_decode(on, off, batches=batches, reps=reps)
+    del on, off
+    torch.cuda.empty_cache()
+    return {"rows": rows, "reps": reps, "a": "token_mask on", "b": "token_mask off"}
 
 
 def constrained_neighbours(engine, *, batch: int = 64, new: int = 64, reps: int = 3,
@@ -98,8 +104,6 @@ def constrained_neighbours(engine, *, batch: int = 64, new: int = 64, reps: int 
     from nanoqwen_runtime.engine.scheduler import Request
     from nanoqwen_runtime.grammar import lark_grammar
     from nanoqwen_runtime.sampling import SamplingParams
-
-    from .bench import _prompt, _run
 
     grammar = lark_grammar(NEIGHBOUR_GRAMMAR)
     vocab = engine.geom.vocab_size
@@ -145,22 +149,26 @@ def main(argv: list[str] | None = None) -> None:
     from nanoqwen_runtime.engine import Engine, EngineConfig
     from nanoqwen_runtime.engine.synthetic import random_weights
 
-    from .bench import tokenizer_from
-
     tok = tokenizer_from(args.tokenizer_from)
     geom = QWEN25_CODER_7B
     weights = random_weights(geom, torch.device("cuda"), seed=0, symmetric=False)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section: a later failure keeps what was measured
+        tmp = args.out / "mask_cost.json.tmp"
+        tmp.write_text(json.dumps(out, indent=2, default=str) + "\n")
+        tmp.replace(args.out / "mask_cost.json")
+
     out = {"device": torch.cuda.get_device_name(), "model": "synthetic Qwen2.5-Coder-7B geometry",
            "op_us": token_mask_op_us(geom)}
+    save()
     engine = Engine(geom, weights, EngineConfig(kv_memory_bytes=8 << 30, max_model_len=4096,
                                                 prefix_caching=False, speculation=None), tokenizer=tok)
     out["neighbours"] = [constrained_neighbours(engine, batch=b, reps=args.reps) for b in (8, 64)]
+    save()
     del engine
     out["mask_in_step_ab"] = token_mask_ab(geom, weights)
-    args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / "mask_cost.json.tmp"
-    tmp.write_text(json.dumps(out, indent=2, default=str) + "\n")
-    tmp.replace(args.out / "mask_cost.json")
+    save()
     for r in out["op_us"]:
         print(f"mask op alone, batch {r['batch']}: {r['all_ones_us']:.1f} us (all ones), "
               f"{r['random_us']:.1f} us (random)")
@@ -168,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"batch {r['batch']}: step {r['step_ms_free']:.3f} ms free, {r['step_ms_constrained']:.3f} ms "
               f"with one constrained row (+{r['cost_ms']:.3f}; synchronous +{r['cost_ms_sync']:.3f}); "
               f"host mask {r['host_mask_ms']:.3f} ms; {r['steps_ahead_masked']} steps masked ahead")
+    for r in out["mask_in_step_ab"]["rows"]:
+        print(f"batch {r['batch']}: mask in every step {r['a_tok_s']:.0f} tok/s, without {r['b_tok_s']:.0f} "
+              f"(x{r['a_over_b']:.3f}; slower by the rank test: {r['a_slower']})")
 
 
 if __name__ == "__main__":
