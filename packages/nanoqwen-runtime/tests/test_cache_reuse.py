@@ -225,7 +225,33 @@ def test_scheduler_splits_the_prompt_around_the_copied_span():
     tail = len(B) - Y_AT - REUSED
     assert (plan.start_pos, plan.query_lens, plan.sample) == ([Y_AT + REUSED], [tail], [True])
     sched.commit(plan, {seq.seq_id: 99})
-    assert len(seq.block_keys) == Y_AT // BS  # nothing from the copied span on is cached
+    # from the copied span on, B's blocks are keyed apart: an exact lookup of B stops at X
+    assert len(seq.block_keys) == len(B) // BS and seq.cacheable_blocks == Y_AT // BS
+    assert len(sched.blocks.lookup(B, len(B) - 1)[0]) == len(X) // BS
+    sched.blocks.check(sched.live())
+
+
+def test_copied_blocks_can_be_copied_again():
+    """The cursor moves on: C shows the code below it once more, at yet another position, and only B's
+    blocks, themselves copied, hold it block-aligned there: C copies them (the chain llama-server's
+    slots make), and its exact hit still stops at X."""
+    sched = scheduler(32)
+    run_prefill_then_finish(sched, A)
+    b = sched.add(req(B, "b", max_tokens=1))
+    while b.num_computed < len(B):
+        plan = sched.schedule()
+        sched.commit(plan, {b.seq_id: 99} if plan.sample[0] else {})
+    b_blocks = list(b.blocks)
+    sched.finish(b, FinishReason.LENGTH)
+    sched.pending_shifts.clear()
+    w = [rng.randrange(10, 500) for _ in range(7)]
+    c_ids = X + w + B[Y_AT + 11:Y_AT + 11 + 80] + TAIL  # the text of B's blocks 5..9
+    c = sched.add(req(c_ids, "c", max_tokens=1))
+    sched.schedule()
+    (shift,) = sched.pending_shifts
+    src_blocks = {s // BS for s in shift.src_slots}
+    assert src_blocks == set(b_blocks[5:10]) and len(shift.src_slots) == 80
+    assert c.num_computed == len(X)  # the exact hit
     sched.blocks.check(sched.live())
 
 

@@ -29,8 +29,12 @@ the exact prefix, a run of cached blocks whose tokens appear again at another po
 fill-in-the-middle prompt: the code below the cursor, after a prefix that changed) can be copied there
 with its keys rotated to the new positions (kv_cache.shift_kv) instead of being computed again. That
 K/V is approximate: each token attended to the old context, not the new one. So a sequence's blocks
-from the first shifted token on are never registered (`Sequence.cacheable_blocks`): the cache only
-ever holds exactly computed K/V, and only opted-in requests see the approximation.
+from the first shifted token on (`Sequence.cacheable_blocks`) are keyed in a chain of their own, which
+starts from `shifted_root(parent)` instead of the exact parent: `lookup`, which walks from ROOT_KEY,
+never reaches them, so the exact prefix cache serves only exactly computed K/V; `find_shifted` finds
+them by their tokens, so the next request can copy them again, as llama-server's slots shift what they
+already shifted (an editor's suffix, copied request after request as the cursor moves). Only engines
+with `cache_reuse` on ever see the approximation.
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 ROOT_KEY = b"nanoqwen-prefix-root"
+
+
+def shifted_root(parent: bytes) -> bytes:
+    """The parent key of a sequence's first block of shifted-copy K/V (module header): a hash in its own
+    domain (BLAKE2b's personalisation), which no exact chain produces, so such blocks never answer an
+    exact lookup."""
+    return hashlib.blake2b(parent, digest_size=16, person=b"nq-shifted").digest()
 
 
 class BlockAllocatorProtocol(Protocol):
@@ -208,10 +219,10 @@ class BlockManager:
         bs = self.block_size
         parent = seq.block_keys[-1] if seq.block_keys else ROOT_KEY
         full = seq.num_computed // bs
-        if seq.cacheable_blocks is not None:  # K/V from a shifted copy on: never cached (module header)
-            full = min(full, seq.cacheable_blocks)
         for i in range(len(seq.block_keys), full):
             chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            if i == seq.cacheable_blocks:  # K/V from a shifted copy on: a chain of its own (module header)
+                parent = shifted_root(parent)
             key = block_key(parent, chunk)
             b = seq.blocks[i]
             if key not in self._cache and b not in self._meta:

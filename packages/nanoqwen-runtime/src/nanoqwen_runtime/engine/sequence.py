@@ -86,7 +86,7 @@ class Sequence:
     matcher: GrammarMatcher | None = None  # the request's grammar state (engine_base; never speculated)
     # shifted reuse (blocks.py): [start, end) holds K/V copied at admission, skipped by prefill once
     # num_computed reaches start (None when there is no such gap left); blocks from the first copied
-    # token on never enter the prefix cache
+    # token on (index cacheable_blocks) are keyed in a chain exact lookups never reach
     reused_span: tuple[int, int] | None = None
     cacheable_blocks: int | None = None
 
