@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["TinyGemmWeight", "random_tinygemm_weight", "tinygemm_copies", "tinygemm_mm", "check_tinygemm",
-           "GemliteWeight", "gemlite_missing", "gemlite_tuned", "random_gemlite_weight", "gemlite_copies",
-           "gemlite_mm", "check_gemlite"]
+           "GemliteWeight", "gemlite_missing", "gemlite_tuned", "gemlite_plan", "random_gemlite_weight",
+           "gemlite_copies", "gemlite_mm", "check_gemlite"]
 
 
 @dataclass
@@ -126,6 +126,19 @@ def gemlite_tuned(n: int, k: int, m: int, group_size: int = 128) -> bool:
     # the key of gemlite's config cache: (M class, N, K, group, values per 32-bit word, fp16/bf16 W4 type)
     key = str((get_closest_m(m), n, k, group_size, 8, 104))
     return key in core.GEMLITE_TRITON_CONFIG_CACHE.get(core.get_matmul_type(m, 4), {})
+
+
+def gemlite_plan(n: int, k: int, ms, autotune: bool = False) -> tuple[list[int], str | None]:
+    """The M values (of `ms`) at which the benches time gemlite at an [N, K] shape, and why the others
+    are not timed (None when all are): where it ships a tuned config for the GPU, or every M with
+    `autotune` (its autotune then runs in the warm-up); none where it is not importable."""
+    missing = gemlite_missing()
+    if missing:
+        return [], missing
+    timed = [m for m in ms if autotune or gemlite_tuned(n, k, m)]
+    why = None if len(timed) == len(ms) else \
+        "gemlite ships no tuned config for this GPU and shape (--gemlite-autotune: tune it)"
+    return timed, why
 
 
 def random_gemlite_weight(n: int, k: int, gen: torch.Generator, group_size: int = 128,

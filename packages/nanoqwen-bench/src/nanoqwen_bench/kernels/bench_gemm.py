@@ -55,14 +55,7 @@ from nanoqwen_kernels import gemm, gemv
 from nanoqwen_kernels import reference as R
 
 from ..gpu import read_bandwidth, time_graph
-from .baselines import (
-    gemlite_copies,
-    gemlite_missing,
-    gemlite_mm,
-    gemlite_tuned,
-    tinygemm_copies,
-    tinygemm_mm,
-)
+from .baselines import gemlite_copies, gemlite_mm, gemlite_plan, tinygemm_copies, tinygemm_mm
 from .bench_kernels import random_weight
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
@@ -102,14 +95,10 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
     ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values()),
                                  torch.device("cuda"))
     tiny = [] if int4_only else tinygemm_copies(n, k, gen, L2_ROTATE_BYTES, ms)
-    missing = gemlite_missing()
-    lite_ms = [] if int4_only or missing else [
-        m for m in ms if gemlite_autotune or gemlite_tuned(n, k, m)]
+    lite_ms, why = ([], None) if int4_only else gemlite_plan(n, k, ms, gemlite_autotune)
     lite = gemlite_copies(n, k, gen, L2_ROTATE_BYTES, lite_ms) if lite_ms else []
-    if not int4_only and len(lite_ms) < len(ms):
-        print(f"{name}: gemlite not timed at M {sorted(set(ms) - set(lite_ms))}: "
-              f"{missing or 'no tuned config shipped for this GPU and shape (--gemlite-autotune)'}",
-              flush=True)
+    if why:
+        print(f"{name}: gemlite not timed at M {sorted(set(ms) - set(lite_ms))}: {why}", flush=True)
     for m in ms:
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")

@@ -38,14 +38,7 @@ from nanoqwen_kernels import build, gemv, layer_ops, sampling
 from nanoqwen_kernels.specs import SPECS
 
 from ..gpu import read_bandwidth, time_graph
-from .baselines import (
-    gemlite_copies,
-    gemlite_missing,
-    gemlite_mm,
-    gemlite_tuned,
-    tinygemm_copies,
-    tinygemm_mm,
-)
+from .baselines import gemlite_copies, gemlite_mm, gemlite_plan, tinygemm_copies, tinygemm_mm
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944),
           ("lm_head", 152064, 3584)]  # fmt: skip
@@ -213,11 +206,9 @@ def bench_baselines(name, n, k, ms, gen, rows, read_bw, copy_bw, gemlite_autotun
     bench_baseline("tinygemm_int4_g128", "torch._weight_int4pack_mm",
                    tinygemm_copies(n, k, gen, L2_ROTATE_BYTES, ms), tinygemm_mm, name, n, k, ms, gen, rows,
                    read_bw, copy_bw)  # fmt: skip
-    missing = gemlite_missing()
-    timed = [] if missing else [m for m in ms if gemlite_autotune or gemlite_tuned(n, k, m)]
+    timed, why = gemlite_plan(n, k, ms, gemlite_autotune)
     for m in (m for m in ms if m not in timed):
-        rows.append(Row("gemlite_int4_g128", name, m, "not timed", 0, 0, 0, missing or
-                        "gemlite ships no tuned config for this GPU and shape (--gemlite-autotune: tune it)"))
+        rows.append(Row("gemlite_int4_g128", name, m, "not timed", 0, 0, 0, why))
     if timed:
         bench_baseline("gemlite_int4_g128", "gemlite.GemLiteLinear",
                        gemlite_copies(n, k, gen, L2_ROTATE_BYTES, timed), gemlite_mm, name, n, k, timed, gen,
