@@ -139,7 +139,7 @@ def test_copied_kv_is_the_exact_kv_at_layer_0(request, make):
     st = engine.stats()
     assert st.prefix_reused_tokens - before.prefix_reused_tokens == REUSED
     assert seq.num_computed == Y_AT + REUSED  # Z computed, then the copied span skipped
-    assert seq.cacheable_blocks == Y_AT // BS and seq.reused_span is None
+    assert seq.first_shifted_block == Y_AT // BS and seq.reused_span is None
     span = range(Y_AT, Y_AT + REUSED)
     k_got, v_got = layer_rows(engine, seq.blocks, span, 0)
     k_want, v_want = layer_rows(exact, want.blocks, span, 0)
@@ -175,7 +175,7 @@ def test_reuse_off_below_the_minimum_and_when_disabled(tiny_path):
         engine = reference(tiny_path, cache_reuse)
         seq = admit_b(engine)
         assert engine.stats().prefix_reused_tokens == 0
-        assert seq.num_computed == len(B) and seq.cacheable_blocks is None  # all computed, exactly
+        assert seq.num_computed == len(B) and seq.first_shifted_block is None  # all computed, exactly
         finish(engine, "b")
 
 
@@ -226,7 +226,7 @@ def test_scheduler_splits_the_prompt_around_the_copied_span():
     assert (plan.start_pos, plan.query_lens, plan.sample) == ([Y_AT + REUSED], [tail], [True])
     sched.commit(plan, {seq.seq_id: 99})
     # from the copied span on, B's blocks are keyed apart: an exact lookup of B stops at X
-    assert len(seq.block_keys) == len(B) // BS and seq.cacheable_blocks == Y_AT // BS
+    assert len(seq.block_keys) == len(B) // BS and seq.first_shifted_block == Y_AT // BS
     assert len(sched.blocks.lookup(B, len(B) - 1)[0]) == len(X) // BS
     sched.blocks.check(sched.live())
 

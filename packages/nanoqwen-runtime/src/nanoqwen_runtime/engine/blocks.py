@@ -29,7 +29,7 @@ the exact prefix, a run of cached blocks whose tokens appear again at another po
 fill-in-the-middle prompt: the code below the cursor, after a prefix that changed) can be copied there
 with its keys rotated to the new positions (kv_cache.shift_kv) instead of being computed again. That
 K/V is approximate: each token attended to the old context, not the new one. So a sequence's blocks
-from the first shifted token on (`Sequence.cacheable_blocks`) are keyed in a chain of their own, which
+from the first shifted token on (`Sequence.first_shifted_block`) are keyed in a chain of their own, which
 starts from `shifted_root(parent)` instead of the exact parent: `lookup`, which walks from ROOT_KEY,
 never reaches them, so the exact prefix cache serves only exactly computed K/V; `find_shifted` finds
 them by their tokens, so the next request can copy them again, as llama-server's slots shift what they
@@ -221,7 +221,7 @@ class BlockManager:
         full = seq.num_computed // bs
         for i in range(len(seq.block_keys), full):
             chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
-            if i == seq.cacheable_blocks:  # K/V from a shifted copy on: a chain of its own (module header)
+            if i == seq.first_shifted_block:  # K/V from a shifted copy on: a chain of its own (module header)
                 parent = shifted_root(parent)
             key = block_key(parent, chunk)
             b = seq.blocks[i]

@@ -311,7 +311,7 @@ class Scheduler:
         src = [b * bs + j for b in run.blocks for j in range(bs)]
         dst = [seq.blocks[p // bs] * bs + p % bs for p in range(run.start, run.end)]
         self.pending_shifts.append(KVShift(src, dst, run.delta))
-        seq.cacheable_blocks = run.start // bs
+        seq.first_shifted_block = run.start // bs
         if run.start == seq.num_computed:
             seq.num_computed = run.end
         else:
@@ -330,7 +330,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.num_computed = 0
-        seq.reused_span = seq.cacheable_blocks = None  # recomputed on resume (or reused anew)
+        seq.reused_span = seq.first_shifted_block = None  # recomputed on resume (or reused anew)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

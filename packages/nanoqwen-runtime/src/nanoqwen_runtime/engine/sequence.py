@@ -85,10 +85,11 @@ class Sequence:
     num_new_tokens: int = 0  # tokens the last `Scheduler.commit` appended (> 1 after a verify step)
     matcher: GrammarMatcher | None = None  # the request's grammar state (engine_base; never speculated)
     # shifted reuse (blocks.py): [start, end) holds K/V copied at admission, skipped by prefill once
-    # num_computed reaches start (None when there is no such gap left); blocks from the first copied
-    # token on (index cacheable_blocks) are keyed in a chain exact lookups never reach
+    # num_computed reaches start (None when there is no such gap left); first_shifted_block: the index
+    # of the block holding the first copied token, from which on blocks are keyed in a chain exact
+    # lookups never reach (None: no copy)
     reused_span: tuple[int, int] | None = None
-    cacheable_blocks: int | None = None
+    first_shifted_block: int | None = None
 
     @property
     def prefill_left(self) -> int:
