@@ -2,7 +2,8 @@
 reads every word (its XOR equals numpy's, at odd sizes and at several MB), refuses inputs it cannot read with
 16-byte loads; spin holds the stream for at least the asked time; read_bandwidth reports a rate only after its
 own correctness check; l2_prefetch changes no byte of what it prefetches (any length, a tail shorter than its
-chunk) and refuses ranges a bulk prefetch cannot take."""
+chunk) and refuses ranges a bulk prefetch cannot take; step_phases, on a grid filling every SM, reads every
+phase once and its grid barrier lets no CTA through early."""
 
 from __future__ import annotations
 
@@ -108,3 +109,25 @@ def test_baseline_computes_the_dequantized_product(kernel, m, device):
     w.q = make(n, k, gen, keep_values=True).q
     with pytest.raises(AssertionError, match=kernel):
         check(w, m, gen)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_step_phases_reads_every_phase_once_across_the_whole_chip(mode, gen, device):
+    """The persistent grid at full residency (every SM): the XOR of all phases, one barrier generation
+    per phase boundary, no CTA through a barrier early; then the same state launched again."""
+    from nanoqwen_bench import gpu
+
+    vecs = [5, 0, 1000, 3, 70_001, 130, 4096 * 33 + 7]
+    bounds = torch.tensor([0, *np.cumsum(vecs)], dtype=torch.int64, device=device)
+    data = words(int(bounds[-1]) * 4, gen, device)
+    blocks = torch.cuda.get_device_properties(device).multi_processor_count * gpu.resident_blocks(
+        "step_phases_u32x4", gpu.STEP_PHASES_THREADS, device)
+    sink, bar, errors, flags = (torch.zeros(n, dtype=torch.int32, device=device) for n in (1, 2, 1, blocks))
+    gpu.step_phases(data, bounds, sink, bar, blocks=blocks, mode=mode, prefetch_bytes=4096, check_flags=flags,
+                    check_errors=errors)
+    want = np.bitwise_xor.reduce(data.cpu().numpy().view(np.uint32)).view(np.int32)
+    barriers = 0 if mode == 0 else len(vecs) - 1
+    assert int(sink.item()) == int(want)
+    assert bar.tolist() == [0, barriers] and int(errors.item()) == 0
+    gpu.step_phases(data, bounds, sink, bar, blocks=blocks, mode=mode)
+    assert int(sink.item()) == 0 and bar.tolist() == [0, 2 * barriers]

@@ -5,6 +5,7 @@ ceiling and a GPU-side wait, and the CUDA-graph / CUDA-event timing the benchmar
     read_xor(buf, sink)                                # one pass over buf; sink ^= XOR of its words
     spin(50_000_000)                                   # the current stream waits 50 ms on the GPU
     l2_prefetch(weights_bytes, evict_last=True)        # the L2 starts fetching a buffer; no wait
+    step_phases(data, bounds, sink, bar, blocks=g, mode=PHASES_BARRIER)  # resident CTAs read phases
     t = time_graph(lambda i: op(bufs[i % 2]), reps=20)  # s per call, from one CUDA graph of 20 calls
     g = capture_graph(lambda i: op(bufs[i % 2]), 20)   # that graph itself, warmed and replayed 3 times
     t = median_replay_seconds(graph, replays=50)       # s per replay of an existing graph
@@ -46,6 +47,65 @@ def read_xor(data: torch.Tensor, sink: torch.Tensor) -> None:
     blocks = min(sms * READ_BLOCKS_PER_SM, -(-n_vec // READ_THREADS))
     launch(FAMILY, "read_xor_u32x4", index, (blocks, 1, 1), (READ_THREADS, 1, 1),
            (ptr(data), np.uint64(n_vec), ptr(sink)))  # fmt: skip
+
+
+PHASES_BACK_TO_BACK, PHASES_BARRIER, PHASES_BARRIER_PREFETCH = 0, 1, 2  # step_phases' modes (bench.cu)
+STEP_PHASES_THREADS = 512
+
+
+def step_phases(data: torch.Tensor, bounds: torch.Tensor, sink: torch.Tensor, bar: torch.Tensor, *,
+                blocks: int, mode: int, prefetch_bytes: int = 0, phases: slice | None = None,
+                check_flags: torch.Tensor | None = None, check_errors: torch.Tensor | None = None) -> None:
+    """One launch of bench.cu's `step_phases_u32x4`: `blocks` CTAs of 512 threads read the phases of
+    `data` (contiguous, 16-byte aligned) one after another, phase p being the 16-byte vectors
+    [bounds[p], bounds[p + 1]) (bounds: int64 [P + 1], ascending, on the device); sink (int32 [1]) ^=
+    the XOR of every word read. `phases` (a step-1 slice of 0..P) launches only those phases. Between
+    phases, by `mode`: nothing (PHASES_BACK_TO_BACK), a grid barrier (PHASES_BARRIER), or the barrier
+    after asking the L2 for the first `prefetch_bytes` of each CTA's share of the next phase
+    (PHASES_BARRIER_PREFETCH). bar: int32 [2], zero before the first launch. check_flags /
+    check_errors (int32 [blocks] zeroed, int32 [1]): check_errors counts the CTAs a barrier let through
+    early (a test of the barrier; costs `blocks` loads per CTA per barrier).
+
+    Every CTA must be resident at once (the barrier waits for all): `blocks` <= resident_blocks()."""
+    index = require_sm90(data.device)
+    if not data.is_contiguous() or data.data_ptr() % 16:
+        raise ValueError("data: must be contiguous and 16-byte aligned")
+    n_phases = bounds.numel() - 1
+    start, stop, step = (phases or slice(None)).indices(n_phases)
+    if step != 1 or stop <= start:
+        raise ValueError(f"phases {phases}: a non-empty step-1 slice of 0..{n_phases} is needed")
+    check(bounds, "bounds", torch.int64, (n_phases + 1,), data.device, align=8)
+    check(sink, "sink", torch.int32, (1,), data.device, align=4)
+    check(bar, "bar", torch.int32, (2,), data.device, align=4)
+    if mode not in (PHASES_BACK_TO_BACK, PHASES_BARRIER, PHASES_BARRIER_PREFETCH):
+        raise ValueError(f"mode {mode}: 0, 1 or 2")
+    if blocks <= 0 or prefetch_bytes < 0 or prefetch_bytes % 16:
+        raise ValueError("blocks > 0, and prefetch_bytes a non-negative multiple of 16, are needed")
+    if (check_flags is None) != (check_errors is None):
+        raise ValueError("check_flags and check_errors go together")
+    if check_flags is not None:
+        check(check_flags, "check_flags", torch.int32, (blocks,), data.device, align=4)
+        check(check_errors, "check_errors", torch.int32, (1,), data.device, align=4)
+    args = (ptr(data), np.uint64(bounds.data_ptr() + 8 * start), np.int32(stop - start), np.int32(mode),
+            np.uint64(prefetch_bytes // 16), ptr(sink), ptr(bar), ptr(check_flags), ptr(check_errors))
+    launch(FAMILY, "step_phases_u32x4", index, (blocks, 1, 1), (STEP_PHASES_THREADS, 1, 1), args)
+
+
+def resident_blocks(kernel: str, threads: int, device: torch.device) -> int:
+    """How many CTAs of bench.cu's `kernel` at `threads` threads (no dynamic shared memory) one SM holds
+    at once: the driver's occupancy answer."""
+    import ctypes
+
+    from nanoqwen_kernels.cuda_driver import _error_text, _libcuda
+    from nanoqwen_kernels.launch import get_function
+
+    fn = get_function(FAMILY, kernel, require_sm90(device))
+    lib, n = _libcuda(), ctypes.c_int(0)
+    rc = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr),
+                                                         ctypes.c_int(threads), ctypes.c_size_t(0))
+    if rc != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor({kernel}): {_error_text(lib, rc)}")
+    return n.value
 
 
 def spin(ns: int, device: torch.device | None = None) -> None:

@@ -9,6 +9,14 @@
 //                    `chunk` bytes; optionally with an evict_last cache policy) and returns without
 //                    waiting for it: the measurement behind a weight prefetch that runs ahead of the
 //                    GEMVs (nanoqwen_bench.gpu.l2_prefetch launches it).
+//   step_phases_u32x4  the ceiling of a persistent decode kernel: one grid, resident on every SM, reads
+//                    a decode step's phases (one per op: qkv, attention's KV, o, gate_up, down, ...,
+//                    lm_head) one after another, with a grid barrier between phases as each op waits for
+//                    the whole previous one; optionally with each CTA asking the L2 for the head of its
+//                    share of the next phase before it waits at the barrier (weights depend on no
+//                    activation, so a persistent kernel can fetch them early). Measured against
+//                    read_xor's bandwidth and against one launch per phase (nanoqwen_bench.kernels.
+//                    persistent_ceiling).
 //   spin_ns          one thread waits `ns` nanoseconds of %globaltimer: it holds a stream busy while
 //                    the host queues work behind it, so that queued kernels then run back to back
 //                    at the GPU's pace (the engine benchmark's per-op timing of eager steps).
@@ -26,7 +34,26 @@
 
 #include "common.cuh"
 
+#ifdef NQ_HOST_EMU
+#include <chrono>
+#endif
+
 NQ_DEVICE u32 xor4(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
+
+NQ_DEVICE void red_xor_u32(u32* p, u32 v) {
+#ifdef NQ_HOST_EMU
+  __atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST);
+#else
+  asm volatile("red.global.xor.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+
+// Asks the L2 to fetch [p, p + bytes) (p 16-byte aligned, bytes a multiple of 16) and does not wait.
+NQ_DEVICE void prefetch_l2(const void* p, u32 bytes) {
+#ifndef NQ_HOST_EMU
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
 
 // grid (blocks), block 256. data: [n_vec] 16-byte vectors; sink: one u32, XOR-accumulated.
 extern "C" __global__ void __launch_bounds__(256) read_xor_u32x4(const uint4* __restrict__ data, u64 n_vec,
@@ -44,20 +71,25 @@ extern "C" __global__ void __launch_bounds__(256) read_xor_u32x4(const uint4* __
   for (; i < n_vec; i += stride) acc ^= xor4(ld_stream_v4(data + i));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
-  if ((threadIdx.x & 31) == 0) asm volatile("red.global.xor.b32 [%0], %1;" ::"l"(sink), "r"(acc) : "memory");
+  if ((threadIdx.x & 31) == 0) red_xor_u32(sink, acc);
 }
 
 NQ_DEVICE u64 globaltimer_ns() {
+#ifdef NQ_HOST_EMU
+  return (u64)std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+#else
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+#endif
 }
 
 // grid (1), block 1. Returns once `ns` nanoseconds of the global timer have passed (sleeping 1 us
 // between reads, so the waiting thread takes no issue slots from anything else).
 extern "C" __global__ void __launch_bounds__(32) spin_ns(u64 ns) {
   const u64 t0 = globaltimer_ns();
-  while (globaltimer_ns() - t0 < ns) asm volatile("nanosleep.u32 1000;" ::: "memory");
+  while (globaltimer_ns() - t0 < ns) __nanosleep(1000);
 }
 
 // grid (blocks), block 128. Thread t of the grid issues bulk prefetches of chunks t, t + S, ... of
@@ -65,16 +97,138 @@ extern "C" __global__ void __launch_bounds__(32) spin_ns(u64 ns) {
 // cut at nbytes). evict_last != 0 attaches an L2 evict_last policy (createpolicy, fraction 1.0).
 extern "C" __global__ void __launch_bounds__(128) l2_prefetch(const unsigned char* __restrict__ data, u64 nbytes,
                                                               u32 chunk, int evict_last) {
+#ifndef NQ_HOST_EMU
   u64 policy;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+#endif
   const u64 stride = (u64)gridDim.x * blockDim.x * chunk;
   for (u64 off = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * chunk; off < nbytes; off += stride) {
     const u32 size = (u32)(nbytes - off < chunk ? nbytes - off : chunk);
+#ifdef NQ_HOST_EMU
+    (void)size, (void)evict_last;
+#else
     if (evict_last) {
       asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(data + off), "r"(size),
                    "l"(policy) : "memory");
     } else {
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(data + off), "r"(size) : "memory");
+      prefetch_l2(data + off, size);
+    }
+#endif
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// step_phases_u32x4: the persistent decode kernel's streaming ceiling.
+//
+// Phase p is the 16-byte vectors [bounds[p], bounds[p + 1]) of `data`. CTA b of the G CTAs reads the
+// contiguous slice b of each phase (ceil(n / G) vectors: a GEMV's CTA owns contiguous columns), four
+// independent 16-byte loads per thread per loop trip before any is used, as read_xor does, and
+// XOR-folds them into *sink. After every phase but the last:
+//   mode 0  nothing: the phases back to back (the ceiling of this partition without waits);
+//   mode 1  a grid barrier: each op waits for all of the previous one, as a persistent decode kernel's
+//           ops do (each needs the whole activation vector the previous op wrote);
+//   mode 2  the same barrier, but before arriving each CTA asks the L2 for the first `prefetch_vec`
+//           vectors of its slice of the next phase (cp.async.bulk.prefetch.L2 in 4 KB requests): the
+//           next op's weights depend on nothing, so their fetch can cover the barrier's wait.
+// Every CTA must be resident (G <= SMs x blocks per SM): the barrier waits for all of them.
+// bar: 2 u32, zero before the first launch (arrivals, generation); the barrier leaves the arrivals at
+// 0, so launches can follow each other. check: null, or G u32 zeroed before this launch: CTA b stores
+// p + 1 before barrier p, and after it counts into check_errors[0] every CTA still below p + 1 (a
+// barrier that let a CTA through early).
+// ---------------------------------------------------------------------------------------------------
+
+NQ_DEVICE u32 ld_acquire_gpu_u32(const u32* p) {
+#ifdef NQ_HOST_EMU
+  nq_emu::load_point();
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#else
+  u32 v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+NQ_DEVICE void st_release_gpu_u32(u32* p, u32 v) {
+#ifdef NQ_HOST_EMU
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+#else
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+
+NQ_DEVICE u32 atom_add_acq_rel_gpu_u32(u32* p, u32 v) {
+#ifdef NQ_HOST_EMU
+  return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
+#else
+  u32 old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+#endif
+}
+
+// All CTAs of the grid meet: bar[0] counts arrivals, bar[1] is the generation the last arrival bumps.
+NQ_DEVICE void grid_barrier(u32* bar, u32 nblocks) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u32 gen = ld_acquire_gpu_u32(bar + 1);
+    __threadfence();
+    if (atom_add_acq_rel_gpu_u32(bar, 1u) == nblocks - 1) {
+      atom_add_acq_rel_gpu_u32(bar, 0u - nblocks);  // arrivals back to 0 before the generation moves
+      st_release_gpu_u32(bar + 1, gen + 1);
+    } else {
+      while (ld_acquire_gpu_u32(bar + 1) == gen) __nanosleep(32);
     }
   }
+  __syncthreads();
+}
+
+NQ_DEVICE u64 min_u64(u64 a, u64 b) { return a < b ? a : b; }
+
+// The [begin, end) slice of CTA b out of G over n vectors starting at `base`.
+NQ_DEVICE void phase_slice(u64 base, u64 n, u32 b, u32 G, u64& begin, u64& end) {
+  const u64 per = (n + G - 1) / G;
+  begin = base + min_u64((u64)b * per, n);
+  end = base + min_u64((u64)(b + 1) * per, n);
+}
+
+// grid (G persistent CTAs), block 512. data: 16-byte vectors; bounds: [n_phases + 1] vector offsets,
+// ascending; sink: one u32, XOR-accumulated; bar: [2] u32; check / check_errors: null or as above.
+extern "C" __global__ void __launch_bounds__(512) step_phases_u32x4(const uint4* __restrict__ data,
+                                                                   const u64* __restrict__ bounds, int n_phases,
+                                                                   int mode, u64 prefetch_vec, u32* sink,
+                                                                   u32* bar, u32* check, u32* check_errors) {
+  const u32 G = gridDim.x, b = blockIdx.x, T = blockDim.x;
+  u32 acc = 0;
+  for (int p = 0; p < n_phases; ++p) {
+    u64 begin, end;
+    phase_slice(bounds[p], bounds[p + 1] - bounds[p], b, G, begin, end);
+    u64 i = begin + threadIdx.x;
+    for (; i + 3 * T < end; i += 4 * T) {
+      const uint4 v0 = ld_stream_v4(data + i);
+      const uint4 v1 = ld_stream_v4(data + i + T);
+      const uint4 v2 = ld_stream_v4(data + i + 2 * T);
+      const uint4 v3 = ld_stream_v4(data + i + 3 * T);
+      acc ^= xor4(v0) ^ xor4(v1) ^ xor4(v2) ^ xor4(v3);
+    }
+    for (; i < end; i += T) acc ^= xor4(ld_stream_v4(data + i));
+    if (mode == 0 || p + 1 == n_phases) continue;
+    if (mode == 2) {
+      u64 nb, ne;
+      phase_slice(bounds[p + 1], bounds[p + 2] - bounds[p + 1], b, G, nb, ne);
+      ne = min_u64(ne, nb + prefetch_vec);
+      constexpr u64 CHUNK_VEC = 256;  // 4 KB per prefetch request
+      for (u64 c = nb + (u64)threadIdx.x * CHUNK_VEC; c < ne; c += (u64)T * CHUNK_VEC)
+        prefetch_l2(data + c, (u32)(min_u64(CHUNK_VEC, ne - c) * 16));
+    }
+    if (check != nullptr && threadIdx.x == 0) st_release_gpu_u32(check + b, (u32)p + 1);
+    grid_barrier(bar, G);
+    if (check != nullptr && threadIdx.x == 0) {
+      u32 early = 0;
+      for (u32 c = 0; c < G; ++c) early += ld_acquire_gpu_u32(check + c) < (u32)p + 1;
+      if (early) atomicAdd(check_errors, early);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) red_xor_u32(sink, acc);
 }

@@ -1,0 +1,81 @@
+"""bench.cu's `step_phases_u32x4` (the persistent decode kernel's streaming ceiling) on the CPU emulator
+(nanoqwen_kernels.testing.emu: the kernel's CUDA source compiled for the host, every CTA on a thread of
+its own, all resident at once, as the grid barrier needs). Phases of odd sizes (empty, fewer vectors than
+CTAs, a tail): in every mode the sink is the XOR of exactly the words of the launched phases; the grid
+barrier ran once between phases (its generation counts them) and let no CTA through early (every CTA
+checks every other's arrival flag after it); its arrival count is back at zero, so a second launch on the
+same state works. Bad arguments are refused before any launch."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from nanoqwen_bench import gpu
+
+CPU = torch.device("cpu")
+PHASE_VECS = [37, 0, 3, 1024 + 5, 2, 700]  # 16-byte vectors per phase
+BLOCKS = 5
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    from nanoqwen_kernels.testing import emu
+
+    emu.compiler()  # the emulator needs g++: a missing compiler is an error here, not a skip
+    monkeypatch.setattr(gpu, "launch", emu.launch)
+    monkeypatch.setattr(gpu, "require_sm90", lambda device: 0)
+    with emu.emulated(seed=7, timeout_s=120.0):
+        yield
+
+
+def phases(request):
+    g = torch.Generator()
+    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    bounds = torch.tensor(np.cumsum([3, *PHASE_VECS]), dtype=torch.int64)  # the first phase at vector 3
+    data = torch.randint(-(2**31), 2**31 - 1, (int(bounds[-1]) * 4 + 8,), generator=g, dtype=torch.int32)
+    return data, bounds
+
+
+def xor_of(data, bounds, first, last):
+    words = data[int(bounds[first]) * 4 : int(bounds[last]) * 4].numpy().view(np.uint32)
+    return int(np.bitwise_xor.reduce(words).view(np.int32)) if words.size else 0
+
+
+@pytest.mark.parametrize("mode", [gpu.PHASES_BACK_TO_BACK, gpu.PHASES_BARRIER, gpu.PHASES_BARRIER_PREFETCH])
+def test_every_phase_is_read_once_and_the_barrier_holds(mode, emulated, request):
+    data, bounds = phases(request)
+    n = len(PHASE_VECS)
+    sink, bar = torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    flags, errors = torch.zeros(BLOCKS, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    gpu.step_phases(data, bounds, sink, bar, blocks=BLOCKS, mode=mode, prefetch_bytes=512,
+                    check_flags=flags, check_errors=errors)
+    assert int(sink) == xor_of(data, bounds, 0, n)
+    barriers = 0 if mode == gpu.PHASES_BACK_TO_BACK else n - 1
+    assert bar.tolist() == [0, barriers]  # arrivals back at zero; one generation per barrier
+    assert int(errors) == 0
+    assert flags.tolist() == ([barriers] * BLOCKS if barriers else [0] * BLOCKS)
+
+    gpu.step_phases(data, bounds, sink, bar, blocks=BLOCKS, mode=mode, phases=slice(2, 5))
+    assert int(sink) == xor_of(data, bounds, 0, n) ^ xor_of(data, bounds, 2, 5)
+    assert bar.tolist() == [0, barriers + (2 if barriers else 0)]
+
+
+def test_bad_arguments_are_refused(monkeypatch):
+    data, bounds = torch.zeros(64, dtype=torch.int32), torch.tensor([0, 4, 16], dtype=torch.int64)
+    sink, bar = torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+
+    def call(**kw):
+        args = {"data": data, "bounds": bounds, "sink": sink, "bar": bar, "blocks": 2, "mode": 1} | kw
+        gpu.step_phases(args.pop("data"), args.pop("bounds"), args.pop("sink"), args.pop("bar"), **args)
+
+    monkeypatch.setattr(gpu, "require_sm90", lambda device: 0)
+    for kw, match in [({"mode": 3}, "mode 3"), ({"prefetch_bytes": 8}, "multiple of 16"),
+                          ({"blocks": 0}, "blocks > 0"), ({"phases": slice(1, 1)}, "non-empty"),
+                      ({"phases": slice(0, 2, 2)}, "step-1"), ({"bounds": bounds.int()}, "bounds"),
+                      ({"bar": torch.zeros(3, dtype=torch.int32)}, "bar"),
+                      ({"check_flags": torch.zeros(2, dtype=torch.int32)}, "go together")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            call(**kw)
