@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from nanoqwen_bench.kernels import persistent_ceiling as pc
 from nanoqwen_model import QWEN25_CODER_7B
 from nanoqwen_runtime.engine.synthetic import random_weights
-
-from nanoqwen_bench.kernels import persistent_ceiling as pc
 
 
 def test_phases_are_the_engines_decode_bytes():
@@ -28,10 +27,11 @@ def test_phases_are_the_engines_decode_bytes():
 
 def test_markdown_lists_every_variant_against_the_roofline():
     meta = {"device": "GPU", "date": "2026-12-07", "read_GBps": 3000.0, "command": "python -m x"}
-    m = {"model": "7b", "phases": 141, "step_bytes": 4_000_000_000, "roofline_s": 4e9 / 3e12,
+    m = {"model": "7b", "blocks_per_sm": 4, "phases": 141, "step_bytes": 4_000_000_000,
+         "roofline_s": 4e9 / 3e12,
          "variants": [{"name": "launches (one per phase)", "seconds": 2e-3, "frac_roofline": 0.667},
                       {"name": "back to back", "seconds": 1.4e-3, "frac_roofline": 0.952}],
          "us_per_phase_over_back_to_back": {"launches (one per phase)": 4.29}}
     text = "\n".join(pc.markdown(meta, [m]))
-    assert "| 7b | 141 | 4000 | 1333 | launches (one per phase) | 2000 | 66.7% | 4.29 |" in text
-    assert "| 7b | 141 | 4000 | 1333 | back to back | 1400 | 95.2% |  |" in text
+    assert "| 7b | 4 | 141 | 4000 | 1333 | launches (one per phase) | 2000 | 66.7% | 4.29 |" in text
+    assert "| 7b | 4 | 141 | 4000 | 1333 | back to back | 1400 | 95.2% |  |" in text

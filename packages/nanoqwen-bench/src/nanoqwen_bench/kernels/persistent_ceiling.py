@@ -74,7 +74,9 @@ class Variant:
 
 
 def measure_model(name: str, g: Qwen2Config, context: int, read_bps: float, device: torch.device,
-                  replays: int) -> dict:
+                  replays: int, blocks_per_sm: int | None = None) -> dict:
+    """One model's variants (module header). blocks_per_sm: CTAs per SM of every variant (default: as
+    many as fit, 4 of 512 threads); at most that many."""
     phases = step_phases_of(g, context)
     vecs = [-(-b // 16) for _, b in phases]
     bounds = torch.tensor([0, *torch.tensor(vecs).cumsum(0).tolist()], dtype=torch.int64, device=device)
@@ -84,6 +86,10 @@ def measure_model(name: str, g: Qwen2Config, context: int, read_bps: float, devi
     bar = torch.zeros(2, dtype=torch.int32, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = gpu.resident_blocks("step_phases_u32x4", gpu.STEP_PHASES_THREADS, device)
+    if blocks_per_sm is not None:
+        if not 1 <= blocks_per_sm <= per_sm:
+            raise ValueError(f"blocks_per_sm {blocks_per_sm}: 1 to {per_sm} fit on an SM")
+        per_sm = blocks_per_sm
     blocks = sms * per_sm
     n = len(phases)
 
@@ -145,15 +151,16 @@ def markdown(meta: dict, models: list[dict]) -> list[str]:
     lines = ["# Persistent decode kernel: streaming ceiling", "",
              f"{meta['device']}, {meta['date']}, read bandwidth {meta['read_GBps']:.0f} GB/s, "
              f"`{meta['command']}`", "",
-             "| model | phases | step MB | roofline us | variant | us | of roofline "
+             "| model | CTAs per SM | phases | step MB | roofline us | variant | us | of roofline "
              "| us per phase over back to back |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for m in models:
         for v in m["variants"]:
             per = m["us_per_phase_over_back_to_back"].get(v["name"])
-            lines.append(f"| {m['model']} | {m['phases']} | {m['step_bytes'] / 1e6:.0f} | "
-                         f"{m['roofline_s'] * 1e6:.0f} | {v['name']} | {v['seconds'] * 1e6:.0f} | "
-                         f"{v['frac_roofline']:.1%} | {'' if per is None else f'{per:.2f}'} |")
+            cells = (m["model"], m["blocks_per_sm"], m["phases"], f"{m['step_bytes'] / 1e6:.0f}",
+                     f"{m['roofline_s'] * 1e6:.0f}", v["name"], f"{v['seconds'] * 1e6:.0f}",
+                     f"{v['frac_roofline']:.1%}", "" if per is None else f"{per:.2f}")
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
 
@@ -163,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="7b,1.5b,0.5b", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--blocks-per-sm", default="", help="comma-separated CTAs per SM to run each model at "
+                    "(default: as many as fit)")
     args = ap.parse_args(argv)
     names = args.model.split(",")
     if unknown := [n for n in names if n not in MODELS]:
@@ -174,9 +183,10 @@ def main(argv=None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python -m nanoqwen_bench.kernels.persistent_ceiling", *sys.argv[1:]])}
     models = []
-    for name in names:
+    per_sm = [int(b) for b in args.blocks_per_sm.split(",") if b] or [None]
+    for name, b in ((n, b) for b in per_sm for n in names):
         models.append(measure_model(name, MODELS[name], args.context, rb["bytes_per_s"], device,
-                                    args.replays))
+                                    args.replays, b))
         torch.cuda.empty_cache()
         payload = {"meta": meta, "models": models}
         (args.out / "persistent_ceiling.json").write_text(json.dumps(payload, indent=1))
