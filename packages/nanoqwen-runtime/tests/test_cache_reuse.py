@@ -4,8 +4,9 @@ after a prefix that changed.
 
 Prompts: A = X + Y + tail, then B = X + Z + Y + tail (Z: 5 tokens typed at the cursor). B's exact
 prefix is X (4 blocks of 16); Y's blocks that A computed (6 blocks, 96 tokens) reappear 5 positions
-later. With `cache_reuse` on, B computes Z, takes those 96 tokens' K/V by a rotated copy, and computes
-the tail.
+later. With `cache_reuse` on, B takes those 96 tokens' K/V by a rotated copy and computes Z and the
+tail in one prefill step, two rows around the copied span (a budget that ends at the span splits it
+into two steps, with the same tokens and K/V).
 
 The oracle for the copy: layer 0's keys and values do not depend on the context (the token's own
 embedding, projected, then rotated to its position), so at layer 0 the copied K/V must equal what an
@@ -24,6 +25,7 @@ from engine_testkit import TINY, cpu_config
 from nanoqwen_model.forward import apply_rope, rope_inv_freq
 from nanoqwen_runtime.engine import Engine, Request
 from nanoqwen_runtime.engine.blocks import BlockManager
+from nanoqwen_runtime.engine.metadata import build_step_inputs, plan_rows, sampled_rows
 from nanoqwen_runtime.engine.scheduler import Scheduler
 from nanoqwen_runtime.engine.sequence import FinishReason
 from nanoqwen_runtime.engine.synthetic import write_container
@@ -138,7 +140,8 @@ def test_copied_kv_is_the_exact_kv_at_layer_0(request, make):
     seq = admit_b(engine)
     st = engine.stats()
     assert st.prefix_reused_tokens - before.prefix_reused_tokens == REUSED
-    assert seq.num_computed == Y_AT + REUSED  # Z computed, then the copied span skipped
+    assert engine.num_steps["prefill"] == 2  # A's, then B's: Z and the tail in one step, the span skipped
+    assert seq.num_computed == len(B) and seq.num_generated == 1
     assert seq.first_shifted_block == Y_AT // BS and seq.reused_span is None
     span = range(Y_AT, Y_AT + REUSED)
     k_got, v_got = layer_rows(engine, seq.blocks, span, 0)
@@ -191,9 +194,9 @@ def test_generation_completes_with_reuse_on_both_engines(tiny_path):
 
 
 # ---- the block manager and the scheduler, without a model ---------------------------------------------
-def scheduler(cache_reuse, num_blocks=64):
+def scheduler(cache_reuse, num_blocks=64, prefill_chunk=256):
     bm = BlockManager(BlockAllocator(num_blocks), num_blocks, BS)
-    return Scheduler(bm, max_batch=4, max_model_len=512, prefill_chunk=256, admit_watermark=0.0,
+    return Scheduler(bm, max_batch=4, max_model_len=512, prefill_chunk=prefill_chunk, admit_watermark=0.0,
                      cache_reuse=cache_reuse)
 
 
@@ -209,26 +212,105 @@ def run_prefill_then_finish(sched, ids):
     return seq, plans
 
 
-def test_scheduler_splits_the_prompt_around_the_copied_span():
+def test_scheduler_skips_the_copied_span_in_one_step():
     sched = scheduler(32)
     run_prefill_then_finish(sched, A)
     seq = sched.add(req(B, "b", max_tokens=1))
     plan = sched.schedule()
-    assert (plan.start_pos, plan.query_lens, plan.sample) == ([len(X)], [len(Z)], [False])
+    tail = len(B) - Y_AT - REUSED
+    assert (plan.start_pos, plan.query_lens, plan.sample) == ([len(X)], [len(Z) + tail], [True])
+    assert plan.skips == [(Y_AT, Y_AT + REUSED)] and plan.end_pos(0) == len(B)
+    assert plan_rows(plan) == [(0, len(X), len(Z)), (0, Y_AT + REUSED, tail)]
+    assert sampled_rows(plan) == {0: [1]}
+    assert plan.step_tokens(0) == B[len(X):]
+    inputs = build_step_inputs(plan, block_size=BS, max_pages=16, padding_block=63)
+    after = range(Y_AT + REUSED, len(B))
+    assert inputs.positions.tolist() == [*range(len(X), Y_AT), *after]
+    assert inputs.input_ids.tolist() == B[len(X):Y_AT] + B[Y_AT + REUSED:]
+    assert inputs.query_start.tolist() == [0, len(Z), len(Z) + tail]
+    assert inputs.context_lens.tolist() == [Y_AT, len(B)] and inputs.sample_rows.tolist() == [len(Z) - 1,
+                                                                                            len(Z) + tail - 1]
+    assert inputs.offset.tolist() == [0, 0]  # the second row samples the first generated token
+    assert inputs.page_table[:, : -(-Y_AT // BS)].tolist() == [seq.blocks[: -(-Y_AT // BS)]] * 2  # its pages
+    slots = [seq.blocks[p // BS] * BS + p % BS for p in inputs.positions.tolist()]
+    assert inputs.slot_mapping.tolist() == slots
     (shift,) = sched.pending_shifts
     assert shift.delta == len(Z) and len(shift.src_slots) == len(shift.dst_slots) == REUSED
     dst_blocks = [seq.blocks[p // BS] for p in range(Y_AT, Y_AT + REUSED)]
     assert [d // BS for d in shift.dst_slots] == dst_blocks
-    sched.commit(plan, {})
-    assert seq.num_computed == Y_AT + REUSED
-    plan = sched.schedule()  # the tail, which samples
-    tail = len(B) - Y_AT - REUSED
-    assert (plan.start_pos, plan.query_lens, plan.sample) == ([Y_AT + REUSED], [tail], [True])
     sched.commit(plan, {seq.seq_id: 99})
+    assert seq.num_computed == len(B) and seq.reused_span is None and seq.tokens[-1] == 99
     # from the copied span on, B's blocks are keyed apart: an exact lookup of B stops at X
     assert len(seq.block_keys) == len(B) // BS and seq.first_shifted_block == Y_AT // BS
     assert len(sched.blocks.lookup(B, len(B) - 1)[0]) == len(X) // BS
     sched.blocks.check(sched.live())
+
+
+def test_a_budget_that_ends_before_the_tail_splits_the_chunk():
+    """A 16-token budget: B2's chunk computes Z and the first 11 tokens after the span (no sample),
+    the next step the rest, which samples."""
+    tail = [rng.randrange(10, 500) for _ in range(40)]
+    sched = scheduler(32, prefill_chunk=16)
+    run_prefill_then_finish(sched, X + Y + tail)
+    b2 = X + Z + Y + tail
+    seq = sched.add(req(b2, "b2", max_tokens=1))
+    plan = sched.schedule()
+    ((a, b),) = plan.skips  # Y and A's tail blocks, copied
+    assert a == Y_AT and b - a >= REUSED
+    assert plan_rows(plan) == [(0, len(X), len(Z)), (0, b, 16 - len(Z))] and plan.sample == [False]
+    sched.commit(plan, {})
+    assert seq.num_computed == b + 16 - len(Z) < len(b2) and seq.reused_span is None
+    plan = sched.schedule()
+    assert plan_rows(plan) == [(0, seq.num_computed, len(b2) - seq.num_computed)] and plan.sample == [True]
+    assert not plan.skips
+    sched.commit(plan, {seq.seq_id: 99})
+    assert seq.num_computed == len(b2)
+    sched.blocks.check(sched.live())
+
+
+def test_a_full_batch_leaves_no_row_for_the_tail():
+    """max_batch 1: B is the step's only row, so its chunk stops at the copied span (no second row)."""
+    sched = scheduler(32)
+    run_prefill_then_finish(sched, A)
+    sched.max_batch = 1
+    seq = sched.add(req(B, "b", max_tokens=1))
+    plan = sched.schedule()
+    assert plan_rows(plan) == [(0, len(X), len(Z))] and not plan.skips and plan.sample == [False]
+    sched.commit(plan, {})
+    assert seq.num_computed == Y_AT + REUSED and seq.reused_span is None
+
+
+def test_one_step_and_three_give_the_same_tokens_and_kv(tiny_path):
+    """B prefilled in one step (two rows around the copied span) against a budget of len(Z) tokens,
+    which ends at the span (Z in one step, the 7 tokens after the span in two more): the same greedy
+    tokens, and the same K/V at the last layer at every computed position. Each row computes the same
+    thing in both (the same keys at the same positions); only the matmuls' batch shape differs, which
+    may change fp32 summation order: each of the at most 6 stages from the embeddings to layer 1's K/V
+    (qkv, attention, o, gate_up, down, qkv) rounds dot products of at most 2^9 terms (K = 384), at
+    most 2^9 * 2^-24 each, so they agree within 6 * 2^-15 < 2^-12 of the largest entry."""
+    outs = []
+    for chunk in (256, len(Z)):
+        model = ReferenceModel.from_file(tiny_path, device="cpu", dtype=torch.float32)
+        engine = ReferenceEngine(model, ReferenceEngineConfig(block_size=BS, prefill_chunk=max(chunk, BS),
+                                                              cache_reuse=32))
+        list(engine.generate([req(A, "a", max_tokens=1)]))
+        prefills = engine.num_steps["prefill"]
+        if chunk < BS:  # the budget stops at the span: only with a chunk of exactly len(Z) tokens
+            engine.scheduler.prefill_chunk = chunk
+        assert engine.submit(req(B, "b", max_tokens=6)) is None
+        toks = []
+        while engine.num_steps["decode"] == 0:  # B's prefill steps (their last samples a token)
+            toks += [ev.token_id for ev in engine.step() if getattr(ev, "token_id", None) is not None]
+        (seq,) = engine.scheduler.running
+        computed = [p for p in range(len(X), len(B)) if not Y_AT <= p < Y_AT + REUSED]
+        k, v = layer_rows(engine, seq.blocks, computed, TINY.num_hidden_layers - 1)
+        toks += [ev.token_id for ev in engine.generate([]) if getattr(ev, "token_id", None) is not None]
+        outs.append((engine.num_steps["prefill"] - prefills, toks, k, v))
+    (steps1, toks1, k1, v1), (steps2, toks2, k2, v2) = outs
+    assert (steps1, steps2) == (1, 3)
+    assert toks1 == toks2 and len(toks1) == 6
+    for got, want in ((k2, k1), (v2, v1)):
+        assert float((got - want).abs().max()) <= 2**-12 * float(want.abs().max())
 
 
 def test_copied_blocks_can_be_copied_again():
@@ -264,8 +346,9 @@ def test_a_run_never_reaches_the_last_prompt_token():
     plan = sched.schedule()
     (shift,) = sched.pending_shifts
     assert len(shift.src_slots) == 5 * BS  # one block fewer: a token is left to compute
-    sched.commit(plan, {})
-    assert seq.num_computed == len(X) + 11 + 5 * BS < len(ids)
+    assert plan_rows(plan)[-1] == (0, len(X) + 11 + 5 * BS, BS) and plan.sample == [True]
+    sched.commit(plan, {seq.seq_id: 99})
+    assert seq.num_computed == len(ids)
 
 
 def test_a_waiting_request_is_searched_once_while_the_cache_stays_the_same():

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .engine.blocks import cache_reuse_error
-from .engine.metadata import plan_rows
+from .engine.metadata import plan_rows, sampled_rows
 from .engine.scheduler import BlockManager, FinishReason, Scheduler, SeqStatus, StepPlan
 from .engine_base import EngineBase
 from .events import nonfinite_logits_message
@@ -171,7 +171,8 @@ class ReferenceEngine(EngineBase):
         else:
             logits = self.model.forward(tokens, meta, self.cache)  # f32 [rows, vocab]
         finite = torch.isfinite(logits).all(dim=-1).tolist()
-        constrained = [(rows[i][-1], s) for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True))
+        keep = sampled_rows(plan)  # each sequence's rows whose tokens count (a skipping chunk: its last)
+        constrained = [(keep[i][-1], s) for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True))
                        if smp and s.matcher is not None and s.status is SeqStatus.RUNNING]
         if constrained:  # grammar rows: -inf where the bitmask forbids (other rows: all ones)
             masks = full_bitmask(logits.shape[0], logits.shape[1])
@@ -184,17 +185,17 @@ class ReferenceEngine(EngineBase):
         for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
             if not smp or s.status is not SeqStatus.RUNNING:
                 continue  # mid-prefill chunk: no token
-            if all(finite[r] for r in rows[i]):
+            if all(finite[r] for r in keep[i]):
                 # verify rows: the request is greedy (drafters exist only for temperature 0), so its
                 # sampler is an argmax and draws nothing
                 sampler = self._samplers.get(s.seq_id)
                 if sampler is None:
                     sampler = self._samplers[s.seq_id] = Sampler(s.request.params.with_(seed=s.seed))
-                toks = [sampler(logits[r]) for r in rows[i]]
+                toks = [sampler(logits[r]) for r in keep[i]]
                 sampled[s.seq_id] = toks if plan.drafts and plan.drafts[i] else toks[0]
                 k = s.request.logprobs
                 if k is not None:  # verify rows: row j's logits chose token j of those committed
-                    token_lp[s.seq_id] = unpack(row_logprobs(logits[rows[i]], torch.tensor(toks), k,
+                    token_lp[s.seq_id] = unpack(row_logprobs(logits[keep[i]], torch.tensor(toks), k,
                                                              self.geom.vocab_size), k)
             else:  # finished before commit: the scheduler appends no token to it
                 events.append(self._error(s, nonfinite_logits_message(s.num_generated)))

@@ -71,7 +71,7 @@ from ..token_mask import full_bitmask
 from .config import EngineConfig
 from .loader import LoadStats, load
 from .logprob_step import step_logprobs
-from .metadata import build_step_inputs, plan_rows
+from .metadata import build_step_inputs, plan_rows, sampled_rows
 from .model import LaunchedStep, ModelRunner, Workspace
 from .scheduler import VERIFY_MAX_ROWS, BlockManager, Scheduler, StepPlan
 from .sequence import SeqStatus
@@ -231,9 +231,7 @@ class Engine(EngineBase):
     def _complete(self, plan: StepPlan, out) -> list[Event]:
         """Commit a step that has been read back (`out`: model.StepOutput) and emit its events."""
         self.last_step_kind = plan.kind
-        rows: dict[int, list[int]] = {}  # plan index -> its rows of the step output
-        for r, (i, _, _) in enumerate(plan_rows(plan)):
-            rows.setdefault(i, []).append(r)
+        rows = sampled_rows(plan)  # plan index -> its rows of the step output whose tokens count
         lg = self.runner.logits(len(out.tokens)) if self.record_logits else None
         sampled: dict[int, int | list[int]] = {}
         events: list[Event] = []
@@ -317,15 +315,13 @@ class Engine(EngineBase):
         only after the step before it is committed (`step()`). A sequence that ended meanwhile keeps
         all ones (its row is dropped)."""
         spec = plan_rows(plan)
-        rows: dict[int, int] = {}  # plan index -> its (last) row
-        for r, (i, _, _) in enumerate(spec):
-            rows[i] = r
+        rows = {i: rs[-1] for i, rs in sampled_rows(plan).items()}  # plan index -> its (last) row
         constrained = [(i, s) for i, (s, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True))
                        if smp and s.matcher is not None and s.status is SeqStatus.RUNNING]
         if not constrained:
             return None
         for i, s in constrained:
-            if plan.start_pos[i] + plan.query_lens[i] != len(s.tokens):
+            if plan.end_pos(i) != len(s.tokens):
                 raise AssertionError(f"the mask of sequence {s.seq_id} was asked before its input token "
                                      f"was committed ({len(s.tokens)} tokens, row at {plan.start_pos[i]})")
         masks = full_bitmask(len(spec), self.geom.vocab_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .metadata import plan_rows
+from .metadata import plan_rows, sampled_rows
 from .scheduler import StepPlan
 
 __all__ = ["StepLogprobs", "step_logprobs"]
@@ -31,11 +31,12 @@ def step_logprobs(plan: StepPlan) -> StepLogprobs | None:
     prompt: list[tuple[int, int, int, int, list[int]]] = []
     k = 0
     flat = 0
+    sampling = {r for rs in sampled_rows(plan).values() for r in rs}
     for r, (i, start, q) in enumerate(plan_rows(plan)):
         s = plan.seqs[i]
         want = s.request.logprobs
         if want is not None:
-            if plan.sample[i]:
+            if plan.sample[i] and r in sampling:
                 rows.append(r)
                 k = max(k, want)
             if (plan.kind == "prefill" and s.request.prompt_logprobs and s.num_generated == 0

@@ -75,14 +75,41 @@ class StepInputs:
 
 def plan_rows(plan: StepPlan) -> list[tuple[int, int, int]]:
     """The rows of a step as (sequence index, first position, query length). One row per sequence,
-    except in a verify step (a decode step carrying drafts): sequence i with a draft of k tokens is
-    k+1 decode rows, row j computing position start+j with context start+j+1 over the same pages."""
-    if not plan.has_drafts:
-        return [(i, st, q) for i, (st, q) in enumerate(zip(plan.start_pos, plan.query_lens, strict=True))]
-    if plan.kind != "decode":
+    except
+    - in a verify step (a decode step carrying drafts): sequence i with a draft of k tokens is k+1
+      decode rows, row j computing position start+j with context start+j+1 over the same pages;
+    - in a prefill chunk that skips a span (a, b) (`StepPlan.skips`): two rows over the same pages,
+      positions start..a-1 (context a) and b..end-1 (context end). The second attends to the first's
+      K/V, written earlier in the same layer, and to the span's, copied before the step."""
+    if plan.has_drafts and plan.kind != "decode":
         raise AssertionError("only decode steps carry drafts")
-    return [(i, st + j, 1) for i, (st, q) in enumerate(zip(plan.start_pos, plan.query_lens, strict=True))
-            for j in range(q)]
+    if plan.skips and plan.kind != "prefill":
+        raise AssertionError("only prefill steps skip spans")
+    rows = []
+    for i, (st, q) in enumerate(zip(plan.start_pos, plan.query_lens, strict=True)):
+        skip = plan.skip(i)
+        if plan.drafts and plan.drafts[i]:
+            rows += [(i, st + j, 1) for j in range(q)]
+        elif skip is not None:
+            before = skip[0] - st
+            if not 0 < before < q:
+                raise AssertionError(f"a chunk of {q} tokens from {st} skipping {skip}: a row would be empty")
+            rows += [(i, st, before), (i, skip[1], q - before)]
+        else:
+            rows.append((i, st, q))
+    return rows
+
+
+def sampled_rows(plan: StepPlan) -> dict[int, list[int]]:
+    """Plan index -> the rows of `plan_rows` whose sampled tokens it keeps: every row of a verify step,
+    else its last row (the first row of a chunk that skips a span samples nothing)."""
+    out: dict[int, list[int]] = {}
+    for r, (i, _, _) in enumerate(plan_rows(plan)):
+        if plan.drafts and plan.drafts[i]:
+            out.setdefault(i, []).append(r)
+        else:
+            out[i] = [r]
+    return out
 
 
 def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, padding_block: int,
@@ -143,8 +170,9 @@ def build_step_inputs(plan: StepPlan, *, block_size: int, max_pages: int, paddin
         top_p[b] = sp.top_p
         top_k[b] = sp.top_k
         seed[b] = seq.seed
-        # the RNG offset of a row is the index of the token it samples (verify rows are greedy)
-        offset[b] = seq.num_generated + pending + (start - first)
+        # the RNG offset of a row is the index of the token it samples (verify rows are greedy; the
+        # rows of a chunk that skips a span sample, if at all, the sequence's next token)
+        offset[b] = seq.num_generated + pending + (start - first if plan.drafts and plan.drafts[i] else 0)
         max_q = max(max_q, q)
         max_ctx = max(max_ctx, ctx)
     for b in range(B, rows):  # padding rows: one token at position 0 in the padding block

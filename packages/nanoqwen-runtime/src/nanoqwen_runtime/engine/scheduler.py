@@ -59,6 +59,11 @@ class StepPlan:
     its pending token plus the drafted tokens, `query_lens[i] = 1 + len(drafts[i])` rows, and the step
     samples a greedy token after every one of them (the verify step; `Scheduler.commit` keeps the
     agreeing prefix). The drafted tokens are not in `seq.tokens`: `step_tokens(i)` gives the row ids.
+
+    A prefill chunk may skip a span (`skips[i] = (a, b)`: the K/V of positions a..b-1 were copied at
+    admission, `Sequence.reused_span`): then its `query_lens[i]` tokens are positions start..a-1 and
+    b..`end_pos(i)`-1, two rows of the step (`metadata.plan_rows`), so that an editor's prompt with
+    copied code below the cursor is prefilled in one step, not two.
     """
 
     kind: str  # "prefill" | "decode"
@@ -69,6 +74,17 @@ class StepPlan:
     preempted: list[Sequence] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # per sequence ([] each when none)
     feed_rows: list[int] = field(default_factory=list)  # planned ahead: the previous step's row per seq
+    skips: list[tuple[int, int] | None] = field(default_factory=list)  # per sequence of a prefill step
+
+    def skip(self, i: int) -> tuple[int, int] | None:
+        """The span of positions sequence i's chunk skips, or None."""
+        return self.skips[i] if self.skips else None
+
+    def end_pos(self, i: int) -> int:
+        """One past the last position sequence i computes in this step."""
+        end = self.start_pos[i] + self.query_lens[i]
+        skip = self.skip(i)
+        return end + (skip[1] - skip[0] if skip else 0)
 
     @property
     def num_tokens(self) -> int:
@@ -88,10 +104,19 @@ class StepPlan:
         A step planned ahead has no host ids: its rows read them on the device (`feed_rows`)."""
         if self.feed_rows:
             raise AssertionError("a step planned ahead takes its token ids from the previous step's output")
-        seq, start, q = self.seqs[i], self.start_pos[i], self.query_lens[i]
+        seq, start = self.seqs[i], self.start_pos[i]
         if self.drafts and self.drafts[i]:
             return [*seq.tokens[start:start + 1], *self.drafts[i]]
-        return seq.tokens[start:start + q]
+        return seq.tokens[start:self.end_pos(i)]  # a skipped span's ids included: rows index by position
+
+
+def chunk_span(seq: Sequence, q: int) -> tuple[int, tuple[int, int] | None]:
+    """A prefill chunk of `q` tokens from `seq.num_computed`: one past its last position, and the span
+    it skips (the K/V copied at admission, `seq.reused_span`) when it reaches past the span's start."""
+    end, span = seq.num_computed + q, seq.reused_span
+    if span is not None and end > span[0]:
+        return end + span[1] - span[0], span
+    return end, None
 
 
 class Scheduler:
@@ -274,7 +299,8 @@ class Scheduler:
         must produce logits), the free blocks that takes (new ones, and cached blocks of the prefix
         no one holds, which leave the free count), and with `cache_reuse` the run of cached blocks it
         would copy past the prefix (blocks.find_shifted; the pages it lands in are taken now). The
-        chunk then stops where the run starts, or starts after it when it starts at the prefix's end. A
+        chunk then starts after the run when it starts at the prefix's end; otherwise it computes the
+        tokens up to the run and, as the budget allows, those after it (a chunk that skips the run). A
         request that wants its prompt's logprobs takes no cached K/V: they need the logits at every
         prompt position (logprobs.py)."""
         n = len(seq.tokens)
@@ -291,6 +317,9 @@ class Scheduler:
             start, stop = (run.end, n) if run.start == hit else (hit, run.start)
         q = min(stop - start, budget)
         held = max(start + q, run.end if run is not None else 0)
+        if run is not None and stop == run.start and q == stop - start:  # the tokens after the run too
+            tail = min(n - run.end, budget - q)
+            q, held = q + tail, run.end + tail
         need = self.blocks.blocks_for(held) - len(hit_blocks) + self.blocks.evictable_among(hit_blocks)
         return hit_blocks, hit_keys, q, need, run
 
@@ -301,6 +330,15 @@ class Scheduler:
         if self._last_shifted is None or self._last_shifted[:4] != key:
             self._last_shifted = (*key, self.blocks.find_shifted(seq.tokens, hit, end, self.cache_reuse))
         return self._last_shifted[4]
+
+    def _fit_rows(self, seq: Sequence, q: int, skips: int) -> int:
+        """`q`, or the chunk cut where `seq`'s reused span starts when skipping the span would take a
+        second row the step has no room for: a prefill step has at most max_batch rows (the engine's
+        step buffers), counting the running sequences, each a row, and one more per skipping chunk."""
+        _, skip = chunk_span(seq, q)
+        if skip is not None and len(self.running) + skips + 1 > self.max_batch:
+            return skip[0] - seq.num_computed
+        return q
 
     def _reuse(self, seq: Sequence, run: ShiftedRun) -> None:
         """Take pages through `run` for newly admitted `seq` and queue the copy of the run's K/V into
@@ -393,19 +431,21 @@ class Scheduler:
         budget = self.prefill_chunk
         preempted: list[Sequence] = []
         chosen: list[tuple[Sequence, int]] = []
+        skips = 0  # chunks that skip a span: a second row each; rows stay <= max_batch
         # 1. running sequences still in prefill, oldest first
         for seq in sorted([s for s in self.running if s.uncomputed > 1], key=lambda s: s.admitted_order):
             if budget == 0 or seq.status is not SeqStatus.RUNNING:
                 continue
-            q = min(seq.prefill_left, budget)
-            if self._reserve(seq, seq.num_computed + q, preempted):
+            q = self._fit_rows(seq, min(seq.prefill_left, budget), skips)
+            if self._reserve(seq, chunk_span(seq, q)[0], preempted):
                 chosen.append((seq, q))
                 budget -= q
+                skips += chunk_span(seq, q)[1] is not None
         chosen = [(s, q) for s, q in chosen if s.status is SeqStatus.RUNNING]
         # 2. admit waiting sequences FIFO while pages (above the watermark) and batch slots allow; a
         # sequence starts after the longest cached prefix of its tokens (at least one token is left to
         # compute: the step must produce logits)
-        while budget > 0 and self.waiting and len(self.running) < self.max_batch:
+        while budget > 0 and self.waiting and len(self.running) + skips < self.max_batch:
             seq = self.waiting[0]
             hit_blocks, hit_keys, q, need, run = self._admission(seq, budget)
             hit = len(hit_blocks) * self.blocks.block_size
@@ -423,15 +463,20 @@ class Scheduler:
             seq.num_computed = hit
             if run is not None:
                 self._reuse(seq, run)
-            self.blocks.grow(seq, seq.num_computed + q)
+                q = self._fit_rows(seq, q, skips)
+            self.blocks.grow(seq, chunk_span(seq, q)[0])
             chosen.append((seq, q))
             budget -= q
+            skips += chunk_span(seq, q)[1] is not None
         if not chosen:
             return None
         seqs = [s for s, _ in chosen]
         qs = [q for _, q in chosen]
+        spans = [chunk_span(s, q) for s, q in chosen]
+        skips = [skip for _, skip in spans] if any(skip for _, skip in spans) else []
         return StepPlan("prefill", seqs, qs, [s.num_computed for s in seqs],
-                        [s.num_computed + q == len(s.tokens) for s, q in chosen], preempted)
+                        [end == len(s.tokens) for s, (end, _) in zip(seqs, spans, strict=True)], preempted,
+                        skips=skips)
 
     # ---- after the step -----------------------------------------------------------------------
     def commit(self, plan: StepPlan, sampled: dict[int, int | list[int]]) -> list[Sequence]:
@@ -443,7 +488,7 @@ class Scheduler:
         enter the prefix cache. Returns the sequences that received tokens, each with
         `num_new_tokens` set (the caller checks stop conditions token by token)."""
         out = []
-        for i, (seq, q, smp) in enumerate(zip(plan.seqs, plan.query_lens, plan.sample, strict=True)):
+        for i, (seq, smp) in enumerate(zip(plan.seqs, plan.sample, strict=True)):
             if seq.status is not SeqStatus.RUNNING:
                 continue
             draft = plan.drafts[i] if plan.drafts else []
@@ -464,9 +509,9 @@ class Scheduler:
                 seq.tokens.extend(new)
                 self.blocks.shrink(seq, len(seq.tokens))
             else:
-                seq.num_computed += q
-                if seq.reused_span is not None and seq.num_computed == seq.reused_span[0]:
-                    seq.num_computed = seq.reused_span[1]  # its K/V were copied at admission
+                seq.num_computed = plan.end_pos(i)
+                if seq.reused_span is not None and seq.num_computed >= seq.reused_span[0]:
+                    seq.num_computed = max(seq.num_computed, seq.reused_span[1])  # copied at admission
                     seq.reused_span = None
                 if not smp:
                     self.blocks.register(seq)

@@ -84,8 +84,9 @@ class Sequence:
     drafter: NgramDrafter | None = None  # prompt-lookup drafts (greedy requests with speculation)
     num_new_tokens: int = 0  # tokens the last `Scheduler.commit` appended (> 1 after a verify step)
     matcher: GrammarMatcher | None = None  # the request's grammar state (engine_base; never speculated)
-    # shifted reuse (blocks.py): [start, end) holds K/V copied at admission, skipped by prefill once
-    # num_computed reaches start (None when there is no such gap left); first_shifted_block: the index
+    # shifted reuse (blocks.py): [start, end) holds K/V copied at admission, which prefill skips (a
+    # chunk computes up to start, then on from end: StepPlan.skips; None when no such gap is left
+    # ahead); first_shifted_block: the index
     # of the block holding the first copied token, from which on blocks are keyed in a chain exact
     # lookups never reach (None: no copy)
     reused_span: tuple[int, int] | None = None
@@ -93,9 +94,9 @@ class Sequence:
 
     @property
     def prefill_left(self) -> int:
-        """Tokens the next prefill chunk may compute: up to the reused span when one lies ahead."""
+        """Tokens left to compute: without the reused span when one lies ahead."""
         if self.reused_span is not None:
-            return self.reused_span[0] - self.num_computed
+            return self.uncomputed - (self.reused_span[1] - self.reused_span[0])
         return self.uncomputed
 
     @property
