@@ -55,23 +55,34 @@ NQ_DEVICE void prefetch_l2(const void* p, u32 bytes) {
 #endif
 }
 
-// grid (blocks), block 256. data: [n_vec] 16-byte vectors; sink: one u32, XOR-accumulated.
-extern "C" __global__ void __launch_bounds__(256) read_xor_u32x4(const uint4* __restrict__ data, u64 n_vec,
-                                                                u32* __restrict__ sink) {
-  const u64 stride = (u64)gridDim.x * blockDim.x;
-  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+// The XOR of the words of vectors i, i + stride, i + 2 stride, ... below `end`: four independent
+// 16-byte loads per loop trip before any is used.
+NQ_DEVICE u32 xor_strided(const uint4* __restrict__ data, u64 i, u64 end, u64 stride) {
   u32 acc = 0;
-  for (; i + 3 * stride < n_vec; i += 4 * stride) {
+  for (; i + 3 * stride < end; i += 4 * stride) {
     const uint4 a = ld_stream_v4(data + i);
     const uint4 b = ld_stream_v4(data + i + stride);
     const uint4 c = ld_stream_v4(data + i + 2 * stride);
     const uint4 d = ld_stream_v4(data + i + 3 * stride);
     acc ^= xor4(a) ^ xor4(b) ^ xor4(c) ^ xor4(d);
   }
-  for (; i < n_vec; i += stride) acc ^= xor4(ld_stream_v4(data + i));
+  for (; i < end; i += stride) acc ^= xor4(ld_stream_v4(data + i));
+  return acc;
+}
+
+// *sink ^= the XOR of `acc` over the warp (one red per warp; every lane of the warp calls it).
+NQ_DEVICE void publish_xor(u32* sink, u32 acc) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
   if ((threadIdx.x & 31) == 0) red_xor_u32(sink, acc);
+}
+
+// grid (blocks), block 256. data: [n_vec] 16-byte vectors; sink: one u32, XOR-accumulated.
+extern "C" __global__ void __launch_bounds__(256) read_xor_u32x4(const uint4* __restrict__ data, u64 n_vec,
+                                                                u32* __restrict__ sink) {
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  const u32 acc = xor_strided(data, (u64)blockIdx.x * blockDim.x + threadIdx.x, n_vec, stride);
+  publish_xor(sink, acc);
 }
 
 NQ_DEVICE u64 globaltimer_ns() {
@@ -202,15 +213,7 @@ extern "C" __global__ void __launch_bounds__(512) step_phases_u32x4(const uint4*
   for (int p = 0; p < n_phases; ++p) {
     u64 begin, end;
     phase_slice(bounds[p], bounds[p + 1] - bounds[p], b, G, begin, end);
-    u64 i = begin + threadIdx.x;
-    for (; i + 3 * T < end; i += 4 * T) {
-      const uint4 v0 = ld_stream_v4(data + i);
-      const uint4 v1 = ld_stream_v4(data + i + T);
-      const uint4 v2 = ld_stream_v4(data + i + 2 * T);
-      const uint4 v3 = ld_stream_v4(data + i + 3 * T);
-      acc ^= xor4(v0) ^ xor4(v1) ^ xor4(v2) ^ xor4(v3);
-    }
-    for (; i < end; i += T) acc ^= xor4(ld_stream_v4(data + i));
+    acc ^= xor_strided(data, begin + threadIdx.x, end, T);
     if (mode == 0 || p + 1 == n_phases) continue;
     if (mode == 2) {
       u64 nb, ne;
@@ -228,7 +231,5 @@ extern "C" __global__ void __launch_bounds__(512) step_phases_u32x4(const uint4*
       if (early) atomicAdd(check_errors, early);
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
-  if ((threadIdx.x & 31) == 0) red_xor_u32(sink, acc);
+  publish_xor(sink, acc);
 }
