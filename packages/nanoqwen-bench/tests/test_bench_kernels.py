@@ -111,17 +111,18 @@ def test_baseline_computes_the_dequantized_product(kernel, m, device):
         check(w, m, gen)
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
 def test_step_phases_reads_every_phase_once_across_the_whole_chip(mode, gen, device):
     """The persistent grid at full residency (every SM): the XOR of all phases, one barrier generation
-    per phase boundary, no CTA through a barrier early; then the same state launched again."""
+    per phase boundary, no CTA through a barrier early; then the same state launched again. The last
+    phase gives every thread more than the 4 vectors mode 3 preloads."""
     from nanoqwen_bench import gpu
 
-    vecs = [5, 0, 1000, 3, 70_001, 130, 4096 * 33 + 7]
+    vecs = [5, 0, 1000, 3, 70_001, 130, 4096 * 33 + 7, 1_200_003]
     bounds = torch.tensor([0, *np.cumsum(vecs)], dtype=torch.int64, device=device)
     data = words(int(bounds[-1]) * 4, gen, device)
     blocks = torch.cuda.get_device_properties(device).multi_processor_count * gpu.resident_blocks(
-        "step_phases_u32x4", gpu.STEP_PHASES_THREADS, device)
+        gpu.step_phases_kernel(mode), gpu.STEP_PHASES_THREADS, device)
     sink, bar, errors, flags = (torch.zeros(n, dtype=torch.int32, device=device) for n in (1, 2, 1, blocks))
     gpu.step_phases(data, bounds, sink, bar, blocks=blocks, mode=mode, prefetch_bytes=4096, check_flags=flags,
                     check_errors=errors)

@@ -1,10 +1,11 @@
-"""bench.cu's `step_phases_u32x4` (the persistent decode kernel's streaming ceiling) on the CPU emulator
-(nanoqwen_kernels.testing.emu: the kernel's CUDA source compiled for the host, every CTA on a thread of
-its own, all resident at once, as the grid barrier needs). Phases of odd sizes (empty, fewer vectors than
-CTAs, a tail): in every mode the sink is the XOR of exactly the words of the launched phases; the grid
-barrier ran once between phases (its generation counts them) and let no CTA through early (every CTA
-checks every other's arrival flag after it); its arrival count is back at zero, so a second launch on the
-same state works. Bad arguments are refused before any launch."""
+"""bench.cu's `step_phases_u32x4` and `step_phases_preload_u32x4` (the persistent decode kernel's
+streaming ceiling) on the CPU emulator (nanoqwen_kernels.testing.emu: the kernel's CUDA source compiled
+for the host, every CTA on a thread of its own, all resident at once, as the grid barrier needs). Phases
+of odd sizes (empty, fewer vectors than CTAs, a tail, more than mode 3 preloads): in every mode the sink
+is the XOR of exactly the words of the launched phases; the grid barrier ran once between phases (its
+generation counts them) and let no CTA through early (every CTA checks every other's arrival flag after
+it); its arrival count is back at zero, so a second launch on the same state works. Bad arguments are
+refused before any launch."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 from nanoqwen_bench import gpu
 
 CPU = torch.device("cpu")
-PHASE_VECS = [37, 0, 3, 1024 + 5, 2, 700]  # 16-byte vectors per phase
+PHASE_VECS = [37, 0, 3, 1024 + 5, 2, 700, 5 * 4 * 512 + 777]  # 16-byte vectors per phase; the last
+# gives each CTA more than 4 vectors per thread (mode 3 preloads 4, then walks the rest)
 BLOCKS = 5
 
 
@@ -44,7 +46,8 @@ def xor_of(data, bounds, first, last):
     return int(np.bitwise_xor.reduce(words).view(np.int32)) if words.size else 0
 
 
-@pytest.mark.parametrize("mode", [gpu.PHASES_BACK_TO_BACK, gpu.PHASES_BARRIER, gpu.PHASES_BARRIER_PREFETCH])
+@pytest.mark.parametrize("mode", [gpu.PHASES_BACK_TO_BACK, gpu.PHASES_BARRIER, gpu.PHASES_BARRIER_PREFETCH,
+                                  gpu.PHASES_BARRIER_PRELOAD])
 def test_every_phase_is_read_once_and_the_barrier_holds(mode, emulated, request):
     data, bounds = phases(request)
     n = len(PHASE_VECS)
@@ -72,7 +75,7 @@ def test_bad_arguments_are_refused(monkeypatch):
         gpu.step_phases(args.pop("data"), args.pop("bounds"), args.pop("sink"), args.pop("bar"), **args)
 
     monkeypatch.setattr(gpu, "require_sm90", lambda device: 0)
-    for kw, match in [({"mode": 3}, "mode 3"), ({"prefetch_bytes": 8}, "multiple of 16"),
+    for kw, match in [({"mode": 4}, "mode 4"), ({"prefetch_bytes": 8}, "multiple of 16"),
                           ({"blocks": 0}, "blocks > 0"), ({"phases": slice(1, 1)}, "non-empty"),
                       ({"phases": slice(0, 2, 2)}, "step-1"), ({"bounds": bounds.int()}, "bounds"),
                       ({"bar": torch.zeros(3, dtype=torch.int32)}, "bar"),

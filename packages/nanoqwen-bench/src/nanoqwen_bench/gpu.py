@@ -49,24 +49,34 @@ def read_xor(data: torch.Tensor, sink: torch.Tensor) -> None:
            (ptr(data), np.uint64(n_vec), ptr(sink)))  # fmt: skip
 
 
-PHASES_BACK_TO_BACK, PHASES_BARRIER, PHASES_BARRIER_PREFETCH = 0, 1, 2  # step_phases' modes (bench.cu)
+PHASES_BACK_TO_BACK, PHASES_BARRIER, PHASES_BARRIER_PREFETCH, PHASES_BARRIER_PRELOAD = 0, 1, 2, 3  # bench.cu
 STEP_PHASES_THREADS = 512
+STEP_PHASES_PRELOAD_VECTORS = 4  # step_phases_preload_u32x4's PRELOAD
+
+
+def step_phases_kernel(mode: int) -> str:
+    """bench.cu's entry for a step_phases `mode`: preloading into registers has a kernel of its own
+    (more registers, fewer CTAs per SM)."""
+    return "step_phases_preload_u32x4" if mode == PHASES_BARRIER_PRELOAD else "step_phases_u32x4"
 
 
 def step_phases(data: torch.Tensor, bounds: torch.Tensor, sink: torch.Tensor, bar: torch.Tensor, *,
                 blocks: int, mode: int, prefetch_bytes: int = 0, phases: slice | None = None,
                 check_flags: torch.Tensor | None = None, check_errors: torch.Tensor | None = None) -> None:
-    """One launch of bench.cu's `step_phases_u32x4`: `blocks` CTAs of 512 threads read the phases of
-    `data` (contiguous, 16-byte aligned) one after another, phase p being the 16-byte vectors
+    """One launch of bench.cu's `step_phases_kernel(mode)`: `blocks` CTAs of 512 threads read the
+    phases of `data` (contiguous, 16-byte aligned) one after another, phase p being the 16-byte vectors
     [bounds[p], bounds[p + 1]) (bounds: int64 [P + 1], ascending, on the device); sink (int32 [1]) ^=
     the XOR of every word read. `phases` (a step-1 slice of 0..P) launches only those phases. Between
-    phases, by `mode`: nothing (PHASES_BACK_TO_BACK), a grid barrier (PHASES_BARRIER), or the barrier
-    after asking the L2 for the first `prefetch_bytes` of each CTA's share of the next phase
-    (PHASES_BARRIER_PREFETCH). bar: int32 [2], zero before the first launch. check_flags /
-    check_errors (int32 [blocks] zeroed, int32 [1]): check_errors counts the CTAs a barrier let through
-    early (a test of the barrier; costs `blocks` loads per CTA per barrier).
+    phases, by `mode`: nothing (PHASES_BACK_TO_BACK); a grid barrier (PHASES_BARRIER); the barrier after
+    asking the L2 for the first `prefetch_bytes` of each CTA's share of the next phase
+    (PHASES_BARRIER_PREFETCH); or the barrier after each thread loads its first
+    STEP_PHASES_PRELOAD_VECTORS vectors of the next phase into registers (PHASES_BARRIER_PRELOAD).
+    bar: int32 [2], zero before the first launch. check_flags / check_errors (int32 [blocks] zeroed,
+    int32 [1]): check_errors counts the CTAs a barrier let through early (a test of the barrier; costs
+    `blocks` loads per CTA per barrier).
 
-    Every CTA must be resident at once (the barrier waits for all): `blocks` <= resident_blocks()."""
+    Every CTA must be resident at once (the barrier waits for all): `blocks` <= resident_blocks() of
+    step_phases_kernel(mode), times the SMs."""
     index = require_sm90(data.device)
     if not data.is_contiguous() or data.data_ptr() % 16:
         raise ValueError("data: must be contiguous and 16-byte aligned")
@@ -77,8 +87,8 @@ def step_phases(data: torch.Tensor, bounds: torch.Tensor, sink: torch.Tensor, ba
     check(bounds, "bounds", torch.int64, (n_phases + 1,), data.device, align=8)
     check(sink, "sink", torch.int32, (1,), data.device, align=4)
     check(bar, "bar", torch.int32, (2,), data.device, align=4)
-    if mode not in (PHASES_BACK_TO_BACK, PHASES_BARRIER, PHASES_BARRIER_PREFETCH):
-        raise ValueError(f"mode {mode}: 0, 1 or 2")
+    if mode not in (PHASES_BACK_TO_BACK, PHASES_BARRIER, PHASES_BARRIER_PREFETCH, PHASES_BARRIER_PRELOAD):
+        raise ValueError(f"mode {mode}: 0, 1, 2 or 3")
     if blocks <= 0 or prefetch_bytes < 0 or prefetch_bytes % 16:
         raise ValueError("blocks > 0, and prefetch_bytes a non-negative multiple of 16, are needed")
     if (check_flags is None) != (check_errors is None):
@@ -88,7 +98,7 @@ def step_phases(data: torch.Tensor, bounds: torch.Tensor, sink: torch.Tensor, ba
         check(check_errors, "check_errors", torch.int32, (1,), data.device, align=4)
     args = (ptr(data), np.uint64(bounds.data_ptr() + 8 * start), np.int32(stop - start), np.int32(mode),
             np.uint64(prefetch_bytes // 16), ptr(sink), ptr(bar), ptr(check_flags), ptr(check_errors))
-    launch(FAMILY, "step_phases_u32x4", index, (blocks, 1, 1), (STEP_PHASES_THREADS, 1, 1), args)
+    launch(FAMILY, step_phases_kernel(mode), index, (blocks, 1, 1), (STEP_PHASES_THREADS, 1, 1), args)
 
 
 def resident_blocks(kernel: str, threads: int, device: torch.device) -> int:

@@ -78,11 +78,12 @@ SPECS: dict[str, KernelSpec] = {
         sources=("sampling.cu",),
         hot_kernels=("sample_tokens_bf16",),
     ),
-    # benchmark tools (read-only bandwidth ceiling, GPU-side wait), not model kernels: bench.py
+    # benchmark tools (read-only bandwidth ceiling, GPU-side wait, persistent-kernel streaming ceiling), not
+    # model kernels: nanoqwen_bench.gpu
     "bench": KernelSpec(
         name="bench",
         sources=("bench.cu",),
-        hot_kernels=("read_xor_u32x4", "spin_ns"),
+        hot_kernels=("read_xor_u32x4", "spin_ns", "step_phases_u32x4", "step_phases_preload_u32x4"),
     ),
     "attention": KernelSpec(
         name="attention",

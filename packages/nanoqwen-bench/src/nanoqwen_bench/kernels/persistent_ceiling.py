@@ -7,18 +7,21 @@ A batch-1 decode step at context `--context` is a list of phases, one per op tha
 previous op's output: per layer qkv, attention (the layer's K and V), o, gate_up, down; then lm_head.
 Their bytes are the default container's (INT4 g128: N*K/2 weight bytes, N*K/128 bf16 scales, the qkv
 bias; a bf16 lm_head) and the bf16 KV. One buffer holds them back to back, and bench.cu's
-`step_phases_u32x4` reads it in four ways (nanoqwen_bench.gpu.step_phases):
+`step_phases_u32x4` (and `step_phases_preload_u32x4`) read it in five ways (nanoqwen_bench.gpu.step_phases):
 - `launches`: one launch per phase, in one CUDA graph: today's engine's structure, where each op waits
   for the previous launch to drain and then ramps up;
 - `persistent`: one launch of resident CTAs (every SM full) with a grid barrier between phases;
 - `persistent + L2 prefetch X`: the same, each CTA first asking the L2 for its share of the first X
   bytes of the next phase, then waiting at the barrier: weights depend on no activation, so a
   persistent kernel can fetch them before the previous op ends;
+- `persistent + preload`: the same barrier, each thread first loading its first 4 vectors of the next
+  phase into registers, as a persistent kernel's producer warps fill their shared-memory ring ahead of
+  the op; the registers held cost occupancy (bench.cu's own entry, fewer CTAs per SM);
 - `back to back`: one launch, no barrier: the partition's own streaming ceiling.
 Every variant's XOR of what it read is checked against read_xor's over the same bytes before it is
-timed, and the barrier's flag check runs once (no CTA let through early). Each time is the median of
-graph replays, reported against the roofline: the step's bytes over the read bandwidth this run
-measured (gpu.read_bandwidth). Only bytes are moved: the dequantisation and the MMAs, the activations
+timed, and the barrier's flag check runs once per kind of barrier (no CTA let through early). Each time
+is the median of graph replays, reported against the roofline: the step's bytes over the read bandwidth
+this run measured (gpu.read_bandwidth). Only bytes are moved: the dequantisation and the MMAs, the activations
 and the work inside an op are not modelled, so each figure bounds its design from above.
 Writes OUT/persistent_ceiling.json and .md.
 """
@@ -76,7 +79,7 @@ class Variant:
 def measure_model(name: str, g: Qwen2Config, context: int, read_bps: float, device: torch.device,
                   replays: int, blocks_per_sm: int | None = None) -> dict:
     """One model's variants (module header). blocks_per_sm: CTAs per SM of every variant (default: as
-    many as fit, 4 of 512 threads); at most that many."""
+    many as fit, 4 of 512 threads; the preload variant at most as many as fit of its kernel)."""
     phases = step_phases_of(g, context)
     vecs = [-(-b // 16) for _, b in phases]
     bounds = torch.tensor([0, *torch.tensor(vecs).cumsum(0).tolist()], dtype=torch.int64, device=device)
@@ -90,31 +93,35 @@ def measure_model(name: str, g: Qwen2Config, context: int, read_bps: float, devi
         if not 1 <= blocks_per_sm <= per_sm:
             raise ValueError(f"blocks_per_sm {blocks_per_sm}: 1 to {per_sm} fit on an SM")
         per_sm = blocks_per_sm
+    preload_per_sm = min(per_sm, gpu.resident_blocks("step_phases_preload_u32x4", gpu.STEP_PHASES_THREADS,
+                                                     device))
     blocks = sms * per_sm
     n = len(phases)
 
     want = torch.zeros(1, dtype=torch.int32, device=device)
     gpu.read_xor(data, want)
-    variants = {"back to back": (gpu.PHASES_BACK_TO_BACK, 0), "persistent": (gpu.PHASES_BARRIER, 0)}
+    # label: (mode, prefetch bytes per CTA, CTAs)
+    variants = {"back to back": (gpu.PHASES_BACK_TO_BACK, 0, blocks),
+                "persistent": (gpu.PHASES_BARRIER, 0, blocks)}
     for x in PREFETCH_BYTES:
-        variants[f"persistent + L2 prefetch {x >> 20} MB"] = (gpu.PHASES_BARRIER_PREFETCH, share(x, blocks))
+        variants[f"persistent + L2 prefetch {x >> 20} MB"] = (gpu.PHASES_BARRIER_PREFETCH, share(x, blocks),
+                                                              blocks)
+    preload = (gpu.PHASES_BARRIER_PRELOAD, 0, sms * preload_per_sm)
+    variants[f"persistent + preload {gpu.STEP_PHASES_PRELOAD_VECTORS} vectors per thread, "
+             f"{preload_per_sm} CTAs per SM"] = preload
 
-    def run(mode, prefetch, **kw):
-        gpu.step_phases(data, bounds, sink, bar, blocks=blocks, mode=mode, prefetch_bytes=prefetch, **kw)
+    def run(mode, prefetch, g, **kw):
+        gpu.step_phases(data, bounds, sink, bar, blocks=g, mode=mode, prefetch_bytes=prefetch, **kw)
 
-    flags = torch.zeros(blocks, dtype=torch.int32, device=device)
-    errors = torch.zeros(1, dtype=torch.int32, device=device)
-    sink.zero_()
-    run(gpu.PHASES_BARRIER_PREFETCH, share(PREFETCH_BYTES[0], blocks), check_flags=flags, check_errors=errors)
-    torch.cuda.synchronize()
-    if int(errors.item()) or int(sink.item()) != int(want.item()) or int(bar[1].item()) != n - 1:
-        raise RuntimeError(f"{name}: step_phases read XOR {int(sink.item()):#x} (read_xor "
-                           f"{int(want.item()):#x}), {int(errors.item())} early CTAs, {int(bar[1].item())} "
-                           f"barriers for {n} phases")
+    barrier_kinds = [(gpu.PHASES_BARRIER, 0, blocks),
+                     (gpu.PHASES_BARRIER_PREFETCH, share(PREFETCH_BYTES[0], blocks), blocks), preload]
+    for mode, prefetch, g in barrier_kinds:
+        _check_barrier(name, mode, n, lambda m=mode, p=prefetch, g=g, **kw: run(m, p, g, **kw), g, sink, bar,
+                       want)
     rows = []
-    for label, (mode, prefetch) in variants.items():
+    for label, (mode, prefetch, g) in variants.items():
         sink.zero_()
-        graph = gpu.capture_graph(lambda i, m=mode, p=prefetch: run(m, p), 1)
+        graph = gpu.capture_graph(lambda i, m=mode, p=prefetch, g=g: run(m, p, g), 1)
         _check_xor(label, sink, want, 1 + 3)  # the warm-up call, the capture's 3 replays
         t = gpu.median_replay_seconds(graph, replays)
         rows.append(Variant(label, t, total / read_bps / t))
@@ -137,6 +144,23 @@ def measure_model(name: str, g: Qwen2Config, context: int, read_bps: float, devi
 def share(nbytes: int, blocks: int) -> int:
     """Each CTA's part of `nbytes`, a multiple of 16."""
     return nbytes // blocks // 16 * 16
+
+
+def _check_barrier(name: str, mode: int, n: int, run, blocks: int, sink: torch.Tensor, bar: torch.Tensor,
+                   want: torch.Tensor) -> None:
+    """One checked launch of `mode` (run(check_flags=, check_errors=)): it reads every byte once, runs
+    n - 1 barriers, and no barrier lets a CTA through early."""
+    device = sink.device
+    flags = torch.zeros(blocks, dtype=torch.int32, device=device)
+    errors = torch.zeros(1, dtype=torch.int32, device=device)
+    sink.zero_()
+    bar.zero_()
+    run(check_flags=flags, check_errors=errors)
+    torch.cuda.synchronize()
+    if int(errors.item()) or int(sink.item()) != int(want.item()) or int(bar[1].item()) != n - 1:
+        raise RuntimeError(f"{name}, mode {mode}: step_phases read XOR {int(sink.item()):#x} (read_xor "
+                           f"{int(want.item()):#x}), {int(errors.item())} early CTAs, {int(bar[1].item())} "
+                           f"barriers for {n} phases")
 
 
 def _check_xor(label: str, sink: torch.Tensor, want: torch.Tensor, calls: int) -> None:

@@ -140,7 +140,12 @@ extern "C" __global__ void __launch_bounds__(128) l2_prefetch(const unsigned cha
 //           ops do (each needs the whole activation vector the previous op wrote);
 //   mode 2  the same barrier, but before arriving each CTA asks the L2 for the first `prefetch_vec`
 //           vectors of its slice of the next phase (cp.async.bulk.prefetch.L2 in 4 KB requests): the
-//           next op's weights depend on nothing, so their fetch can cover the barrier's wait.
+//           next op's weights depend on nothing, so their fetch can cover the barrier's wait;
+//   mode 3  (entry step_phases_preload_u32x4 only) the same barrier, but before arriving each thread
+//           loads its first PRELOAD vectors of the next phase into registers (as a persistent kernel's
+//           producer fills its shared-memory ring ahead of the op): their DRAM latency runs during the
+//           wait. The registers held across the barrier take occupancy: a kernel of its own, so that
+//           modes 0-2 keep 32 registers and 4 CTAs per SM.
 // Every CTA must be resident (G <= SMs x blocks per SM): the barrier waits for all of them.
 // bar: 2 u32, zero before the first launch (arrivals, generation); the barrier leaves the arrivals at
 // 0, so launches can follow each other. check: null, or G u32 zeroed before this launch: CTA b stores
@@ -204,17 +209,35 @@ NQ_DEVICE void phase_slice(u64 base, u64 n, u32 b, u32 G, u64& begin, u64& end) 
 
 // grid (G persistent CTAs), block 512. data: 16-byte vectors; bounds: [n_phases + 1] vector offsets,
 // ascending; sink: one u32, XOR-accumulated; bar: [2] u32; check / check_errors: null or as above.
-extern "C" __global__ void __launch_bounds__(512) step_phases_u32x4(const uint4* __restrict__ data,
-                                                                   const u64* __restrict__ bounds, int n_phases,
-                                                                   int mode, u64 prefetch_vec, u32* sink,
-                                                                   u32* bar, u32* check, u32* check_errors) {
+// PRELOAD: vectors per thread loaded before each barrier (mode 3), 0 for modes 0-2.
+template <int PRELOAD>
+NQ_DEVICE void step_phases(const uint4* __restrict__ data, const u64* __restrict__ bounds, int n_phases, int mode,
+                           u64 prefetch_vec, u32* sink, u32* bar, u32* check, u32* check_errors) {
   const u32 G = gridDim.x, b = blockIdx.x, T = blockDim.x;
   u32 acc = 0;
+  uint4 pre[PRELOAD > 0 ? PRELOAD : 1];  // mode 3: this thread's first vectors of the phase
+  int npre = 0;
   for (int p = 0; p < n_phases; ++p) {
     u64 begin, end;
     phase_slice(bounds[p], bounds[p + 1] - bounds[p], b, G, begin, end);
-    acc ^= xor_strided(data, begin + threadIdx.x, end, T);
+#pragma unroll
+    for (int k = 0; k < PRELOAD; ++k)
+      if (k < npre) acc ^= xor4(pre[k]);
+    acc ^= xor_strided(data, begin + threadIdx.x + (u64)npre * T, end, T);
+    npre = 0;
     if (mode == 0 || p + 1 == n_phases) continue;
+    if (PRELOAD > 0 && mode == 3) {
+      u64 nb, ne;
+      phase_slice(bounds[p + 1], bounds[p + 2] - bounds[p + 1], b, G, nb, ne);
+#pragma unroll
+      for (int k = 0; k < PRELOAD; ++k) {
+        const u64 i = nb + threadIdx.x + (u64)k * T;
+        if (i < ne) pre[k] = ld_stream_v4(data + i);
+      }
+      // a thread's preloaded vectors are nb + t, nb + t + T, ...: a prefix of its strided walk
+      const u64 mine = ne > nb + threadIdx.x ? (ne - nb - threadIdx.x + T - 1) / T : 0;
+      npre = (int)min_u64(mine, PRELOAD);
+    }
     if (mode == 2) {
       u64 nb, ne;
       phase_slice(bounds[p + 1], bounds[p + 2] - bounds[p + 1], b, G, nb, ne);
@@ -232,4 +255,17 @@ extern "C" __global__ void __launch_bounds__(512) step_phases_u32x4(const uint4*
     }
   }
   publish_xor(sink, acc);
+}
+
+extern "C" __global__ void __launch_bounds__(512) step_phases_u32x4(const uint4* __restrict__ data,
+                                                                   const u64* __restrict__ bounds, int n_phases,
+                                                                   int mode, u64 prefetch_vec, u32* sink,
+                                                                   u32* bar, u32* check, u32* check_errors) {
+  step_phases<0>(data, bounds, n_phases, mode, prefetch_vec, sink, bar, check, check_errors);
+}
+
+extern "C" __global__ void __launch_bounds__(512) step_phases_preload_u32x4(
+    const uint4* __restrict__ data, const u64* __restrict__ bounds, int n_phases, int mode, u64 prefetch_vec,
+    u32* sink, u32* bar, u32* check, u32* check_errors) {
+  step_phases<4>(data, bounds, n_phases, mode, prefetch_vec, sink, bar, check, check_errors);
 }
