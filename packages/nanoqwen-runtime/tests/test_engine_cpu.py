@@ -309,6 +309,32 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
     assert (engine.ops.paths["cublas_bf16_cache"] > 0) == dense
 
 
+@pytest.mark.parametrize("rows,launches,path", [(40, 1, "int4_gemm"), (100, 2, "int4_gemm_sliced"),
+                                               (200, 0, "dequant_gemm")])
+def test_prefill_linears_by_row_count(tiny_path, monkeypatch, rows, launches, path):
+    """A prefill step of `rows` tokens runs each INT4 layer linear by ops_kernels' table: one GEMM launch
+    up to INT4_GEMM_MAX_ROWS rows, one per 64 rows up to INT4_GEMM_SLICED_ROWS (each slice passes the
+    GEMM launcher's own checks: contiguous rows of x and out, a plan for its row count), then
+    dequantize + cuBLAS. Launches recorded, not run (kernel_engine_on_cpu)."""
+    from nanoqwen_runtime.engine import ops_kernels
+
+    assert ops_kernels.INT4_GEMM_MAX_ROWS < 100 <= ops_kernels.INT4_GEMM_SLICED_ROWS < 200
+    cfg = cpu_config(mode="eager", prefill_chunk=256, max_batch=4, overlap=False)
+    engine, launched = kernel_engine_on_cpu(monkeypatch, load(tiny_path, "cpu"), cfg)
+    assert engine.submit(Request([7] * rows, SamplingParams(max_tokens=1), "p", ignore_eos=True)) is None
+    launched.clear()
+    engine.step()  # the whole prompt in one prefill step
+    assert "paged_attention_prefill" in launched
+    layers = engine.geom.num_hidden_layers
+    assert sum(k.startswith("gemm_int4") for k in launched) == launches * 4 * layers
+    assert sum(k.startswith("dequant") for k in launched) == (4 * layers if path == "dequant_gemm" else 0)
+    assert engine.ops.paths[path] == 4 * layers
+    assert engine.ops.paths["int4_gemm"] == launches * 4 * layers
+    while engine.has_work:
+        engine.step()
+    assert engine.kv_blocks_used() == 0
+
+
 def test_pipeline_on_engine_backend(tmp_path, monkeypatch):
     """`generate.Pipeline` streams from the engine through the Backend protocol: text equals the
     decoded ids, stop strings cut the text, EOS ends a request, several prompts run batched; the

@@ -8,8 +8,9 @@ prologue, the qkv RoPE / K/V epilogue and the residual epilogue, the prefill's d
 `kernel_attention`, also the paged attention (the prefill and decode plans the engine makes, over its
 page tables) and the sampler (greedy over the engine's per-row parameter buffers), so that every launch
 of a step is the kernels' own code; otherwise those two come from the torch backend (`EmuKernelOps`).
-Not run: the INT4 GEMMs of 9..64 rows, which the test avoids (prompts of more than 64 tokens prefill in
-one chunk: the dequantise + matmul path).
+Not run: the INT4 GEMMs of 9..128 rows (not emulated), which the test avoids: its two prompts prefill
+together, in one step of 151 rows (above ops_kernels.INT4_GEMM_SLICED_ROWS: the dequantise + matmul
+path).
 
 Bound (test_engine_gpu.py's, `engine.agreement`): at every teacher-forced position, |logits - reference|
 <= 2 x |torch backend - reference| + one bf16 ulp at the largest logit; the greedy choice equals the
@@ -65,7 +66,7 @@ def _emu_engine(path, monkeypatch, kernel_attention: bool = False) -> Engine:
 
         def setup(self, *, max_context_len, max_rows, max_tokens, buckets, step_buffers, context_classes):
             self.max_context_len = max_context_len
-            if max_tokens > ops_kernels.INT4_GEMM_MAX_ROWS:
+            if max_tokens > ops_kernels.INT4_GEMM_SLICED_ROWS:
                 self._scratch = torch.empty(self._scratch_numel, dtype=torch.bfloat16, device=self.device)
 
         def attention_plan(self, **kw):

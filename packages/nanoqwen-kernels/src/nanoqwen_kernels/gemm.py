@@ -188,9 +188,9 @@ MEASURED_MULTI_BLOCK = {
 }
 
 
-# Shapes whose M class runs faster on the wgmma kernel (csrc/gemm_int4_ws.cuh), one M block of the
-# class's rows split this many ways along K. Measured on the H200 (`bench/kernels/gemm_ws_ab.py --ms
-# 16,32,64 --splits 1,2,3,4,6`, g128 asym) and kept where it beats the mma.sync plan by more than 3%
+# Shapes whose M class runs faster on the wgmma kernel (csrc/gemm_int4_ws.cuh), one M block of the class's
+# rows split this many ways along K. Measured on the H200 (gemm_ws_ab.py --ms 16,32,64 --splits 1,2,3,4,6,
+# g128 asym; the script deleted in a6a4922) and kept where it beats the mma.sync plan by more than 3%
 # (0.55-0.87x its time; o at classes 32 and 64 is level, so it keeps mma.sync). Key as MEASURED_SPLITS;
 # value: K splits.
 MEASURED_WGMMA = {

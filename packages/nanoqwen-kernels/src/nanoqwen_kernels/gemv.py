@@ -49,7 +49,7 @@ ROWS_PER_BLOCK = 128  # nq_gemv::ROWS_PER_BLOCK: 8 warps x 16 rows
 THREADS = 256
 XPAD = 32  # nq_gemv::XPAD
 # Blocks per SM that split-K aims for, by kernel (`plan_shape`), measured on the H200 at the 7B
-# decode shapes (`bench/kernels/gemv_ab.py --target-blocks`):
+# decode shapes (gemv_ab.py --target-blocks, deleted in a6a4922):
 # - g128, plain input (4 blocks of 8 warps resident at 64 registers): 3, i.e. fewer and longer blocks
 #   than a full wave (qkv 14 -> 10 splits: 0.91x the time, asym), unless that leaves a shape unsplit
 #   where 4 would split it (gate_up: 1 split took 1.03x the time of 2): then 4;

@@ -9,6 +9,8 @@ y[M, N] = x[M, K] @ W^T:
 
 - int4_gemm:     nanoqwen_kernels.gemm.gemm_int4 on the packed INT4 weights (the engine's path for
                  9 <= M <= ops_kernels.INT4_GEMM_MAX_ROWS);
+- int4_gemm_64row: M > 64 only: the same GEMM in launches of 64 rows, each on its M class's split-K
+                 plan (the engine's path up to ops_kernels.INT4_GEMM_SLICED_ROWS);
 - cublas_bf16:   torch.mm on a bf16 weight (what a bf16 copy of the weights buys: the ceiling the INT4
                  GEMM must approach at large M, and beat at small M);
 - dequant_gemm:  gemv.linear_int4_prefill = dequantize into one bf16 scratch + torch.mm (the engine's
@@ -21,22 +23,22 @@ y[M, N] = x[M, K] @ W^T:
 Method as bench_kernels.py: R launches captured in one CUDA graph, each on a different copy of the
 weights (together > 4x the L2, so weights come from HBM), median of 15 replays. The read bandwidth
 (nanoqwen_bench.gpu.read_bandwidth, 1 GiB) is measured first in the same run. Reported: time,
-TFLOP/s (2 M N K per product), and the achieved bandwidth of each path's minimum bytes (weights +
-scales + x + out, each once) as a fraction of the read bandwidth (the roofline for M <= 64). The
-crossover between int4_gemm and dequant_gemm (summed over the four shapes) is printed: it is what
-ops_kernels.INT4_GEMM_MAX_ROWS / PREFILL_PATH should say. Writes bench_gemm.json and bench_gemm.md
-under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a build of the "gemm" family with
-those -D options as int4_gemm; `--splits S` replaces the planner's K split count of every M <= 64 plan
-by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8 NT as M blocks of 8 NT rows
-(unsplit, or with `--splits S` each M <= 64 block split about S ways along K); `--asym` times
-asymmetric weights; every timed build's output is first checked against the fp32 reference (except
-the probes'); `--int4-only` skips the other paths; `--ms 16,32` picks the M
-values; `--model 1.5b|0.5b` the real test models' shapes instead of the 7B's. Timing probes (wrong
-outputs, tests never build them), each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from
-registers, no ldmatrix), `NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD`
-(weights made in registers, no global loads), `NQ_GEMM_PROBE_NO_X` (no activation copies; the chunk
-waits and barriers stay), `NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers). Runs in
-well under a minute on the H200 once the kernels are compiled (first use: NVRTC).
+TFLOP/s (2 M N K per product), and the achieved bandwidth of each path's minimum bytes (weights + scales
++ x + out, each once) as a fraction of the read bandwidth (the roofline for M <= 64). The fastest of
+int4_gemm, int4_gemm_64row and dequant_gemm (summed over the four shapes) is printed per M: it is what
+ops_kernels.INT4_GEMM_MAX_ROWS / INT4_GEMM_SLICED_ROWS / PREFILL_PATH should say. Writes bench_gemm.json
+and bench_gemm.md under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a build of the
+"gemm" family with those -D options as int4_gemm; `--splits S` replaces the planner's K split count of
+every M <= 64 plan by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8 NT as M blocks
+of 8 NT rows (unsplit, or with `--splits S` each M <= 64 block split about S ways along K); `--asym`
+times asymmetric weights; every timed build's output is first checked against the fp32 reference (except
+the probes'); `--int4-only` skips the other paths; `--ms 16,32` picks the M values; `--model 1.5b|0.5b`
+the real test models' shapes instead of the 7B's. Timing probes (wrong outputs, tests never build them),
+each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from registers, no ldmatrix),
+`NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD` (weights made in registers,
+no global loads), `NQ_GEMM_PROBE_NO_X` (no activation copies; the chunk waits and barriers stay),
+`NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers). Runs in well under a minute on the H200
+once the kernels are compiled (first use: NVRTC).
 """
 
 # ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)
@@ -66,6 +68,9 @@ MODEL_SHAPES = {
     "0.5b": [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)],
 }
 MS = (16, 32, 64, 128, 512, 2048)
+SLICE_ROWS = gemm.MBLOCK  # int4_gemm_64row's launch
+QUANTIZED_PATHS = ("int4_gemm", "int4_gemm_64row", "dequant_gemm")
+PATHS = (*QUANTIZED_PATHS, "cublas_bf16", "tinygemm", "gemlite")
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
@@ -86,14 +91,22 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
     scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plans = {m: gemm.plan_gemm(n, k, m) for m in ms}
+    slice_plans = {r: gemm.plan_gemm(n, k, r) for m in ms if m > SLICE_ROWS
+                   for r in {SLICE_ROWS, m % SLICE_ROWS} - {0}}
     if multi_nt:  # blocks of 8 NT rows, several per M; M <= 64 split about --splits ways (M > 64 never)
         multi_splits = {m: splits if splits and m <= gemm.MBLOCK else 1 for m in ms}
         plans = {m: gemm.GemmPlan.of(n, k, 128, multi_nt, gemm.m_class(m), multi_splits[m])
                  if m > 8 * multi_nt else p for m, p in plans.items()}  # fmt: skip
     elif splits:
         plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
-    ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values()),
-                                 torch.device("cuda"))
+    ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values())
+                                 + list(slice_plans.values()), torch.device("cuda"))
+
+    def int4_in_slices(x, w, out):
+        for r in range(0, x.shape[0], SLICE_ROWS):
+            e = min(x.shape[0], r + SLICE_ROWS)
+            gemm.gemm_int4(x[r:e], w, out[r:e], None, ws, slice_plans[e - r], family=family)
+
     tiny = [] if int4_only else tinygemm_copies(n, k, gen, L2_ROTATE_BYTES, ms)
     lite_ms, why = ([], None) if int4_only else gemlite_plan(n, k, ms, gemlite_autotune)
     lite = gemlite_copies(n, k, gen, L2_ROTATE_BYTES, lite_ms) if lite_ms else []
@@ -114,15 +127,23 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
             "tinygemm": (lambda i: tinygemm_mm(x, tiny[i % len(tiny)]), len(tiny),
                          tiny[0].nbytes() + act if tiny else 0),
         }  # fmt: skip
+        if m > SLICE_ROWS:
+            paths["int4_gemm_64row"] = (lambda i: int4_in_slices(x, weights[i % copies], out), copies,
+                                        w0.nbytes() + act)
         if m in lite_ms:
             paths["gemlite"] = (lambda i: gemlite_mm(x, lite[i % len(lite)]), len(lite),
                                 lite[0].nbytes() + act)
         if int4_only:
-            paths = {"int4_gemm": paths["int4_gemm"]}
+            paths = {p: paths[p] for p in ("int4_gemm", "int4_gemm_64row") if p in paths}
         if check:  # a timing probe's outputs are wrong by design
             gemm.gemm_int4(x, w0, out, None, ws, plan, family=family)
             torch.cuda.synchronize()
             check_output(out, x, w0)
+            if "int4_gemm_64row" in paths:
+                out.fill_(float("nan"))
+                int4_in_slices(x, w0, out)
+                torch.cuda.synchronize()
+                check_output(out, x, w0)
         for path, (fn, reps, nbytes) in paths.items():
             t = time_graph(fn, reps)
             row = {"shape": name, "n": n, "k": k, "m": m, "path": path, "us": t * 1e6,
@@ -130,6 +151,8 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
             if path == "int4_gemm":
                 row["plan"] = (f"{plan.kernel} NT={plan.n_tiles} S={plan.splits} kc={plan.kc} "
                                f"grid={plan.grid(m)}")
+            elif path == "int4_gemm_64row":
+                row["plan"] = f"{-(-m // SLICE_ROWS)} launches"
             rows.append(row)
             print(f"{name:8s} M={m:5d} {path:13s} {t * 1e6:9.1f} us {row['tflops']:7.1f} TFLOP/s "
                   f"{row['frac_read_bw']:6.1%} of read BW  {row.get('plan', '')}", flush=True)
@@ -142,10 +165,10 @@ def crossover(rows) -> dict:
     shapes = {r["shape"] for r in rows}
     for m in sorted({r["m"] for r in rows}):
         tot = {}
-        for p in ("int4_gemm", "dequant_gemm", "cublas_bf16", "tinygemm", "gemlite"):
+        for p in PATHS:
             times = [r["us"] for r in rows if r["m"] == m and r["path"] == p]
             tot[p] = sum(times) if len(times) == len(shapes) else None
-        quantized = [p for p in ("int4_gemm", "dequant_gemm") if tot[p] is not None]
+        quantized = [p for p in QUANTIZED_PATHS if tot[p] is not None]
         faster = min(quantized, key=tot.__getitem__) if len(quantized) > 1 else None
         out[m] = tot | {"faster_quantized": faster}
     return out
@@ -164,11 +187,9 @@ def markdown(rep) -> str:
         lines.append(f"| {r['shape']} | {r['m']} | {r['path']} | {r['us']:.1f} | {r['tflops']:.1f} | "
                      f"{r['frac_read_bw']:.1%} | {vs} | {r.get('plan', '')} |")
     lines += ["", "Sum over the four shapes (us), and the faster of nanoqwen's quantized paths:", "",
-              "| M | int4_gemm | dequant_gemm | cublas_bf16 | tinygemm | gemlite | faster |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              "| M | " + " | ".join(PATHS) + " | faster |", "| --- " * (len(PATHS) + 2) + "|"]
     for m, c in rep["crossover"].items():
-        cells = " | ".join("-" if c[p] is None else f"{c[p]:.1f}"
-                           for p in ("int4_gemm", "dequant_gemm", "cublas_bf16", "tinygemm", "gemlite"))
+        cells = " | ".join("-" if c.get(p) is None else f"{c[p]:.1f}" for p in PATHS)
         lines.append(f"| {m} | {cells} | {c['faster_quantized']} |")
     return "\n".join(lines) + "\n"
 
@@ -220,8 +241,8 @@ def main(argv=None) -> int:
     (args.out / "bench_gemm.json").write_text(json.dumps(rep, indent=1))
     (args.out / "bench_gemm.md").write_text(markdown(rep))
     for m, c in rep["crossover"].items():
-        print(f"M={m:5d}: int4_gemm {c['int4_gemm']:9.1f} us, dequant_gemm {c['dequant_gemm']:9.1f} us, "
-              f"cublas_bf16 {c['cublas_bf16']:9.1f} us -> {c['faster_quantized']}")
+        times = ", ".join(f"{p} {c[p]:.1f} us" for p in PATHS if c.get(p) is not None)
+        print(f"M={m:5d}: {times} -> {c['faster_quantized']}")
     print(f"wrote {args.out}/bench_gemm.json and .md in {time.time() - t0:.0f} s")
     return 0
 

@@ -1,4 +1,4 @@
-"""Issue 13, stage 0: measure the batch-1 decode step before changing it (bench/kernels/CEILINGS.md).
+"""The batch-1 decode step measured part by part against its ceilings: where a step's time goes.
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) \
         python3 -m nanoqwen_bench.kernels.decode_ceilings --out DIR

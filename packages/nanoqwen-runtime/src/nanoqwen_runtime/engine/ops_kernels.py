@@ -8,11 +8,15 @@ shapes, attention split-KV launch shapes) are made once here, at engine start:
     M <= 8                       one `gemv_int4` launch (bias fused)                 path "gemv_int4"
     9 <= M <= INT4_GEMM_MAX_ROWS one `gemm_int4` launch (bias fused; decode batches,  path "int4_gemm"
                                  prefill chunks)
-    M > INT4_GEMM_MAX_ROWS       PREFILL_PATH: "int4_gemm" again, or "dequant_gemm" =
+    M <= INT4_GEMM_SLICED_ROWS   one `gemm_int4` launch per INT4_GEMM_MAX_ROWS rows   path "int4_gemm"
+                                 (each on its M class's split-K plan)                 (per launch) and
+                                                                                      "int4_gemm_sliced"
+    above                        PREFILL_PATH: "int4_gemm" again (one launch), or "dequant_gemm" =
                                  `linear_int4_prefill`: dequantize into one shared bf16 scratch (the
                                  size of the largest layer linear, not a copy per weight) + cuBLAS
-  INT4_GEMM_MAX_ROWS / PREFILL_PATH are the crossover of bench/kernels/bench_gemm.py (the INT4 GEMM
-  against dequantize + cuBLAS per M at the four 7B shapes); change them there, in one line each.
+  The three constants are the crossovers of nanoqwen_bench.kernels.bench_gemm (the INT4 GEMM, in one
+  launch and in 64-row launches, against dequantize + cuBLAS per M at the four 7B shapes); change them
+  there, in one line each.
   `dense_weight_cache=True` (explicit, off by default) keeps the old bf16 copy of every quantized
   linear for M > 8 (path "cublas_bf16_cache"); its memory cost is printed at load.
 - linear, bf16 weight (the default lm_head): cuBLAS (`torch.mm`) into the preallocated output.
@@ -58,11 +62,14 @@ from .config import EngineConfig
 from .residual import NormedInput, ResidualUpdate
 from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 
-# Steps of more than 8 rows: the INT4 GEMM up to INT4_GEMM_MAX_ROWS rows, then PREFILL_PATH: the
-# crossover bench/kernels/bench_gemm.py measured on the four 7B linears of a layer (at M = 64 the INT4
-# GEMM takes 0.84x the time of dequantize + cuBLAS, at M = 128 1.6x).
+# Steps of more than 8 rows: the INT4 GEMM up to INT4_GEMM_MAX_ROWS rows in one launch, up to
+# INT4_GEMM_SLICED_ROWS in launches of INT4_GEMM_MAX_ROWS rows, then PREFILL_PATH. The crossovers
+# bench_gemm measured on the four 7B linears of a layer (H100, af243b8): at M = 64 the INT4 GEMM takes
+# 133 us, dequantize + cuBLAS 402 us; at M = 128 one launch (unsplit 64-row M blocks) 514 us, two 64-row
+# launches 2 x 133 us, dequantize + cuBLAS 409 us; at M = 256 four launches 532 us against 433 us.
 INT4_GEMM_MAX_ROWS = 64
-PREFILL_PATH = "dequant_gemm"  # above INT4_GEMM_MAX_ROWS: "dequant_gemm" or "int4_gemm"
+INT4_GEMM_SLICED_ROWS = 128
+PREFILL_PATH = "dequant_gemm"  # above INT4_GEMM_SLICED_ROWS: "dequant_gemm" or "int4_gemm"
 FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")
 
 
@@ -109,7 +116,8 @@ class KernelOps:
         self.max_context_len = 0
         # Linear launches by path, counted as they are issued (a graph's capture counts what each of its
         # replays runs; `ModelRunner.graph_paths` keeps that per graph): "gemv_int4", "gemv_int8"
-        # (per 8-row launch), "int4_gemm" (M > 8, INT4 tensor-core GEMM), "cublas_bf16" (a bf16
+        # (per 8-row launch), "int4_gemm" (M > 8, INT4 tensor-core GEMM, per launch; "int4_gemm_sliced"
+        # once per linear run as several 64-row launches), "cublas_bf16" (a bf16
         # weight), "cublas_bf16_cache" (the explicit bf16 copy of a quantized weight), "dequant_gemm"
         # (dequantize into scratch + cuBLAS); and, counted in "gemv_int4" too, "qkv_rope_fused" (a qkv
         # GEMV that also applied RoPE and wrote q and the paged K/V), "norm_prologue" (a GEMV whose input
@@ -134,7 +142,7 @@ class KernelOps:
         d = step_buffers.dev
         self.sampling_state = ksamp.SamplingState(d["temperature"], d["top_k"], d["top_p"], d["seed"],
                                                   d["offset"])
-        dequant_used = PREFILL_PATH == "dequant_gemm" and max_tokens > INT4_GEMM_MAX_ROWS
+        dequant_used = PREFILL_PATH == "dequant_gemm" and max_tokens > INT4_GEMM_SLICED_ROWS
         if not self.cfg.dense_weight_cache and dequant_used:
             self._scratch = torch.empty(self._scratch_numel, dtype=torch.bfloat16, device=self.device)
 
@@ -272,7 +280,13 @@ class KernelOps:
             kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False))
             return
         w = self._int4(lin)
-        if path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
+        if path == "int4_gemm_sliced":
+            self.paths["int4_gemm_sliced"] += 1
+            self.paths["int4_gemm"] += -(-m // INT4_GEMM_MAX_ROWS)
+            for r in range(0, m, INT4_GEMM_MAX_ROWS):
+                e = min(m, r + INT4_GEMM_MAX_ROWS)
+                kgemm.gemm_int4(x[r:e], w, out[r:e], bias, self.gemm_workspace, self._gemm_plan(w, e - r))
+        elif path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
             # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMM)
             self.paths["int4_gemm"] += 1
             kgemm.gemm_int4(x, w, out, bias, self.gemm_workspace, self._gemm_plan(w, m))
@@ -286,7 +300,9 @@ class KernelOps:
         """Which INT4 linear path an M-row step takes (module docstring; the table's one place)."""
         if m <= kgemv.MAX_M:
             return "gemv_int4"
-        return "int4_gemm" if m <= INT4_GEMM_MAX_ROWS else PREFILL_PATH
+        if m <= INT4_GEMM_MAX_ROWS:
+            return "int4_gemm"
+        return "int4_gemm_sliced" if m <= INT4_GEMM_SLICED_ROWS else PREFILL_PATH
 
     def _int4_gemv(self, lin: Int4Linear) -> kgemv.Int4Weight:
         """The kernel view of an INT4 linear about to run as a decode GEMV, counted as path "gemv_int4"."""
