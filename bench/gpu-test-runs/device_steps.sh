@@ -54,8 +54,20 @@ PY
     timeout 585 python3 -m nox -s gpu_tests -- "$@" -p no:cacheprovider -rs --durations=15 2>&1 \
       | tee $OUT/gpu-$name.log | tail -40 ;;
   bench)     # the README's command (features on: prefix caching, speculation ngram:4); "$2" e.g. --quick
-    timeout 480 python3 -m nox -s bench -- ${2:-} 2>&1 | tee $OUT/bench.log | tail -60 || true
-    tar czf $OUT/bench.tgz bench/out/engine bench/out/kernels ;;
+    # (the real 1.5B and 0.5B after `assemble`, or "-- --synthetic-only" style: bench --synthetic-only)
+    timeout 585 python3 -m nox -s bench -- ${2:-} 2>&1 | tee $OUT/bench.log | tail -60 || true
+    tar czf $OUT/bench.tgz bench/out/engine* bench/out/kernels ;;
+  autocomplete)  # the autocomplete workload on the synthetic 7B (the goal: p50 to the 32nd token <= 120 ms)
+    # with the tokenizer of .carry/tokenizer.json, else of the real 0.5B (after `assemble`) packed RTN
+    T=.carry/tokenizer.json
+    if [ ! -f $T ]; then T=/tmp/q05-rtn.nanoqwen; [ -f $T ] || PYTHONPATH=$SRC:/tmp/site python3 -m \
+      nanoqwen_quant.cli pack $CACHE/qwen2.5-coder-0.5b-instruct.gguf -o $T --method rtn 2>&1 | tail -3; fi
+    PYTHONPATH=$SRC:/tmp/site timeout 400 python3 -m nanoqwen_bench.engine.autocomplete_synthetic \
+      --tokenizer-from $T --max-tokens 32 --requests 16 --cache-reuse "${2:-64}" --out $OUT/autocomplete-7b \
+      2>&1 | tail -30 ;;
+  persistent)  # the persistent decode kernel's streaming ceiling, 7B / 1.5B / 0.5B geometries
+    PYTHONPATH=$SRC timeout 400 python3 -m nanoqwen_bench.kernels.persistent_ceiling --out $OUT/persistent \
+      2>&1 | tail -30 ;;
   serve-workload)  # server load test + overhead, then the code-edit / free-form workloads at batch 1
     PACK=$(PYTHONPATH=$SRC python3 -c "import conftest; print(conftest.packed_path('rtn'))")
     PYTHONPATH=$SRC:/tmp/site timeout 300 python3 packages/nanoqwen-bench/server/loadtest.py "$PACK" --out $OUT/server \

