@@ -55,3 +55,36 @@ def test_bench_workload_writes_reports(tiny, tmp_path, monkeypatch):
     goal = "met" if rep["goal_met"] else "NOT met"
     assert last == (f"wrote {out}/workload-free-form.json and the .md beside each; free-form "
                     f"{rep['speedup']:.2f}x (goal 0.95x {goal})"), last
+
+
+@pytest.mark.parametrize("args,reuse", [((), 0), (("--cache-reuse", "64"), 64)])
+def test_bench_autocomplete_passes_cache_reuse_to_the_engine(tiny, tmp_path, monkeypatch, args, reuse):
+    """`--workload autocomplete --cache-reuse N` builds the engine with `cache_reuse=N` (0 without the
+    option) and hands it, with --prompts / --max-tokens, to run_autocomplete (recorded here: its own
+    run is test_bench_autocomplete.py's)."""
+    from nanoqwen_bench.engine import bench_autocomplete
+    from nanoqwen_runtime.engine import engine as engine_module
+
+    seen = {}
+
+    class RecordingEngine:
+        @classmethod
+        def from_file(cls, path, config=None, **kw):
+            seen["cache_reuse"], seen["kv"] = config.cache_reuse, config.kv_memory_bytes
+            return cls()
+
+    def fake_run(engine, tok, out, *, n_requests, max_tokens, model, log):
+        seen["run"] = (type(engine).__name__, n_requests, max_tokens)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "autocomplete.md").write_text("# Autocomplete\n")
+        return {"summary": {"ttlt_completed": {"p50_ms": 1.0}, "cache_share_warm": 0.5}}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module, "Engine", RecordingEngine)
+    monkeypatch.setattr(bench_autocomplete, "run_autocomplete", fake_run)
+    r = CliRunner().invoke(app, ["bench", "--model", str(tiny), "--out", str(tmp_path / "ac"), "--workload",
+                                 "autocomplete", "--prompts", "3", "--max-tokens", "7", "--kv-memory", "1GiB",
+                                 *args])
+    assert r.exit_code == 0, r.output
+    assert seen == {"cache_reuse": reuse, "kv": 1 << 30, "run": ("RecordingEngine", 3, 7)}
+    assert "# Autocomplete" in r.stdout and "cache share 0.5" in r.stdout

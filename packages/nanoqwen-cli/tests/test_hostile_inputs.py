@@ -1,4 +1,4 @@
-"""The hostile-input table of the CLI (issue 17): every row runs `python -m nanoqwen_cli.main` in a
+"""The hostile-input table of the CLI: every row runs `python -m nanoqwen_cli.main` in a
 subprocess on the CPU (CUDA_VISIBLE_DEVICES="", so no GPU even where one exists) and checks
 
 - the exit code: 1 for a file, the model or the machine, 2 for the command line and the prompt;
@@ -144,6 +144,11 @@ TABLE = [
         2, ("--prompts must be >= 1",)),
     Row("bench --speculate without --workload", ("bench", "--model", M, "--speculate", "ngram"), 2,
         ("--speculate is a --workload option",)),
+    Row("bench --cache-reuse without autocomplete", ("bench", "--model", M, "--workload", "free-form",
+                                                     "--cache-reuse", "64"), 2,
+        ("--cache-reuse is an option of --workload autocomplete",)),
+    Row("bench --cache-reuse -1", ("bench", "--model", M, "--workload", "autocomplete", "--cache-reuse",
+                                   "-1"), 2, ("--cache-reuse must be >= 0",)),
     Row("bench --workload without a GPU", ("bench", "--model", M, "--workload", "code-edit", "--out",
                                            "bench-out"), 1, ("needs a CUDA GPU",)),
 ]

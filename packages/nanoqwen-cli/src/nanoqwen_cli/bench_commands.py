@@ -6,6 +6,7 @@ GPU memory, bytes per token against the read bandwidth measured in the same run,
     nanoqwen-cli bench --out bench/out/engine  where bench.json, bench.md and the plots go
     nanoqwen-cli bench --model m.nanoqwen --workload code-edit --workload free-form [--speculate ngram:K]
         [--prompts 16] [--max-tokens 256]
+    nanoqwen-cli bench --model m.nanoqwen --workload autocomplete [--cache-reuse N]
                                                prompt-lookup speculation off vs on on real prompts
                                                (nanoqwen_bench.engine.bench_workload):
                                                workload-<name>.json/.md
@@ -57,6 +58,9 @@ def bench(
     prompts: Annotated[int | None, typer.Option(help="--workload: prompts per workload (default 16)")] = None,
     max_tokens: Annotated[int | None, typer.Option(
         "--max-tokens", help="--workload: generated-token limit per prompt (default 256)")] = None,
+    cache_reuse: Annotated[int | None, typer.Option(
+        "--cache-reuse", help="--workload autocomplete: reuse cached K/V at shifted positions for runs of at "
+                              "least this many tokens, as serve's --cache-reuse (default 0: off)")] = None,
     only: Annotated[str | None, typer.Option(
         help="run only these sections, comma-separated, as bench.json names them (e.g. "
              "decode_ctx128,overlap_ab,lm_head_ab); the bandwidths always run")] = None,
@@ -83,7 +87,8 @@ def bench(
     replays a user typing down a file (fill-in-the-middle requests, half of
     them cancelled after 5 tokens): TTFT and time to last token p50/p95, the
     share of prompt tokens served from the prefix cache; --prompts is its
-    number of requests (default 32), --max-tokens its budget (default 48);
+    number of requests (default 32), --max-tokens its budget (default 48),
+    --cache-reuse the engine's shifted reuse as `serve --cache-reuse`;
     writes autocomplete.json and .md.
     """
     if profile_steps < 1:
@@ -96,6 +101,11 @@ def bench(
         if workload:
             raise UsageError("--only selects engine sections; --workload runs none")
     spec = _check_workload_options(model, workload, speculate, prompts, max_tokens)
+    if cache_reuse is not None:
+        if "autocomplete" not in (workload or []):
+            raise UsageError("--cache-reuse is an option of --workload autocomplete")
+        if cache_reuse < 0:
+            raise UsageError(f"--cache-reuse must be >= 0 (0: off), got {cache_reuse}")
     if model is not None:
         check_model_path(model)
     from nanoqwen_runtime.engine.config import parse_bytes
@@ -110,7 +120,7 @@ def bench(
         raise CliError("nanoqwen-cli bench needs a CUDA GPU (sm_90); none is available here")
     if workload:
         if "autocomplete" in workload:
-            _run_autocomplete(model, out, kv_bytes, prompts or 32, max_tokens or 48)
+            _run_autocomplete(model, out, kv_bytes, prompts or 32, max_tokens or 48, cache_reuse or 0)
         rest = [w for w in dict.fromkeys(workload) if w != "autocomplete"]
         if rest:
             _run_workloads(model, out, kv_bytes, rest, spec, prompts or 16, max_tokens or 256)
@@ -161,14 +171,15 @@ def _check_workload_options(model, workload, speculate, prompts, max_tokens):
     return spec
 
 
-def _run_autocomplete(model: Path, out: Path, kv_bytes: int, n_requests: int, max_tokens: int) -> None:
+def _run_autocomplete(model: Path, out: Path, kv_bytes: int, n_requests: int, max_tokens: int,
+                      cache_reuse: int) -> None:
     """The autocomplete latency workload (nanoqwen_bench.engine.bench_autocomplete) on the CUDA engine."""
     from nanoqwen_bench.engine.bench_autocomplete import run_autocomplete
     from nanoqwen_runtime import Tokenizer
     from nanoqwen_runtime.engine.config import EngineConfig
     from nanoqwen_runtime.engine.engine import Engine
 
-    engine = Engine.from_file(model, EngineConfig(kv_memory_bytes=kv_bytes))
+    engine = Engine.from_file(model, EngineConfig(kv_memory_bytes=kv_bytes, cache_reuse=cache_reuse))
     rep = run_autocomplete(engine, Tokenizer.from_file(model), out, n_requests=n_requests,
                            max_tokens=max_tokens,
                            model=str(model), log=lambda s: typer.echo(s, err=True))
