@@ -144,9 +144,9 @@ def test_the_emulated_families_have_their_kernels():
 
 
 def test_emulated_patches_every_launcher_and_restores_it():
-    from nanoqwen_kernels import attention, gemv, layer_ops, sampling
+    from nanoqwen_kernels import attention, gemm, gemv, layer_ops, sampling
 
-    modules = (gemv, layer_ops, attention, sampling)
+    modules = (gemv, gemm, layer_ops, attention, sampling)
     before = [(m.launch, m.require_sm90) for m in modules]
     with emu.emulated(sms=7):
         assert all(m.launch is emu.launch for m in modules)

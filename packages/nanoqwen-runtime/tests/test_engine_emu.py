@@ -3,14 +3,12 @@ the kernels' own CUDA source compiled for the host), against the fp32 reference:
 prologues and epilogues. The model step's plumbing of
 the fused paths (the residual and statistics handed between launches) with the kernels' real outputs.
 
-What is emulated: every gemv and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
-prologue, the qkv RoPE / K/V epilogue and the residual epilogue, the prefill's dequantisation); with
+What is emulated: every gemv, gemm and layer_ops launch (embedding, norms, the INT4 GEMVs with the norm
+prologue, the qkv RoPE / K/V epilogue and the residual epilogue, the prefill's dequantisation or its
+INT4 GEMMs (the mma.sync kernel), by the prefill chunk); with
 `kernel_attention`, also the paged attention (the prefill and decode plans the engine makes, over its
 page tables) and the sampler (greedy over the engine's per-row parameter buffers), so that every launch
 of a step is the kernels' own code; otherwise those two come from the torch backend (`EmuKernelOps`).
-Not run: the INT4 GEMMs of 9..128 rows (not emulated), which the test avoids: its two prompts prefill
-together, in one step of 151 rows (above ops_kernels.INT4_GEMM_SLICED_ROWS: the dequantise + matmul
-path).
 
 Bound (test_engine_gpu.py's, `engine.agreement`): at every teacher-forced position, |logits - reference|
 <= 2 x |torch backend - reference| + one bf16 ulp at the largest logit; the greedy choice equals the
@@ -49,11 +47,11 @@ def oracle(tiny_path):
     return prompts, ref, [noise_bound(ref.logits[p], twin.logits[p]) for p in range(len(prompts))]
 
 
-def _config(**kw):
-    return cpu_config(prefill_chunk=256, max_batch=2, graph_buckets=(1, 2), **kw)
+def _config(prefill_chunk=256, **kw):
+    return cpu_config(prefill_chunk=prefill_chunk, max_batch=2, graph_buckets=(1, 2), **kw)
 
 
-def _emu_engine(path, monkeypatch, kernel_attention: bool = False) -> Engine:
+def _emu_engine(path, monkeypatch, kernel_attention: bool = False, prefill_chunk: int = 256) -> Engine:
     """The CUDA engine's kernel backend on CPU tensors, its launches on the emulator (the caller holds
     `emu.emulated()`); attention and sampling from the torch backend unless `kernel_attention`."""
     from nanoqwen_kernels import attention as kattn
@@ -86,7 +84,7 @@ def _emu_engine(path, monkeypatch, kernel_attention: bool = False) -> Engine:
         monkeypatch.setattr(kattn, "plan_decode", None)  # nothing may plan paged attention here
     monkeypatch.setattr("nanoqwen_runtime.engine.engine.make_ops",
                         lambda config, geom: ops_class(geom, config, torch.device("cpu")))
-    cfg = _config()
+    cfg = _config(prefill_chunk)
     cfg.backend = "kernels"  # after validation (it wants CUDA)
     from nanoqwen_runtime.engine.loader import load
 
@@ -94,12 +92,16 @@ def _emu_engine(path, monkeypatch, kernel_attention: bool = False) -> Engine:
     return Engine(model.geometry, model.weights, cfg)
 
 
-@pytest.mark.parametrize("kernel_attention", [False, True], ids=["gemv", "gemv-attention-sampling"])
+@pytest.mark.parametrize("kernel_attention,prefill_chunk", [(False, 256), (True, 256), (False, 128)],
+                         ids=["gemv-dequant", "gemv-dequant-attention-sampling", "gemv-gemm"])
 def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch,
-                                                             kernel_attention):
+                                                             kernel_attention, prefill_chunk):
+    """Prefill chunk 256: the two prompts prefill in one 151-row step (dequantise + matmul); 128: a
+    128-row step (the INT4 GEMM in two 64-row launches) and a 23-row one (one GEMM launch)."""
     from nanoqwen_kernels import attention as kattn
     from nanoqwen_kernels import sampling as ksamp
     from nanoqwen_kernels.testing import emu
+    from nanoqwen_runtime.engine import ops_kernels
 
     try:
         emu.compiler()
@@ -113,7 +115,7 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
             emu.launch(family, kernel, *args, **kw)
 
         kattn.launch = ksamp.launch = counted  # emulated() puts the real launchers back on exit
-        engine = _emu_engine(tiny_path, monkeypatch, kernel_attention)
+        engine = _emu_engine(tiny_path, monkeypatch, kernel_attention, prefill_chunk)
         run = teacher_forced(engine, prompts, ref.tokens, batch=2)
     decided = 0
     for p in range(len(prompts)):
@@ -129,7 +131,11 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
     assert paths["gemv_int4"] >= 4 * layers * decode_steps and paths["residual_epilogue"] > 0
-    assert paths["dequant_gemm"] > 0 and "int4_gemm" not in paths  # the prefill took the emulated path
+    if prefill_chunk > ops_kernels.INT4_GEMM_SLICED_ROWS:  # the prefill dequantised
+        assert paths["dequant_gemm"] == 4 * layers and "int4_gemm" not in paths, paths
+    else:  # the 128-row step in two launches per linear, the 23-row step in one
+        assert paths["int4_gemm_sliced"] == 4 * layers and paths["int4_gemm"] == 3 * 4 * layers, paths
+        assert "dequant_gemm" not in paths
     if kernel_attention:  # every layer's attention and every step's sampling ran on the emulator
         assert launched.count("paged_attention_decode_hd64") >= layers * decode_steps, launched
         assert "paged_attention_prefill_hd64" in launched and "sample_tokens_bf16" in launched, launched

@@ -73,24 +73,44 @@ constexpr int CH = 2;                       // tile-columns per staged activatio
 constexpr int XPAD = 8;                     // bf16 of padding per staged row (16 bytes)
 constexpr int XS = CH * 128 + XPAD;         // staged row stride, bf16
 
+// The PTX wrappers below take their host branch on the emulator (common.cuh's NQ_HOST_EMU, emu/simt.h).
 NQ_DEVICE u32 smem_addr(const void* p) {
+#ifdef NQ_HOST_EMU
+  return nq_emu::smem_window_addr(p);
+#else
   u32 a;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
   return a;
+#endif
 }
 
 // 16-byte global -> shared copy, L2 only; src_bytes = 0 writes 16 zero bytes (src is not read).
 NQ_DEVICE void cp_async16(u32 dst, const void* src, int src_bytes) {
+#ifdef NQ_HOST_EMU
+  nq_emu::cp_async_16(dst, src, (unsigned)src_bytes);
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
+#endif
 }
+#ifdef NQ_HOST_EMU
+NQ_DEVICE void cp_async_commit() {}  // every wait here is for all groups
+NQ_DEVICE void cp_async_wait_all() { nq_emu::cp_async_wait_all(); }
+#else
 NQ_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 NQ_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+#endif
 
 NQ_DEVICE void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+#ifdef NQ_HOST_EMU
+  u32 r[4];
+  nq_emu::ldmatrix_x4(r, addr, false);
+  r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+#else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
+#endif
 }
 
 // cp.async one chunk: rows [0, R) x columns [col0, col0 + CH * 128) of a row-major bf16 source (row
@@ -196,7 +216,11 @@ NQ_DEVICE void finish_tile(const float* acc, const bf16_t* __restrict__ bias, bf
                            int m0, int rows_valid, int row_base, int row0, int row1, bool has0, bool has1,
                            int t) {
   auto sync = [] {
+#ifdef NQ_HOST_EMU
+    if constexpr (CONSUMERS_ONLY) nq_emu::named_barrier(1, THREADS);
+#else
     if constexpr (CONSUMERS_ONLY) asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+#endif
     else __syncthreads();
   };
   if (S == 1) {
@@ -244,7 +268,7 @@ NQ_DEVICE void gemm_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
                          int* __restrict__ counters, int M, int N, int K, int kc) {
   constexpr int R = 8 * NT;  // activation rows per M block
   constexpr int GPT = 128 / G;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  NQ_DYNAMIC_SMEM(smem_raw, 16);
   bf16_t* xbuf = reinterpret_cast<bf16_t*>(smem_raw);  // XMODE 0: two buffers; XMODE 1: one + raw
   bf16_t* raw = xbuf + R * XS;                          // XMODE 1: R gate rows, then R up rows
 

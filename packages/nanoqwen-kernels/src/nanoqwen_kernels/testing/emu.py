@@ -16,9 +16,9 @@ operations, barriers, mbarrier waits and at random points; bulk copies and cp.as
 the GPU's, so missing fences go unseen; fast-math intrinsics are the host's precise functions).
 
 `emulated()` points the launchers' module-level names (`launch`, `require_sm90`, the SM count) of
-gemv, layer_ops, attention and sampling at the emulator and restores them on exit. `sms` is the SM
-count the launchers plan for (the GEMV's split-K, the attention plans' split count). It is slow (fiber
-switches): for small shapes only.
+gemv, gemm (its mma.sync kernel; not the wgmma one), layer_ops, attention and sampling at the emulator
+and restores them on exit. `sms` is the SM count the launchers plan for (the GEMV's and GEMM's split-K,
+the attention plans' split count). It is slow (fiber switches): for small shapes only.
 """
 
 from __future__ import annotations
@@ -164,12 +164,14 @@ def launch_spec(spec: KernelSpec, kernel: str, grid, block, args, shared_mem: in
 
 @contextlib.contextmanager
 def emulated(sms: int = 4, seed: int = 0, timeout_s: float = 300.0):
-    """Run the launchers of gemv, layer_ops, attention and sampling on the emulator inside the block (see
-    the module header); `sms`: the SM count they plan for (the GEMV's split-K, the attention plans'
-    split count); `seed`: varies the threads' interleavings."""
-    from .. import attention, gemv, layer_ops, sampling
+    """Run the launchers of gemv, gemm, layer_ops, attention and sampling on the emulator inside the
+    block (see the module header); `sms`: the SM count they plan for (the GEMV's and the GEMM's split-K,
+    the attention plans' split count); `seed`: varies the threads' interleavings. The GEMM runs its
+    mma.sync kernel only: a plan of the wgmma kernel (family gemm_ws: TMA and wgmma, which the emulator
+    does not model) fails at its launch."""
+    from .. import attention, gemm, gemv, layer_ops, sampling
 
-    launchers = (gemv, layer_ops, attention, sampling)
+    launchers = (gemv, gemm, layer_ops, attention, sampling)
     patches = [(m, "launch", launch) for m in launchers if hasattr(m, "launch")]
     patches += [(m, "require_sm90", lambda device: 0) for m in launchers if hasattr(m, "require_sm90")]
     patches += [(gemv, "_sm_count", lambda index: sms)]

@@ -1,0 +1,103 @@
+"""The INT4 GEMM's mma.sync kernel (csrc/gemm_int4.cuh) on the CPU emulator (nanoqwen_kernels.testing.emu:
+the kernel's own CUDA source compiled for the host; its cp.async copies land late, ldmatrix and mma.sync
+gather the warp's fragments, the split-K blocks race for their tile's arrival counter). The checks are
+test_gemm.py's, the GPU tests' own, on smaller cases: fresh random weights and inputs (seeded by the
+test's name), N not a multiple of 128, K / 128 odd, groups of 32 / 64 / 128, symmetric and not, bf16 and
+fp16 scales; a NaN-poisoned output with a poisoned guard after row M - 1 (every row written, nothing
+after) and the split-K counters back at zero (int4_testkit.run_gemm); tolerance reference.TOLERANCES
+as test_gemm.py derives it (the same arithmetic per element).
+
+Covered: each M class (16 / 32 / 64 rows in one block) and M > 64 (several unsplit 64-row blocks), a
+forced K split, several M blocks each split along K, the fused SiLU*mul input, and the rows of an M > 64
+product run as 64-row launches on their own plans (the engine's path up to INT4_GEMM_SLICED_ROWS). The
+wgmma kernel (TMA, wgmma) is not modelled by the emulator: its plans are GPU-only (test_gemm_wgmma.py).
+The plans are made for `emulated(sms=4)`.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from int4_testkit import random_int4, reference_out, run_gemm
+from nanoqwen_kernels import gemm
+from nanoqwen_kernels import reference as R
+from nanoqwen_kernels.testing import emu
+
+pytestmark = pytest.mark.usefixtures("emu_compiler")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def gen(request):
+    g = torch.Generator()
+    g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    return g
+
+
+@pytest.fixture
+def emulated():
+    with emu.emulated(sms=4, timeout_s=60.0):
+        yield
+
+
+def _inputs(n, k, m, group_size, symmetric, silu, gen, scale_dtype=torch.bfloat16):
+    w = random_int4(n, k, group_size, symmetric, gen, CPU, scale_dtype)
+    x = torch.randn(m, 2 * k if silu else k, generator=gen).to(torch.bfloat16)
+    bias = None if silu else torch.randn(n, generator=gen).to(torch.bfloat16)
+    return w, x, bias
+
+
+@pytest.mark.parametrize("n,k,group_size", [(24, 384, 128), (200, 640, 32), (136, 1152, 64)])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("m", [9, 17, 40, 64, 65, 130])
+def test_gemm_odd_shapes(n, k, group_size, symmetric, m, gen, emulated):
+    w, x, bias = _inputs(n, k, m, group_size, symmetric, False, gen)
+    plan = gemm.plan_gemm(n, k, m, group_size, CPU)
+    assert plan.kernel == "mma" and plan.max_m == gemm.m_class(m)
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias),
+                   f"gemm [{n}, {k}] g{group_size} M={m}")
+
+
+@pytest.mark.parametrize("m", [9, 40, 100])
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
+def test_gemm_fp16_scales(m, silu, gen, emulated):
+    w, x, bias = _inputs(136, 1152, m, 64, False, silu, gen, torch.float16)
+    assert w.kernel_suffix().endswith("_f16s")
+    R.assert_close(run_gemm(x, w, bias, silu=silu), reference_out(x, w, bias, silu=silu), f"gemm f16s M={m}")
+
+
+@pytest.mark.parametrize("m", [9, 33, 64])
+def test_gemm_forced_split(m, gen, emulated):
+    w, x, bias = _inputs(200, 1152, m, 128, False, False, gen)
+    plan = gemm.plan_gemm(200, 1152, m, 128, CPU).with_splits(9)
+    assert plan.splits > 1
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias), f"gemm split {plan.splits} M={m}")
+
+
+@pytest.mark.parametrize("n_tiles,max_m,m", [(4, 64, 47), (2, 32, 17), (2, 64, 50)])
+@pytest.mark.parametrize("silu", [False, True], ids=["plain", "silu"])
+def test_gemm_multi_block_split_k(n_tiles, max_m, m, silu, gen, emulated):
+    """Several M blocks, each split along K: the partials of M block x land in its rows of the
+    [S, M, N] scratch, one arrival counter per (M block, row block) tile."""
+    plan = gemm.GemmPlan.of(136, 1152, 64, n_tiles, max_m, 3)
+    assert plan.splits > 1 and plan.m_blocks(m) > 1
+    w, x, bias = _inputs(136, 1152, m, 64, False, silu, gen)
+    R.assert_close(run_gemm(x, w, bias, plan, silu=silu), reference_out(x, w, bias, silu=silu),
+                   f"gemm NT={n_tiles} x {plan.m_blocks(m)} blocks, {plan.splits} splits, M={m}")
+
+
+@pytest.mark.parametrize("m", [65, 100, 128])
+def test_gemm_in_64_row_launches(m, gen, emulated):
+    """An M > 64 product as the engine runs it up to INT4_GEMM_SLICED_ROWS: one launch per 64 rows of x
+    and out (contiguous row slices), each on its own M class's split-K plan, sharing one workspace."""
+    w, x, bias = _inputs(200, 640, m, 128, False, False, gen)
+    slices = [(r, min(m, r + gemm.MBLOCK)) for r in range(0, m, gemm.MBLOCK)]
+    plans = [gemm.plan_gemm(200, 640, e - r, 128, CPU) for r, e in slices]
+    ws = gemm.allocate_workspace(plans, CPU)
+    out = torch.full((m, 200), float("nan"), dtype=torch.bfloat16)
+    for (r, e), plan in zip(slices, plans, strict=True):
+        gemm.gemm_int4(x[r:e], w, out[r:e], bias, ws, plan)
+    assert int(ws.counters.abs().sum()) == 0
+    R.assert_close(out, reference_out(x, w, bias), f"gemm in 64-row launches M={m}")
