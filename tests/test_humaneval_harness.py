@@ -1,4 +1,4 @@
-"""CPU: nanoqwen_bench.quality.humaneval, the HumanEval pass-rate harness of issue 16 (its real runs are on
+"""CPU: nanoqwen_bench.quality.humaneval, the HumanEval pass-rate harness (its real runs are on
 a GPU). Program extraction on hand-written answers, scoring of a hand-written problem
 set (a correct answer passes; a wrong one, and one that loops forever, fail), the exact McNemar
 p-value against values worked out by hand, the report of `score`, and `generate --device cpu` on the

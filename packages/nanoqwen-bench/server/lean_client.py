@@ -1,6 +1,6 @@
 """A lean load generator for the server benchmarks: streaming /v1/completions over raw asyncio streams.
 
-The overhead goal of issue 14 compares the server's throughput with `Engine.generate` on the same
+The server's overhead goal compares the server's throughput with `Engine.generate` on the same
 requests, so the client must not be the bottleneck. An `httpx.AsyncClient` that parses every SSE line
 costs ~50-100 us of client CPU per chunk and ~2-5 ms to start each request: with 32 streams at
 ~10,000 tokens/s it is the slowest party, and starting 32 streams takes it longer than the engine

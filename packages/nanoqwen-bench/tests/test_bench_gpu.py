@@ -91,7 +91,7 @@ def test_memory_report_and_report_of_a_graph_engine(weights):
     d = decode_at_context(eng, 100, 16)
     m = memory(eng)
     assert m["kv_pool_bytes"] == eng.num_blocks * GEOM.kv_bytes_per_token() * 16
-    # no bf16 copy by default (issue 12): the weights on the GPU are the container's tensors, padding
+    # no bf16 copy by default: the weights on the GPU are the container's tensors, padding
     # of the loader's buffer aside (256-byte alignment per tensor: far under 5%)
     assert m["dense_cache_bytes"] == 0
     assert m["weights_gpu_bytes"] == m["weight_buffer_bytes"]

@@ -74,7 +74,7 @@ def fake_raw(**extra) -> dict:
 
 
 def check_schema(rep: dict) -> None:
-    """The keys bench.json promises (issue 11), with the types a reader relies on."""
+    """The keys bench.json promises, with the types a reader relies on."""
     assert set(REQUIRED_KEYS) <= set(rep), set(REQUIRED_KEYS) - set(rep)
     assert set(MEMORY_KEYS) <= set(rep["memory"])
     for r in rep["decode_batch1"]:
@@ -159,7 +159,7 @@ def test_partial_report_has_every_key():
 
 def test_lm_head_ab_is_reported_with_each_sides_roofline_fraction():
     """The synthetic run's int4-vs-bf16 lm_head section reaches bench.json and bench.md: each side's graph
-    replay as a fraction of the read roofline from its own bytes per token (issue 13's 900 tok/s goal),
+    replay as a fraction of the read roofline from its own bytes per token (the 900 tok/s goal),
     and the int4 side's lm_head path from its graph's counters."""
     row = {"batch": 1, "a_tok_s": 520.0, "b_tok_s": 470.0, "a_over_b": 520 / 470, "spread_a": 0.01,
            "spread_b": 0.02, "a_all": [520.0] * 4, "b_all": [470.0] * 4, "a_slower": False,
@@ -511,7 +511,7 @@ def test_run_bench_end_to_end_on_cpu(tiny_path, tmp_path, monkeypatch):
     assert [r["batch"] for r in rep["eager"]] == [1, 8]
     assert rep["memory"]["kv_pool_bytes"] == 2048 * TINY.kv_bytes_per_token() * 16
     assert rep["launches_per_decode_step"] > 0 and rep["model_load"]["path"] == str(tiny_path)
-    # per-op profiles of batched steps beside batch 1's (issue 12's per-kernel table)
+    # per-op profiles of batched steps beside batch 1's (the per-kernel table)
     assert [p["batch"] for p in rep["profile_batched"]] == list(bench.PROFILE_BATCHES)
     assert all(p["ops"] and p["kernel_us_per_step"] > 0 for p in rep["profile_batched"])
     # features on vs off in the same run: both sides measured at every batch size, alternately

@@ -5,7 +5,7 @@ The device calls are stood in for the way nanoqwen-runtime's tests/test_bench_re
 torch op backend, eager, on the CPU; the graph replay time is faked), and `torch.cuda.is_available`
 says yes. What is tested is the command's wiring: the options reach `run_bench`, the report (json, md,
 plots) is written into --out, bench.md is printed, the summary line names the bandwidths, and the exit
-code says whether a section failed. (Issue 17: `bench --model` once crashed at the report.)
+code says whether a section failed. (`bench --model` once crashed at the report.)
 """
 
 from __future__ import annotations

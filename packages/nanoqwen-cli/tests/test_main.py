@@ -149,5 +149,5 @@ def test_parser_errors_are_one_line():
     r = run_module("generate", "m.nanoqwen", "-p", "x", "--top-k", "many")
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "--top-k" in r.stderr and "generate --help" in r.stderr
-    r = run_module("frobnicate")  # not a command ("serve" is one since issue 14)
+    r = run_module("frobnicate")  # not a command ("serve" is one)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "No such command" in r.stderr

@@ -1,4 +1,4 @@
-"""Models by name (issue 52): `generate`, `nanoqwen-quant pack`, `list` and `rm` with a Hugging Face id,
+"""Models by name: `generate`, `nanoqwen-quant pack`, `list` and `rm` with a Hugging Face id,
 against a local Hub mirror (packages/nanoqwen-quant/tests/hub_mirror.py: a folder served on 127.0.0.1
 the way huggingface_hub reads the Hub), never the network.
 

@@ -150,7 +150,7 @@ def test_unlocked_temp_file_of_a_live_process_is_left_alone(tmp_path):
     # a live PID without the lock: a reused PID, or a writer between creating and locking its file
     path = tmp_path / "m.nanoqwen"
     odd = tmp_path / f"m.nanoqwen.partial-{os.getpid()}-abc"
-    legacy = tmp_path / ".m.nanoqwen.k2j4x9.partial"  # the hidden name of the writer before issue 17
+    legacy = tmp_path / ".m.nanoqwen.k2j4x9.partial"  # the hidden name of an older writer's partial files
     odd.write_bytes(b"x")
     legacy.write_bytes(b"y")
     with warnings.catch_warnings(record=True) as seen:
@@ -213,7 +213,7 @@ def test_directory_and_fifo_targets_are_refused_before_writing(tmp_path):
 
 
 def test_symlink_to_a_file_is_replaced_by_the_container(tmp_path):
-    # as before issue 17: the rename replaces the link itself; the file it pointed to is untouched
+    # as in older writers: the rename replaces the link itself; the file it pointed to is untouched
     target = tmp_path / "elsewhere.bin"
     target.write_bytes(b"keep me")
     link = tmp_path / "m.nanoqwen"

@@ -1,4 +1,4 @@
-"""Exact import of GGUF Q4_0 linears (issue 16, "respect an already-quantized source").
+"""Exact import of GGUF Q4_0 linears: an already-quantized source is respected.
 
 The oracle is the gguf package (llama.cpp's own Python reader): `gguf.quants.quantize` writes the Q4_0
 blocks and `gguf.quants.dequantize` gives the file's fp32 weights; nanoqwen's code writes neither.

@@ -1,7 +1,7 @@
 """The default recipe of `nanoqwen-quant pack` (`PackOptions()`: GPTQ asym g128, 65,536 calibration tokens
 of the chat text, chosen by the HumanEval pass rate in bench/RESULTS.md) and its quality on the
 real Qwen2.5-Coder-0.5B, measured as nanoqwen_bench.quality.run_quality measures the GPU table: held-out
-perplexity within +4% of the `--method none` pack (issue 16's proxy goal for the 0.5B) and greedy
+perplexity within +4% of the `--method none` pack (the proxy goal for the 0.5B) and greedy
 next-token agreement with it. The calibration-free recipe (`--method rtn`) is tested on the real 0.5B
 on the CPU, in CI: test_quality_rtn_asym.py.
 
@@ -25,7 +25,7 @@ from nanoqwen_quant.sources import open_source
 EVAL_TOKENS = 8192
 SEQ_LEN = 1024
 SCORED = 8 * (SEQ_LEN - 1)  # 8 windows of 1,024 tokens, each scoring 1,023 next-token positions
-# Issue 16's goal for the 0.5B: held-out perplexity within +4% of none. Measured for this recipe on these
+# The goal for the 0.5B: held-out perplexity within +4% of none. Measured for this recipe on these
 # tokens: +2.86% (bench/RESULTS.md, "Quality of the INT4 recipes").
 # The goal itself is the bound, not the measurement plus a margin.
 PPL_GOAL = 0.04

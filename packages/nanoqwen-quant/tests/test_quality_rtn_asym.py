@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 # heldout_text(6 * eval_tokens)), so this test re-measures a row of the table on the same tokens.
 EVAL_TOKENS = 2048
 SEQ_LEN = 1024
-# Issue 16's goal for the 0.5B: held-out perplexity within +4% of none (measured: +2.42% on these 2,048
+# The goal for the 0.5B: held-out perplexity within +4% of none (measured: +2.42% on these 2,048
 # tokens). On 8,192 tokens (the GPU table, bench/RESULTS.md) the same recipe measured +4.59%:
 # this test guards the recipe against regressions on a CI-sized text; it does not prove the goal, which
 # this recipe misses on 8,192 tokens (the default, GPTQ on the chat text, meets it there: +2.86%).

@@ -8,7 +8,7 @@ on it until it is renamed into place or removed; the kernel drops that lock when
 whatever kills it.
 
 Before it creates its own, the writer looks at every `NAME.partial-*` and `.NAME.*.partial` (the
-hidden name of the writer before issue 17) next to `path`:
+hidden name of an older writer's partial files) next to `path`:
 
     state    what                                                what the writer does
     live     someone holds its lock: a write to NAME is running  refuses: ConcurrentWriteError

@@ -1,4 +1,4 @@
-"""Chat-formatted calibration text: the default text of GPTQ and AWQ (issue 16).
+"""Chat-formatted calibration text: the default text of GPTQ and AWQ.
 
 Why: GPTQ fits each layer's rounding to the calibration activations. Calibrated on raw standard-library
 code it won the held-out perplexity of raw code and lost 4.5 points of HumanEval pass rate to `none` on

@@ -84,7 +84,7 @@ class PackOptions:
     folded into the norms / up rows; needs calibration, so it runs the calibrated layer loop
     (gptq_layers.py) for rtn too."""
 
-    # GPTQ asym g128 calibrated on chat conversations, by the pass rate (the measure issue 16's goal is
+    # GPTQ asym g128 calibrated on chat conversations, by the pass rate (the measure the quality goal is
     # stated in; HumanEval on the real 1.5B, 164 problems x 20 samples at temperature 0.2,
     # bench/RESULTS.md): +1.7 points against none (95% CI -1.1..+4.6), where RTN asym g128
     # loses 1.5 (CI -4.8..+1.6) and GPTQ asym calibrated on raw stdlib code loses 4.5 (CI -8.6..-0.4;

@@ -243,9 +243,9 @@ def _ab_engine(geom: Qwen2Config, weights, **cfg) -> Engine:
 
 def features_cost(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = FEATURES_BATCHES,
                   reps: int = AB_REPS) -> dict:
-    """Issue 15's "no regression": decode with prefix caching + speculation (ngram:4) on (a) against both
-    off (b), same weights, two graph-mode engines (4 GiB KV each), `ab_decode`. `regression` when any
-    batch size's "on" is slower by the rank test."""
+    """No regression from the features: decode with prefix caching + speculation (ngram:4) on (a)
+    against both off (b), same weights, two graph-mode engines (4 GiB KV each), `ab_decode`.
+    `regression` when any batch size's "on" is slower by the rank test."""
     on = _ab_engine(geom, weights, prefix_caching=True, speculation=SpeculationConfig(k=4))
     off = _ab_engine(geom, weights, prefix_caching=False, speculation=None)
     rows = ab_decode(on, off, batches=batches, reps=reps)
@@ -258,7 +258,7 @@ def features_cost(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = FEAT
 
 def layout_speed(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 8),
                  reps: int = AB_REPS) -> dict:
-    """Issue 16's "decode speed of the chosen default against g128 sym": the run's weights (`weights`,
+    """Decode speed of the chosen default recipe against g128 sym: the run's weights (`weights`,
     asymmetric g128: the default recipe's layout, a uint8 zero point per group) (a) against symmetric
     g128 weights of the same geometry (b), features off on both, `ab_decode`; plus each side's weight
     bytes read per token."""
@@ -278,7 +278,7 @@ def layout_speed(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1, 8
 
 def lm_head_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = (1,),
                reps: int = AB_REPS) -> dict:
-    """Issue 13's second batch-1 goal (900 tok/s, 80% of the roofline, with an int4 lm_head): the run's
+    """The batch-1 goal of 900 tok/s (80% of the roofline) with an int4 lm_head: the run's
     weights with an INT4 g128 asymmetric lm_head (a: what `nanoqwen-quant pack --lm-head int4` gives the
     decode step), against their bf16 lm_head (b), features off, `ab_decode` at context 128 + 128; each
     side's bytes per token at the last step's context (the report turns each side's graph replay into a
@@ -313,7 +313,7 @@ OVERLAP_BATCHES = (1, 8, 64)
 
 def overlap_ab(geom: Qwen2Config, weights, *, batches: tuple[int, ...] = OVERLAP_BATCHES,
                reps: int = AB_REPS) -> dict:
-    """Issue 13's "engine wall time at least 95% of the graph replay": `EngineConfig.overlap` on (a, the
+    """The goal "engine wall time at least 95% of the graph replay": `EngineConfig.overlap` on (a, the
     next decode step queued before the previous one is read back) against off (b), same weights,
     features off, `ab_decode` (engine tok/s, and each side's graph replay: the engine-over-graph ratio
     of each side is the host's share); plus the on-engine's decode steps and how many of them were
@@ -543,7 +543,7 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
         log(f"decode step, eager, CUDA events: {p['launches_per_step']} launches, "
             f"{p['kernel_us_per_step']:.0f} us of GPU time ({p['starved_chunks']} of {p['chunks']} chunks "
             "where the host fell behind)")
-    for b in PROFILE_BATCHES:  # the INT4 GEMM's steps, per kernel (issue 12: where the batched time goes)
+    for b in PROFILE_BATCHES:  # the INT4 GEMM's steps, per kernel: where the batched time goes
         p = run.section(f"profile{b}", profile_decode_ops, eager, steps=profile_steps, batch=b,
                         into="profile_batched")
         if p:

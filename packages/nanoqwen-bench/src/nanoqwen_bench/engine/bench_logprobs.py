@@ -1,4 +1,4 @@
-"""What logprobs cost on the GPU (issue 49, item 5): the decode step with and without them, batch 1 and 64.
+"""What logprobs cost on the GPU: the decode step with and without them, batch 1 and 64.
 
     python -m nanoqwen_bench.engine.bench_logprobs [--model PATH] --out DIR [--reps 4] [--new 128]
 

@@ -1,5 +1,5 @@
-"""What the token mask of constrained decoding costs on the GPU (issue 49's "the mask's step cost at
-batch 1 and 64"): two measurements, for the bench to run as a section of its own.
+"""What the token mask of constrained decoding costs on the GPU (the mask's step cost at batch 1 and
+64): two measurements, for the bench to run as a section of its own.
 
 - `token_mask_op_us`: the mask op alone (`token_mask.apply_token_bitmask_` on the engine's bf16 logits
   view [B, V] of a [B, Vp] buffer), captured in a CUDA graph as the engine's step captures it and

@@ -44,7 +44,7 @@ from ..workloads import WorkloadPrompt, prompt_set_sha256, python_version, stdli
 
 Log = Callable[[str], None]
 
-GOALS = {"code-edit": 2.0, "free-form": 0.95}  # speculative / plain decode tok/s (issue 15)
+GOALS = {"code-edit": 2.0, "free-form": 0.95}  # speculative / plain decode tok/s
 WARMUP_TOKENS = 16
 
 

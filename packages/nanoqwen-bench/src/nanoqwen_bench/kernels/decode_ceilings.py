@@ -368,7 +368,7 @@ def build_markdown(raw: dict) -> str:
     rb = raw.get("read_bandwidth")
     rbs = f"{rb['bytes_per_s'] / 1e9:.0f} GB/s" if rb else "not measured"
     md = [
-        f"# Decode ceilings (issue 13, stage 0)\n\n{meta['device']}, {meta['date']}, torch {meta['torch']}. "
+        f"# Decode ceilings\n\n{meta['device']}, {meta['date']}, torch {meta['torch']}. "
         f"Command: `{meta['command']}`. Read bandwidth (4 GiB, median of 30): {rbs}.\n\n"
     ]
     if "launch" in raw:

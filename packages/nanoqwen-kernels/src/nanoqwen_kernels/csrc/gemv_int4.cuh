@@ -558,7 +558,7 @@ NQ_DEVICE void gemv_int4(const bf16_t* __restrict__ x, const uint4* __restrict__
     // (nvcc 13.0). On the H200 the g128 asym kernel took 0.996 / 0.983 / 0.925 of the loop above's time
     // on qkv / o / gate_up at M = 1. In most other kernels ptxas spills a few
     // bytes with it, reloaded at every iteration, which the hot-kernel rule (test_build.py) forbids:
-    // gemv.cu turns it on per kernel, and -DNQ_GEMV_EXACT_LOOP everywhere (bench/kernels/gemv_ab.py).
+    // gemv.cu turns it on per kernel, and -DNQ_GEMV_EXACT_LOOP everywhere.
     int tc = tc_begin;  // the next column to compute; stage A holds it
     for (; tc + 2 <= tc_end; tc += 2) {
       load(B, tc + 1);

@@ -1,5 +1,5 @@
-// ceilings.cu: the measurement kernels of issue 13, stage 0 (nanoqwen_bench.kernels.decode_ceilings runs them;
-// bench/kernels/CEILINGS.md says what each number means). Not model kernels: nothing in the package
+// ceilings.cu: the decode-ceiling measurement kernels (nanoqwen_bench.kernels.decode_ceilings runs them;
+// its docstring says what each number means). Not model kernels: nothing in the package
 // includes this file. Built by NVRTC for sm_90a with the package's csrc/ on the include path, so the
 // GEMV compute loop below uses the very helpers of csrc/gemv_int4.cuh (dq, mma_bf16, stage_x, ...).
 //

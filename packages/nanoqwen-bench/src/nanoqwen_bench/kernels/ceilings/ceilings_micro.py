@@ -1,5 +1,6 @@
-"""GPU microbenchmarks of issue 13, stage 0, on the kernels of ceilings.cu (CEILINGS.md says what each
-measures). Called by nanoqwen_bench.kernels.decode_ceilings; every function returns plain dicts for its JSON.
+"""GPU microbenchmarks of the decode ceilings, on the kernels of ceilings.cu (decode_ceilings's docstring
+says what each measures). Called by nanoqwen_bench.kernels.decode_ceilings; every function returns
+plain dicts for its JSON.
 
 - `CeilingKernels`: ceilings.cu compiled by NVRTC for sm_90a (the package's csrc/ on the include path,
   so the GEMV loop shares csrc/gemv_int4.cuh's helpers), cached as a cubin keyed by the source hash,

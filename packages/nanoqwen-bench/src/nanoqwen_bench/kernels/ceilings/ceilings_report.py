@@ -125,7 +125,7 @@ def stall_breakdown(row: dict) -> list[tuple[str, float, float]]:
     if not stalls:
         raise ValueError(
             "no smsp__average_warps_issue_stalled_*_per_issue_active.ratio metric in the row: "
-            "profile with --section WarpStateStats (or the --metrics regex in CEILINGS.md)"
+            "profile with --section WarpStateStats (or --metrics with that regex)"
         )
     total = sum(v for _, v in stalls) or 1.0
     return sorted(((r, v, v / total) for r, v in stalls), key=lambda t: -t[1])

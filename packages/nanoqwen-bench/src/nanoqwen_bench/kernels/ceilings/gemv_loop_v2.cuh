@@ -1,5 +1,5 @@
-// gemv_loop_v2.cuh: the INT4 GEMV's inner loop with fewer SASS instructions per tile-column (issue 13,
-// stage 1, first step), for the compute-ceiling kernels `gemv_compute_g128_{sym,asym}_v2[u1]` of
+// gemv_loop_v2.cuh: the INT4 GEMV's inner loop with fewer SASS instructions per tile-column, for
+// the compute-ceiling kernels `gemv_compute_g128_{sym,asym}_v2[u1]` of
 // ceilings.cu. Not a model kernel: the production loop is csrc/gemv_int4.cuh's, whose helpers this file
 // reuses (lop3_and_or, mma_bf16, neg_zero_pair). The arithmetic is bit-for-bit that of gemv_int4's
 // compute_col for G = 128: per tile-column the same 8 mma.m16n8k16, in the same order, on the same A

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 13, stage 0, in one device call (bench/kernels/CEILINGS.md):
+# The decode-ceiling measurements in one device call (nanoqwen_bench.kernels.decode_ceilings):
 #   bash packages/nanoqwen-bench/src/nanoqwen_bench/kernels/ceilings/run_ceilings.sh [main|ncu|all]     (writes under $OUT)
 # main: decode_ceilings.py's default mode (launch cost, streaming and compute ceilings, SASS counts, the
 #       decode graph's replay and CUPTI timeline), ~2-4 min.
