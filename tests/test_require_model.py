@@ -51,3 +51,27 @@ def test_missing_model_skips_or_fails(tmp_path, env, outcome):
     assert outcome in out, out[-3000:]
     assert "test model not fetched" in out, out[-3000:]
     assert (proc.returncode == 0) == (outcome == "1 skipped"), out[-3000:]
+
+
+def test_pack_cache_keeps_the_packs_other_checkouts_use(tmp_path):
+    """Checkouts of other packer sources share the pack cache (the same ~/.cache/nanoqwen): a new pack
+    prunes only packs no session has used for PACK_UNUSED_AFTER_S, never one in use elsewhere."""
+    import importlib.util
+    import time
+
+    spec = importlib.util.spec_from_file_location("nanoqwen_root_conftest_prune", ROOT / "conftest.py")
+    root = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root)
+    old, in_use, other = (tmp_path / f"qwen05b-rtn-{h}.nanoqwen" for h in ("aaaa", "bbbb", "cccc"))
+    for p in (old, in_use, other):
+        p.write_bytes(b"pack")
+    days = time.time() - 5 * 24 * 3600
+    for p in (old, in_use):
+        os.utime(p, (days, days))
+    (tmp_path / "qwen05b-none-dddd.nanoqwen").write_bytes(b"pack")  # another method: never matched
+    os.utime(tmp_path / "qwen05b-none-dddd.nanoqwen", (days, days))
+    root.used_pack(in_use)  # another checkout's session opened it just now
+    deleted = root.prune_unused_packs(tmp_path, "qwen05b-rtn-*.nanoqwen")
+    assert deleted == [old]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "qwen05b-none-dddd.nanoqwen", "qwen05b-rtn-bbbb.nanoqwen", "qwen05b-rtn-cccc.nanoqwen"]
