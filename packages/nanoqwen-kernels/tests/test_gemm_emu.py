@@ -1,17 +1,20 @@
-"""The INT4 GEMM's mma.sync kernel (csrc/gemm_int4.cuh) on the CPU emulator (nanoqwen_kernels.testing.emu:
-the kernel's own CUDA source compiled for the host; its cp.async copies land late, ldmatrix and mma.sync
-gather the warp's fragments, the split-K blocks race for their tile's arrival counter). The checks are
-test_gemm.py's, the GPU tests' own, on smaller cases: fresh random weights and inputs (seeded by the
-test's name), N not a multiple of 128, K / 128 odd, groups of 32 / 64 / 128, symmetric and not, bf16 and
-fp16 scales; a NaN-poisoned output with a poisoned guard after row M - 1 (every row written, nothing
-after) and the split-K counters back at zero (int4_testkit.run_gemm); tolerance reference.TOLERANCES
-as test_gemm.py derives it (the same arithmetic per element).
+"""The INT4 GEMM's two kernels on the CPU emulator (nanoqwen_kernels.testing.emu: the kernels' own CUDA
+source compiled for the host): the mma.sync kernel (csrc/gemm_int4.cuh: cp.async copies that land late,
+ldmatrix and mma.sync gathering the warp's fragments) and the wgmma kernel (csrc/gemm_int4_ws.cuh: the
+producer warp's TMA boxes landing late on the ring's mbarriers, 128-byte swizzle, wgmma reading B through
+its descriptor, the consumer sets' named barriers). In both the split-K blocks race for their tile's
+arrival counter. The checks are test_gemm.py's and test_gemm_wgmma.py's, the GPU tests' own, on smaller
+cases: fresh random weights and inputs (seeded by the test's name), N not a multiple of 128 (the TMA box
+reads rows past N as zeros), K / 128 odd, groups of 32 / 64 / 128, symmetric and not, bf16 and fp16
+scales; a NaN-poisoned output with a poisoned guard after row M - 1 (every row written, nothing after)
+and the split-K counters back at zero (int4_testkit.run_gemm); tolerance reference.TOLERANCES as
+test_gemm.py derives it (the same arithmetic per element in both kernels).
 
 Covered: each M class (16 / 32 / 64 rows in one block) and M > 64 (several unsplit 64-row blocks), a
-forced K split, several M blocks each split along K, the fused SiLU*mul input, and the rows of an M > 64
-product run as 64-row launches on their own plans (the engine's path up to INT4_GEMM_SLICED_ROWS). The
-wgmma kernel (TMA, wgmma) is not modelled by the emulator: its plans are GPU-only (test_gemm_wgmma.py).
-The plans are made for `emulated(sms=4)`.
+forced K split, several M blocks each split along K, the fused SiLU*mul input, the rows of an M > 64
+product run as 64-row launches on their own plans (the engine's path up to INT4_GEMM_SLICED_ROWS); the
+wgmma kernel at every NT (the wgmma's N = 16, 32, 64) with and without K splits. The plans are made for
+`emulated(sms=4)`.
 """
 
 from __future__ import annotations
@@ -101,3 +104,43 @@ def test_gemm_in_64_row_launches(m, gen, emulated):
         gemm.gemm_int4(x[r:e], w, out[r:e], bias, ws, plan)
     assert int(ws.counters.abs().sum()) == 0
     R.assert_close(out, reference_out(x, w, bias), f"gemm in 64-row launches M={m}")
+
+
+def wgmma_plan(n, k, m, group_size, splits):
+    mc = gemm.m_class(m)
+    return gemm.GemmPlan.of(n, k, group_size, mc // 8, mc, splits, kernel="wgmma")
+
+
+@pytest.mark.parametrize("n,k", [(24, 384), (200, 640), (136, 1152)])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("m,splits", [(13, 1), (40, 2), (64, 3)])
+def test_wgmma_odd_shapes(n, k, group_size, symmetric, m, splits, gen, emulated):
+    w, x, bias = _inputs(n, k, m, group_size, symmetric, False, gen)
+    plan = wgmma_plan(n, k, m, group_size, splits)
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias),
+                   f"wgmma [{n}, {k}] g{group_size} M={m} S={plan.splits}")
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_wgmma_fp16_scales(group_size, symmetric, gen, emulated):
+    w, x, _ = _inputs(200, 1152, 50, group_size, symmetric, False, gen, torch.float16)
+    assert w.kernel_suffix().endswith("_f16s")
+    R.assert_close(run_gemm(x, w, None, wgmma_plan(200, 1152, 50, group_size, 2)), reference_out(x, w, None),
+                   f"wgmma f16s g{group_size}")
+
+
+def test_wgmma_tensor_maps_are_the_emulators_own(gen):
+    """Inside emulated() the GEMM's tensor maps come from the emulator (the driver is not there); outside,
+    cuda_driver's own function is back."""
+    from nanoqwen_kernels import cuda_driver
+
+    real = cuda_driver.tensor_map_2d
+    with emu.emulated(sms=4):
+        assert cuda_driver.tensor_map_2d is emu.tensor_map_2d
+        m = cuda_driver.tensor_map_2d_bf16(1 << 20, 40, 640, 16, 64)
+        assert len(bytes(m)) == 128 and int.from_bytes(bytes(m)[:8], "little") == emu.TENSOR_MAP_MAGIC
+        with pytest.raises(cuda_driver.CudaDriverError, match="misaligned"):
+            cuda_driver.tensor_map_2d_bf16((1 << 20) + 8, 40, 640, 16, 64)
+    assert cuda_driver.tensor_map_2d is real

@@ -109,12 +109,27 @@ struct alignas(64) TmaMap {
 // 2D TMA copy of the box at (column c0, row c1) of `map` into shared memory at dst (1024-aligned for the
 // 128-byte swizzle), completing as transactions on bar.
 NQ_DEVICE void tma_load_2d(u32 dst, const TmaMap* map, int c0, int c1, unsigned long long* bar) {
+#ifdef NQ_HOST_EMU
+  nq_emu::tma_load_2d(dst, map->bytes, c0, c1, mbar_smem_addr(bar));
+#else
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
       "[%4];" ::"r"(dst),
       "l"(map), "r"(c0), "r"(c1), "r"(mbar_smem_addr(bar))
       : "memory");
+#endif
 }
+
+#ifdef NQ_HOST_EMU  // shared and read-only global loads as plain loads (emu/simt.h)
+NQ_DEVICE u32 lds32(u32 a) { return *static_cast<const u32*>(nq_emu::smem_window_ptr(a, 4)); }
+NQ_DEVICE u32 lds16(u32 a) { return *static_cast<const u16*>(nq_emu::smem_window_ptr(a, 2)); }
+NQ_DEVICE u32 lds8(u32 a) { return *static_cast<const u8*>(nq_emu::smem_window_ptr(a, 1)); }
+NQ_DEVICE u16 ldg_nc_u16(const u16* p) { return *p; }
+NQ_DEVICE u32 ldg_nc_u8(const u8* p) { return *p; }
+NQ_DEVICE void consumer_sync() { nq_emu::named_barrier(2, CONSUMERS); }
+NQ_DEVICE void setmaxnreg_producer() {}
+NQ_DEVICE void setmaxnreg_consumer() {}
+#else
 
 NQ_DEVICE u32 lds32(u32 a) {
   u32 v;
@@ -144,8 +159,12 @@ NQ_DEVICE u32 ldg_nc_u8(const u8* p) {
 }
 
 // All the consumers' barrier (named barrier 2; set 0 alone: barrier 1, nq_gemm::finish_tile's).
-static_assert(SET_WARPS * 32 == nq_gemm::THREADS, "finish_tile's named barrier counts one consumer set");
 NQ_DEVICE void consumer_sync() { asm volatile("bar.sync 2, %0;" ::"n"(CONSUMERS) : "memory"); }
+// The producer warpgroup gives registers back; the consumers take them (setmaxnreg, per warpgroup).
+NQ_DEVICE void setmaxnreg_producer() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS)); }
+NQ_DEVICE void setmaxnreg_consumer() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS)); }
+#endif  // NQ_HOST_EMU
+static_assert(SET_WARPS * 32 == nq_gemm::THREADS, "finish_tile's named barrier counts one consumer set");
 
 // The consumer warps' state and steps: P quantization groups per step, each step self-contained --
 // dequantise the P groups into P A register sets, issue their wgmmas into P fresh fragments, commit,
@@ -285,7 +304,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   constexpr int GPT = 128 / G;  // quantization groups per tile-column
   using RG = WsRing<R>;
   constexpr int NBUF = RG::NBUF;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  NQ_DYNAMIC_SMEM(smem_raw, 128);
   unsigned long long* full = reinterpret_cast<unsigned long long*>(smem_raw);
   unsigned long long* empty = full + NBUF;
 
@@ -310,7 +329,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   __syncthreads();
 
   if (warp >= CONSUMER_WARPS) {  // ---------------- producer ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+    setmaxnreg_producer();
     if (warp != CONSUMER_WARPS) return;
     constexpr u32 bytes = 2 * RG::XBOX + 16 * 512;  // whole boxes: rows past M or N arrive as zeros
 #ifdef NQ_GEMM_WS_PROBE_NO_MAINLOOP  // timing probe (wrong outputs): no copies, no main loop
@@ -332,7 +351,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   }
 
   // ---------------- consumers ----------------
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  setmaxnreg_consumer();
   // The scale / zero tables of the block's rows (rows past N: the last row, never stored), TB entries
   // per thread in flight: the loads of a batch are all issued before its stores (one volatile store
   // per load made it one HBM round trip per entry: ~14 us per block on the 7B qkv, measured).

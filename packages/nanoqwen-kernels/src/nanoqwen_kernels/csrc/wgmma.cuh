@@ -29,6 +29,21 @@
 
 namespace nq_wgmma {
 
+#ifdef NQ_HOST_EMU
+// The emulator computes each wgmma when it is issued (emu/simt.h): the ordering calls have nothing to do.
+NQ_DEVICE void wgmma_fence() {}
+NQ_DEVICE void wgmma_commit() {}
+template <int N>
+NQ_DEVICE void wgmma_wait() {}
+NQ_DEVICE void fence_operand(float&) {}
+NQ_DEVICE void fence_proxy_async() {}
+template <int R>
+struct Wgmma {
+  static NQ_DEVICE void mma(float (&d)[R / 2], const u32 (&a)[4], u64 desc, int accumulate) {
+    nq_emu::wgmma_bf16(d, R, a, desc, accumulate != 0);
+  }
+};
+#else
 NQ_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 NQ_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -86,5 +101,7 @@ struct Wgmma<64> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
   }
 };
+
+#endif  // NQ_HOST_EMU
 
 }  // namespace nq_wgmma

@@ -15,10 +15,11 @@ operations, barriers, mbarrier waits and at random points; bulk copies and cp.as
 (emu/simt.h has the model and what it does not model: the memory model is the host's, stronger than
 the GPU's, so missing fences go unseen; fast-math intrinsics are the host's precise functions).
 
-`emulated()` points the launchers' module-level names (`launch`, `require_sm90`, the SM count) of
-gemv, gemm (its mma.sync kernel; not the wgmma one), layer_ops, attention and sampling at the emulator
-and restores them on exit. `sms` is the SM count the launchers plan for (the GEMV's and GEMM's split-K,
-the attention plans' split count). It is slow (fiber switches): for small shapes only.
+`emulated()` points the launchers' module-level names (`launch`, `require_sm90`, the SM count) of gemv,
+gemm (both kernels: mma.sync, and wgmma with TMA), layer_ops, attention and sampling at the emulator,
+and cuda_driver.tensor_map_2d at the emulator's tensor maps, and restores them on exit. `sms` is the SM
+count the launchers plan for (the GEMV's and GEMM's split-K, the attention plans' split count). It is
+slow (fiber switches): for small shapes only.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def launch_spec(spec: KernelSpec, kernel: str, grid, block, args, shared_mem: in
         if not isinstance(a, np.generic):
             raise TypeError(f"{spec.name}.{kernel}: argument {i} is a {type(a).__name__}, not a numpy scalar "
                             "(launch.ptr / i32 / f32)")
-    holders = [np.array(a) for a in args]  # each argument's bytes, alive for the call
+    holders = [_aligned_copy(a) for a in args]  # each argument's bytes, alive for the call
     params = (ctypes.c_void_p * max(1, len(holders)))(*[h.ctypes.data for h in holders])
     sizes = (ctypes.c_uint * max(1, len(holders)))(*[h.nbytes for h in holders])
     g, b = (ctypes.c_uint * 3)(*_dims(grid)), (ctypes.c_uint * 3)(*_dims(block))
@@ -162,17 +163,50 @@ def launch_spec(spec: KernelSpec, kernel: str, grid, block, args, shared_mem: in
         raise EmulatorError(f"{spec.name}.{kernel}: {err.value.decode()}")
 
 
+def _aligned_copy(arg: np.generic) -> np.ndarray:
+    """The argument's bytes in a 64-byte-aligned buffer (a by-value struct such as a tensor map is
+    alignas(64) in the kernel, and the entry's trampoline copies it from there)."""
+    raw = np.array(arg)
+    buf = np.zeros(raw.nbytes + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    out = buf[off : off + raw.nbytes]
+    out[:] = np.frombuffer(raw.tobytes(), np.uint8)
+    return out
+
+
+TENSOR_MAP_MAGIC = 0x4E51454D55544D32  # "NQEMUTM2": runtime.cpp's EmuTensorMap
+
+
+def tensor_map_2d(address: int, rows: int, cols: int, box_rows: int, box_cols: int, dtype: int,
+                  swizzle: int) -> np.void:
+    """`cuda_driver.tensor_map_2d` for the emulator: the same 128-byte kernel argument, holding the
+    emulator's own encoding of the matrix and its box (emu/runtime.cpp's EmuTensorMap), checked as the
+    driver checks it (16-byte aligned address and row pitch; a 128-byte box row for the 128-byte
+    swizzle)."""
+    from .. import cuda_driver as cd
+
+    elem = cd._ELEMENT_BYTES[dtype]
+    row_bytes = cols * elem
+    swizzled = swizzle == cd.CU_TENSOR_MAP_SWIZZLE_128B
+    if address % 16 or row_bytes % 16 or (swizzled and box_cols * elem != 128):
+        raise cd.CudaDriverError(f"tensor map [{rows}, {cols}] at {address:#x}, box [{box_rows}, "
+                                 f"{box_cols}]: misaligned (the emulator checks as the driver does)")
+    words = np.array([TENSOR_MAP_MAGIC, address, rows, cols, row_bytes], np.uint64).tobytes()
+    words += np.array([box_rows, box_cols, elem, swizzle], np.uint32).tobytes()
+    return np.void(words.ljust(128, b"\0"))
+
+
 @contextlib.contextmanager
 def emulated(sms: int = 4, seed: int = 0, timeout_s: float = 300.0):
     """Run the launchers of gemv, gemm, layer_ops, attention and sampling on the emulator inside the
     block (see the module header); `sms`: the SM count they plan for (the GEMV's and the GEMM's split-K,
-    the attention plans' split count); `seed`: varies the threads' interleavings. The GEMM runs its
-    mma.sync kernel only: a plan of the wgmma kernel (family gemm_ws: TMA and wgmma, which the emulator
-    does not model) fails at its launch."""
-    from .. import attention, gemm, gemv, layer_ops, sampling
+    the attention plans' split count); `seed`: varies the threads' interleavings. The wgmma GEMM's
+    tensor maps are the emulator's own (`tensor_map_2d`)."""
+    from .. import attention, cuda_driver, gemm, gemv, layer_ops, sampling
 
     launchers = (gemv, gemm, layer_ops, attention, sampling)
     patches = [(m, "launch", launch) for m in launchers if hasattr(m, "launch")]
+    patches += [(cuda_driver, "tensor_map_2d", tensor_map_2d)]
     patches += [(m, "require_sm90", lambda device: 0) for m in launchers if hasattr(m, "require_sm90")]
     patches += [(gemv, "_sm_count", lambda index: sms)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patches]

@@ -91,6 +91,7 @@ struct Cta {
   std::mt19937_64 rng;
   unsigned char* smem = nullptr;
   size_t smem_bytes = 0;
+  std::deque<std::vector<unsigned char>> staged;  // TMA boxes read at issue, until the launch ends
 };
 
 struct Launch {
@@ -620,6 +621,110 @@ void ldmatrix_x4(unsigned* r, unsigned addr, bool trans) {
   for (int j = 0; j < 4; ++j) {
     if (!trans) r[j] = all[8 * j + g].w[t];  // row g, elements 2t and 2t + 1
     else r[j] = elem(all[8 * j + 2 * t], g) | (elem(all[8 * j + 2 * t + 1], g) << 16);  // column g, rows 2t, 2t + 1
+  }
+}
+
+const void* smem_window_ptr(unsigned addr, unsigned bytes) {
+  Cta& c = *g_cta;
+  if (addr < WINDOW || addr % bytes || (size_t)(addr - WINDOW) + bytes > c.smem_bytes) {
+    c.launch->fail("ld.shared: an address outside the dynamic shared memory, or misaligned");
+    static const unsigned long long poison = 0xA5A5A5A5A5A5A5A5ull;
+    return &poison;
+  }
+  return c.smem + (addr - WINDOW);
+}
+
+// ---- TMA and wgmma ----------------------------------------------------------------------------------
+
+namespace {
+// The emulator's tensor map (emu.py's tensor_map_2d writes the same fields, little-endian).
+struct EmuTensorMap {
+  unsigned long long magic, address, rows, cols, row_bytes;
+  unsigned box_rows, box_cols, elem_bytes, swizzle;  // swizzle: 0 none, 3 128-byte
+};
+constexpr unsigned long long TENSOR_MAP_MAGIC = 0x4e51454d55544d32ull;  // "NQEMUTM2"
+
+unsigned swizzle128(unsigned offset) { return offset ^ (((offset >> 7) & 7u) << 4); }
+}  // namespace
+
+void tma_load_2d(unsigned dst, const void* map_bytes, int c0, int c1, unsigned bar) {
+  Cta& c = *g_cta;
+  EmuTensorMap m;
+  std::memcpy(&m, map_bytes, sizeof m);
+  if (m.magic != TENSOR_MAP_MAGIC) {
+    c.launch->fail("TMA copy with a tensor map the emulator did not make (emu.tensor_map_2d)");
+    return;
+  }
+  const unsigned row_box = m.box_cols * m.elem_bytes, bytes = m.box_rows * row_box;
+  if (m.swizzle != 0 && (m.swizzle != 3 || row_box != 128)) {
+    c.launch->fail("TMA copy: only no swizzle, or the 128-byte swizzle of 128-byte box rows, is modelled");
+    return;
+  }
+  unsigned char* d = window_bytes(c, dst, bytes, "TMA copy");
+  if (d == nullptr) return;
+  if (m.swizzle == 3 && (dst - WINDOW) % 1024) {
+    c.launch->fail("TMA copy with the 128-byte swizzle to a shared address that is not 1024-byte aligned");
+    return;
+  }
+  // the box as it lands: read now, written into shared memory when the copy completes
+  c.staged.emplace_back(bytes, 0);
+  unsigned char* box = c.staged.back().data();
+  const unsigned char* base = reinterpret_cast<const unsigned char*>(m.address);
+  for (unsigned r = 0; r < m.box_rows; ++r) {
+    const long long row = (long long)c1 + r;
+    for (unsigned e = 0; e < m.box_cols; ++e) {
+      const long long col = (long long)c0 + e;
+      unsigned off = r * row_box + e * m.elem_bytes;
+      if (m.swizzle == 3) off = swizzle128((dst - WINDOW + off)) - (dst - WINDOW);
+      if (row < 0 || col < 0 || (unsigned long long)row >= m.rows || (unsigned long long)col >= m.cols) continue;
+      std::memcpy(box + off, base + row * m.row_bytes + col * m.elem_bytes, m.elem_bytes);
+    }
+  }
+  c.copies.push_back({d, box, bytes, bar});
+  if (c.rng() % 4 == 0) complete_copy(c, c.copies.size() - 1);
+}
+
+void wgmma_bf16(float* d, int R, const unsigned* a, unsigned long long desc, bool accumulate) {
+  Cta& c = *g_cta;
+  struct Frag {
+    unsigned a[4];
+  } mine, all[32];
+  std::memcpy(mine.a, a, sizeof mine.a);
+  warp_exchange(&mine, all, sizeof(Frag));
+  const unsigned start = WINDOW + (unsigned)((desc & 0x3FFFull) << 4);
+  const unsigned sbo = (unsigned)(((desc >> 32) & 0x3FFFull) << 4);
+  if ((desc >> 62) != 1 || R % 8 || R > 256) {
+    c.launch->fail("wgmma: only a K-major B with the 128-byte swizzle, R a multiple of 8 up to 256, is modelled");
+    return;
+  }
+  auto bf = [](unsigned word, int half) { return (double)bf16_bits_to_f32((unsigned short)(half ? word >> 16 : word & 0xffff)); };
+  double A[16][16];
+  for (int L = 0; L < 32; ++L) {
+    const int g = L >> 2, t = L & 3;
+    for (int h = 0; h < 2; ++h) {
+      A[g][2 * t + h] = bf(all[L].a[0], h);
+      A[g + 8][2 * t + h] = bf(all[L].a[1], h);
+      A[g][2 * t + 8 + h] = bf(all[L].a[2], h);
+      A[g + 8][2 * t + 8 + h] = bf(all[L].a[3], h);
+    }
+  }
+  // B (k, n): column n's 16 k values, K-major: n / 8 atoms SBO apart, rows of 128 bytes, swizzled
+  auto b_at = [&](int k, int n) -> double {
+    const unsigned logical = start - WINDOW + (unsigned)((n / 8) * sbo + (n % 8) * 128 + 2 * k);
+    const unsigned char* p = window_bytes(c, WINDOW + (swizzle128(logical) & ~15u), 16, "wgmma B");
+    if (p == nullptr) return 0.0;
+    unsigned short bits;
+    std::memcpy(&bits, p + (swizzle128(logical) & 15u), 2);
+    return (double)bf16_bits_to_f32(bits);
+  };
+  const int lane = g_fiber->lane, g = lane >> 2, t = lane & 3;
+  for (int i = 0; i < R / 8; ++i) {
+    for (int e = 0; e < 4; ++e) {
+      const int row = e < 2 ? g : g + 8, col = 8 * i + 2 * t + (e & 1);
+      double s = 0;
+      for (int k = 0; k < 16; ++k) s += A[row][k] * b_at(k, col);
+      d[4 * i + e] = (float)(s + (accumulate ? (double)d[4 * i + e] : 0.0));
+    }
   }
 }
 

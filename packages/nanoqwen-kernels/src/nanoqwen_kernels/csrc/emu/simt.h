@@ -43,6 +43,10 @@
 //   collectives, a write past the launch's dynamic shared memory, an argument whose size differs from
 //   the kernel's parameter, and misused mbarriers / bulk copies. A spin loop with no scheduling point
 //   at all (no load through a wrapper, no __nanosleep) cannot be interrupted.
+// - TMA 2D tensor copies complete late as bulk copies do, reading the box when they are issued; their
+//   tensor maps are the emulator's own encoding (emu.tensor_map_2d), not the driver's. wgmma computes
+//   at issue, per warp (a warp's D rows need only its own A rows), in double rounded once to f32; only
+//   the K-major 128-byte-swizzle B descriptor is modelled (any other is an error).
 // - Not modelled: static `__shared__` variables start at zero (thread_local), not undefined; bulk
 //   copies are accepted into dynamic shared memory only; every CTA of a grid runs at once (a grid that
 //   could not be co-resident on the GPU still runs; the launchers check residency themselves).
@@ -65,6 +69,7 @@
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ thread_local
+#define __grid_constant__
 
 struct EmuDim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -126,6 +131,20 @@ void cp_async_arrive_noinc(unsigned bar);  // `bar`: an mbarrier handle (smem_ha
 void cp_async_wait_all();
 void named_barrier(unsigned id, unsigned threads);  // bar.sync id, threads
 void ldmatrix_x4(unsigned* r, unsigned addr, bool trans);
+// A naturally aligned `bytes`-byte word of the dynamic shared memory at window address `addr` (ld.shared)
+const void* smem_window_ptr(unsigned addr, unsigned bytes);
+
+// TMA and the warpgroup MMA (the wgmma INT4 GEMM, gemm_int4_ws.cuh)
+// A 2D tiled tensor copy (cp.async.bulk.tensor.2d): the box at (column c0, row c1) of `map` (the
+// emulator's tensor map, nanoqwen_kernels.testing.emu.tensor_map_2d) into shared memory at window
+// address dst, elements past the matrix read as zeros, the 128-byte swizzle applied by address (bits
+// 4-6 ^= bits 7-9), completing LATE as `bytes` of transactions on mbarrier `bar`, as a bulk copy.
+void tma_load_2d(unsigned dst, const void* map, int c0, int c1, unsigned bar);
+// wgmma.mma_async m64nRk16, bf16 x bf16 -> f32, A in registers (the warp's 16 rows in the mma.m16n8k16
+// fragment layout), B [16, R] in shared memory through a K-major descriptor with the 128-byte swizzle;
+// d (R / 2 floats per thread) = A B (+ d when `accumulate`), computed at issue (fence / commit / wait
+// are then no-ops: the emulator is more ordered than the GPU).
+void wgmma_bf16(float* d, int R, const unsigned* a, unsigned long long desc, bool accumulate);
 
 // The kernels of a build: each family's emulator unit registers its extern "C" entry points by name,
 // with a trampoline that unpacks cuLaunchKernel-style argument pointers into the parameters.
