@@ -13,8 +13,8 @@ test_gemm.py derives it (the same arithmetic per element in both kernels).
 Covered: each M class (16 / 32 / 64 rows in one block) and M > 64 (several unsplit 64-row blocks), a
 forced K split, several M blocks each split along K, the fused SiLU*mul input, the rows of an M > 64
 product run as 64-row launches on their own plans (the engine's path up to INT4_GEMM_SLICED_ROWS); the
-wgmma kernel at every NT (the wgmma's N = 16, 32, 64) with and without K splits. The plans are made for
-`emulated(sms=4)`.
+wgmma kernel at every NT (the wgmma's N = 16, 32, 64, and 128 for prefill) with and without K splits.
+The plans are made for `emulated(sms=4)`.
 """
 
 from __future__ import annotations
@@ -144,3 +144,18 @@ def test_wgmma_tensor_maps_are_the_emulators_own(gen):
         with pytest.raises(cuda_driver.CudaDriverError, match="misaligned"):
             cuda_driver.tensor_map_2d_bf16((1 << 20) + 8, 40, 640, 16, 64)
     assert cuda_driver.tensor_map_2d is real
+
+
+@pytest.mark.parametrize("n,k", [(24, 384), (200, 640), (136, 1152)])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("m", [65, 128, 129, 300])
+def test_wgmma_prefill_blocks_of_128_rows(n, k, group_size, symmetric, m, gen, emulated):
+    """plan_gemm_prefill: NT = 16 (the wgmma's N = 128, one consumer set, 384 threads); up to 128 rows
+    one M block split along K, above several M blocks unsplit; rows past M and N read as zeros."""
+    plan = gemm.plan_gemm_prefill(n, k, m, group_size, 4)
+    assert plan.kernel == "wgmma" and plan.n_tiles == 16 and plan.threads == 384
+    assert (plan.max_m, plan.m_blocks(m)) == ((128, 1) if m <= 128 else (None, -(-m // 128)))
+    w, x, bias = _inputs(n, k, m, group_size, symmetric, False, gen)
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias),
+                   f"wgmma NT=16 [{n}, {k}] g{group_size} M={m} S={plan.splits}")

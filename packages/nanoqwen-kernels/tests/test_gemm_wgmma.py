@@ -1,7 +1,8 @@
-"""GPU: the wgmma INT4 GEMM (csrc/gemm_int4_ws.cuh, plan.kernel "wgmma", M <= 64) against the fp32
-reference on fresh random weights: the 7B shapes at M = 9..64, odd shapes (N % 128 != 0, K / 128 odd)
-at every group size, symmetric and asymmetric, bf16 and fp16 scales, several K splits, graph replay.
-Outputs are NaN-poisoned with a poisoned guard after row M - 1 (int4_testkit.run_gemm).
+"""GPU: the wgmma INT4 GEMM (csrc/gemm_int4_ws.cuh, plan.kernel "wgmma": M <= 64, and the prefill plan's
+M blocks of 128 rows) against the fp32 reference on fresh random weights: the 7B shapes at M = 9..64 and
+65..512, odd shapes (N % 128 != 0, K / 128 odd) at every group size, symmetric and asymmetric, bf16 and
+fp16 scales, several K splits, graph replay. Outputs are NaN-poisoned with a poisoned guard after
+row M - 1 (int4_testkit.run_gemm).
 
 Tolerance: reference.TOLERANCES[bfloat16], as test_gemm.py's, for the same reason: each output element
 is the sum of exact fp32 products of the exact bf16 (q - z) weights and bf16 activations, one fresh fp32
@@ -75,6 +76,39 @@ def test_wgmma_fp16_scales(group_size, symmetric, gen, device):
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     got = run_gemm(x, w, None, wgmma_plan(n, k, m, group_size, 2))
     R.assert_close(got, reference_out(x, w, None), f"wgmma f16s g{group_size}")
+
+
+@pytest.mark.parametrize("m", [65, 100, 128, 129, 200, 512])
+@pytest.mark.parametrize("name,n,k", SHAPES_7B)
+def test_wgmma_prefill_plan_7b_shapes(name, n, k, m, gen, device):
+    """plan_gemm_prefill (NT = 16: M blocks of 128 rows, 384 threads, setmaxnreg to 232 registers for the
+    consumers): split along K up to 128 rows, several M blocks above."""
+    from nanoqwen_kernels.gemm import plan_gemm_prefill
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    plan = plan_gemm_prefill(n, k, m, 128, sms)
+    assert plan.kernel == "wgmma" and plan.n_tiles == 16
+    w = random_int4(n, k, 128, False, gen, device)
+    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16) if name == "qkv" else None
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias),
+                   f"wgmma prefill {name} M={m} S={plan.splits}")
+
+
+@pytest.mark.parametrize("n,k", ODD_SHAPES)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("m", [65, 130])
+def test_wgmma_prefill_plan_odd_shapes(n, k, group_size, symmetric, m, gen, device):
+    from nanoqwen_kernels.gemm import plan_gemm_prefill
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    plan = plan_gemm_prefill(n, k, m, group_size, sms)
+    w = random_int4(n, k, group_size, symmetric, gen, device)
+    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias),
+                   f"wgmma prefill [{n}, {k}] g{group_size} M={m} S={plan.splits}")
 
 
 def test_wgmma_graph_replay(gen, device):

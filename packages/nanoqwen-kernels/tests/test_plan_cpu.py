@@ -231,3 +231,31 @@ def test_gemm_plan_refuses_inconsistent_shapes():
         gemm.GemmPlan(3584, 3584, 128, 4, 1, 28, 48)
     with pytest.raises(ValueError, match="at least one row"):
         gemm.n_tiles_for(0)
+
+
+def test_prefill_plan_blocks_of_128_rows_fill_the_sms():
+    """plan_gemm_prefill: the wgmma kernel at NT = 16 (384 threads). Up to 128 rows, one M block split
+    along K until row blocks x splits about fill the SMs; above, M blocks of 128 rows, K unsplit."""
+    p = gemm.plan_gemm_prefill(4608, 3584, 100, 128, 132)  # 36 row blocks
+    assert (p.kernel, p.n_tiles, p.max_m, p.splits, p.threads) == ("wgmma", 16, 128, 3, 384)
+    assert p.grid(100) == (1, 36, 3) and p.counters == 36
+    big = gemm.plan_gemm_prefill(37888, 3584, 512, 128, 132)  # 296 row blocks: no split
+    assert (big.max_m, big.splits, big.grid(512)) == (None, 1, (4, 296, 1))
+    # the split-K scratch of a 128-row class: [S, 128, N] floats
+    ws = gemm.allocate_workspace([p], torch.device("cpu"))
+    assert ws.partials.numel() >= 3 * 128 * 4608 and ws.counters.numel() >= 36
+    down = gemm.plan_gemm_prefill(3584, 18944, 512, 128, 132)  # the 7B's down, K unsplit: it fits
+    assert gemm.ws_shared_bytes(128, down.kc, 128, True) <= gemm.MAX_SHARED_BYTES
+    with pytest.raises(ValueError, match="shared memory"):  # g32 over K = 18944 unsplit: the table
+        gemm.plan_gemm_prefill(3584, 18944, 512, 32, 132)
+    with pytest.raises(ValueError, match="M > 64"):
+        gemm.plan_gemm_prefill(4608, 3584, 64, 128, 132)
+
+
+def test_gemm_plan_refuses_what_no_kernel_runs():
+    with pytest.raises(ValueError, match="NT <= 8 serves M <= 64"):
+        gemm.GemmPlan.of(4608, 3584, 128, 8, None, kernel="wgmma")
+    with pytest.raises(ValueError, match="n_tiles 16"):  # NT = 16 is the wgmma kernel's only
+        gemm.GemmPlan.of(4608, 3584, 128, 16, 128)
+    with pytest.raises(ValueError, match="split-K needs a bounded M class"):
+        gemm.GemmPlan(4608, 3584, 128, 16, 2, 14, None, "wgmma")

@@ -31,8 +31,11 @@ from . import gemv as _gemv
 from .gemv import GemvWorkspace, Int4Weight
 from .launch import check, i32, launch, ptr, require_sm90
 
-# plan.kernel -> (kernel family, threads per block: nq_gemm::THREADS, nq_gemm_ws::THREADS)
+# plan.kernel -> (kernel family, threads per block: nq_gemm::THREADS, nq_gemm_ws::WsWarps<R>::THREADS
+# for R <= 64; WS_PREFILL_THREADS at R = 128)
 KERNELS = {"mma": ("gemm", 256), "wgmma": ("gemm_ws", 640)}
+WS_PREFILL_NT = 16  # the wgmma kernel's M blocks of 128 rows (prefill: a dequantised tile per 128 tokens)
+WS_PREFILL_THREADS = 384
 MBLOCK = 64  # rows of x per M block at NT = 8 (the largest kernel)
 ROWS_PER_BLOCK = 128  # nq_gemm::ROWS_PER_BLOCK: 8 warps x 16 weight rows
 CHUNK_COLS = 2 * 128  # nq_gemm::CH tile-columns of activations staged per chunk
@@ -44,7 +47,7 @@ def ws_shared_bytes(rows: int, kc: int, group_size: int, asym: bool) -> int:
     """Dynamic shared memory of the wgmma kernel (nq_gemm_ws::WsRing): 128 bytes of mbarriers, the
     scale (and zero) table of 128 rows x kc tile-columns, up to 1023 bytes to the next 1024-byte
     boundary, then NBUF slots of x (rows x 128 bf16) and 16 weight tiles (8 KB)."""
-    nbuf = 6 if rows >= 64 else 8
+    nbuf = 4 if rows >= 128 else 6 if rows >= 64 else 8
     table = 128 * kc * (128 // group_size) * (3 if asym else 2)
     return 128 + table + 1023 + nbuf * (rows * 256 + 16 * 512)
 
@@ -65,9 +68,9 @@ def n_tiles_for(m: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
     """Launch shape of one (N, K, M class): `n_tiles` (NT: M blocks of 8 NT rows), `splits` blocks
-    along K (only when M <= 64), each over `kc` tile-columns of 128. `max_m`: the largest M the plan
-    serves (16, 32, 64: one M block of max_m rows, or max_m / (8 NT) smaller ones), or None for the
-    class M > 64 (any number of M blocks, K unsplit)."""
+    along K (only for a bounded M class), each over `kc` tile-columns of 128. `max_m`: the largest M the
+    plan serves (16, 32, 64, and 128 for the wgmma kernel at NT = 16: one M block of max_m rows, or
+    max_m / (8 NT) smaller ones), or None for any M (any number of M blocks, K unsplit)."""
 
     n: int
     k: int
@@ -76,15 +79,19 @@ class GemmPlan:
     splits: int
     kc: int
     max_m: int | None
-    kernel: str = "mma"  # "mma": gemm_int4.cuh (mma.sync); "wgmma": gemm_int4_ws.cuh (M <= 64 only)
+    kernel: str = "mma"  # "mma": gemm_int4.cuh (mma.sync); "wgmma": gemm_int4_ws.cuh
 
     def __post_init__(self) -> None:
         kt = self.k // 128
         if self.kernel not in KERNELS:
             raise ValueError(f"GemmPlan: kernel {self.kernel!r} is not one of {sorted(KERNELS)}")
-        if self.kernel == "wgmma" and self.max_m is None:
-            raise ValueError("GemmPlan: the wgmma kernel serves M <= 64 (max_m 16, 32 or 64)")
-        if self.n_tiles not in (2, 4, 8) or (self.max_m is not None and self.max_m not in (16, 32, 64)):
+        prefill = self.kernel == "wgmma" and self.n_tiles == WS_PREFILL_NT
+        if self.kernel == "wgmma" and self.max_m is None and not prefill:
+            raise ValueError("GemmPlan: the wgmma kernel at NT <= 8 serves M <= 64 (max_m 16, 32 or 64); "
+                             f"more rows take NT = {WS_PREFILL_NT}")
+        classes = (16, 32, 64, 128) if prefill else (16, 32, 64)
+        if (self.n_tiles not in (2, 4, 8) and not prefill) or (self.max_m is not None
+                                                               and self.max_m not in classes):
             raise ValueError(f"GemmPlan: n_tiles {self.n_tiles} does not serve max_m {self.max_m}")
         if self.max_m is not None and self.max_m < 8 * self.n_tiles:
             raise ValueError(f"GemmPlan: M blocks of {8 * self.n_tiles} rows for M <= {self.max_m}: use "
@@ -95,8 +102,8 @@ class GemmPlan:
                 f"{kt} exactly once"
             )
         if self.splits > 1 and self.max_m is None:
-            raise ValueError("GemmPlan: split-K needs a bounded M class (max_m 16, 32 or 64): its [S, M, N] "
-                             "scratch is sized for 64 rows")
+            raise ValueError("GemmPlan: split-K needs a bounded M class (max_m 16, 32, 64 or 128): its "
+                             "[S, M, N] scratch is sized for max_m rows")
 
     @classmethod
     def of(cls, n: int, k: int, group_size: int, n_tiles: int, max_m: int | None,
@@ -126,6 +133,8 @@ class GemmPlan:
 
     @property
     def threads(self) -> int:
+        if self.kernel == "wgmma" and self.n_tiles == WS_PREFILL_NT:
+            return WS_PREFILL_THREADS
         return KERNELS[self.kernel][1]
 
     def workspace_floats(self, m: int) -> int:
@@ -241,6 +250,28 @@ def plan_gemm(n: int, k: int, m: int, group_size: int = 128, device: torch.devic
     return plan_gemm_shape(n, k, group_size, m_class(m), _gemv._sm_count(require_sm90(device)), silu_input)
 
 
+def plan_gemm_prefill(n: int, k: int, m: int, group_size: int, sm_count: int) -> GemmPlan:
+    """The wgmma kernel's plan at NT = 16 for an M > 64 product: M blocks of 128 rows, so that each
+    dequantised weight tile is reused over 128 tokens. Up to 128 rows one M block, split along K until
+    the row blocks x splits about fill `sm_count` SMs (one block per SM: its ring takes most of the
+    shared memory); above, ceil(M / 128) M blocks, K unsplit. Raises ValueError where the scale table
+    and the ring do not fit in shared memory (small groups over a long unsplit K)."""
+    if m <= MBLOCK:
+        raise ValueError(f"plan_gemm_prefill serves M > {MBLOCK}, got M = {m}")
+    kt = k // 128
+    if m <= 128:
+        blocks_n = -(-n // ROWS_PER_BLOCK)
+        splits = min(kt, max(1, sm_count // blocks_n))
+        plan = GemmPlan.of(n, k, group_size, WS_PREFILL_NT, 128, splits, kernel="wgmma")
+    else:
+        plan = GemmPlan.of(n, k, group_size, WS_PREFILL_NT, None, 1, kernel="wgmma")
+    shared = ws_shared_bytes(plan.rows_per_mblock, plan.kc, group_size, True)
+    if shared > MAX_SHARED_BYTES:
+        raise ValueError(f"plan_gemm_prefill: [{n}, {k}] g{group_size} at M = {m} needs {shared} B of "
+                         f"shared memory (> {MAX_SHARED_BYTES})")
+    return plan
+
+
 def plans_for_shapes(shapes, group_size: int, sm_count: int) -> list[GemmPlan]:
     """Every plan (all M classes, plain and SiLU input) of the given (N, K) shapes: what
     `allocate_workspace` sizes from."""
@@ -249,8 +280,11 @@ def plans_for_shapes(shapes, group_size: int, sm_count: int) -> list[GemmPlan]:
 
 
 def allocate_workspace(plans, device: torch.device) -> GemvWorkspace:
-    """Split-K scratch for these GEMM plans (fp32 partials for up to 64 rows, zeroed counters)."""
-    return GemvWorkspace.allocate(plans, device, max_m=MBLOCK)
+    """Split-K scratch for these GEMM plans (fp32 partials for the largest bounded M class among them, at
+    least 64 rows; zeroed counters)."""
+    plans = list(plans)
+    max_m = max([MBLOCK] + [p.max_m for p in plans if p.max_m is not None and p.splits > 1])
+    return GemvWorkspace.allocate(plans, device, max_m=max_m)
 
 
 def gemm_int4(

@@ -61,7 +61,8 @@ SPECS: dict[str, KernelSpec] = {
             if not (g == 32 and nt == 8)
         ),
     ),
-    # INT4 GEMM on wgmma with a producer warp, M <= 64 (gemm.py, plan.kernel "wgmma")
+    # INT4 GEMM on wgmma with a producer warp (gemm.py, plan.kernel "wgmma"): M <= 64 at NT = 2, 4, 8;
+    # prefill M blocks of 128 rows at NT = 16
     "gemm_ws": KernelSpec(
         name="gemm_ws",
         sources=("gemm_ws.cu",),
@@ -70,7 +71,7 @@ SPECS: dict[str, KernelSpec] = {
             for g in (32, 64, 128)
             for kind in ("sym", "asym")
             for scale in ("", "_f16s")
-            for nt in (2, 4, 8)
+            for nt in (2, 4, 8, 16)
         ),
     ),
     "sampling": KernelSpec(

@@ -11,6 +11,9 @@ y[M, N] = x[M, K] @ W^T:
                  9 <= M <= ops_kernels.INT4_GEMM_MAX_ROWS);
 - int4_gemm_64row: M > 64 only: the same GEMM in launches of 64 rows, each on its M class's split-K
                  plan (the engine's path up to ops_kernels.INT4_GEMM_SLICED_ROWS);
+- int4_gemm_wgmma128: M > 64 only: the wgmma kernel's prefill plan (gemm.plan_gemm_prefill: M blocks
+                 of 128 rows, each dequantised tile reused over 128 tokens), where its shared memory
+                 fits;
 - cublas_bf16:   torch.mm on a bf16 weight (what a bf16 copy of the weights buys: the ceiling the INT4
                  GEMM must approach at large M, and beat at small M);
 - dequant_gemm:  gemv.linear_int4_prefill = dequantize into one bf16 scratch + torch.mm (the engine's
@@ -22,23 +25,23 @@ y[M, N] = x[M, K] @ W^T:
 
 Method as bench_kernels.py: R launches captured in one CUDA graph, each on a different copy of the
 weights (together > 4x the L2, so weights come from HBM), median of 15 replays. The read bandwidth
-(nanoqwen_bench.gpu.read_bandwidth, 1 GiB) is measured first in the same run. Reported: time,
-TFLOP/s (2 M N K per product), and the achieved bandwidth of each path's minimum bytes (weights + scales
-+ x + out, each once) as a fraction of the read bandwidth (the roofline for M <= 64). The fastest of
-int4_gemm, int4_gemm_64row and dequant_gemm (summed over the four shapes) is printed per M: it is what
-ops_kernels.INT4_GEMM_MAX_ROWS / INT4_GEMM_SLICED_ROWS / PREFILL_PATH should say. Writes bench_gemm.json
-and bench_gemm.md under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a build of the
-"gemm" family with those -D options as int4_gemm; `--splits S` replaces the planner's K split count of
-every M <= 64 plan by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8 NT as M blocks
-of 8 NT rows (unsplit, or with `--splits S` each M <= 64 block split about S ways along K); `--asym`
-times asymmetric weights; every timed build's output is first checked against the fp32 reference (except
-the probes'); `--int4-only` skips the other paths; `--ms 16,32` picks the M values; `--model 1.5b|0.5b`
-the real test models' shapes instead of the 7B's. Timing probes (wrong outputs, tests never build them),
-each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from registers, no ldmatrix),
-`NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD` (weights made in registers,
-no global loads), `NQ_GEMM_PROBE_NO_X` (no activation copies; the chunk waits and barriers stay),
-`NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers). Runs in well under a minute on the H200
-once the kernels are compiled (first use: NVRTC).
+(nanoqwen_bench.gpu.read_bandwidth, 1 GiB) is measured first in the same run. Reported: time, TFLOP/s (2
+M N K per product), and the achieved bandwidth of each path's minimum bytes (weights + scales + x + out,
+each once) as a fraction of the read bandwidth (the roofline for M <= 64). The fastest of int4_gemm,
+int4_gemm_64row, int4_gemm_wgmma128 and dequant_gemm (summed over the four shapes) is printed per M: it
+is what ops_kernels.INT4_GEMM_MAX_ROWS / INT4_GEMM_SLICED_ROWS / PREFILL_PATH should say. Writes
+bench_gemm.json and bench_gemm.md under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a
+build of the "gemm" family with those -D options as int4_gemm; `--splits S` replaces the planner's K
+split count of every M <= 64 plan by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8
+NT as M blocks of 8 NT rows (unsplit, or with `--splits S` each M <= 64 block split about S ways along
+K); `--asym` times asymmetric weights; every timed build's output is first checked against the fp32
+reference (except the probes'); `--int4-only` skips the other paths; `--ms 16,32` picks the M values;
+`--model 1.5b|0.5b` the real test models' shapes instead of the 7B's. Timing probes (wrong outputs,
+tests never build them), each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from registers, no
+ldmatrix), `NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD` (weights made in
+registers, no global loads), `NQ_GEMM_PROBE_NO_X` (no activation copies; the chunk waits and barriers
+stay), `NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers). Runs in well under a minute on
+the H200 once the kernels are compiled (first use: NVRTC).
 """
 
 # ruff: noqa: B023  (every closure below runs inside time_graph before its loop variables change)
@@ -69,7 +72,7 @@ MODEL_SHAPES = {
 }
 MS = (16, 32, 64, 128, 512, 2048)
 SLICE_ROWS = gemm.MBLOCK  # int4_gemm_64row's launch
-QUANTIZED_PATHS = ("int4_gemm", "int4_gemm_64row", "dequant_gemm")
+QUANTIZED_PATHS = ("int4_gemm", "int4_gemm_64row", "int4_gemm_wgmma128", "dequant_gemm")
 PATHS = (*QUANTIZED_PATHS, "cublas_bf16", "tinygemm", "gemlite")
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
@@ -93,6 +96,12 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
     plans = {m: gemm.plan_gemm(n, k, m) for m in ms}
     slice_plans = {r: gemm.plan_gemm(n, k, r) for m in ms if m > SLICE_ROWS
                    for r in {SLICE_ROWS, m % SLICE_ROWS} - {0}}
+    prefill_plans = {}
+    for m in (m for m in ms if m > SLICE_ROWS):
+        try:
+            prefill_plans[m] = gemm.plan_gemm_prefill(n, k, m, 128, sms)
+        except ValueError as e:  # shared memory: noted, not timed
+            print(f"{name}: int4_gemm_wgmma128 not timed at M {m}: {e}", flush=True)
     if multi_nt:  # blocks of 8 NT rows, several per M; M <= 64 split about --splits ways (M > 64 never)
         multi_splits = {m: splits if splits and m <= gemm.MBLOCK else 1 for m in ms}
         plans = {m: gemm.GemmPlan.of(n, k, 128, multi_nt, gemm.m_class(m), multi_splits[m])
@@ -100,7 +109,8 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
     elif splits:
         plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
     ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values())
-                                 + list(slice_plans.values()), torch.device("cuda"))
+                                 + list(slice_plans.values()) + list(prefill_plans.values()),
+                                 torch.device("cuda"))
 
     def int4_in_slices(x, w, out):
         for r in range(0, x.shape[0], SLICE_ROWS):
@@ -130,11 +140,15 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
         if m > SLICE_ROWS:
             paths["int4_gemm_64row"] = (lambda i: int4_in_slices(x, weights[i % copies], out), copies,
                                         w0.nbytes() + act)
+        if m in prefill_plans:
+            paths["int4_gemm_wgmma128"] = (
+                lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, prefill_plans[m]), copies,
+                w0.nbytes() + act)
         if m in lite_ms:
             paths["gemlite"] = (lambda i: gemlite_mm(x, lite[i % len(lite)]), len(lite),
                                 lite[0].nbytes() + act)
         if int4_only:
-            paths = {p: paths[p] for p in ("int4_gemm", "int4_gemm_64row") if p in paths}
+            paths = {p: v for p, v in paths.items() if p.startswith("int4_gemm")}
         if check:  # a timing probe's outputs are wrong by design
             gemm.gemm_int4(x, w0, out, None, ws, plan, family=family)
             torch.cuda.synchronize()
@@ -142,6 +156,11 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
             if "int4_gemm_64row" in paths:
                 out.fill_(float("nan"))
                 int4_in_slices(x, w0, out)
+                torch.cuda.synchronize()
+                check_output(out, x, w0)
+            if "int4_gemm_wgmma128" in paths:
+                out.fill_(float("nan"))
+                gemm.gemm_int4(x, w0, out, None, ws, prefill_plans[m])
                 torch.cuda.synchronize()
                 check_output(out, x, w0)
         for path, (fn, reps, nbytes) in paths.items():
@@ -153,6 +172,9 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
                                f"grid={plan.grid(m)}")
             elif path == "int4_gemm_64row":
                 row["plan"] = f"{-(-m // SLICE_ROWS)} launches"
+            elif path == "int4_gemm_wgmma128":
+                p = prefill_plans[m]
+                row["plan"] = f"wgmma NT=16 S={p.splits} grid={p.grid(m)}"
             rows.append(row)
             print(f"{name:8s} M={m:5d} {path:13s} {t * 1e6:9.1f} us {row['tflops']:7.1f} TFLOP/s "
                   f"{row['frac_read_bw']:6.1%} of read BW  {row.get('plan', '')}", flush=True)

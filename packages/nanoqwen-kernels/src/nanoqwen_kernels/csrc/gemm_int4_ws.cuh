@@ -1,18 +1,21 @@
-// gemm_int4_ws.cuh: the INT4 GEMM of decode batches (M = 9..64) on Hopper's warpgroup MMA, with a
-// producer warp: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in `int4-g{G}-tile8x128-v1` (docs/DESIGN.md),
+// gemm_int4_ws.cuh: the INT4 GEMM of decode batches (M = 9..64, R = 16/32/64 rows per M block) and of
+// prefill (R = 128) on Hopper's warpgroup MMA, with a producer warp: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in `int4-g{G}-tile8x128-v1` (docs/DESIGN.md),
 // bf16 activations, fp32 accumulation (ST: bf16 or fp16 scales, as the GEMV). Each group's (q - z)
 // products are summed unscaled in fp32, then added to an accumulator times the fp32 scale, as in
-// gemm_int4.cuh; the two consumer sets (below) keep one accumulator each, over the even and the odd
-// tile-columns, added at the end: the order of a 2-way K split, within the same tolerance.
+// gemm_int4.cuh; at R <= 64 the two consumer sets (below) keep one accumulator each, over the even and
+// the odd tile-columns, added at the end: the order of a 2-way K split, within the same tolerance.
 //
 // Why: the mma.sync GEMM is latency-bound at M = 64 -- one block of 8 warps per SM, ~380 instructions
 // per warp per tile-column of which half are addresses, guards and the activation staging, a block
 // barrier per chunk. Here one producer warp issues the ring's copies and the consumers dequantise the
 // next group while the previous group's wgmmas run.
 //
-// Block: 20 warps. Warps 0..15 are four consumer warpgroups in two sets of 8 warps (set p = warps 8p..
-// 8p + 7); warp 16 is the producer (warps 17..19 only complete its warpgroup, which gives registers to
-// the consumers: setmaxnreg).
+// Block (R <= 64): 20 warps. Warps 0..15 are four consumer warpgroups in two sets of 8 warps (set p =
+// warps 8p..8p + 7); warp 16 is the producer (warps 17..19 only complete its warpgroup, which gives
+// registers to the consumers: setmaxnreg). R = 128: 12 warps, one consumer set (warps 0..7: its
+// accumulator and fragment take 2 x 64 fp32 registers per thread) and the producer warpgroup (WsWarps).
+// At R = 128 each dequantised weight tile feeds 128 tokens: prefill's compute-bound M without a
+// dequantisation pass over the whole weight.
 //   Producer: walks the block's tile-columns and fills a ring of NBUF shared-memory slots with the
 //     copy engine, one slot per tile-column, completing on the slot's `full` mbarrier (lane 0 posts
 //     the bytes to expect): x by two 2D TMA copies (a CUtensorMap of x [M, K], boxes of R rows x 64
@@ -48,7 +51,7 @@
 // the last block sums in split order); set 0 synchronises with named barrier 1 (256 threads), all the
 // consumers with named barrier 2 (512), the producer having left.
 //
-// Launch (gemm.py, kernel family "gemm_ws"): grid (ceil(M / R), ceil(N / 128), S), 640 threads,
+// Launch (gemm.py, kernel family "gemm_ws"): grid (ceil(M / R), ceil(N / 128), S), WsWarps<R>::THREADS threads,
 // dynamic shared memory gemm.ws_shared_bytes (the layout WsRing names), then the tensor maps of x and of
 // the packed weights as the last two arguments.
 #pragma once
@@ -62,21 +65,30 @@ using nq_gemm::smem_addr;
 using nq_gemv::dq;
 using nq_gemv::neg_zero_pair;
 
-// Two sets of 8 consumer warps on the same 128 rows (measured 4-9% faster than one set at M = 16..64:
-// twice the warps to hide one another's latencies).
-constexpr int KSETS = 2;
-constexpr int SET_WARPS = 8;  // one set: 8 warps x 16 rows = ROWS_PER_BLOCK
-constexpr int CONSUMER_WARPS = SET_WARPS * KSETS;
-constexpr int CONSUMERS = CONSUMER_WARPS * 32;
-// A whole producer warpgroup (setmaxnreg works per warpgroup), of which one warp copies.
-constexpr int THREADS = CONSUMERS + 128;
-// setmaxnreg.inc only takes registers that a setmaxnreg.dec of the block gave back: the block is
-// launched with 65536 / THREADS per thread, rounded down to 8 (96 at 640 threads), and a consumer
-// asking for more than the producer warpgroup returned waits forever (measured: a hang at 120). 128 x
-// (96 - 24) returned, 512 x (112 - 96) taken. (ptxas compiles the whole kernel within the launch's 96.)
-constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 112;
-static_assert(CONSUMERS * (CONSUMER_REGS - 65536 / THREADS / 8 * 8) <= 128 * (65536 / THREADS / 8 * 8 - PRODUCER_REGS),
-              "setmaxnreg: the consumers take more registers than the producer gives back");
+// The block's warps, by R (activation rows per M block: the wgmma's N).
+// R <= 64: two sets of 8 consumer warps on the same 128 rows (measured 4-9% faster than one set at
+// M = 16..64: twice the warps to hide one another's latencies), and a whole producer warpgroup
+// (setmaxnreg works per warpgroup), of which one warp copies. setmaxnreg.inc only takes registers that
+// a setmaxnreg.dec of the block gave back: the block is launched with 65536 / THREADS per thread,
+// rounded down to 8 (96 at 640 threads), and a consumer asking for more than the producer warpgroup
+// returned waits forever (measured: a hang at 120). 128 x (96 - 24) returned, 512 x (112 - 96) taken.
+// (ptxas compiles the whole kernel within the launch's 96.)
+// R = 128 (prefill: each dequantised tile reused over 128 tokens): one set of 8 consumer warps, whose
+// accumulators and fragments (2 x 64 fp32) need more registers than 640 threads leave: 384 threads,
+// launched at 168 registers (3 warps on each SM sub-partition's 16K), the producer warpgroup going
+// down to 40 and the consumers up to 232: 256 x (232 - 168) taken, 128 x (168 - 40) returned.
+template <int R>
+struct WsWarps {
+  static constexpr int KSETS = R <= 64 ? 2 : 1;
+  static constexpr int SET_WARPS = 8;  // one set: 8 warps x 16 rows = ROWS_PER_BLOCK
+  static constexpr int CONSUMER_WARPS = SET_WARPS * KSETS;
+  static constexpr int CONSUMERS = CONSUMER_WARPS * 32;
+  static constexpr int THREADS = CONSUMERS + 128;
+  static constexpr int PRODUCER_REGS = R <= 64 ? 24 : 40, CONSUMER_REGS = R <= 64 ? 112 : 232;
+  static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8 < 168 ? 65536 / THREADS / 8 * 8 : 168;
+  static_assert(CONSUMERS * (CONSUMER_REGS - LAUNCH_REGS) <= 128 * (LAUNCH_REGS - PRODUCER_REGS),
+                "setmaxnreg: the consumers take more registers than the producer gives back");
+};
 // Quantization groups per consumer step: one (with two consumer sets, ptxas fits 2 in the registers only
 // with spills).
 // NQ_GEMM_WS_BATCH overrides it (experiments).
@@ -96,7 +108,7 @@ struct WsRing {
   static constexpr int XBOX = R * 128;  // one [R, 64] bf16 box
   static constexpr int W = 2 * XBOX;
   static constexpr int SLOT = W + 16 * 512;  // a multiple of 1024
-  static constexpr int NBUF = R >= 64 ? 6 : 8;
+  static constexpr int NBUF = R >= 128 ? 4 : R >= 64 ? 6 : 8;
   static constexpr int BARS = 128;
   static NQ_DEVICE int table_bytes(int kgb, bool asym) { return ROWS_PER_BLOCK * kgb * (asym ? 3 : 2); }
 };
@@ -126,9 +138,12 @@ NQ_DEVICE u32 lds16(u32 a) { return *static_cast<const u16*>(nq_emu::smem_window
 NQ_DEVICE u32 lds8(u32 a) { return *static_cast<const u8*>(nq_emu::smem_window_ptr(a, 1)); }
 NQ_DEVICE u16 ldg_nc_u16(const u16* p) { return *p; }
 NQ_DEVICE u32 ldg_nc_u8(const u8* p) { return *p; }
+template <int CONSUMERS>
 NQ_DEVICE void consumer_sync() { nq_emu::named_barrier(2, CONSUMERS); }
-NQ_DEVICE void setmaxnreg_producer() {}
-NQ_DEVICE void setmaxnreg_consumer() {}
+template <int REGS>
+NQ_DEVICE void setmaxnreg_dec() {}
+template <int REGS>
+NQ_DEVICE void setmaxnreg_inc() {}
 #else
 
 NQ_DEVICE u32 lds32(u32 a) {
@@ -159,12 +174,16 @@ NQ_DEVICE u32 ldg_nc_u8(const u8* p) {
 }
 
 // All the consumers' barrier (named barrier 2; set 0 alone: barrier 1, nq_gemm::finish_tile's).
+template <int CONSUMERS>
 NQ_DEVICE void consumer_sync() { asm volatile("bar.sync 2, %0;" ::"n"(CONSUMERS) : "memory"); }
 // The producer warpgroup gives registers back; the consumers take them (setmaxnreg, per warpgroup).
-NQ_DEVICE void setmaxnreg_producer() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS)); }
-NQ_DEVICE void setmaxnreg_consumer() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS)); }
+template <int REGS>
+NQ_DEVICE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS)); }
+template <int REGS>
+NQ_DEVICE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS)); }
 #endif  // NQ_HOST_EMU
-static_assert(SET_WARPS * 32 == nq_gemm::THREADS, "finish_tile's named barrier counts one consumer set");
+static_assert(WsWarps<64>::SET_WARPS * 32 == nq_gemm::THREADS,
+              "finish_tile's named barrier counts one consumer set");
 
 // The consumer warps' state and steps: P quantization groups per step, each step self-contained --
 // dequantise the P groups into P A register sets, issue their wgmmas into P fresh fragments, commit,
@@ -303,6 +322,9 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   constexpr int R = 8 * NT;     // activation rows per M block: the wgmma's N
   constexpr int GPT = 128 / G;  // quantization groups per tile-column
   using RG = WsRing<R>;
+  using WW = WsWarps<R>;
+  constexpr int KSETS = WW::KSETS, SET_WARPS = WW::SET_WARPS, CONSUMER_WARPS = WW::CONSUMER_WARPS;
+  constexpr int CONSUMERS = WW::CONSUMERS;
   constexpr int NBUF = RG::NBUF;
   NQ_DYNAMIC_SMEM(smem_raw, 128);
   unsigned long long* full = reinterpret_cast<unsigned long long*>(smem_raw);
@@ -329,7 +351,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   __syncthreads();
 
   if (warp >= CONSUMER_WARPS) {  // ---------------- producer ----------------
-    setmaxnreg_producer();
+    setmaxnreg_dec<WW::PRODUCER_REGS>();
     if (warp != CONSUMER_WARPS) return;
     constexpr u32 bytes = 2 * RG::XBOX + 16 * 512;  // whole boxes: rows past M or N arrive as zeros
 #ifdef NQ_GEMM_WS_PROBE_NO_MAINLOOP  // timing probe (wrong outputs): no copies, no main loop
@@ -351,7 +373,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   }
 
   // ---------------- consumers ----------------
-  setmaxnreg_consumer();
+  setmaxnreg_inc<WW::CONSUMER_REGS>();
   // The scale / zero tables of the block's rows (rows past N: the last row, never stored), TB entries
   // per thread in flight: the loads of a batch are all issued before its stores (one volatile store
   // per load made it one HBM round trip per entry: ~14 us per block on the 7B qkv, measured).
@@ -382,7 +404,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
       }
     }
   }
-  consumer_sync();
+  consumer_sync<CONSUMERS>();
   const int g = lane >> 2, t = lane & 3;
   const int kset = warp / SET_WARPS, wq = warp % SET_WARPS;  // consumer set, tile pair
   const int tr0 = tile_base + 2 * wq, tr1 = tr0 + 1;
@@ -395,16 +417,16 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 #ifndef NQ_GEMM_WS_PROBE_NO_MAINLOOP
   c.run(ntc, kset, KSETS);
 #endif
-  static_assert(KSETS == 2, "the sets' sums are added pairwise");
-  {  // set 1's sums into set 0's, through the ring (drained: every slot's copies were waited for)
-    constexpr int NA = R / 2;
-    consumer_sync();
+  static_assert(KSETS == 1 || KSETS == 2, "the sets' sums are added pairwise");
+  if constexpr (KSETS == 2) {  // set 1's sums into set 0's, through the ring (drained: every slot's
+    constexpr int NA = R / 2;  // copies were waited for)
+    consumer_sync<CONSUMERS>();
     float* red = reinterpret_cast<float*>(smem_raw + (ring - base));
     if (kset == 1) {
 #pragma unroll
       for (int i = 0; i < NA; ++i) red[(wq * NA + i) * 32 + lane] = c.acc[i];
     }
-    consumer_sync();
+    consumer_sync<CONSUMERS>();
     if (kset == 1) return;
 #pragma unroll
     for (int i = 0; i < NA; ++i) c.acc[i] += red[(wq * NA + i) * 32 + lane];
