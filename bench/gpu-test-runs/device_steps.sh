@@ -65,6 +65,12 @@ PY
     PYTHONPATH=$SRC:/tmp/site timeout 400 python3 -m nanoqwen_bench.engine.autocomplete_synthetic \
       --tokenizer-from $T --max-tokens 32 --requests 16 --cache-reuse "${2:-64}" --out $OUT/autocomplete-7b \
       2>&1 | tail -30 ;;
+  gemm)  # the INT4 GEMM's GPU tests, then bench_gemm at M = 16..512 (the 64-row launches and the wgmma
+    # prefill plan beside dequantise + cuBLAS, cuBLAS bf16, tinygemm, gemlite), 7B shapes
+    PYTHONPATH=$SRC:/tmp/site timeout 240 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider \
+      packages/nanoqwen-kernels/tests/test_gemm_wgmma.py packages/nanoqwen-kernels/tests/test_gemm.py 2>&1 | tail -6
+    PYTHONPATH=$SRC:/tmp/site timeout 330 python3 -m nanoqwen_bench.kernels.bench_gemm --ms 16,32,64,128,256,512 \
+      --out $OUT/gemm 2>&1 | tail -12 ;;
   persistent)  # the persistent decode kernel's streaming ceiling, 7B / 1.5B / 0.5B geometries
     PYTHONPATH=$SRC timeout 400 python3 -m nanoqwen_bench.kernels.persistent_ceiling --out $OUT/persistent \
       2>&1 | tail -30 ;;
