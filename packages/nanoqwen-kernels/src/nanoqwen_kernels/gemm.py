@@ -4,7 +4,9 @@ Same weights (`gemv.Int4Weight`, layout `int4-g{G}-tile8x128-v1`), same exact de
 accumulation as the decode GEMV (`gemv.gemv_int4`); each dequantised weight fragment is multiplied by
 the activation rows of a whole M block. Two kernels: the mma.sync one (csrc/gemm_int4.cuh, any M, also
 with a fused SiLU*mul input) and, for M <= 64 where measured faster (`MEASURED_WGMMA`), a
-warp-specialised one on Hopper's wgmma fed by TMA (csrc/gemm_int4_ws.cuh; `GemmPlan.kernel`).
+warp-specialised one on Hopper's wgmma fed by TMA (csrc/gemm_int4_ws.cuh; `GemmPlan.kernel`). The wgmma
+kernel also runs M blocks of 128 rows (`plan_gemm_prefill`, NT = 16: each dequantised tile reused over
+128 tokens), timed by bench_gemm and not yet chosen by any planner.
 
     y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
 
