@@ -637,6 +637,22 @@ const void* smem_window_ptr(unsigned addr, unsigned bytes) {
 // ---- TMA and wgmma ----------------------------------------------------------------------------------
 
 namespace {
+// The 16 x 16 A operand held by a warp in the mma.m16n8k16 fragment layout (wgmma's A per warp too):
+// lane L = 4g + t holds a[0] = (row g, k 2t..2t+1), a[1] = (row g + 8, the same k), a[2] = (row g,
+// k 2t+8..2t+9), a[3] = (row g + 8, those k); `val(word, h)` is half h of a word as a number.
+template <class Frag, class Val>
+void a_tile(const Frag (&all)[32], Val val, double (&A)[16][16]) {
+  for (int L = 0; L < 32; ++L) {
+    const int g = L >> 2, t = L & 3;
+    for (int h = 0; h < 2; ++h) {
+      A[g][2 * t + h] = val(all[L].a[0], h);
+      A[g + 8][2 * t + h] = val(all[L].a[1], h);
+      A[g][2 * t + 8 + h] = val(all[L].a[2], h);
+      A[g + 8][2 * t + 8 + h] = val(all[L].a[3], h);
+    }
+  }
+}
+
 // The emulator's tensor map (emu.py's tensor_map_2d writes the same fields, little-endian).
 struct EmuTensorMap {
   unsigned long long magic, address, rows, cols, row_bytes;
@@ -699,15 +715,7 @@ void wgmma_bf16(float* d, int R, const unsigned* a, unsigned long long desc, boo
   }
   auto bf = [](unsigned word, int half) { return (double)bf16_bits_to_f32((unsigned short)(half ? word >> 16 : word & 0xffff)); };
   double A[16][16];
-  for (int L = 0; L < 32; ++L) {
-    const int g = L >> 2, t = L & 3;
-    for (int h = 0; h < 2; ++h) {
-      A[g][2 * t + h] = bf(all[L].a[0], h);
-      A[g + 8][2 * t + h] = bf(all[L].a[1], h);
-      A[g][2 * t + 8 + h] = bf(all[L].a[2], h);
-      A[g + 8][2 * t + 8 + h] = bf(all[L].a[3], h);
-    }
-  }
+  a_tile(all, bf, A);
   // B (k, n): column n's 16 k values, K-major: n / 8 atoms SBO apart, rows of 128 bytes, swizzled
   auto b_at = [&](int k, int n) -> double {
     const unsigned logical = start - WINDOW + (unsigned)((n / 8) * sbo + (n % 8) * 128 + 2 * k);
@@ -779,13 +787,10 @@ void mma_m16n8k16(float* c, const unsigned* a, const unsigned* b, bool f16) {
     return (double)(f16 ? f16_bits_to_f32(bits) : bf16_bits_to_f32(bits));
   };
   double A[16][16], B[16][8];
+  a_tile(all, val, A);
   for (int L = 0; L < 32; ++L) {
     const int g = L >> 2, t = L & 3;
     for (int h = 0; h < 2; ++h) {
-      A[g][2 * t + h] = val(all[L].a[0], h);
-      A[g + 8][2 * t + h] = val(all[L].a[1], h);
-      A[g][2 * t + 8 + h] = val(all[L].a[2], h);
-      A[g + 8][2 * t + 8 + h] = val(all[L].a[3], h);
       B[2 * t + h][g] = val(all[L].b[0], h);
       B[2 * t + 8 + h][g] = val(all[L].b[1], h);
     }
