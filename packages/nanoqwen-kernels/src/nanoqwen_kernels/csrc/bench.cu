@@ -226,9 +226,9 @@ NQ_DEVICE void step_phases(const uint4* __restrict__ data, const u64* __restrict
     acc ^= xor_strided(data, begin + threadIdx.x + (u64)npre * T, end, T);
     npre = 0;
     if (mode == 0 || p + 1 == n_phases) continue;
+    u64 nb, ne;  // this CTA's slice of the next phase
+    phase_slice(bounds[p + 1], bounds[p + 2] - bounds[p + 1], b, G, nb, ne);
     if (PRELOAD > 0 && mode == 3) {
-      u64 nb, ne;
-      phase_slice(bounds[p + 1], bounds[p + 2] - bounds[p + 1], b, G, nb, ne);
 #pragma unroll
       for (int k = 0; k < PRELOAD; ++k) {
         const u64 i = nb + threadIdx.x + (u64)k * T;
@@ -239,12 +239,10 @@ NQ_DEVICE void step_phases(const uint4* __restrict__ data, const u64* __restrict
       npre = (int)min_u64(mine, PRELOAD);
     }
     if (mode == 2) {
-      u64 nb, ne;
-      phase_slice(bounds[p + 1], bounds[p + 2] - bounds[p + 1], b, G, nb, ne);
-      ne = min_u64(ne, nb + prefetch_vec);
+      const u64 pe = min_u64(ne, nb + prefetch_vec);
       constexpr u64 CHUNK_VEC = 256;  // 4 KB per prefetch request
-      for (u64 c = nb + (u64)threadIdx.x * CHUNK_VEC; c < ne; c += (u64)T * CHUNK_VEC)
-        prefetch_l2(data + c, (u32)(min_u64(CHUNK_VEC, ne - c) * 16));
+      for (u64 c = nb + (u64)threadIdx.x * CHUNK_VEC; c < pe; c += (u64)T * CHUNK_VEC)
+        prefetch_l2(data + c, (u32)(min_u64(CHUNK_VEC, pe - c) * 16));
     }
     if (check != nullptr && threadIdx.x == 0) st_release_gpu_u32(check + b, (u32)p + 1);
     grid_barrier(bar, G);
