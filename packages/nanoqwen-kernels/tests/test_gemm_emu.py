@@ -96,12 +96,10 @@ def test_gemm_in_64_row_launches(m, gen, emulated):
     """An M > 64 product as the engine runs it up to INT4_GEMM_SLICED_ROWS: one launch per 64 rows of x
     and out (contiguous row slices), each on its own M class's split-K plan, sharing one workspace."""
     w, x, bias = _inputs(200, 640, m, 128, False, False, gen)
-    slices = [(r, min(m, r + gemm.MBLOCK)) for r in range(0, m, gemm.MBLOCK)]
-    plans = [gemm.plan_gemm(200, 640, e - r, 128, CPU) for r, e in slices]
-    ws = gemm.allocate_workspace(plans, CPU)
+    plans = {r: gemm.plan_gemm(200, 640, r, 128, CPU) for r in {gemm.MBLOCK, m % gemm.MBLOCK} - {0}}
+    ws = gemm.allocate_workspace(plans.values(), CPU)
     out = torch.full((m, 200), float("nan"), dtype=torch.bfloat16)
-    for (r, e), plan in zip(slices, plans, strict=True):
-        gemm.gemm_int4(x[r:e], w, out[r:e], bias, ws, plan)
+    assert gemm.gemm_int4_row_blocks(x, w, out, bias, ws, plans.__getitem__) == -(-m // gemm.MBLOCK)
     assert int(ws.counters.abs().sum()) == 0
     R.assert_close(out, reference_out(x, w, bias), f"gemm in 64-row launches M={m}")
 

@@ -361,6 +361,20 @@ def gemm_int4(
     return out
 
 
+def gemm_int4_row_blocks(x: torch.Tensor, weight: Int4Weight, out: torch.Tensor, bias: torch.Tensor | None,
+                         workspace: GemvWorkspace | None, plan_for, rows: int = MBLOCK,
+                         family: str | None = None) -> int:
+    """`gemm_int4` of an M-row product as one launch per `rows` rows of x and out (contiguous row
+    slices), each on its own plan `plan_for(rows in the slice)`, sharing `workspace`: every launch on a
+    split-K plan of its M class where one launch would run unsplit M blocks. `family` as gemm_int4's.
+    Returns the launches made."""
+    m = x.shape[0]
+    for r in range(0, m, rows):
+        e = min(m, r + rows)
+        gemm_int4(x[r:e], weight, out[r:e], bias, workspace, plan_for(e - r), family=family)
+    return -(-m // rows)
+
+
 def kernel_name(suffix: str, silu: bool, n_tiles: int, kernel: str = "mma") -> str:
     """Entry point for an `Int4Weight.kernel_suffix()` (e.g. "g128_sym", "g128_asym_f16s")."""
     if kernel == "wgmma":

@@ -113,9 +113,7 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
                                  torch.device("cuda"))
 
     def int4_in_slices(x, w, out):
-        for r in range(0, x.shape[0], SLICE_ROWS):
-            e = min(x.shape[0], r + SLICE_ROWS)
-            gemm.gemm_int4(x[r:e], w, out[r:e], None, ws, slice_plans[e - r], family=family)
+        gemm.gemm_int4_row_blocks(x, w, out, None, ws, slice_plans.__getitem__, SLICE_ROWS, family)
 
     tiny = [] if int4_only else tinygemm_copies(n, k, gen, L2_ROTATE_BYTES, ms)
     lite_ms, why = ([], None) if int4_only else gemlite_plan(n, k, ms, gemlite_autotune)

@@ -282,10 +282,9 @@ class KernelOps:
         w = self._int4(lin)
         if path == "int4_gemm_sliced":
             self.paths["int4_gemm_sliced"] += 1
-            self.paths["int4_gemm"] += -(-m // INT4_GEMM_MAX_ROWS)
-            for r in range(0, m, INT4_GEMM_MAX_ROWS):
-                e = min(m, r + INT4_GEMM_MAX_ROWS)
-                kgemm.gemm_int4(x[r:e], w, out[r:e], bias, self.gemm_workspace, self._gemm_plan(w, e - r))
+            self.paths["int4_gemm"] += kgemm.gemm_int4_row_blocks(
+                x, w, out, bias, self.gemm_workspace, lambda rows: self._gemm_plan(w, rows),
+                INT4_GEMM_MAX_ROWS)
         elif path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
             # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMM)
             self.paths["int4_gemm"] += 1
