@@ -39,22 +39,22 @@ def test_gemm_table_sums_the_baselines_beside_the_other_paths():
     rows = [row(s, 16, p, us) for s in ("qkv", "o") for p, us in (
         ("int4_gemm", 20.0), ("cublas_bf16", 30.0), ("dequant_gemm", 40.0), ("tinygemm", 25.0))]
     rows.append(row("qkv", 16, "gemlite", 22.0))  # gemlite at one of the two shapes: no sum
-    # M = 128: the 64-row launches beat both the single launch and dequantize + cuBLAS
+    # M = 128: the prefill plan beats both the mma.sync GEMM and dequantize + cuBLAS
     rows += [row(s, 128, p, us) for s in ("qkv", "o") for p, us in (
-        ("int4_gemm", 100.0), ("int4_gemm_64row", 45.0), ("cublas_bf16", 30.0), ("dequant_gemm", 60.0))]
+        ("int4_gemm", 100.0), ("int4_gemm_wgmma128", 45.0), ("cublas_bf16", 30.0), ("dequant_gemm", 60.0))]
     cross = bench_gemm.crossover(rows)
-    assert cross[16] == {"int4_gemm": 40.0, "int4_gemm_64row": None, "int4_gemm_wgmma128": None,
+    assert cross[16] == {"int4_gemm": 40.0, "int4_gemm_wgmma128": None,
                          "dequant_gemm": 80.0, "cublas_bf16": 60.0, "tinygemm": 50.0, "gemlite": None,
                          "faster_quantized": "int4_gemm"}
-    assert cross[128]["faster_quantized"] == "int4_gemm_64row" and cross[128]["int4_gemm_64row"] == 90.0
+    assert cross[128]["faster_quantized"] == "int4_gemm_wgmma128" and cross[128]["int4_gemm_wgmma128"] == 90.0
     md = bench_gemm.markdown({"date": "today", "device": "GPU", "read_bandwidth_GBps": 3000.0, "rows": rows,
                               "crossover": cross})
     assert "| qkv | 16 | tinygemm | 25.0 | 1.0 | 50.0% | 1.20x |" in md
-    header = ("| M | int4_gemm | int4_gemm_64row | int4_gemm_wgmma128 | dequant_gemm | cublas_bf16 "
-              "| tinygemm | gemlite | faster |")
+    header = ("| M | int4_gemm | int4_gemm_wgmma128 | dequant_gemm | cublas_bf16 | tinygemm | gemlite "
+              "| faster |")
     assert header in md
-    assert "| 16 | 40.0 | - | - | 80.0 | 60.0 | 50.0 | - | int4_gemm |" in md
-    assert "| 128 | 200.0 | 90.0 | - | 120.0 | 60.0 | - | - | int4_gemm_64row |" in md
+    assert "| 16 | 40.0 | - | 80.0 | 60.0 | 50.0 | - | int4_gemm |" in md
+    assert "| 128 | 200.0 | 90.0 | 120.0 | 60.0 | - | - | int4_gemm_wgmma128 |" in md
 
 
 def test_split_sweep_has_each_split_count_once_at_its_evenest():

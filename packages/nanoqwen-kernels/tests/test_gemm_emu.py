@@ -11,9 +11,8 @@ and the split-K counters back at zero (int4_testkit.run_gemm); tolerance referen
 test_gemm.py derives it (the same arithmetic per element in both kernels).
 
 Covered: each M class (16 / 32 / 64 rows in one block) and M > 64 (several unsplit 64-row blocks), a
-forced K split, several M blocks each split along K, the fused SiLU*mul input, the rows of an M > 64
-product run as 64-row launches on their own plans (the engine's path up to INT4_GEMM_SLICED_ROWS); the
-wgmma kernel at every NT (the wgmma's N = 16, 32, 64, and 128 for prefill) with and without K splits.
+forced K split, several M blocks each split along K, the fused SiLU*mul input; the wgmma kernel at
+every NT (the wgmma's N = 16, 32, 64, and 128 for prefill) with and without K splits.
 The plans are made for `emulated(sms=4)`.
 """
 
@@ -89,19 +88,6 @@ def test_gemm_multi_block_split_k(n_tiles, max_m, m, silu, gen, emulated):
     w, x, bias = _inputs(136, 1152, m, 64, False, silu, gen)
     R.assert_close(run_gemm(x, w, bias, plan, silu=silu), reference_out(x, w, bias, silu=silu),
                    f"gemm NT={n_tiles} x {plan.m_blocks(m)} blocks, {plan.splits} splits, M={m}")
-
-
-@pytest.mark.parametrize("m", [65, 100, 128])
-def test_gemm_in_64_row_launches(m, gen, emulated):
-    """An M > 64 product as the engine runs it up to INT4_GEMM_SLICED_ROWS: one launch per 64 rows of x
-    and out (contiguous row slices), each on its own M class's split-K plan, sharing one workspace."""
-    w, x, bias = _inputs(200, 640, m, 128, False, False, gen)
-    plans = {r: gemm.plan_gemm(200, 640, r, 128, CPU) for r in {gemm.MBLOCK, m % gemm.MBLOCK} - {0}}
-    ws = gemm.allocate_workspace(plans.values(), CPU)
-    out = torch.full((m, 200), float("nan"), dtype=torch.bfloat16)
-    assert gemm.gemm_int4_row_blocks(x, w, out, bias, ws, plans.__getitem__) == -(-m // gemm.MBLOCK)
-    assert int(ws.counters.abs().sum()) == 0
-    R.assert_close(out, reference_out(x, w, bias), f"gemm in 64-row launches M={m}")
 
 
 def wgmma_plan(n, k, m, group_size, splits):

@@ -88,6 +88,8 @@ def kernel_engine_on_cpu(monkeypatch, model, cfg: EngineConfig, plan_factory=Non
         monkeypatch.setattr(mod, "require_sm90", lambda device: 0)
         monkeypatch.setattr(mod, "launch", lambda fam, name, *a, **k: launched.append(name))
     monkeypatch.setattr(kgemv, "_sm_count", lambda index: 132)
+    for encode in ("tensor_map_2d", "tensor_map_2d_bf16"):  # the wgmma GEMM's TMA descriptors (driver)
+        monkeypatch.setattr(kgemm.cuda_driver, encode, lambda *a, **k: None)
     monkeypatch.setattr(ops_kernels.klaunch, "require_sm90", lambda device: 0)
 
     class RecordingPlan:

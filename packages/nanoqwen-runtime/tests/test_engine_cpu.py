@@ -309,27 +309,37 @@ def test_kernel_backend_plumbing_and_launch_count(tiny_path, monkeypatch, dense)
     assert (engine.ops.paths["cublas_bf16_cache"] > 0) == dense
 
 
-@pytest.mark.parametrize("rows,launches,path", [(40, 1, "int4_gemm"), (100, 2, "int4_gemm_sliced"),
-                                               (200, 0, "dequant_gemm")])
-def test_prefill_linears_by_row_count(tiny_path, monkeypatch, rows, launches, path):
-    """A prefill step of `rows` tokens runs each INT4 layer linear by ops_kernels' table: one GEMM launch
-    up to INT4_GEMM_MAX_ROWS rows, one per 64 rows up to INT4_GEMM_SLICED_ROWS (each slice passes the
-    GEMM launcher's own checks: contiguous rows of x and out, a plan for its row count), then
-    dequantize + cuBLAS. Launches recorded, not run (kernel_engine_on_cpu)."""
+@pytest.mark.parametrize("rows,prefill_rows,path,kernel", [
+    (40, None, "int4_gemm", "gemm_int4_"), (100, None, "int4_gemm_wgmma128", "gemm_ws_int4_"),
+    (200, None, "int4_gemm_wgmma128", "gemm_ws_int4_"), (200, 128, "dequant_gemm", "dequant_int4_")])
+def test_prefill_linears_by_row_count(tiny_path, monkeypatch, rows, prefill_rows, path, kernel):
+    """A prefill step of `rows` tokens runs each INT4 layer linear by ops_kernels' table: the mma.sync
+    GEMM up to INT4_GEMM_MAX_ROWS rows, the wgmma GEMM's prefill plan up to INT4_PREFILL_GEMM_MAX_ROWS
+    (100 rows: one M block split along K, its [S, 128, N] scratch in the workspace; 200: two M blocks),
+    then dequantize + cuBLAS (the tiny model's context is 512 tokens: the limit lowered to 128 here), and
+    the scratch exists exactly when that last path can run. Launches recorded, not run
+    (kernel_engine_on_cpu): each passes its launcher's own checks."""
     from nanoqwen_runtime.engine import ops_kernels
 
-    assert ops_kernels.INT4_GEMM_MAX_ROWS < 100 <= ops_kernels.INT4_GEMM_SLICED_ROWS < 200
+    assert ops_kernels.INT4_GEMM_MAX_ROWS < 100 < 200 <= ops_kernels.INT4_PREFILL_GEMM_MAX_ROWS
+    if prefill_rows is not None:
+        monkeypatch.setattr(ops_kernels, "INT4_PREFILL_GEMM_MAX_ROWS", prefill_rows)
     cfg = cpu_config(mode="eager", prefill_chunk=256, max_batch=4, overlap=False)
     engine, launched = kernel_engine_on_cpu(monkeypatch, load(tiny_path, "cpu"), cfg)
+    assert (engine.ops.scratch_bytes > 0) == (path == "dequant_gemm")
     assert engine.submit(Request([7] * rows, SamplingParams(max_tokens=1), "p", ignore_eos=True)) is None
     launched.clear()
+    engine.ops.paths.clear()
     engine.step()  # the whole prompt in one prefill step
     assert "paged_attention_prefill" in launched
     layers = engine.geom.num_hidden_layers
-    assert sum(k.startswith("gemm_int4") for k in launched) == launches * 4 * layers
-    assert sum(k.startswith("dequant") for k in launched) == (4 * layers if path == "dequant_gemm" else 0)
+    assert sum(k.startswith(kernel) for k in launched) == 4 * layers, launched
+    assert sum(k.startswith(("gemm_int4_", "gemm_ws_int4_", "dequant_int4_")) for k in launched) == 4 * layers
     assert engine.ops.paths[path] == 4 * layers
-    assert engine.ops.paths["int4_gemm"] == launches * 4 * layers
+    assert sum(engine.ops.paths[p] for p in ("int4_gemm", "int4_gemm_wgmma128", "dequant_gemm")) == 4 * layers
+    if path == "int4_gemm_wgmma128":
+        plan = engine.ops._prefill_plan(engine.ops._int4(engine.weights.layers[0].qkv), rows)
+        assert plan.n_tiles == 16 and plan.max_m == (128 if rows <= 128 else None)
     while engine.has_work:
         engine.step()
     assert engine.kv_blocks_used() == 0

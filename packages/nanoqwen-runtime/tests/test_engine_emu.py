@@ -64,7 +64,7 @@ def _emu_engine(path, monkeypatch, kernel_attention: bool = False, prefill_chunk
 
         def setup(self, *, max_context_len, max_rows, max_tokens, buckets, step_buffers, context_classes):
             self.max_context_len = max_context_len
-            if max_tokens > ops_kernels.INT4_GEMM_SLICED_ROWS:
+            if self._dequantizes(max_tokens):
                 self._scratch = torch.empty(self._scratch_numel, dtype=torch.bfloat16, device=self.device)
 
         def attention_plan(self, **kw):
@@ -92,12 +92,14 @@ def _emu_engine(path, monkeypatch, kernel_attention: bool = False, prefill_chunk
     return Engine(model.geometry, model.weights, cfg)
 
 
-@pytest.mark.parametrize("kernel_attention,prefill_chunk", [(False, 256), (True, 256), (False, 128)],
-                         ids=["gemv-dequant", "gemv-dequant-attention-sampling", "gemv-gemm"])
+@pytest.mark.parametrize("kernel_attention,prefill_chunk,prefill_rows", [
+    (False, 256, None), (True, 256, None), (False, 128, None), (False, 256, 128)],
+    ids=["gemv-wgmma", "gemv-wgmma-attention-sampling", "gemv-wgmma-split-gemm", "gemv-dequant"])
 def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle, monkeypatch,
-                                                             kernel_attention, prefill_chunk):
-    """Prefill chunk 256: the two prompts prefill in one 151-row step (dequantise + matmul); 128: a
-    128-row step (the INT4 GEMM in two 64-row launches) and a 23-row one (one GEMM launch)."""
+                                                             kernel_attention, prefill_chunk, prefill_rows):
+    """Prefill chunk 256: the two prompts prefill in one 151-row step (the wgmma GEMM's prefill plan, two
+    128-row M blocks), or with INT4_PREFILL_GEMM_MAX_ROWS lowered to 128 (`prefill_rows`), dequantise +
+    matmul; 128: a 128-row step (one M block split along K) and a 23-row one (the mma.sync GEMM)."""
     from nanoqwen_kernels import attention as kattn
     from nanoqwen_kernels import sampling as ksamp
     from nanoqwen_kernels.testing import emu
@@ -108,6 +110,8 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     except emu.EmulatorError as e:
         pytest.skip(str(e))
     prompts, ref, bound = oracle
+    if prefill_rows is not None:
+        monkeypatch.setattr(ops_kernels, "INT4_PREFILL_GEMM_MAX_ROWS", prefill_rows)
     launched: list[str] = []
     with emu.emulated(sms=4, seed=5, timeout_s=60.0):
         def counted(family, kernel, *args, **kw):
@@ -131,10 +135,12 @@ def test_kernel_backend_on_the_emulator_matches_the_reference(tiny_path, oracle,
     layers = TINY.num_hidden_layers
     decode_steps = run.decode_steps
     assert paths["gemv_int4"] >= 4 * layers * decode_steps and paths["residual_epilogue"] > 0
-    if prefill_chunk > ops_kernels.INT4_GEMM_SLICED_ROWS:  # the prefill dequantised
-        assert paths["dequant_gemm"] == 4 * layers and "int4_gemm" not in paths, paths
-    else:  # the 128-row step in two launches per linear, the 23-row step in one
-        assert paths["int4_gemm_sliced"] == 4 * layers and paths["int4_gemm"] == 3 * 4 * layers, paths
+    if prefill_rows is not None:  # the 151-row step dequantised
+        assert paths["dequant_gemm"] == 4 * layers and not {"int4_gemm", "int4_gemm_wgmma128"} & set(paths)
+    elif prefill_chunk == 256:  # the 151-row step on the wgmma prefill plan
+        assert paths["int4_gemm_wgmma128"] == 4 * layers and not {"int4_gemm", "dequant_gemm"} & set(paths)
+    else:  # the 128-row step on the wgmma prefill plan, the 23-row step on the mma.sync GEMM
+        assert paths["int4_gemm_wgmma128"] == paths["int4_gemm"] == 4 * layers, paths
         assert "dequant_gemm" not in paths
     if kernel_attention:  # every layer's attention and every step's sampling ran on the emulator
         assert launched.count("paged_attention_decode_hd64") >= layers * decode_steps, launched

@@ -98,15 +98,16 @@ def check_against_reference(name, run, ref, bound):
 BATCH_LENGTHS = tuple(1 + (37 * i) % 300 for i in range(64))
 
 
-# Prefill chunks of 64 rows run the INT4 GEMM in one launch, chunks of 128 rows in two 64-row launches,
-# chunks of 200 rows dequantize into the scratch + cuBLAS (ops_kernels.INT4_GEMM_MAX_ROWS = 64 and
-# INT4_GEMM_SLICED_ROWS = 128, the measured crossovers); decode batches of 16..64 are GEMMs.
-@pytest.mark.parametrize("batch,prefill_chunk", [(16, 64), (32, 200), (64, 128)])
+# Prefill chunks of 64 rows run the mma.sync INT4 GEMM, chunks of 128 / 200 rows the wgmma GEMM's
+# prefill plan (128 rows: one M block split along K; 200: two M blocks), steps of more than
+# INT4_PREFILL_GEMM_MAX_ROWS (the 64 prompts' chunks of 600 rows) dequantize into the scratch + cuBLAS
+# (ops_kernels: the measured crossovers); decode batches of 16..64 are mma.sync GEMMs.
+@pytest.mark.parametrize("batch,prefill_chunk", [(16, 64), (32, 200), (64, 128), (16, 600)])
 def test_batched_decode_and_chunked_prefill_run_the_int4_gemm(container, batch, prefill_chunk):
-    """Decode at batch 16 / 32 / 64 runs the INT4 GEMM and prefill chunks run the GEMM (64 rows, or
-    128 rows in two launches) or dequantize + cuBLAS (200 rows), with no bf16 copy of the weights,
-    within the reference bound; the path counters say so (the graph of the batch's bucket: every layer
-    linear is one INT4 GEMM launch, nothing else quantized runs)."""
+    """Decode at batch 16 / 32 / 64 runs the INT4 GEMM and prefill chunks run the INT4 GEMMs (64 rows;
+    128 or 200 rows on the wgmma prefill plan) or dequantize + cuBLAS (600 rows), with no bf16 copy of
+    the weights, within the reference bound; the path counters say so (the graph of the batch's bucket:
+    every layer linear is one INT4 GEMM launch, nothing else quantized runs)."""
     from nanoqwen_runtime.engine import ops_kernels
 
     name, path = container
@@ -114,6 +115,7 @@ def test_batched_decode_and_chunked_prefill_run_the_int4_gemm(container, batch, 
     ref, bound = oracle(path, prompts, steps=4)
     engine = Engine.from_file(path, gpu_config(prefill_chunk=prefill_chunk))
     assert not engine.config.dense_weight_cache and engine.memory_report().dense_cache_bytes == 0
+    assert (engine.ops.scratch_bytes > 0) == (prefill_chunk > ops_kernels.INT4_PREFILL_GEMM_MAX_ROWS)
     engine.ops.paths.clear()
     run = teacher_forced(engine, prompts, ref.tokens, batch=batch)
     worst, decided = check_against_reference(f"{name}/int4-gemm/b{batch}/chunk{prefill_chunk}", run, ref,
@@ -123,14 +125,14 @@ def test_batched_decode_and_chunked_prefill_run_the_int4_gemm(container, batch, 
     layers = engine.geom.num_hidden_layers
     graph = engine.runner.graph_paths[(batch, engine.runner.context_classes[0])]
     assert graph.get("int4_gemm") == 4 * layers, graph
-    assert not {"gemv_int4", "dequant_gemm", "cublas_bf16_cache", "int4_gemm_sliced"} & set(graph), graph
+    assert not {"gemv_int4", "dequant_gemm", "cublas_bf16_cache", "int4_gemm_wgmma128"} & set(graph), graph
     eager = engine.ops.paths  # prefill steps (eager) and the graph captures
     assert eager["cublas_bf16_cache"] == 0
     if prefill_chunk <= ops_kernels.INT4_GEMM_MAX_ROWS:
-        assert eager["int4_gemm"] > 4 * layers and eager["dequant_gemm"] == eager["int4_gemm_sliced"] == 0
-    elif prefill_chunk <= ops_kernels.INT4_GEMM_SLICED_ROWS:  # the full chunks: two launches per linear
-        assert eager["int4_gemm_sliced"] >= 4 * layers and eager["dequant_gemm"] == 0, dict(eager)
-    else:  # the long prompts' full chunks (200 rows) dequantize; shorter last chunks may be GEMMs
+        assert eager["int4_gemm"] > 4 * layers and eager["dequant_gemm"] == eager["int4_gemm_wgmma128"] == 0
+    elif prefill_chunk <= ops_kernels.INT4_PREFILL_GEMM_MAX_ROWS:  # the full chunks: the prefill plan
+        assert eager["int4_gemm_wgmma128"] >= 4 * layers and eager["dequant_gemm"] == 0, dict(eager)
+    else:  # the full chunks (600 rows) dequantize; shorter last chunks may be GEMMs
         assert eager["dequant_gemm"] >= 4 * layers, dict(eager)
 
 

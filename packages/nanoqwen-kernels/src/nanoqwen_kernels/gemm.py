@@ -5,8 +5,8 @@ accumulation as the decode GEMV (`gemv.gemv_int4`); each dequantised weight frag
 the activation rows of a whole M block. Two kernels: the mma.sync one (csrc/gemm_int4.cuh, any M, also
 with a fused SiLU*mul input) and, for M <= 64 where measured faster (`MEASURED_WGMMA`), a
 warp-specialised one on Hopper's wgmma fed by TMA (csrc/gemm_int4_ws.cuh; `GemmPlan.kernel`). The wgmma
-kernel also runs M blocks of 128 rows (`plan_gemm_prefill`, NT = 16: each dequantised tile reused over
-128 tokens), timed by bench_gemm and not yet chosen by any planner.
+kernel also runs M blocks of 128 rows for prefill (`plan_gemm_prefill`, NT = 16: each dequantised tile
+reused over 128 tokens).
 
     y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
 
@@ -15,8 +15,8 @@ NT = R / 8) and, for M <= 64, the split-K factor; a pure function of the shape, 
 SM count (cached). M > 64 runs ceil(M / 64) M blocks of 64 rows and never splits K (the M blocks give
 enough CTAs). The shapes in `MEASURED_MULTI_BLOCK` run their M <= 64 class in M blocks of 32 rows
 instead (NT = 4: two blocks per SM), each split along K as measured. The split-K scratch is a
-`gemv.GemvWorkspace`, allocated from the GEMM plans with `max_m = 64` (`allocate_workspace`); the GEMV
-and the GEMM may share one per stream when it is sized for both. `gemm_int4` allocates nothing and
+`gemv.GemvWorkspace`, allocated from the GEMM plans, each sized for its M class (`allocate_workspace`);
+the GEMV and the GEMM may share one per stream when it is sized for both. `gemm_int4` allocates nothing and
 never synchronises: graph-capturable.
 """
 
@@ -275,18 +275,28 @@ def plan_gemm_prefill(n: int, k: int, m: int, group_size: int, sm_count: int) ->
 
 
 def plans_for_shapes(shapes, group_size: int, sm_count: int) -> list[GemmPlan]:
-    """Every plan (all M classes, plain and SiLU input) of the given (N, K) shapes: what
-    `allocate_workspace` sizes from."""
-    return [plan_gemm_shape(n, k, group_size, c, sm_count, silu)
-            for n, k in shapes for c in (16, 32, 64, None) for silu in (False, True)]
+    """Every plan of the given (N, K) shapes: all M classes, plain and SiLU input, and the prefill
+    plans (`plan_gemm_prefill`, M <= 128 and above) where they fit: what `allocate_workspace` sizes
+    from."""
+    plans = [plan_gemm_shape(n, k, group_size, c, sm_count, silu)
+             for n, k in shapes for c in (16, 32, 64, None) for silu in (False, True)]
+    for n, k in shapes:
+        for m in (128, 129):
+            try:
+                plans.append(plan_gemm_prefill(n, k, m, group_size, sm_count))
+            except ValueError:  # its scale table and ring do not fit in shared memory
+                pass
+    return plans
 
 
 def allocate_workspace(plans, device: torch.device) -> GemvWorkspace:
-    """Split-K scratch for these GEMM plans (fp32 partials for the largest bounded M class among them, at
-    least 64 rows; zeroed counters)."""
+    """Split-K scratch for these GEMM plans: fp32 partials for the largest [S, max_m, N] among the split
+    plans (each sized for its own M class), zeroed counters."""
     plans = list(plans)
-    max_m = max([MBLOCK] + [p.max_m for p in plans if p.max_m is not None and p.splits > 1])
-    return GemvWorkspace.allocate(plans, device, max_m=max_m)
+    floats = max([p.workspace_floats(p.max_m) for p in plans if p.splits > 1] + [1])
+    blocks = max([p.counters for p in plans] + [1])
+    return GemvWorkspace(torch.empty(floats, dtype=torch.float32, device=device),
+                         torch.zeros(blocks, dtype=torch.int32, device=device))
 
 
 def gemm_int4(
@@ -359,20 +369,6 @@ def gemm_int4(
                                            cuda_driver.CU_TENSOR_MAP_SWIZZLE_NONE))
     launch(family or KERNELS[plan.kernel][0], name, index, plan.grid(m), (plan.threads, 1, 1), args, shared)
     return out
-
-
-def gemm_int4_row_blocks(x: torch.Tensor, weight: Int4Weight, out: torch.Tensor, bias: torch.Tensor | None,
-                         workspace: GemvWorkspace | None, plan_for, rows: int = MBLOCK,
-                         family: str | None = None) -> int:
-    """`gemm_int4` of an M-row product as one launch per `rows` rows of x and out (contiguous row
-    slices), each on its own plan `plan_for(rows in the slice)`, sharing `workspace`: every launch on a
-    split-K plan of its M class where one launch would run unsplit M blocks. `family` as gemm_int4's.
-    Returns the launches made."""
-    m = x.shape[0]
-    for r in range(0, m, rows):
-        e = min(m, r + rows)
-        gemm_int4(x[r:e], weight, out[r:e], bias, workspace, plan_for(e - r), family=family)
-    return -(-m // rows)
 
 
 def kernel_name(suffix: str, silu: bool, n_tiles: int, kernel: str = "mma") -> str:

@@ -7,17 +7,15 @@ For the four Qwen2.5-Coder-7B layer linears (qkv 3584->4608, o 3584->3584, gate+
 down 18944->3584; INT4 g128 symmetric) and M in {16, 32, 64, 128, 512, 2048}, three ways to compute
 y[M, N] = x[M, K] @ W^T:
 
-- int4_gemm:     nanoqwen_kernels.gemm.gemm_int4 on the packed INT4 weights (the engine's path for
-                 9 <= M <= ops_kernels.INT4_GEMM_MAX_ROWS);
-- int4_gemm_64row: M > 64 only: the same GEMM in launches of 64 rows, each on its M class's split-K
-                 plan (the engine's path up to ops_kernels.INT4_GEMM_SLICED_ROWS);
+- int4_gemm:     nanoqwen_kernels.gemm.gemm_int4 on the packed INT4 weights, the planner's plan for M
+                 (the engine's path for 9 <= M <= ops_kernels.INT4_GEMM_MAX_ROWS);
 - int4_gemm_wgmma128: M > 64 only: the wgmma kernel's prefill plan (gemm.plan_gemm_prefill: M blocks
                  of 128 rows, each dequantised tile reused over 128 tokens), where its shared memory
-                 fits;
+                 fits (the engine's path up to ops_kernels.INT4_PREFILL_GEMM_MAX_ROWS);
 - cublas_bf16:   torch.mm on a bf16 weight (what a bf16 copy of the weights buys: the ceiling the INT4
                  GEMM must approach at large M, and beat at small M);
 - dequant_gemm:  gemv.linear_int4_prefill = dequantize into one bf16 scratch + torch.mm (the engine's
-                 path above INT4_GEMM_MAX_ROWS when PREFILL_PATH says so);
+                 path above INT4_PREFILL_GEMM_MAX_ROWS);
 - tinygemm:      torch._weight_int4pack_mm on its own tiled layout, g128 (baselines.py): torch's
                  built-in INT4 matmul, the one gpt-fast and torchao use;
 - gemlite:       gemlite.GemLiteLinear (Triton, A16W4 g128, baselines.py) at the M values where it
@@ -28,8 +26,8 @@ weights (together > 4x the L2, so weights come from HBM), median of 15 replays. 
 (nanoqwen_bench.gpu.read_bandwidth, 1 GiB) is measured first in the same run. Reported: time, TFLOP/s (2
 M N K per product), and the achieved bandwidth of each path's minimum bytes (weights + scales + x + out,
 each once) as a fraction of the read bandwidth (the roofline for M <= 64). The fastest of int4_gemm,
-int4_gemm_64row, int4_gemm_wgmma128 and dequant_gemm (summed over the four shapes) is printed per M: it
-is what ops_kernels.INT4_GEMM_MAX_ROWS / INT4_GEMM_SLICED_ROWS / PREFILL_PATH should say. Writes
+int4_gemm_wgmma128 and dequant_gemm (summed over the four shapes) is printed per M: it is what
+ops_kernels.INT4_GEMM_MAX_ROWS / INT4_PREFILL_GEMM_MAX_ROWS should say. Writes
 bench_gemm.json and bench_gemm.md under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a
 build of the "gemm" family with those -D options as int4_gemm; `--splits S` replaces the planner's K
 split count of every M <= 64 plan by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8
@@ -71,8 +69,7 @@ MODEL_SHAPES = {
     "0.5b": [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)],
 }
 MS = (16, 32, 64, 128, 512, 2048)
-SLICE_ROWS = gemm.MBLOCK  # int4_gemm_64row's launch
-QUANTIZED_PATHS = ("int4_gemm", "int4_gemm_64row", "int4_gemm_wgmma128", "dequant_gemm")
+QUANTIZED_PATHS = ("int4_gemm", "int4_gemm_wgmma128", "dequant_gemm")
 PATHS = (*QUANTIZED_PATHS, "cublas_bf16", "tinygemm", "gemlite")
 L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
@@ -94,10 +91,8 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
     scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plans = {m: gemm.plan_gemm(n, k, m) for m in ms}
-    slice_plans = {r: gemm.plan_gemm(n, k, r) for m in ms if m > SLICE_ROWS
-                   for r in {SLICE_ROWS, m % SLICE_ROWS} - {0}}
     prefill_plans = {}
-    for m in (m for m in ms if m > SLICE_ROWS):
+    for m in (m for m in ms if m > gemm.MBLOCK):
         try:
             prefill_plans[m] = gemm.plan_gemm_prefill(n, k, m, 128, sms)
         except ValueError as e:  # shared memory: noted, not timed
@@ -109,11 +104,8 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
     elif splits:
         plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
     ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values())
-                                 + list(slice_plans.values()) + list(prefill_plans.values()),
+                                 + list(prefill_plans.values()),
                                  torch.device("cuda"))
-
-    def int4_in_slices(x, w, out):
-        gemm.gemm_int4_row_blocks(x, w, out, None, ws, slice_plans.__getitem__, SLICE_ROWS, family)
 
     tiny = [] if int4_only else tinygemm_copies(n, k, gen, L2_ROTATE_BYTES, ms)
     lite_ms, why = ([], None) if int4_only else gemlite_plan(n, k, ms, gemlite_autotune)
@@ -135,9 +127,6 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
             "tinygemm": (lambda i: tinygemm_mm(x, tiny[i % len(tiny)]), len(tiny),
                          tiny[0].nbytes() + act if tiny else 0),
         }  # fmt: skip
-        if m > SLICE_ROWS:
-            paths["int4_gemm_64row"] = (lambda i: int4_in_slices(x, weights[i % copies], out), copies,
-                                        w0.nbytes() + act)
         if m in prefill_plans:
             paths["int4_gemm_wgmma128"] = (
                 lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, prefill_plans[m]), copies,
@@ -151,11 +140,6 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
             gemm.gemm_int4(x, w0, out, None, ws, plan, family=family)
             torch.cuda.synchronize()
             check_output(out, x, w0)
-            if "int4_gemm_64row" in paths:
-                out.fill_(float("nan"))
-                int4_in_slices(x, w0, out)
-                torch.cuda.synchronize()
-                check_output(out, x, w0)
             if "int4_gemm_wgmma128" in paths:
                 out.fill_(float("nan"))
                 gemm.gemm_int4(x, w0, out, None, ws, prefill_plans[m])
@@ -168,8 +152,6 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
             if path == "int4_gemm":
                 row["plan"] = (f"{plan.kernel} NT={plan.n_tiles} S={plan.splits} kc={plan.kc} "
                                f"grid={plan.grid(m)}")
-            elif path == "int4_gemm_64row":
-                row["plan"] = f"{-(-m // SLICE_ROWS)} launches"
             elif path == "int4_gemm_wgmma128":
                 p = prefill_plans[m]
                 row["plan"] = f"wgmma NT=16 S={p.splits} grid={p.grid(m)}"

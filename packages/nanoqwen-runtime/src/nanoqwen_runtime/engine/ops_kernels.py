@@ -5,18 +5,18 @@ never synchronises, so a whole decode step can be captured in a CUDA graph. Plan
 shapes, attention split-KV launch shapes) are made once here, at engine start:
 
 - linear, INT4 weight, M rows (the weights on the GPU are the container's tensors, nothing more):
-    M <= 8                       one `gemv_int4` launch (bias fused)                 path "gemv_int4"
-    9 <= M <= INT4_GEMM_MAX_ROWS one `gemm_int4` launch (bias fused; decode batches,  path "int4_gemm"
-                                 prefill chunks)
-    M <= INT4_GEMM_SLICED_ROWS   one `gemm_int4` launch per INT4_GEMM_MAX_ROWS rows   path "int4_gemm"
-                                 (each on its M class's split-K plan)                 (per launch) and
-                                                                                      "int4_gemm_sliced"
-    above                        PREFILL_PATH: "int4_gemm" again (one launch), or "dequant_gemm" =
-                                 `linear_int4_prefill`: dequantize into one shared bf16 scratch (the
-                                 size of the largest layer linear, not a copy per weight) + cuBLAS
-  The three constants are the crossovers of nanoqwen_bench.kernels.bench_gemm (the INT4 GEMM, in one
-  launch and in 64-row launches, against dequantize + cuBLAS per M at the four 7B shapes); change them
-  there, in one line each.
+    M <= 8                        one `gemv_int4` launch (bias fused)                path "gemv_int4"
+    9 <= M <= INT4_GEMM_MAX_ROWS  one `gemm_int4` launch on the M class's plan       path "int4_gemm"
+                                  (bias fused; decode batches, prefill chunks)
+    M <= INT4_PREFILL_GEMM_MAX_ROWS  one `gemm_int4` launch on the wgmma kernel's   path "int4_gemm_wgmma128"
+                                  prefill plan (`plan_gemm_prefill`: M blocks of 128 rows, K split up to
+                                  128 rows), where the shape's plan fits in shared memory
+    above, or no prefill plan     `linear_int4_prefill`: dequantize into one shared   path "dequant_gemm"
+                                  bf16 scratch (the size of the largest layer linear,
+                                  not a copy per weight) + cuBLAS
+  The two constants are the crossovers of nanoqwen_bench.kernels.bench_gemm (the paths per M at the
+  four 7B shapes); change them there, in one line each. An INT4 lm_head (larger than the scratch) takes
+  `gemm_int4` above the prefill plan's rows.
   `dense_weight_cache=True` (explicit, off by default) keeps the old bf16 copy of every quantized
   linear for M > 8 (path "cublas_bf16_cache"); its memory cost is printed at load.
 - linear, bf16 weight (the default lm_head): cuBLAS (`torch.mm`) into the preallocated output.
@@ -62,14 +62,12 @@ from .config import EngineConfig
 from .residual import NormedInput, ResidualUpdate
 from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 
-# Steps of more than 8 rows: the INT4 GEMM up to INT4_GEMM_MAX_ROWS rows in one launch, up to
-# INT4_GEMM_SLICED_ROWS in launches of INT4_GEMM_MAX_ROWS rows, then PREFILL_PATH. The crossovers
-# bench_gemm measured on the four 7B linears of a layer (H100, af243b8): at M = 64 the INT4 GEMM takes
-# 133 us, dequantize + cuBLAS 402 us; at M = 128 one launch (unsplit 64-row M blocks) 514 us, two 64-row
-# launches 2 x 133 us, dequantize + cuBLAS 409 us; at M = 256 four launches 532 us against 433 us.
+# Steps of more than 8 rows (module docstring). The crossovers bench_gemm measured on the four 7B
+# linears of a layer (H100, 2026-12-07, a177e69): at M = 64 the mma.sync GEMM 133 us, dequantize + cuBLAS
+# 403 us; at M = 128 / 256 / 512 the wgmma prefill plan 200 / 349 / 501 us, 64-row mma.sync launches
+# 259 / 509 / 1,014 us, dequantize + cuBLAS 408 / 434 / 543 us.
 INT4_GEMM_MAX_ROWS = 64
-INT4_GEMM_SLICED_ROWS = 128
-PREFILL_PATH = "dequant_gemm"  # above INT4_GEMM_SLICED_ROWS: "dequant_gemm" or "int4_gemm"
+INT4_PREFILL_GEMM_MAX_ROWS = 512
 FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")
 
 
@@ -107,6 +105,9 @@ class KernelOps:
         self._norm_stats = torch.empty(kgemv.MAX_M * kgemv.norm_stats_shape(1, H)[1], dtype=torch.float32,
                                        device=device)
         self._scratch: torch.Tensor | None = None
+        # the wgmma prefill plans by (N, K, group size, M <= 128), None where one does not fit
+        self._prefill_plans: dict[tuple[int, int, int, bool], kgemm.GemmPlan | None] = {}
+        self._layer_int4: list[Int4Linear] = []  # the layer linears on INT4 (check_weights)
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
         self._dense: dict[int, torch.Tensor] = {}  # id(quantized Linear) -> bf16 [N, K] (dense_weight_cache)
@@ -116,8 +117,8 @@ class KernelOps:
         self.max_context_len = 0
         # Linear launches by path, counted as they are issued (a graph's capture counts what each of its
         # replays runs; `ModelRunner.graph_paths` keeps that per graph): "gemv_int4", "gemv_int8"
-        # (per 8-row launch), "int4_gemm" (M > 8, INT4 tensor-core GEMM, per launch; "int4_gemm_sliced"
-        # once per linear run as several 64-row launches), "cublas_bf16" (a bf16
+        # (per 8-row launch), "int4_gemm" (9..64 rows, INT4 tensor-core GEMM, per launch),
+        # "int4_gemm_wgmma128" (the wgmma GEMM's prefill plan, per launch), "cublas_bf16" (a bf16
         # weight), "cublas_bf16_cache" (the explicit bf16 copy of a quantized weight), "dequant_gemm"
         # (dequantize into scratch + cuBLAS); and, counted in "gemv_int4" too, "qkv_rope_fused" (a qkv
         # GEMV that also applied RoPE and wrote q and the paged K/V), "norm_prologue" (a GEMV whose input
@@ -142,9 +143,18 @@ class KernelOps:
         d = step_buffers.dev
         self.sampling_state = ksamp.SamplingState(d["temperature"], d["top_k"], d["top_p"], d["seed"],
                                                   d["offset"])
-        dequant_used = PREFILL_PATH == "dequant_gemm" and max_tokens > INT4_GEMM_SLICED_ROWS
-        if not self.cfg.dense_weight_cache and dequant_used:
+        if not self.cfg.dense_weight_cache and self._dequantizes(max_tokens):
             self._scratch = torch.empty(self._scratch_numel, dtype=torch.bfloat16, device=self.device)
+
+    def _dequantizes(self, max_tokens: int) -> bool:
+        """Whether a step of up to `max_tokens` rows can take the dequantize + cuBLAS path: above
+        INT4_PREFILL_GEMM_MAX_ROWS, or a layer linear with no prefill plan at a row count it can see."""
+        if max_tokens <= INT4_GEMM_MAX_ROWS:
+            return False
+        if max_tokens > INT4_PREFILL_GEMM_MAX_ROWS:
+            return True
+        rows = {min(max_tokens, 128), max_tokens}  # the prefill plan's two classes
+        return any(self._prefill_plan(self._int4(lin), m) is None for lin in self._layer_int4 for m in rows)
 
     @property
     def scratch_bytes(self) -> int:
@@ -158,6 +168,7 @@ class KernelOps:
     def check_weights(self, weights) -> None:
         """Refuse what the kernels cannot run; build the bf16 weight cache when configured."""
         lins = _linears(weights)
+        self._layer_int4 = [lin for lin in lins[1:] if isinstance(lin, Int4Linear)]
         for lin in lins:
             if isinstance(lin, Int8Linear):
                 self._int8(lin)  # refuses a layout the INT8 GEMV cannot run (G = 32), before any work
@@ -280,16 +291,15 @@ class KernelOps:
             kgemv.gemv_int4(x, w, out, bias, self.workspace, self._gemv_plan(w, False))
             return
         w = self._int4(lin)
-        if path == "int4_gemm_sliced":
-            self.paths["int4_gemm_sliced"] += 1
-            self.paths["int4_gemm"] += kgemm.gemm_int4_row_blocks(
-                x, w, out, bias, self.gemm_workspace, lambda rows: self._gemm_plan(w, rows),
-                INT4_GEMM_MAX_ROWS)
+        plan = self._prefill_plan(w, m) if path == "int4_gemm_wgmma128" else None
+        if plan is not None:
+            self.paths["int4_gemm_wgmma128"] += 1
+            kgemm.gemm_int4(x, w, out, bias, self.gemm_workspace, plan)
         elif path == "int4_gemm" or lin.n * lin.k > self._scratch_numel:
-            # (the scratch is sized for the layers' linears: an INT4 lm_head always takes the GEMM)
+            # (the scratch is sized for the layers' linears: an INT4 lm_head takes the GEMM)
             self.paths["int4_gemm"] += 1
             kgemm.gemm_int4(x, w, out, bias, self.gemm_workspace, self._gemm_plan(w, m))
-        else:
+        else:  # above INT4_PREFILL_GEMM_MAX_ROWS, or a shape whose prefill plan does not fit
             scratch = self._scratch[: lin.n * lin.k].view(lin.n, lin.k)
             self.paths["dequant_gemm"] += 1
             kgemv.linear_int4_prefill(x, w, out, scratch, bias)
@@ -301,7 +311,7 @@ class KernelOps:
             return "gemv_int4"
         if m <= INT4_GEMM_MAX_ROWS:
             return "int4_gemm"
-        return "int4_gemm_sliced" if m <= INT4_GEMM_SLICED_ROWS else PREFILL_PATH
+        return "int4_gemm_wgmma128" if m <= INT4_PREFILL_GEMM_MAX_ROWS else "dequant_gemm"
 
     def _int4_gemv(self, lin: Int4Linear) -> kgemv.Int4Weight:
         """The kernel view of an INT4 linear about to run as a decode GEMV, counted as path "gemv_int4"."""
@@ -313,6 +323,17 @@ class KernelOps:
 
     def _gemm_plan(self, w: kgemv.Int4Weight, m: int) -> kgemm.GemmPlan:
         return kgemm.plan_gemm_shape(w.n, w.k, w.group_size, kgemm.m_class(m), self._sms)
+
+    def _prefill_plan(self, w: kgemv.Int4Weight, m: int) -> kgemm.GemmPlan | None:
+        """The wgmma kernel's prefill plan for an M > 64 product, or None where its scale table and
+        ring do not fit in shared memory (small groups over a long K, unsplit above 128 rows)."""
+        key = (w.n, w.k, w.group_size, m <= 128)
+        if key not in self._prefill_plans:
+            try:
+                self._prefill_plans[key] = kgemm.plan_gemm_prefill(w.n, w.k, m, w.group_size, self._sms)
+            except ValueError:
+                self._prefill_plans[key] = None
+        return self._prefill_plans[key]
 
     def linear_residual(self, x: torch.Tensor, lin: Linear, out: torch.Tensor, residual: torch.Tensor,
                         merge: kgemv.AttentionMerge | None = None) -> ResidualUpdate:
