@@ -6,7 +6,9 @@
 Ceilings: device-to-device copy bandwidth (1 GiB, bytes read + written) and a random 8192^3 bf16
 torch matmul. Decode (Qwen2.5-Coder-7B heads 28/4/128, page size 16) at batch 1 and 32 for contexts
 1K/8K/32K: achieved bandwidth counts the K and V bytes read (B * ctx * 4 heads * 128 * 2 B * 2).
-Prefill of one sequence of 512 / 4096 tokens (causal), and a 512-token chunk on a 3584-token prefix:
+Prefill of one sequence of 512 / 4096 tokens (causal), a 512-token chunk on a 3584-token prefix, and a
+256-token chunk on a 3328-token prefix (a warm autocomplete request's step; `--ablate` also splits it
+2 / 4 / 8 ways along the context: one sequence's chunk fills 4 x 28 row tiles of 64 rows on the SMs):
 TFLOP/s count 4 * n_heads * head_dim per (query, visible key) pair. Each measurement replays a CUDA
 graph of many calls that cycle over enough page tables (disjoint pages) to keep the KV traffic several
 times larger than the 60 MB L2; time is the median over replays divided by the calls per graph.
@@ -134,7 +136,7 @@ def bench_decode(batch: int, ctx: int, l2_bytes: int, num_splits: int | None = N
                 bytes=kv_bytes, tb_s=kv_bytes / sec / 1e12, kernels_us=_kernel_us(calls[:8]))
 
 
-def bench_prefill(qlen: int, ctx: int) -> dict:
+def bench_prefill(qlen: int, ctx: int, num_splits: int | None = None) -> dict:
     pages = -(-ctx // GEOM.block_size)
     k, v = _pool(pages)
     table = _tables(1, 1, pages, pages)[0]
@@ -142,7 +144,8 @@ def bench_prefill(qlen: int, ctx: int) -> dict:
     lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
     qsl = torch.tensor([0, qlen], dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    plan = plan_prefill(GEOM, max_batch=1, max_query_len=qlen, max_total_q=qlen, max_context_len=ctx)
+    plan = plan_prefill(GEOM, max_batch=1, max_query_len=qlen, max_total_q=qlen, max_context_len=ctx,
+                        num_splits=num_splits)
     pairs = sum(ctx - qlen + i + 1 for i in range(qlen))
     flops = 4 * GEOM.n_heads * GEOM.head_dim * pairs
     n_calls = max(1, min(100, math.ceil(2e-3 / (flops / 3e14))))
@@ -182,10 +185,13 @@ def _run(args) -> None:
              for b, c, pc in ((1, 128, 512), (1, 128, 8192), (1, 4096, 8192), (1, 4096, 32768),
                               (8, 128, 512), (8, 4096, 8192), (32, 128, 512))]
     if not args.decode_only:
-        rows += [bench_prefill(512, 512), bench_prefill(4096, 4096), bench_prefill(512, 4096)]
+        rows += [bench_prefill(512, 512), bench_prefill(4096, 4096), bench_prefill(512, 4096),
+                 bench_prefill(256, 3584)]
     if args.ablate:
         for b, c, splits in ((1, 32768, 32), (1, 32768, 128), (1, 8192, 32), (32, 8192, 1), (32, 8192, 4)):
             rows.append(dict(bench_decode(b, c, props.L2_cache_size, splits), note="forced splits"))
+        for splits in (2, 4, 8):
+            rows.append(dict(bench_prefill(256, 3584, splits), note="forced splits"))
         for label, options in VARIANTS.items():
             r = with_variant(options, lambda: bench_prefill(4096, 4096))
             rows.append(dict(r, note=label))
