@@ -79,6 +79,9 @@ PY
       packages/nanoqwen-kernels/tests/test_gemm_wgmma.py packages/nanoqwen-kernels/tests/test_gemm.py 2>&1 | tail -6
     PYTHONPATH=$SRC:/tmp/site timeout 330 python3 -m nanoqwen_bench.kernels.bench_gemm --ms 16,32,64,128,256,512 \
       --out $OUT/gemm 2>&1 | tail -12 ;;
+  attention)  # paged attention against its ceilings, with forced splits (the warm autocomplete prefill's too)
+    PYTHONPATH=$SRC timeout 400 python3 -m nanoqwen_bench.kernels.bench_attention --ablate \
+      --out $OUT/attention.json 2>&1 | tail -40 ;;
   persistent)  # the persistent decode kernel's streaming ceiling, 7B / 1.5B / 0.5B geometries
     PYTHONPATH=$SRC timeout 400 python3 -m nanoqwen_bench.kernels.persistent_ceiling --out $OUT/persistent \
       2>&1 | tail -30 ;;
