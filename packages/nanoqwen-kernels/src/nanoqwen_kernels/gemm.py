@@ -38,6 +38,7 @@ from .launch import check, i32, launch, ptr, require_sm90
 KERNELS = {"mma": ("gemm", 256), "wgmma": ("gemm_ws", 640)}
 WS_PREFILL_NT = 16  # the wgmma kernel's M blocks of 128 rows (prefill: a dequantised tile per 128 tokens)
 WS_PREFILL_THREADS = 384
+WS_PREFILL_ROWS = 8 * WS_PREFILL_NT  # its M block; up to this many rows the prefill plan splits K
 MBLOCK = 64  # rows of x per M block at NT = 8 (the largest kernel)
 ROWS_PER_BLOCK = 128  # nq_gemm::ROWS_PER_BLOCK: 8 warps x 16 weight rows
 CHUNK_COLS = 2 * 128  # nq_gemm::CH tile-columns of activations staged per chunk
@@ -258,20 +259,30 @@ def plan_gemm_prefill(n: int, k: int, m: int, group_size: int, sm_count: int) ->
     the row blocks x splits about fill `sm_count` SMs (one block per SM: its ring takes most of the
     shared memory); above, ceil(M / 128) M blocks, K unsplit. Raises ValueError where the scale table
     and the ring do not fit in shared memory (small groups over a long unsplit K)."""
-    if m <= MBLOCK:
-        raise ValueError(f"plan_gemm_prefill serves M > {MBLOCK}, got M = {m}")
-    kt = k // 128
-    if m <= 128:
-        blocks_n = -(-n // ROWS_PER_BLOCK)
-        splits = min(kt, max(1, sm_count // blocks_n))
-        plan = GemmPlan.of(n, k, group_size, WS_PREFILL_NT, 128, splits, kernel="wgmma")
-    else:
-        plan = GemmPlan.of(n, k, group_size, WS_PREFILL_NT, None, 1, kernel="wgmma")
-    shared = ws_shared_bytes(plan.rows_per_mblock, plan.kc, group_size, True)
+    plan, shared = _prefill_plan_and_shared(n, k, m, group_size, sm_count)
     if shared > MAX_SHARED_BYTES:
         raise ValueError(f"plan_gemm_prefill: [{n}, {k}] g{group_size} at M = {m} needs {shared} B of "
                          f"shared memory (> {MAX_SHARED_BYTES})")
     return plan
+
+
+def prefill_plan_if_fits(n: int, k: int, m: int, group_size: int, sm_count: int) -> GemmPlan | None:
+    """`plan_gemm_prefill`'s plan, or None where its scale table and ring do not fit in shared memory."""
+    plan, shared = _prefill_plan_and_shared(n, k, m, group_size, sm_count)
+    return plan if shared <= MAX_SHARED_BYTES else None
+
+
+def _prefill_plan_and_shared(n: int, k: int, m: int, group_size: int, sm_count: int) -> tuple[GemmPlan, int]:
+    if m <= MBLOCK:
+        raise ValueError(f"plan_gemm_prefill serves M > {MBLOCK}, got M = {m}")
+    kt = k // 128
+    if m <= WS_PREFILL_ROWS:
+        blocks_n = -(-n // ROWS_PER_BLOCK)
+        splits = min(kt, max(1, sm_count // blocks_n))
+        plan = GemmPlan.of(n, k, group_size, WS_PREFILL_NT, WS_PREFILL_ROWS, splits, kernel="wgmma")
+    else:
+        plan = GemmPlan.of(n, k, group_size, WS_PREFILL_NT, None, 1, kernel="wgmma")
+    return plan, ws_shared_bytes(plan.rows_per_mblock, plan.kc, group_size, True)
 
 
 def plans_for_shapes(shapes, group_size: int, sm_count: int) -> list[GemmPlan]:
@@ -281,11 +292,10 @@ def plans_for_shapes(shapes, group_size: int, sm_count: int) -> list[GemmPlan]:
     plans = [plan_gemm_shape(n, k, group_size, c, sm_count, silu)
              for n, k in shapes for c in (16, 32, 64, None) for silu in (False, True)]
     for n, k in shapes:
-        for m in (128, 129):
-            try:
-                plans.append(plan_gemm_prefill(n, k, m, group_size, sm_count))
-            except ValueError:  # its scale table and ring do not fit in shared memory
-                pass
+        for m in (WS_PREFILL_ROWS, WS_PREFILL_ROWS + 1):
+            plan = prefill_plan_if_fits(n, k, m, group_size, sm_count)
+            if plan is not None:
+                plans.append(plan)
     return plans
 
 

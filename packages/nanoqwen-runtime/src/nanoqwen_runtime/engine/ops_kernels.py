@@ -154,7 +154,7 @@ class KernelOps:
             return False
         if max_tokens > INT4_PREFILL_GEMM_MAX_ROWS:
             return True
-        rows = {min(max_tokens, 128), max_tokens}  # the prefill plan's two classes
+        rows = {min(max_tokens, kgemm.WS_PREFILL_ROWS), max_tokens}  # the prefill plan's two classes
         return any(self._prefill_plan(self._int4(lin), m) is None for lin in self._layer_int4 for m in rows)
 
     @property
@@ -328,12 +328,9 @@ class KernelOps:
     def _prefill_plan(self, w: kgemv.Int4Weight, m: int) -> kgemm.GemmPlan | None:
         """The wgmma kernel's prefill plan for an M > 64 product, or None where its scale table and
         ring do not fit in shared memory (small groups over a long K, unsplit above 128 rows)."""
-        key = (w.n, w.k, w.group_size, m <= 128)
+        key = (w.n, w.k, w.group_size, m <= kgemm.WS_PREFILL_ROWS)
         if key not in self._prefill_plans:
-            try:
-                self._prefill_plans[key] = kgemm.plan_gemm_prefill(w.n, w.k, m, w.group_size, self._sms)
-            except ValueError:
-                self._prefill_plans[key] = None
+            self._prefill_plans[key] = kgemm.prefill_plan_if_fits(w.n, w.k, m, w.group_size, self._sms)
         return self._prefill_plans[key]
 
     def linear_residual(self, x: torch.Tensor, lin: Linear, out: torch.Tensor, residual: torch.Tensor,
