@@ -8,7 +8,8 @@ cases: fresh random weights and inputs (seeded by the test's name), N not a mult
 reads rows past N as zeros), K / 128 odd, groups of 32 / 64 / 128, symmetric and not, bf16 and fp16
 scales; a NaN-poisoned output with a poisoned guard after row M - 1 (every row written, nothing after)
 and the split-K counters back at zero (int4_testkit.run_gemm); tolerance reference.TOLERANCES as
-test_gemm.py derives it (the same arithmetic per element in both kernels).
+test_gemm.py derives it (the same arithmetic per element in both kernels; the prefill plan's against the
+weight rounded to bf16 first, test_gemm_wgmma.py says why).
 
 Covered: each M class (16 / 32 / 64 rows in one block) and M > 64 (several unsplit 64-row blocks), a
 forced K split, several M blocks each split along K, the fused SiLU*mul input; the wgmma kernel at
@@ -115,6 +116,17 @@ def test_wgmma_fp16_scales(group_size, symmetric, gen, emulated):
                    f"wgmma f16s g{group_size}")
 
 
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_wgmma_prefill_fp16_scales(group_size, symmetric, gen, emulated):
+    """The prefill plan scales fp16 scales in fp32 (bf16 ones with one bf16x2 multiply): the same
+    round((q - z) s)."""
+    w, x, bias = _inputs(200, 1152, 150, group_size, symmetric, False, gen, torch.float16)
+    plan = gemm.plan_gemm_prefill(200, 1152, 150, group_size, 4)
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias, bf16_weight=True),
+                   f"wgmma prefill f16s g{group_size}")
+
+
 def test_wgmma_tensor_maps_are_the_emulators_own(gen):
     """Inside emulated() the GEMM's tensor maps come from the emulator (the driver is not there); outside,
     cuda_driver's own function is back."""
@@ -141,5 +153,5 @@ def test_wgmma_prefill_blocks_of_128_rows(n, k, group_size, symmetric, m, gen, e
     assert plan.kernel == "wgmma" and plan.n_tiles == 16 and plan.threads == 384
     assert (plan.max_m, plan.m_blocks(m)) == ((128, 1) if m <= 128 else (None, -(-m // 128)))
     w, x, bias = _inputs(n, k, m, group_size, symmetric, False, gen)
-    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias),
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias, bf16_weight=True),
                    f"wgmma NT=16 [{n}, {k}] g{group_size} M={m} S={plan.splits}")

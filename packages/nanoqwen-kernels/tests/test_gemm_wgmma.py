@@ -8,7 +8,12 @@ Tolerance: reference.TOLERANCES[bfloat16], as test_gemm.py's, for the same reaso
 is the sum of exact fp32 products of the exact bf16 (q - z) weights and bf16 activations, one fresh fp32
 fragment per quantization group (wgmma sums a group's k16 steps in fp32 as the mma.sync chain does),
 scaled into an fp32 accumulator (<= K / 16 accumulator adds: the atol's derivation), rounded once to
-bf16 (the rtol's). What differs from the mma.sync kernel is only who moves the data.
+bf16 (the rtol's). What differs from the mma.sync kernel is only who moves the data. The prefill plan
+(NT = 16) multiplies the weights scaled and rounded to bf16 first, round((q - z) s), as dequantise + cuBLAS
+does, so its reference is the fp32 product with that bf16 weight (reference_out(bf16_weight=True)), and
+the same tolerance holds for the same reasons: exact fp32 products, fp32 sums, one rounding. Against the
+unrounded weight its error would grow by the weights' rounding (up to 2^-9 of each product, random in
+sign: ~2^-9 of the output's norm, beyond the atol on outputs that cancel).
 """
 
 from __future__ import annotations
@@ -78,6 +83,19 @@ def test_wgmma_fp16_scales(group_size, symmetric, gen, device):
     R.assert_close(got, reference_out(x, w, None), f"wgmma f16s g{group_size}")
 
 
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_wgmma_prefill_fp16_scales(group_size, symmetric, gen, device):
+    from nanoqwen_kernels.gemm import plan_gemm_prefill
+
+    n, k, m = 1000, 1152, 300
+    w = random_int4(n, k, group_size, symmetric, gen, device, scale_dtype=torch.float16)
+    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    got = run_gemm(x, w, None, plan_gemm_prefill(n, k, m, group_size, sms))
+    R.assert_close(got, reference_out(x, w, None, bf16_weight=True), f"wgmma prefill f16s g{group_size}")
+
+
 @pytest.mark.parametrize("m", [65, 100, 128, 129, 200, 512])
 @pytest.mark.parametrize("name,n,k", SHAPES_7B)
 def test_wgmma_prefill_plan_7b_shapes(name, n, k, m, gen, device):
@@ -91,7 +109,7 @@ def test_wgmma_prefill_plan_7b_shapes(name, n, k, m, gen, device):
     w = random_int4(n, k, 128, False, gen, device)
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16) if name == "qkv" else None
-    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias),
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias, bf16_weight=True),
                    f"wgmma prefill {name} M={m} S={plan.splits}")
 
 
@@ -107,7 +125,7 @@ def test_wgmma_prefill_plan_odd_shapes(n, k, group_size, symmetric, m, gen, devi
     w = random_int4(n, k, group_size, symmetric, gen, device)
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
-    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias),
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias, bf16_weight=True),
                    f"wgmma prefill [{n}, {k}] g{group_size} M={m} S={plan.splits}")
 
 

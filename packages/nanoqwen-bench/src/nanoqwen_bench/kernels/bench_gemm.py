@@ -28,8 +28,9 @@ M N K per product), and the achieved bandwidth of each path's minimum bytes (wei
 each once) as a fraction of the read bandwidth (the roofline for M <= 64). The fastest of int4_gemm,
 int4_gemm_wgmma128 and dequant_gemm (summed over the four shapes) is printed per M: it is what
 ops_kernels.INT4_GEMM_MAX_ROWS / INT4_PREFILL_GEMM_MAX_ROWS should say. Writes
-bench_gemm.json and bench_gemm.md under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times a
-build of the "gemm" family with those -D options as int4_gemm; `--splits S` replaces the planner's K
+bench_gemm.json and bench_gemm.md under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times
+builds of both GEMM families (mma.sync "gemm", wgmma "gemm_ws") with those -D options as int4_gemm and
+int4_gemm_wgmma128; `--splits S` replaces the planner's K
 split count of every M <= 64 plan by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8
 NT as M blocks of 8 NT rows (unsplit, or with `--splits S` each M <= 64 block split about S ways along
 K); `--asym` times asymmetric weights; every timed build's output is first checked against the fp32
@@ -38,7 +39,9 @@ reference (except the probes'); `--int4-only` skips the other paths; `--ms 16,32
 tests never build them), each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from registers, no
 ldmatrix), `NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD` (weights made in
 registers, no global loads), `NQ_GEMM_PROBE_NO_X` (no activation copies; the chunk waits and barriers
-stay), `NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers). Runs in well under a minute on
+stay), `NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers); of the wgmma kernel
+`NQ_GEMM_WS_PROBE_NO_MMA`, `NQ_GEMM_WS_PROBE_COPY_ONLY`, `NQ_GEMM_WS_PROBE_NO_MAINLOOP`
+(csrc/gemm_int4_ws.cuh says what each leaves out). Runs in well under a minute on
 the H200 once the kernels are compiled (first use: NVRTC).
 """
 
@@ -75,14 +78,18 @@ L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
 
-def check_output(out, x, w) -> None:
+def check_output(out, x, w, bf16_weight=False) -> None:
     """out (bf16 [M, N]) against the kernel tests' oracle: the fp32 product of x with the dequantized
-    weight (nanoqwen_kernels.reference), within the bf16 tolerance of reference.TOLERANCES."""
+    weight (nanoqwen_kernels.reference; bf16_weight: rounded to bf16 first, as the prefill plan
+    multiplies it), within the bf16 tolerance of reference.TOLERANCES."""
     dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
+    if bf16_weight:
+        dense = dense.to(torch.bfloat16)
     R.assert_close(out, R.linear(x, dense, None), what="bench_gemm output")
 
-def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False, splits=None, asym=False,
+def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=False, splits=None, asym=False,
                 check=True, multi_nt=None, gemlite_autotune=False):
+    families = families or {}
     w0 = random_weight(n, k, gen, symmetric=not asym)
     copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
     weights = [w0] + [random_weight(n, k, gen, symmetric=not asym) for _ in range(copies - 1)]
@@ -119,7 +126,8 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
         act = 2 * m * (n + k)  # x read + out written, bf16
         paths = {
             "int4_gemm": (lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, plan,
-                                                   family=family), copies, w0.nbytes() + act),
+                                                   family=families.get(plan.kernel)), copies,
+                          w0.nbytes() + act),
             "cublas_bf16": (lambda i: torch.mm(x, dense[i % dense_copies].t(), out=out), dense_copies,
                             2 * n * k + act),
             "dequant_gemm": (lambda i: gemv.linear_int4_prefill(x, weights[i % copies], out, scratch),
@@ -129,22 +137,22 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, family=None, int4_only=False
         }  # fmt: skip
         if m in prefill_plans:
             paths["int4_gemm_wgmma128"] = (
-                lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, prefill_plans[m]), copies,
-                w0.nbytes() + act)
+                lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, prefill_plans[m],
+                                         family=families.get("wgmma")), copies, w0.nbytes() + act)
         if m in lite_ms:
             paths["gemlite"] = (lambda i: gemlite_mm(x, lite[i % len(lite)]), len(lite),
                                 lite[0].nbytes() + act)
         if int4_only:
             paths = {p: v for p, v in paths.items() if p.startswith("int4_gemm")}
         if check:  # a timing probe's outputs are wrong by design
-            gemm.gemm_int4(x, w0, out, None, ws, plan, family=family)
+            gemm.gemm_int4(x, w0, out, None, ws, plan, family=families.get(plan.kernel))
             torch.cuda.synchronize()
             check_output(out, x, w0)
             if "int4_gemm_wgmma128" in paths:
                 out.fill_(float("nan"))
-                gemm.gemm_int4(x, w0, out, None, ws, prefill_plans[m])
+                gemm.gemm_int4(x, w0, out, None, ws, prefill_plans[m], family=families.get("wgmma"))
                 torch.cuda.synchronize()
-                check_output(out, x, w0)
+                check_output(out, x, w0, bf16_weight=True)
         for path, (fn, reps, nbytes) in paths.items():
             t = time_graph(fn, reps)
             row = {"shape": name, "n": n, "k": k, "m": m, "path": path, "us": t * 1e6,
@@ -213,14 +221,16 @@ def main(argv=None) -> int:
     ap.add_argument("--gemlite-autotune", action="store_true",
                     help="time gemlite also where it ships no tuned config (its autotune runs first)")
     args = ap.parse_args(argv)
-    family = None  # the plan's kernel family (mma.sync "gemm" or wgmma "gemm_ws", gemm.KERNELS)
+    families = {}  # plan.kernel -> a kernel family built with the --define options (else the default's)
     if args.define:
         from nanoqwen_kernels import build
         from nanoqwen_kernels.specs import SPECS
 
         options = tuple(f"-D{d}" for d in args.define)
-        family = "gemm-" + hashlib.sha256("|".join(options).encode()).hexdigest()[:10]
-        SPECS[family] = build.KernelSpec(family, ("gemm.cu",), options)
+        tag = hashlib.sha256("|".join(options).encode()).hexdigest()[:10]
+        for kernel, (base, _) in gemm.KERNELS.items():
+            families[kernel] = f"{base}-{tag}"
+            SPECS[families[kernel]] = build.KernelSpec(families[kernel], SPECS[base].sources, options)
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rb = read_bandwidth(torch.device("cuda"), nbytes=1 << 30)
@@ -229,8 +239,8 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (16, 64, 512) if args.quick else MS
     for name, n, k in MODEL_SHAPES[args.model]:
-        bench_shape(name, n, k, ms, gen, read_bw, rows, family, args.int4_only, args.splits, args.asym,
-                    multi_nt=args.multi_nt, check=not any(d.startswith("NQ_GEMM_PROBE") for d in args.define),
+        bench_shape(name, n, k, ms, gen, read_bw, rows, families, args.int4_only, args.splits, args.asym,
+                    multi_nt=args.multi_nt, check=not any("_PROBE_" in d for d in args.define),
                     gemlite_autotune=args.gemlite_autotune)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
     rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -1,9 +1,11 @@
 // gemm_int4_ws.cuh: the INT4 GEMM of decode batches (M = 9..64, R = 16/32/64 rows per M block) and of
 // prefill (R = 128) on Hopper's warpgroup MMA, with a producer warp: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in `int4-g{G}-tile8x128-v1` (docs/DESIGN.md),
-// bf16 activations, fp32 accumulation (ST: bf16 or fp16 scales, as the GEMV). Each group's (q - z)
-// products are summed unscaled in fp32, then added to an accumulator times the fp32 scale, as in
-// gemm_int4.cuh; at R <= 64 the two consumer sets (below) keep one accumulator each, over the even and
-// the odd tile-columns, added at the end: the order of a 2-way K split, within the same tolerance.
+// bf16 activations, fp32 accumulation (ST: bf16 or fp16 scales, as the GEMV). At R <= 64 each group's
+// (q - z) products are summed unscaled in fp32, then added to an accumulator times the fp32 scale, as in
+// gemm_int4.cuh; the two consumer sets (below) keep one accumulator each, over the even and the odd
+// tile-columns, added at the end: the order of a 2-way K split, within the same tolerance. At R = 128
+// (WsPrefillConsumer) the weights are scaled before the MMA, rounded to bf16: the dense weight of the
+// dequantise + cuBLAS path, its tolerance.
 //
 // Why: the mma.sync GEMM is latency-bound at M = 64 -- one block of 8 warps per SM, ~380 instructions
 // per warp per tile-column of which half are addresses, guards and the activation staging, a block
@@ -12,8 +14,8 @@
 //
 // Block (R <= 64): 20 warps. Warps 0..15 are four consumer warpgroups in two sets of 8 warps (set p =
 // warps 8p..8p + 7); warp 16 is the producer (warps 17..19 only complete its warpgroup, which gives
-// registers to the consumers: setmaxnreg). R = 128: 12 warps, one consumer set (warps 0..7: its
-// accumulator and fragment take 2 x 64 fp32 registers per thread) and the producer warpgroup (WsWarps).
+// registers to the consumers: setmaxnreg). R = 128: 12 warps, one consumer set (warps 0..7: a 64-float
+// accumulator and two stages of A registers per thread) and the producer warpgroup (WsWarps).
 // At R = 128 each dequantised weight tile feeds 128 tokens: prefill's compute-bound M without a
 // dequantisation pass over the whole weight.
 //   Producer: walks the block's tile-columns and fills a ring of NBUF shared-memory slots with the
@@ -41,6 +43,10 @@
 //     with wait_group 1, 140 with wait_group 0); the two sets
 //     (four warpgroups) overlap one another's dequantisation and tensor work instead. At the end set 1
 //     adds its sums into set 0's through the drained ring, and set 0 stores.
+//   Consumers at R = 128 (WsPrefillConsumer, one set): the same A rows, scaled to bf16 before the MMA,
+//     so that all wgmmas accumulate into acc; two half tile-column stages of A registers in flight
+//     (wait_group 1), no wait per group: 1.17-1.30x the per-group fragments on the four 7B linears at
+//     M = 128..512 (H100, bench/RESULTS.md).
 //
 // Timing probes (wrong outputs; tests never build them), each a -D option: NQ_GEMM_WS_PROBE_NO_MMA (the
 // consumers' steps without the wgmmas), NQ_GEMM_WS_PROBE_COPY_ONLY (the ring's copies and barriers
@@ -74,7 +80,7 @@ using nq_gemv::neg_zero_pair;
 // returned waits forever (measured: a hang at 120). 128 x (96 - 24) returned, 512 x (112 - 96) taken.
 // (ptxas compiles the whole kernel within the launch's 96.)
 // R = 128 (prefill: each dequantised tile reused over 128 tokens): one set of 8 consumer warps, whose
-// accumulators and fragments (2 x 64 fp32) need more registers than 640 threads leave: 384 threads,
+// accumulator (64 fp32) and two stages of A (2 x 16) need more registers than 640 threads leave: 384 threads,
 // launched at 168 registers (3 warps on each SM sub-partition's 16K), the producer warpgroup going
 // down to 40 and the consumers up to 232: 256 x (232 - 168) taken, 128 x (168 - 40) returned.
 template <int R>
@@ -313,6 +319,127 @@ struct WsConsumer {
   }
 };
 
+// The R = 128 (prefill) consumer warps. Each weight is dequantised and scaled to bf16 as the A operand
+// -- round((q - z) s), the dense weight that the dequantise + cuBLAS path multiplies, rounded the same
+// way -- so every wgmma accumulates into the one fp32 accumulator and nothing waits per quantization
+// group. A stage is half a tile-column (4 k16 steps, one X box); its A registers are double-buffered
+// (two stages in flight, the loop unrolled by two so each buffer keeps its registers) and
+// wait_group 1 after a stage's commit retires the stage before, whose buffer the next stage rewrites and
+// whose slot is released after its second half.
+// round((q - z) s) for the pair v = (q - z) (exact in bf16) and the scale's bits. (q - z) s is exact in
+// fp32 (5 x 11 significant bits), so both forms round once.
+template <typename ST>
+NQ_DEVICE u32 scale_bf16x2(u32 v, u16 sbits, ST) {
+  const float s = ST::to_f32(sbits);
+  return f32x2_to_bf16x2(bf16x2_lo(v) * s, bf16x2_hi(v) * s);
+}
+#ifndef NQ_HOST_EMU
+NQ_DEVICE u32 scale_bf16x2(u32 v, u16 sbits, nq_gemv::ScaleBF16) {
+  u32 d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(v), "r"((u32)sbits * 0x10001u));
+  return d;
+}
+#endif
+
+template <int G, bool ASYM, typename ST>
+struct WsPrefillConsumer {
+  static constexpr int R = 128, GPT = 128 / G, STEPS = 4;  // k16 steps per stage
+  using RG = WsRing<R>;
+  using Stage = u32[STEPS][4];
+  float acc[R / 2];
+  u32 ring, stab, ztab;
+  unsigned long long *full, *empty;
+  int kgb, lane, warp, lr0, lr1;
+
+  NQ_DEVICE void init(u32 ring_, u32 stab_, u32 ztab_, unsigned long long* full_, unsigned long long* empty_, int kgb_,
+                      int lane_, int warp_, int lr0_, int lr1_) {
+    ring = ring_, stab = stab_, ztab = ztab_, full = full_, empty = empty_, kgb = kgb_, lane = lane_, warp = warp_;
+    lr0 = lr0_, lr1 = lr1_;
+#pragma unroll
+    for (int i = 0; i < R / 2; ++i) acc[i] = 0.f;
+  }
+
+  // Stage st: tile-column rel = st / 2, k16 steps 4 h .. 4 h + 3 (h = st % 2) = words 2 h, 2 h + 1 of
+  // the lane's two tiles, X box h.
+  NQ_DEVICE void stage(int st, Stage& a) {
+    const int rel = st >> 1, h = st & 1, s = rel % RG::NBUF;
+    if (h == 0) mbar_wait(&full[s], (rel / RG::NBUF) & 1);
+    const u32 slot = ring + (u32)(s * RG::SLOT);
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi) {
+      const int wd = 2 * h + wi;
+      const u32 w0 = lds32(slot + RG::W + (2 * warp) * 512 + lane * 16 + 4 * wd);
+      const u32 w1 = lds32(slot + RG::W + (2 * warp + 1) * 512 + lane * 16 + 4 * wd);
+      const int gg = rel * GPT + 32 * wd / G;
+      const u32 e0 = (u32)(lr0 * kgb + gg), e1 = (u32)(lr1 * kgb + gg);
+      const u16 s0 = (u16)lds16(stab + 2 * e0), s1 = (u16)lds16(stab + 2 * e1);
+      u32 nz0, nz1;
+      if constexpr (ASYM) {
+        nz0 = neg_zero_pair(lds8(ztab + e0));
+        nz1 = neg_zero_pair(lds8(ztab + e1));
+      } else {
+        nz0 = nz1 = neg_zero_pair(8u);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        a[2 * wi + j][0] = scale_bf16x2(dq(w0, 2 * j, nz0), s0, ST{});
+        a[2 * wi + j][1] = scale_bf16x2(dq(w1, 2 * j, nz1), s1, ST{});
+        a[2 * wi + j][2] = scale_bf16x2(dq(w0, 2 * j + 1, nz0), s0, ST{});
+        a[2 * wi + j][3] = scale_bf16x2(dq(w1, 2 * j + 1, nz1), s1, ST{});
+      }
+    }
+    constexpr u32 desc_hi = (1024 >> 4) | (1u << 30);
+    const u32 x_box = slot + RG::X + (u32)(h * RG::XBOX);
+#ifdef NQ_GEMM_WS_PROBE_NO_MMA  // timing probe (wrong outputs): everything but the tensor-core work
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k)
+      acc[k] += __uint_as_float(a[k][0] ^ a[k][1] ^ a[k][2] ^ a[k][3] ^ (x_box + 32 * k));
+#else
+    nq_wgmma::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+      const u32 start = x_box + (u32)(k * 32);
+      const u64 desc = ((u64)desc_hi << 32) | ((start >> 4) & 0x3FFFu) | (1u << 16);
+      nq_wgmma::Wgmma<R>::mma(acc, a[k], desc, 1);
+    }
+    nq_wgmma::wgmma_commit();
+    nq_wgmma::wgmma_wait<1>();  // stage st - 1 retired: its A buffer and (h == 0) its tile-column free
+#endif
+    if (h == 0 && rel > 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[(rel - 1) % RG::NBUF]);
+    }
+  }
+
+  NQ_DEVICE void run(int ntc) {
+#ifdef NQ_GEMM_WS_PROBE_COPY_ONLY  // timing probe (wrong outputs): the ring's copies and barriers only
+    for (int rel = 0; rel < ntc; ++rel) {
+      mbar_wait(&full[rel % RG::NBUF], (rel / RG::NBUF) & 1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[rel % RG::NBUF]);
+    }
+    if (ntc >= 0) return;  // always: the code below stays compiled
+#endif
+    Stage a0, a1;
+    for (int rel = 0; rel < ntc; ++rel) {
+      stage(2 * rel, a0);
+      stage(2 * rel + 1, a1);
+    }
+    nq_wgmma::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < R / 2; ++i) nq_wgmma::fence_operand(acc[i]);
+  }
+};
+
+template <bool B, typename T, typename F>
+struct Pick {
+  using type = T;
+};
+template <typename T, typename F>
+struct Pick<false, T, F> {
+  using type = F;
+};
+
 template <int G, bool ASYM, int NT, typename ST>
 NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                             const u16* __restrict__ scales, const u8* __restrict__ zeros,
@@ -412,10 +539,14 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   const int row0 = 8 * tr0 + g, row1 = 8 * tr1 + g;
   const int lr0 = 16 * wq + g, lr1 = lr0 + 8;  // local rows (table rows)
 
-  WsConsumer<G, ASYM, NT, ST, GROUPS_PER_STEP> c;
+  typename Pick<R == 128, WsPrefillConsumer<G, ASYM, ST>, WsConsumer<G, ASYM, NT, ST, GROUPS_PER_STEP>>::type c;
   c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
 #ifndef NQ_GEMM_WS_PROBE_NO_MAINLOOP
-  c.run(ntc, kset, KSETS);
+  if constexpr (R == 128) {
+    c.run(ntc);
+  } else {
+    c.run(ntc, kset, KSETS);
+  }
 #endif
   static_assert(KSETS == 1 || KSETS == 2, "the sets' sums are added pairwise");
   if constexpr (KSETS == 2) {  // set 1's sums into set 0's, through the ring (drained: every slot's
