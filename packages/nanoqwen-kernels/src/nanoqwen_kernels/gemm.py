@@ -39,7 +39,6 @@ KERNELS = {"mma": ("gemm", 256), "wgmma": ("gemm_ws", 640)}
 WS_PREFILL_NT = 16  # the wgmma kernel's M blocks of 128 rows (prefill: a dequantised tile per 128 tokens)
 WS_PREFILL_THREADS = 384
 WS_PREFILL_ROWS = 8 * WS_PREFILL_NT  # its M block; up to this many rows the prefill plan splits K
-PREFILL_CLASSES = (128, 256, 512)  # bounded M classes of the prefill plan: its split-K scratch's rows
 MBLOCK = 64  # rows of x per M block at NT = 8 (the largest kernel)
 ROWS_PER_BLOCK = 128  # nq_gemm::ROWS_PER_BLOCK: 8 warps x 16 weight rows
 CHUNK_COLS = 2 * 128  # nq_gemm::CH tile-columns of activations staged per chunk
@@ -93,7 +92,7 @@ class GemmPlan:
         if self.kernel == "wgmma" and self.max_m is None and not prefill:
             raise ValueError("GemmPlan: the wgmma kernel at NT <= 8 serves M <= 64 (max_m 16, 32 or 64); "
                              f"more rows take NT = {WS_PREFILL_NT}")
-        classes = (16, 32, 64, *PREFILL_CLASSES) if prefill else (16, 32, 64)
+        classes = (16, 32, 64, 128) if prefill else (16, 32, 64)
         if (self.n_tiles not in (2, 4, 8) and not prefill) or (self.max_m is not None
                                                                and self.max_m not in classes):
             raise ValueError(f"GemmPlan: n_tiles {self.n_tiles} does not serve max_m {self.max_m}")
