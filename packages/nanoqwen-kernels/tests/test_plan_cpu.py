@@ -3,6 +3,8 @@ the clear error a launcher gives for a tensor that is not on an sm_90 GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from nanoqwen_kernels import gemm, gemv, layer_ops, sampling
@@ -187,9 +189,12 @@ def test_gemm_workspace_sized_from_all_plans():
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]
     plans = gemm.plans_for_shapes(shapes, 128, 132)
     ws = gemm.allocate_workspace(plans, torch.device("cpu"))
-    assert ws.partials.numel() == max(p.workspace_floats(p.max_m) for p in plans if p.splits > 1) > 0
+    assert ws.partials.numel() == max(p.workspace_floats(p.max_m) for p in plans if p.needs_workspace) > 0
     assert any(p.kernel == "wgmma" and p.max_m == 128 and p.splits > 1 for p in plans)  # the prefill plans
+    stream_k = [p for p in plans if p.stream_k_blocks]  # and above 128 rows: 2 partial tiles per block
+    assert stream_k and ws.partials.numel() >= 2 * 132 * 128 * 128
     assert ws.counters.numel() >= max(p.m_blocks(p.max_m) * p.blocks_n for p in plans if p.splits > 1)
+    assert ws.counters.numel() >= 132  # stream-K: one per block
     assert int(ws.counters.abs().sum()) == 0
 
 
@@ -240,8 +245,18 @@ def test_prefill_plan_blocks_of_128_rows_fill_the_sms():
     p = gemm.plan_gemm_prefill(4608, 3584, 100, 128, 132)  # 36 row blocks
     assert (p.kernel, p.n_tiles, p.max_m, p.splits, p.threads) == ("wgmma", 16, 128, 3, 384)
     assert p.grid(100) == (1, 36, 3) and p.counters == 36
-    big = gemm.plan_gemm_prefill(37888, 3584, 512, 128, 132)  # 296 row blocks: no split
-    assert (big.max_m, big.splits, big.grid(512)) == (None, 1, (4, 296, 1))
+    big = gemm.plan_gemm_prefill(37888, 3584, 512, 128, 132)  # 4 x 296 tiles: 8.97 full waves
+    assert (big.max_m, big.splits, big.stream_k_blocks, big.grid(512)) == (None, 1, 0, (4, 296, 1))
+    qkv = gemm.plan_gemm_prefill(4608, 3584, 512, 128, 132)  # 144 tiles: a second wave of 12 -> stream-K
+    assert (qkv.stream_k_blocks, qkv.grid(512), qkv.units_per_block(512)) == (132, (132, 1, 1), 31)
+    assert qkv.units(512) == 4 * 36 * 28 and qkv.counters == 132
+    assert qkv.workspace_floats(4096) == 2 * 132 * 128 * 128  # two partial tiles per block, any M
+    assert not gemm.plan_gemm_prefill(4608, 3584, 256, 128, 132).stream_k_blocks  # 72 tiles x 28: no gain
+    assert gemm.plan_gemm_prefill(3584, 18944, 256, 128, 132).stream_k_blocks == 132  # down: 56 tiles x 148
+    tiny = dataclasses.replace(gemm.plan_gemm_prefill(24, 384, 129, 128, 132), stream_k_blocks=132)
+    assert tiny.grid(129) == (6, 1, 1)  # at most one block per unit
+    with pytest.raises(ValueError, match="stream-K"):
+        dataclasses.replace(p, stream_k_blocks=132)  # the split plan of <= 128 rows
     # the split-K scratch of a 128-row class: [S, 128, N] floats
     ws = gemm.allocate_workspace([p], torch.device("cpu"))
     assert ws.partials.numel() >= 3 * 128 * 4608 and ws.counters.numel() >= 36

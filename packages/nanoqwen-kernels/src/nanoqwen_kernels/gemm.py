@@ -6,7 +6,8 @@ the activation rows of a whole M block. Two kernels: the mma.sync one (csrc/gemm
 with a fused SiLU*mul input) and, for M <= 64 where measured faster (`MEASURED_WGMMA`), a
 warp-specialised one on Hopper's wgmma fed by TMA (csrc/gemm_int4_ws.cuh; `GemmPlan.kernel`). The wgmma
 kernel also runs M blocks of 128 rows for prefill (`plan_gemm_prefill`, NT = 16: each dequantised tile
-reused over 128 tokens).
+reused over 128 tokens; the weights scaled to bf16 before the MMA, as dequantise + cuBLAS multiplies
+them), split along K up to 128 rows and stream-K above where it pays (`prefill_stream_k_pays`).
 
     y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
 
@@ -83,6 +84,9 @@ class GemmPlan:
     kc: int
     max_m: int | None
     kernel: str = "mma"  # "mma": gemm_int4.cuh (mma.sync); "wgmma": gemm_int4_ws.cuh
+    # the prefill plan above 128 rows: this many blocks share the (M block, row block, tile-column) units
+    # evenly (stream-K, gemm_int4_ws.cuh); 0: one block per tile (and K split)
+    stream_k_blocks: int = 0
 
     def __post_init__(self) -> None:
         kt = self.k // 128
@@ -107,6 +111,9 @@ class GemmPlan:
         if self.splits > 1 and self.max_m is None:
             raise ValueError("GemmPlan: split-K needs a bounded M class (max_m 16, 32, 64 or 128): its "
                              "[S, M, N] scratch is sized for max_m rows")
+        if self.stream_k_blocks and not (prefill and self.max_m is None and self.splits == 1):
+            raise ValueError("GemmPlan: stream-K is the prefill plan's above 128 rows (NT 16, any M, "
+                             "unsplit)")
 
     @classmethod
     def of(cls, n: int, k: int, group_size: int, n_tiles: int, max_m: int | None,
@@ -140,15 +147,35 @@ class GemmPlan:
             return WS_PREFILL_THREADS
         return KERNELS[self.kernel][1]
 
+    @property
+    def needs_workspace(self) -> bool:
+        return self.splits > 1 or self.stream_k_blocks > 0
+
     def workspace_floats(self, m: int) -> int:
+        """Split-K: fp32 partials [S, M, N]. Stream-K: two 128 x 128 partial tiles per block, any M."""
+        if self.stream_k_blocks:
+            return 2 * self.stream_k_blocks * WS_PREFILL_ROWS * ROWS_PER_BLOCK
         return self.splits * m * self.n if self.splits > 1 else 0
 
     @property
     def counters(self) -> int:
-        """Split-K arrival counters the launch uses: one per (M block, row block) tile."""
+        """Arrival counters the launch uses: split-K one per (M block, row block) tile, stream-K one per
+        block."""
+        if self.stream_k_blocks:
+            return self.stream_k_blocks
         return self.m_blocks(self.max_m) * self.blocks_n if self.splits > 1 else 0
 
+    def units(self, m: int) -> int:
+        """(M block, row block, tile-column) units of an M-row product."""
+        return self.m_blocks(m) * self.blocks_n * (self.k // 128)
+
+    def units_per_block(self, m: int) -> int:
+        """Stream-K: each block's share of `units(m)` (the last block's may be smaller)."""
+        return -(-self.units(m) // self.grid(m)[0])
+
     def grid(self, m: int) -> tuple[int, int, int]:
+        if self.stream_k_blocks:
+            return (min(self.stream_k_blocks, self.units(m)), 1, 1)
         return (self.m_blocks(m), self.blocks_n, self.splits)
 
     def with_splits(self, splits: int) -> GemmPlan:
@@ -257,8 +284,10 @@ def plan_gemm_prefill(n: int, k: int, m: int, group_size: int, sm_count: int) ->
     """The wgmma kernel's plan at NT = 16 for an M > 64 product: M blocks of 128 rows, so that each
     dequantised weight tile is reused over 128 tokens. Up to 128 rows one M block, split along K until
     the row blocks x splits about fill `sm_count` SMs (one block per SM: its ring takes most of the
-    shared memory); above, ceil(M / 128) M blocks, K unsplit. Raises ValueError where the scale table
-    and the ring do not fit in shared memory (small groups over a long unsplit K)."""
+    shared memory); above, ceil(M / 128) M blocks, K unsplit, one block per tile or, where
+    `prefill_stream_k_pays`, `sm_count` blocks sharing the units evenly (stream-K). Raises ValueError
+    where the scale table and the ring do not fit in shared memory (small groups over a long unsplit
+    K)."""
     plan, shared = _prefill_plan_and_shared(n, k, m, group_size, sm_count)
     if shared > MAX_SHARED_BYTES:
         raise ValueError(f"plan_gemm_prefill: [{n}, {k}] g{group_size} at M = {m} needs {shared} B of "
@@ -282,7 +311,29 @@ def _prefill_plan_and_shared(n: int, k: int, m: int, group_size: int, sm_count: 
         plan = GemmPlan.of(n, k, group_size, WS_PREFILL_NT, WS_PREFILL_ROWS, splits, kernel="wgmma")
     else:
         plan = GemmPlan.of(n, k, group_size, WS_PREFILL_NT, None, 1, kernel="wgmma")
+        if prefill_stream_k_pays(n, k, m, sm_count):
+            plan = dataclasses.replace(plan, stream_k_blocks=sm_count)
     return plan, ws_shared_bytes(plan.rows_per_mblock, plan.kc, group_size, True)
+
+
+# Stream-K's cost per block beyond its units, in tile-columns of one block, fitted to the prefill plan
+# on the 7B shapes at M = 256 and 512 (H100, 2026-12-07; bench/RESULTS.md): a fixed part (the segment
+# ends: the drain of the wgmmas, the partial's round trip, the last block's sum) and a part per
+# tile-column of the longest segment (its scale table, loaded while the tensor cores wait).
+STREAM_K_FIXED_COST = 10.0
+STREAM_K_TABLE_COST = 0.2
+
+
+def prefill_stream_k_pays(n: int, k: int, m: int, sm_count: int) -> bool:
+    """Whether the prefill plan's stream-K launch beats one block per tile at M > 128 rows: the tiles'
+    whole waves x K / 128 tile-columns against each block's share of the units plus its measured extra
+    cost. Tiles that fill the waves keep one block each (7B gate_up at M = 512: 9.0 waves); a last wave
+    that leaves SMs idle goes stream-K (7B qkv at M = 512: 144 tiles on 132 SMs; down at M = 256: 56)."""
+    kt = k // 128
+    tiles = -(-m // WS_PREFILL_ROWS) * -(-n // ROWS_PER_BLOCK)
+    per_block = -(-tiles * kt // sm_count)
+    extra = STREAM_K_FIXED_COST + STREAM_K_TABLE_COST * min(per_block, kt)
+    return per_block + extra < -(-tiles // sm_count) * kt
 
 
 def plans_for_shapes(shapes, group_size: int, sm_count: int) -> list[GemmPlan]:
@@ -296,6 +347,8 @@ def plans_for_shapes(shapes, group_size: int, sm_count: int) -> list[GemmPlan]:
             plan = prefill_plan_if_fits(n, k, m, group_size, sm_count)
             if plan is not None:
                 plans.append(plan)
+                if m > WS_PREFILL_ROWS:  # and its stream-K launch (some M takes it), any M
+                    plans.append(dataclasses.replace(plan, stream_k_blocks=sm_count))
     return plans
 
 
@@ -303,7 +356,7 @@ def allocate_workspace(plans, device: torch.device) -> GemvWorkspace:
     """Split-K scratch for these GEMM plans: fp32 partials for the largest [S, max_m, N] among the split
     plans (each sized for its own M class), zeroed counters."""
     plans = list(plans)
-    floats = max([p.workspace_floats(p.max_m) for p in plans if p.splits > 1] + [1])
+    floats = max([p.workspace_floats(p.max_m) for p in plans if p.needs_workspace] + [1])
     blocks = max([p.counters for p in plans] + [1])
     return GemvWorkspace(torch.empty(floats, dtype=torch.float32, device=device),
                          torch.zeros(blocks, dtype=torch.int32, device=device))
@@ -348,7 +401,7 @@ def gemm_int4(
     if plan.kernel == "wgmma" and silu_mul_input:
         raise ValueError("the wgmma GEMM takes a plain input: run silu_mul first")
     ws_ptr = cnt_ptr = np.uint64(0)
-    if plan.splits > 1:
+    if plan.needs_workspace:
         if workspace is None:
             raise ValueError(f"this shape splits K {plan.splits} ways: pass a workspace (allocate_workspace)")
         small = workspace.partials.numel() < plan.workspace_floats(m)
@@ -357,10 +410,12 @@ def gemm_int4(
         if workspace.partials.device != dev:
             raise ValueError("GEMM workspace is on another device")
         ws_ptr, cnt_ptr = ptr(workspace.partials), ptr(workspace.counters)
-    name = kernel_name(weight.kernel_suffix(), silu_mul_input, plan.n_tiles, plan.kernel)
+    name = kernel_name(weight.kernel_suffix(), silu_mul_input, plan.n_tiles, plan.kernel,
+                       plan.stream_k_blocks > 0)
+    kc = plan.units_per_block(m) if plan.stream_k_blocks else plan.kc  # stream-K: units per block
     args = (
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
-        ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(plan.kc),
+        ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(kc),
     )  # fmt: skip
     shared = plan.shared_bytes(silu_mul_input)
     if plan.kernel == "wgmma":  # tensor maps of x and of the weights (by value, the last arguments)
@@ -381,10 +436,10 @@ def gemm_int4(
     return out
 
 
-def kernel_name(suffix: str, silu: bool, n_tiles: int, kernel: str = "mma") -> str:
+def kernel_name(suffix: str, silu: bool, n_tiles: int, kernel: str = "mma", stream_k: bool = False) -> str:
     """Entry point for an `Int4Weight.kernel_suffix()` (e.g. "g128_sym", "g128_asym_f16s")."""
     if kernel == "wgmma":
-        return f"gemm_ws_int4_{suffix}_n{n_tiles}"
+        return f"gemm_ws_int4_{suffix}_n{n_tiles}{'_sk' if stream_k else ''}"
     return f"gemm_int4_{suffix}{'_silu' if silu else ''}_n{n_tiles}"
 
 

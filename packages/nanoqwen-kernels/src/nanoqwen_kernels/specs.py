@@ -62,16 +62,16 @@ SPECS: dict[str, KernelSpec] = {
         ),
     ),
     # INT4 GEMM on wgmma with a producer warp (gemm.py, plan.kernel "wgmma"): M <= 64 at NT = 2, 4, 8;
-    # prefill M blocks of 128 rows at NT = 16
+    # prefill M blocks of 128 rows at NT = 16, split-K up to 128 rows, stream-K above (_sk)
     "gemm_ws": KernelSpec(
         name="gemm_ws",
         sources=("gemm_ws.cu",),
         hot_kernels=tuple(
-            f"gemm_ws_int4_g{g}_{kind}{scale}_n{nt}"
+            f"gemm_ws_int4_g{g}_{kind}{scale}_{nt}"
             for g in (32, 64, 128)
             for kind in ("sym", "asym")
             for scale in ("", "_f16s")
-            for nt in (2, 4, 8, 16)
+            for nt in ("n2", "n4", "n8", "n16", "n16_sk")
         ),
     ),
     "sampling": KernelSpec(

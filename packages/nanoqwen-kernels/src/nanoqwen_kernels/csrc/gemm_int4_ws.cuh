@@ -57,7 +57,8 @@
 // the last block sums in split order); set 0 synchronises with named barrier 1 (256 threads), all the
 // consumers with named barrier 2 (512), the producer having left.
 //
-// Launch (gemm.py, kernel family "gemm_ws"): grid (ceil(M / R), ceil(N / 128), S), WsWarps<R>::THREADS threads,
+// Launch (gemm.py, kernel family "gemm_ws"): grid (ceil(M / R), ceil(N / 128), S) (stream-K, `_n16_sk`:
+// (blocks, 1, 1), kc = units per block), WsWarps<R>::THREADS threads,
 // dynamic shared memory gemm.ws_shared_bytes (the layout WsRing names), then the tensor maps of x and of
 // the packed weights as the last two arguments.
 #pragma once
@@ -359,18 +360,18 @@ struct WsPrefillConsumer {
     for (int i = 0; i < R / 2; ++i) acc[i] = 0.f;
   }
 
-  // Stage st: tile-column rel = st / 2, k16 steps 4 h .. 4 h + 3 (h = st % 2) = words 2 h, 2 h + 1 of
-  // the lane's two tiles, X box h.
-  NQ_DEVICE void stage(int st, Stage& a) {
-    const int rel = st >> 1, h = st & 1, s = rel % RG::NBUF;
-    if (h == 0) mbar_wait(&full[s], (rel / RG::NBUF) & 1);
+  // Unit it of the block's sequence (its ring slot it % NBUF), k16 steps 4 h .. 4 h + 3 = words 2 h,
+  // 2 h + 1 of the lane's two tiles, X box h; the table holds the segment's tile-columns from unit it0.
+  NQ_DEVICE void stage(int it, int h, int it0, Stage& a) {
+    const int s = it % RG::NBUF;
+    if (h == 0) mbar_wait(&full[s], (it / RG::NBUF) & 1);
     const u32 slot = ring + (u32)(s * RG::SLOT);
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
       const int wd = 2 * h + wi;
       const u32 w0 = lds32(slot + RG::W + (2 * warp) * 512 + lane * 16 + 4 * wd);
       const u32 w1 = lds32(slot + RG::W + (2 * warp + 1) * 512 + lane * 16 + 4 * wd);
-      const int gg = rel * GPT + 32 * wd / G;
+      const int gg = (it - it0) * GPT + 32 * wd / G;
       const u32 e0 = (u32)(lr0 * kgb + gg), e1 = (u32)(lr1 * kgb + gg);
       const u16 s0 = (u16)lds16(stab + 2 * e0), s1 = (u16)lds16(stab + 2 * e1);
       u32 nz0, nz1;
@@ -403,27 +404,30 @@ struct WsPrefillConsumer {
       nq_wgmma::Wgmma<R>::mma(acc, a[k], desc, 1);
     }
     nq_wgmma::wgmma_commit();
-    nq_wgmma::wgmma_wait<1>();  // stage st - 1 retired: its A buffer and (h == 0) its tile-column free
+    nq_wgmma::wgmma_wait<1>();  // the stage before retired: its A buffer and (h == 0) its unit free
 #endif
-    if (h == 0 && rel > 0) {
+    if (h == 0 && it > 0) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[(rel - 1) % RG::NBUF]);
+      if (lane == 0) mbar_arrive(&empty[(it - 1) % RG::NBUF]);
     }
   }
 
-  NQ_DEVICE void run(int ntc) {
+  // Units it0 .. it0 + n - 1 into a zeroed acc; all their wgmmas complete on return.
+  NQ_DEVICE void run(int it0, int n) {
+#pragma unroll
+    for (int i = 0; i < R / 2; ++i) acc[i] = 0.f;
 #ifdef NQ_GEMM_WS_PROBE_COPY_ONLY  // timing probe (wrong outputs): the ring's copies and barriers only
-    for (int rel = 0; rel < ntc; ++rel) {
-      mbar_wait(&full[rel % RG::NBUF], (rel / RG::NBUF) & 1);
+    for (int it = it0; it < it0 + n; ++it) {
+      mbar_wait(&full[it % RG::NBUF], (it / RG::NBUF) & 1);
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[rel % RG::NBUF]);
+      if (lane == 0) mbar_arrive(&empty[it % RG::NBUF]);
     }
-    if (ntc >= 0) return;  // always: the code below stays compiled
+    if (n >= 0) return;  // always: the code below stays compiled
 #endif
     Stage a0, a1;
-    for (int rel = 0; rel < ntc; ++rel) {
-      stage(2 * rel, a0);
-      stage(2 * rel + 1, a1);
+    for (int it = it0; it < it0 + n; ++it) {
+      stage(it, 0, it0, a0);
+      stage(it, 1, it0, a1);
     }
     nq_wgmma::wgmma_wait<0>();
 #pragma unroll
@@ -440,7 +444,19 @@ struct Pick<false, T, F> {
   using type = F;
 };
 
-template <int G, bool ASYM, int NT, typename ST>
+// Stream-K (the prefill plan above 128 rows: gemm_ws_int4_*_n16_sk): the launch's (M block, row
+// block) tiles of KT tile-columns each, tile = row block * M blocks + M block, are one sequence of
+// units (tile, tile-column); block b takes units [b upc, (b + 1) upc) (upc: the kc argument), so every
+// SM has the same work at any M. Its producer streams them through the ring without a break; its
+// consumers take them a tile segment at a time: the segment's scale table, the wgmma stages, then the
+// segment's end. A whole tile is stored as it is. A tile shared by blocks leaves one fp32 partial per
+// block in ws: block c's slot 2c + (0 if the segment starts at c's first unit, else 1), 64 floats x
+// 256 threads, each thread's accumulator as it holds it; the tile's first block's counter counts the
+// arrivals (counters[c]: a block is the first of at most one shared tile, its last segment), and the
+// last to arrive sums the partials in block order, adds the bias, stores, and resets the counter.
+NQ_DEVICE int stream_k_slot(int c, int seg_first_unit, int upc) { return 2 * c + (seg_first_unit != c * upc); }
+
+template <int G, bool ASYM, int NT, typename ST, bool STREAM_K>
 NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
                             const u16* __restrict__ scales, const u8* __restrict__ zeros,
                             const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,
@@ -453,17 +469,20 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   constexpr int KSETS = WW::KSETS, SET_WARPS = WW::SET_WARPS, CONSUMER_WARPS = WW::CONSUMER_WARPS;
   constexpr int CONSUMERS = WW::CONSUMERS;
   constexpr int NBUF = RG::NBUF;
+  static_assert(!STREAM_K || R == 128, "stream-K: the prefill plan's 128-row M blocks only");
   NQ_DYNAMIC_SMEM(smem_raw, 128);
   unsigned long long* full = reinterpret_cast<unsigned long long*>(smem_raw);
   unsigned long long* empty = full + NBUF;
 
   const int KT = K / 128, NTL = N / 8, KG = K / G;
-  const int m0 = blockIdx.x * R, rows_valid = min(R, M - m0);
-  const int split = blockIdx.z;
-  const int tc_begin = split * kc, tc_end = min(KT, tc_begin + kc), ntc = tc_end - tc_begin;
-  const int row_base = blockIdx.y * ROWS_PER_BLOCK, tile_base = row_base / 8;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int kgb = kc * GPT;  // table row length
+  // Split-K: this block's tile (blockIdx.x, blockIdx.y) over tile-columns [tc_begin, tc_begin + ntc).
+  // Stream-K: units [u_begin, u_end) of the launch's sequence.
+  const int m_blocks = (M + R - 1) / R;
+  const int upc = kc, u_begin = blockIdx.x * upc, u_end = min(m_blocks * ((N + 127) / 128) * KT, u_begin + upc);
+  const int split = blockIdx.z;
+  const int tc_begin = split * kc, ntc = min(KT, tc_begin + kc) - tc_begin;
+  const int kgb = (STREAM_K ? min(kc, KT) : kc) * GPT;  // table row length
   const u32 base = smem_addr(smem_raw);
   const u32 stab = base + RG::BARS, ztab = stab + ROWS_PER_BLOCK * kgb * 2;
   const u32 ring = (stab + (u32)RG::table_bytes(kgb, ASYM) + 1023u) & ~1023u;
@@ -485,15 +504,20 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
     if (ntc >= 0) return;
 #endif
     if (lane == 0) {
-      for (int rel = 0; rel < ntc; ++rel) {
+      const int n_units = STREAM_K ? u_end - u_begin : ntc;
+      for (int rel = 0; rel < n_units; ++rel) {
+        int tc = tc_begin + rel, mb = blockIdx.x, rb = blockIdx.y;
+        if constexpr (STREAM_K) {
+          const int u = u_begin + rel, tile = u / KT;
+          tc = u - tile * KT, mb = tile % m_blocks, rb = tile / m_blocks;
+        }
         const int s = rel % NBUF;
         mbar_wait(&empty[s], ((rel / NBUF) & 1) ^ 1);
         const u32 slot = ring + (u32)(s * RG::SLOT);
-        const int tc = tc_begin + rel;
         mbar_arrive_expect_tx(&full[s], bytes);
-        tma_load_2d(slot + RG::W, wmap, tc * 64, tile_base, &full[s]);  // 16 row-tiles x 512 bytes
-        tma_load_2d(slot + RG::X, xmap, tc * 128, m0, &full[s]);
-        tma_load_2d(slot + RG::X + RG::XBOX, xmap, tc * 128 + 64, m0, &full[s]);
+        tma_load_2d(slot + RG::W, wmap, tc * 64, rb * (ROWS_PER_BLOCK / 8), &full[s]);  // 16 row-tiles x 512 B
+        tma_load_2d(slot + RG::X, xmap, tc * 128, mb * R, &full[s]);
+        tma_load_2d(slot + RG::X + RG::XBOX, xmap, tc * 128 + 64, mb * R, &full[s]);
       }
     }
     return;
@@ -501,12 +525,13 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 
   // ---------------- consumers ----------------
   setmaxnreg_inc<WW::CONSUMER_REGS>();
-  // The scale / zero tables of the block's rows (rows past N: the last row, never stored), TB entries
-  // per thread in flight: the loads of a batch are all issued before its stores (one volatile store
-  // per load made it one HBM round trip per entry: ~14 us per block on the 7B qkv, measured).
-  {
+  // The scale / zero tables of rows [row_base, + 128) (rows past N: the last row, never stored) and
+  // tile-columns [tc_first, + n), TB entries per thread in flight: the loads of a batch are all issued
+  // before its stores (one volatile store per load made it one HBM round trip per entry: ~14 us per
+  // block on the 7B qkv, measured).
+  auto load_table = [&](int row_base, int tc_first, int n) {
     constexpr int TB = 8;
-    const int per_row = ntc * GPT, total = ROWS_PER_BLOCK * per_row;
+    const int per_row = n * GPT, total = ROWS_PER_BLOCK * per_row;
     u16* st16 = reinterpret_cast<u16*>(smem_raw + (stab - base));
     u8* zt8 = smem_raw + (ztab - base);
     for (int i0 = threadIdx.x; i0 < total; i0 += CONSUMERS * TB) {
@@ -516,7 +541,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
       for (int b = 0; b < TB; ++b) {
         const int i = min(i0 + b * CONSUMERS, total - 1);
         const int r = i / per_row, j = i - r * per_row;
-        const i64 e = (i64)min(row_base + r, N - 1) * KG + tc_begin * GPT + j;
+        const i64 e = (i64)min(row_base + r, N - 1) * KG + tc_first * GPT + j;
         sv[b] = ldg_nc_u16(scales + e);
         if constexpr (ASYM) zv[b] = (u8)ldg_nc_u8(zeros + e);
       }
@@ -530,20 +555,79 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
         }
       }
     }
-  }
-  consumer_sync<CONSUMERS>();
+  };
   const int g = lane >> 2, t = lane & 3;
   const int kset = warp / SET_WARPS, wq = warp % SET_WARPS;  // consumer set, tile pair
-  const int tr0 = tile_base + 2 * wq, tr1 = tr0 + 1;
-  const bool has0 = tr0 < NTL, has1 = tr1 < NTL;
-  const int row0 = 8 * tr0 + g, row1 = 8 * tr1 + g;
-  const int lr0 = 16 * wq + g, lr1 = lr0 + 8;  // local rows (table rows)
+  const int lr0 = 16 * wq + g, lr1 = lr0 + 8;                // local rows (table rows)
+  // this thread's two weight rows of the row block at row_base
+  auto rows_of = [&](int row_base, int& row0, int& row1, bool& has0, bool& has1) {
+    const int tr0 = row_base / 8 + 2 * wq, tr1 = tr0 + 1;
+    has0 = tr0 < NTL, has1 = tr1 < NTL;
+    row0 = 8 * tr0 + g, row1 = 8 * tr1 + g;
+  };
+
+  if constexpr (STREAM_K) {
+    WsPrefillConsumer<G, ASYM, ST> c;
+    c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
+    for (int u = u_begin; u < u_end;) {
+      const int tile = u / KT, tc0 = u - tile * KT, seg = min(u_end, (tile + 1) * KT) - u;
+      const int mb = tile % m_blocks, row_base = (tile / m_blocks) * ROWS_PER_BLOCK, m0 = mb * R;
+      consumer_sync<CONSUMERS>();  // every warp is done with the previous segment's table
+      load_table(row_base, tc0, seg);
+      consumer_sync<CONSUMERS>();
+#ifndef NQ_GEMM_WS_PROBE_NO_MAINLOOP
+      c.run(u - u_begin, seg);
+#endif
+      int row0, row1;
+      bool has0, has1;
+      rows_of(row_base, row0, row1, has0, has1);
+      const int rows_valid = min(R, M - m0);
+      if (seg < KT) {  // a tile shared by blocks: the partial, then the last to arrive finishes it
+        const int c0 = tile * KT / upc, c1 = ((tile + 1) * KT - 1) / upc;
+        float* mine = ws + (i64)stream_k_slot(blockIdx.x, u, upc) * (R / 2) * CONSUMERS;
+#pragma unroll
+        for (int i = 0; i < R / 2; ++i) mine[i * CONSUMERS + threadIdx.x] = c.acc[i];
+        __threadfence();
+        consumer_sync<CONSUMERS>();
+        __shared__ int is_last;
+        if (threadIdx.x == 0) is_last = atomicAdd(counters + c0, 1) == c1 - c0;
+        consumer_sync<CONSUMERS>();
+        if (is_last) {
+          __threadfence();
+          for (int cb = c0; cb <= c1; ++cb) {  // ((p_c0 + p_c0+1) + ...): block order
+            const float* p = ws + (i64)stream_k_slot(cb, cb == c0 ? tile * KT : cb * upc, upc) * (R / 2) * CONSUMERS;
+#pragma unroll
+            for (int i = 0; i < R / 2; ++i) {
+              const float v = ld_cg_f32(p + i * CONSUMERS + threadIdx.x);
+              c.acc[i] = cb == c0 ? v : c.acc[i] + v;
+            }
+          }
+          nq_gemm::finish_tile<NT, true>(c.acc, bias, out, nullptr, nullptr, M, N, 1, 0, m0, rows_valid, row_base,
+                                         row0, row1, has0, has1, t);
+          if (threadIdx.x == 0) counters[c0] = 0;  // ready for the next launch (or graph replay)
+        }
+      } else {
+        nq_gemm::finish_tile<NT, true>(c.acc, bias, out, nullptr, nullptr, M, N, 1, 0, m0, rows_valid, row_base,
+                                       row0, row1, has0, has1, t);
+      }
+      u += seg;
+    }
+    return;
+  }
+
+  const int m0 = blockIdx.x * R, rows_valid = min(R, M - m0);
+  const int row_base = blockIdx.y * ROWS_PER_BLOCK;
+  load_table(row_base, tc_begin, ntc);
+  consumer_sync<CONSUMERS>();
+  int row0, row1;
+  bool has0, has1;
+  rows_of(row_base, row0, row1, has0, has1);
 
   typename Pick<R == 128, WsPrefillConsumer<G, ASYM, ST>, WsConsumer<G, ASYM, NT, ST, GROUPS_PER_STEP>>::type c;
   c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
 #ifndef NQ_GEMM_WS_PROBE_NO_MAINLOOP
   if constexpr (R == 128) {
-    c.run(ntc);
+    c.run(0, ntc);
   } else {
     c.run(ntc, kset, KSETS);
   }

@@ -327,8 +327,9 @@ class KernelOps:
 
     def _prefill_plan(self, w: kgemv.Int4Weight, m: int) -> kgemm.GemmPlan | None:
         """The wgmma kernel's prefill plan for an M > 64 product, or None where its scale table and
-        ring do not fit in shared memory (small groups over a long K, unsplit above 128 rows)."""
-        key = (w.n, w.k, w.group_size, m <= kgemm.WS_PREFILL_ROWS)
+        ring do not fit in shared memory (small groups over a long K, unsplit above 128 rows). Per M:
+        above 128 rows the plan's launch (a block per tile, or stream-K) depends on it."""
+        key = (w.n, w.k, w.group_size, m)
         if key not in self._prefill_plans:
             self._prefill_plans[key] = kgemm.prefill_plan_if_fits(w.n, w.k, m, w.group_size, self._sms)
         return self._prefill_plans[key]
