@@ -198,13 +198,11 @@ static_assert(WsWarps<64>::SET_WARPS * 32 == nq_gemm::THREADS,
 // serialise the wgmmas, C7513), fold them into acc with their rows' scales and release the slots whose
 // last group they were. A consumer set's groups are numbered li = 0, 1, ... over its tile-columns rel =
 // first + stride i (gi = li % GPT), so with G = 128 a step spans P slots.
-template <int G, bool ASYM, int NT, typename ST, int P>
-struct WsConsumer {
-  static constexpr int R = 8 * NT, GPT = 128 / G, KS = G / 16;
-  using RG = WsRing<R>;
+// What every consumer warp holds: its accumulator, where the ring, its barriers and the scale / zero
+// tables are (kgb: a table row's length), its lane, its tile pair in the set and its two table rows.
+template <int R>
+struct WsConsumerState {
   float acc[R / 2];
-  float f[P][R / 2];
-  u32 a[P][KS][4];
   u32 ring, stab, ztab;
   unsigned long long *full, *empty;
   int kgb, lane, warp, lr0, lr1;
@@ -216,6 +214,25 @@ struct WsConsumer {
 #pragma unroll
     for (int i = 0; i < R / 2; ++i) acc[i] = 0.f;
   }
+  // The bf16 pairs that subtract the zero points of table entries e0 and e1 (8 when symmetric).
+  NQ_DEVICE void zero_pairs(bool asym, u32 e0, u32 e1, u32& nz0, u32& nz1) const {
+    if (asym) {
+      nz0 = neg_zero_pair(lds8(ztab + e0));
+      nz1 = neg_zero_pair(lds8(ztab + e1));
+    } else {
+      nz0 = nz1 = neg_zero_pair(8u);
+    }
+  }
+};
+
+template <int G, bool ASYM, int NT, typename ST, int P>
+struct WsConsumer : WsConsumerState<8 * NT> {
+  static constexpr int R = 8 * NT, GPT = 128 / G, KS = G / 16;
+  using RG = WsRing<R>;
+  using S = WsConsumerState<R>;
+  using S::acc, S::ring, S::stab, S::full, S::empty, S::kgb, S::lane, S::warp, S::lr0, S::lr1, S::zero_pairs;
+  float f[P][R / 2];
+  u32 a[P][KS][4];
 
   int first = 0, stride = 1;  // the tile-columns rel = first + stride i are this consumer set's
   // Local groups li0 .. li0 + Q - 1 (Q <= P).
@@ -240,12 +257,7 @@ struct WsConsumer {
       s0[p] = ST::to_f32((u16)lds16(stab + 2 * e0));
       s1[p] = ST::to_f32((u16)lds16(stab + 2 * e1));
       u32 nz0, nz1;
-      if constexpr (ASYM) {
-        nz0 = neg_zero_pair(lds8(ztab + e0));
-        nz1 = neg_zero_pair(lds8(ztab + e1));
-      } else {
-        nz0 = nz1 = neg_zero_pair(8u);
-      }
+      zero_pairs(ASYM, e0, e1, nz0, nz1);
 #pragma unroll
       for (int wi = 0; wi < KS / 2; ++wi) {
         a[p][2 * wi][0] = dq(w0[wi], 0, nz0);
@@ -343,22 +355,10 @@ NQ_DEVICE u32 scale_bf16x2(u32 v, u16 sbits, nq_gemv::ScaleBF16) {
 #endif
 
 template <int G, bool ASYM, typename ST>
-struct WsPrefillConsumer {
+struct WsPrefillConsumer : WsConsumerState<128> {
   static constexpr int R = 128, GPT = 128 / G, STEPS = 4;  // k16 steps per stage
   using RG = WsRing<R>;
   using Stage = u32[STEPS][4];
-  float acc[R / 2];
-  u32 ring, stab, ztab;
-  unsigned long long *full, *empty;
-  int kgb, lane, warp, lr0, lr1;
-
-  NQ_DEVICE void init(u32 ring_, u32 stab_, u32 ztab_, unsigned long long* full_, unsigned long long* empty_, int kgb_,
-                      int lane_, int warp_, int lr0_, int lr1_) {
-    ring = ring_, stab = stab_, ztab = ztab_, full = full_, empty = empty_, kgb = kgb_, lane = lane_, warp = warp_;
-    lr0 = lr0_, lr1 = lr1_;
-#pragma unroll
-    for (int i = 0; i < R / 2; ++i) acc[i] = 0.f;
-  }
 
   // Unit it of the block's sequence (its ring slot it % NBUF), k16 steps 4 h .. 4 h + 3 = words 2 h,
   // 2 h + 1 of the lane's two tiles, X box h; the table holds the segment's tile-columns from unit it0.
@@ -375,12 +375,7 @@ struct WsPrefillConsumer {
       const u32 e0 = (u32)(lr0 * kgb + gg), e1 = (u32)(lr1 * kgb + gg);
       const u16 s0 = (u16)lds16(stab + 2 * e0), s1 = (u16)lds16(stab + 2 * e1);
       u32 nz0, nz1;
-      if constexpr (ASYM) {
-        nz0 = neg_zero_pair(lds8(ztab + e0));
-        nz1 = neg_zero_pair(lds8(ztab + e1));
-      } else {
-        nz0 = nz1 = neg_zero_pair(8u);
-      }
+      zero_pairs(ASYM, e0, e1, nz0, nz1);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         a[2 * wi + j][0] = scale_bf16x2(dq(w0, 2 * j, nz0), s0, ST{});
