@@ -18,6 +18,8 @@ sign: ~2^-9 of the output's norm, beyond the atol on outputs that cancel).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from int4_testkit import random_int4, reference_out, run_gemm
@@ -83,24 +85,6 @@ def test_wgmma_fp16_scales(group_size, symmetric, gen, device):
     R.assert_close(got, reference_out(x, w, None), f"wgmma f16s g{group_size}")
 
 
-@pytest.mark.parametrize("n,k", ODD_SHAPES)
-@pytest.mark.parametrize("m", [129, 300])
-def test_wgmma_prefill_stream_k_odd_shapes(n, k, m, gen, device):
-    """The prefill plan's stream-K launch forced on every odd shape: tiles shared by blocks, blocks left
-    without units, the partials summed by the last to arrive, the counters back at zero."""
-    import dataclasses
-
-    from nanoqwen_kernels.gemm import plan_gemm_prefill
-
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    plan = dataclasses.replace(plan_gemm_prefill(n, k, m, 64, sms), stream_k_blocks=sms)
-    w = random_int4(n, k, 64, False, gen, device)
-    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
-    bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
-    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias, bf16_weight=True),
-                   f"wgmma prefill stream-K [{n}, {k}] M={m}")
-
-
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_wgmma_prefill_fp16_scales(group_size, symmetric, gen, device):
@@ -134,8 +118,11 @@ def test_wgmma_prefill_plan_7b_shapes(name, n, k, m, gen, device):
 @pytest.mark.parametrize("n,k", ODD_SHAPES)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("m", [65, 130])
+@pytest.mark.parametrize("m", [65, 130, 300])
 def test_wgmma_prefill_plan_odd_shapes(n, k, group_size, symmetric, m, gen, device):
+    """The planned launch; above 128 rows also the stream-K launch forced on the same inputs: tiles
+    shared by blocks, blocks left without units, the partials summed by the last to arrive, the counters
+    back at zero."""
     from nanoqwen_kernels.gemm import plan_gemm_prefill
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -143,8 +130,12 @@ def test_wgmma_prefill_plan_odd_shapes(n, k, group_size, symmetric, m, gen, devi
     w = random_int4(n, k, group_size, symmetric, gen, device)
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
-    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias, bf16_weight=True),
+    want = reference_out(x, w, bias, bf16_weight=True)
+    R.assert_close(run_gemm(x, w, bias, plan), want,
                    f"wgmma prefill [{n}, {k}] g{group_size} M={m} S={plan.splits}")
+    if m > 128:
+        stream_k = dataclasses.replace(plan, stream_k_blocks=sms)
+        R.assert_close(run_gemm(x, w, bias, stream_k), want, f"wgmma prefill stream-K [{n}, {k}] M={m}")
 
 
 def test_wgmma_graph_replay(gen, device):
