@@ -332,13 +332,6 @@ struct WsConsumer : WsConsumerState<8 * NT> {
   }
 };
 
-// The R = 128 (prefill) consumer warps. Each weight is dequantised and scaled to bf16 as the A operand
-// -- round((q - z) s), the dense weight that the dequantise + cuBLAS path multiplies, rounded the same
-// way -- so every wgmma accumulates into the one fp32 accumulator and nothing waits per quantization
-// group. A stage is half a tile-column (4 k16 steps, one X box); its A registers are double-buffered
-// (two stages in flight, the loop unrolled by two so each buffer keeps its registers) and
-// wait_group 1 after a stage's commit retires the stage before, whose buffer the next stage rewrites and
-// whose slot is released after its second half.
 // round((q - z) s) for the pair v = (q - z) (exact in bf16) and the scale's bits. (q - z) s is exact in
 // fp32 (5 x 11 significant bits), so both forms round once.
 template <typename ST>
@@ -354,6 +347,13 @@ NQ_DEVICE u32 scale_bf16x2(u32 v, u16 sbits, nq_gemv::ScaleBF16) {
 }
 #endif
 
+// The R = 128 (prefill) consumer warps. Each weight is dequantised and scaled to bf16 as the A operand
+// -- round((q - z) s), the dense weight that the dequantise + cuBLAS path multiplies, rounded the same
+// way -- so every wgmma accumulates into the one fp32 accumulator and nothing waits per quantization
+// group. A stage is half a tile-column (4 k16 steps, one X box); its A registers are double-buffered
+// (two stages in flight, the loop unrolled by two so each buffer keeps its registers) and
+// wait_group 1 after a stage's commit retires the stage before, whose buffer the next stage rewrites and
+// whose slot is released after its second half.
 template <int G, bool ASYM, typename ST>
 struct WsPrefillConsumer : WsConsumerState<128> {
   static constexpr int R = 128, GPT = 128 / G, STEPS = 4;  // k16 steps per stage
@@ -564,8 +564,9 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   if constexpr (STREAM_K) {
     WsPrefillConsumer<G, ASYM, ST> c;
     c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
-    for (int u = u_begin; u < u_end;) {
-      const int tile = u / KT, tc0 = u - tile * KT, seg = min(u_end, (tile + 1) * KT) - u;
+    for (int u = u_begin, seg = 0; u < u_end; u += seg) {  // one tile segment [u, u + seg) at a time
+      const int tile = u / KT, tc0 = u - tile * KT;
+      seg = min(u_end, (tile + 1) * KT) - u;
       const int mb = tile % m_blocks, row_base = (tile / m_blocks) * ROWS_PER_BLOCK, m0 = mb * R;
       consumer_sync<CONSUMERS>();  // every warp is done with the previous segment's table
       load_table(row_base, tc0, seg);
@@ -587,25 +588,20 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
         __shared__ int is_last;
         if (threadIdx.x == 0) is_last = atomicAdd(counters + c0, 1) == c1 - c0;
         consumer_sync<CONSUMERS>();
-        if (is_last) {
-          __threadfence();
-          for (int cb = c0; cb <= c1; ++cb) {  // ((p_c0 + p_c0+1) + ...): block order
-            const float* p = ws + (i64)stream_k_slot(cb, cb == c0 ? tile * KT : cb * upc, upc) * (R / 2) * CONSUMERS;
+        if (!is_last) continue;
+        __threadfence();
+        for (int cb = c0; cb <= c1; ++cb) {  // ((p_c0 + p_c0+1) + ...): block order
+          const float* p = ws + (i64)stream_k_slot(cb, cb == c0 ? tile * KT : cb * upc, upc) * (R / 2) * CONSUMERS;
 #pragma unroll
-            for (int i = 0; i < R / 2; ++i) {
-              const float v = ld_cg_f32(p + i * CONSUMERS + threadIdx.x);
-              c.acc[i] = cb == c0 ? v : c.acc[i] + v;
-            }
+          for (int i = 0; i < R / 2; ++i) {
+            const float v = ld_cg_f32(p + i * CONSUMERS + threadIdx.x);
+            c.acc[i] = cb == c0 ? v : c.acc[i] + v;
           }
-          nq_gemm::finish_tile<NT, true>(c.acc, bias, out, nullptr, nullptr, M, N, 1, 0, m0, rows_valid, row_base,
-                                         row0, row1, has0, has1, t);
-          if (threadIdx.x == 0) counters[c0] = 0;  // ready for the next launch (or graph replay)
         }
-      } else {
-        nq_gemm::finish_tile<NT, true>(c.acc, bias, out, nullptr, nullptr, M, N, 1, 0, m0, rows_valid, row_base,
-                                       row0, row1, has0, has1, t);
+        if (threadIdx.x == 0) counters[c0] = 0;  // every partial arrived: ready for the next launch
       }
-      u += seg;
+      nq_gemm::finish_tile<NT, true>(c.acc, bias, out, nullptr, nullptr, M, N, 1, 0, m0, rows_valid, row_base,
+                                     row0, row1, has0, has1, t);
     }
     return;
   }
