@@ -311,7 +311,7 @@ def _prefill_plan_and_shared(n: int, k: int, m: int, group_size: int, sm_count: 
         plan = GemmPlan.of(n, k, group_size, WS_PREFILL_NT, WS_PREFILL_ROWS, splits, kernel="wgmma")
     else:
         plan = GemmPlan.of(n, k, group_size, WS_PREFILL_NT, None, 1, kernel="wgmma")
-        if prefill_stream_k_pays(n, k, m, sm_count):
+        if prefill_stream_k_pays(plan, m, sm_count):
             plan = dataclasses.replace(plan, stream_k_blocks=sm_count)
     return plan, ws_shared_bytes(plan.rows_per_mblock, plan.kc, group_size, True)
 
@@ -324,14 +324,15 @@ STREAM_K_FIXED_COST = 10.0
 STREAM_K_TABLE_COST = 0.2
 
 
-def prefill_stream_k_pays(n: int, k: int, m: int, sm_count: int) -> bool:
-    """Whether the prefill plan's stream-K launch beats one block per tile at M > 128 rows: the tiles'
-    whole waves x K / 128 tile-columns against each block's share of the units plus its measured extra
-    cost. Tiles that fill the waves keep one block each (7B gate_up at M = 512: 9.0 waves); a last wave
-    that leaves SMs idle goes stream-K (7B qkv at M = 512: 144 tiles on 132 SMs; down at M = 256: 56)."""
-    kt = k // 128
-    tiles = -(-m // WS_PREFILL_ROWS) * -(-n // ROWS_PER_BLOCK)
-    per_block = -(-tiles * kt // sm_count)
+def prefill_stream_k_pays(plan: GemmPlan, m: int, sm_count: int) -> bool:
+    """Whether the stream-K launch of `plan` (the prefill plan above 128 rows, one block per tile) beats
+    it at M rows: the tiles' whole waves x K / 128 tile-columns against each block's share of the units
+    plus its measured extra cost. Tiles that fill the waves keep one block each (7B gate_up at M = 512:
+    9.0 waves); a last wave that leaves SMs idle goes stream-K (7B qkv at M = 512: 144 tiles on 132 SMs;
+    down at M = 256: 56)."""
+    kt = plan.k // 128
+    tiles = plan.m_blocks(m) * plan.blocks_n
+    per_block = -(-plan.units(m) // sm_count)
     extra = STREAM_K_FIXED_COST + STREAM_K_TABLE_COST * min(per_block, kt)
     return per_block + extra < -(-tiles // sm_count) * kt
 
@@ -403,7 +404,8 @@ def gemm_int4(
     ws_ptr = cnt_ptr = np.uint64(0)
     if plan.needs_workspace:
         if workspace is None:
-            raise ValueError(f"this shape splits K {plan.splits} ways: pass a workspace (allocate_workspace)")
+            raise ValueError(f"this plan splits K {plan.splits} ways or runs stream-K: pass a workspace "
+                             "(allocate_workspace)")
         small = workspace.partials.numel() < plan.workspace_floats(m)
         if small or workspace.counters.numel() < plan.counters:
             raise ValueError("GEMM workspace too small for this shape; allocate it from all plans")

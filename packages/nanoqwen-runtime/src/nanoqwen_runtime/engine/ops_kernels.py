@@ -63,10 +63,10 @@ from .residual import NormedInput, ResidualUpdate
 from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 
 # Steps of more than 8 rows (module docstring). The crossovers bench_gemm measured on the four 7B
-# linears of a layer (H100, 2026-12-07, a177e69): at M = 64 the mma.sync GEMM 133 us, dequantize + cuBLAS
-# 403 us; at M = 128 / 256 / 512 the wgmma prefill plan 200 / 349 / 501 us, 64-row mma.sync launches
-# 259 / 509 / 1,014 us, dequantize + cuBLAS 408 / 434 / 543 us; at M = 768 / 1,024 / 2,048 (4db9ac1) the
-# wgmma plan 794 / 943 / 1,994 us, dequantize + cuBLAS 679 / 847 / 1,581 us.
+# linears of a layer (H100, 2026-12-07; bench/RESULTS.md): at M = 64 the mma.sync GEMM 133 us,
+# dequantize + cuBLAS 403 us; at M = 128 / 256 / 512 the wgmma prefill plan 172 / 233 / 398 us,
+# dequantize + cuBLAS 410 / 434 / 544 us; at M = 768 / 1,024 / 2,048 the wgmma plan (stream-K) 670 /
+# 878 / 2,025 us, dequantize + cuBLAS 680 / 841 / 1,549 us.
 INT4_GEMM_MAX_ROWS = 64
 INT4_PREFILL_GEMM_MAX_ROWS = 512
 FAMILIES = ("layer_ops", "gemv", "gemm", "attention", "sampling")
