@@ -120,9 +120,9 @@ def test_wgmma_fp16_scales(group_size, symmetric, gen, emulated):
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_wgmma_prefill_stream_k_shares_tiles(symmetric, gen, emulated):
     """The prefill plan's stream-K launch (above 128 rows, where `prefill_stream_k_pays`; forced here):
-    [24, 640] at M = 129 is 2 tiles x 5 tile-columns over 4
-    blocks of 3 units, so tile 1 is shared by blocks 1, 2 and 3, and block 1 leaves a partial of each
-    tile (both of its slots); the last to arrive sums three partials in block order."""
+    [24, 640] at M = 129 is 2 tiles x 5 tile-columns over 4 blocks of 3 units, so tile 1 is shared by
+    blocks 1, 2 and 3, and block 1 leaves a partial of each tile (both of its slots); the last to arrive
+    sums three partials in block order."""
     plan = dataclasses.replace(gemm.plan_gemm_prefill(24, 640, 129, 128, 4), stream_k_blocks=4)
     assert plan.grid(129) == (4, 1, 1) and plan.units_per_block(129) == 3
     w, x, bias = _inputs(24, 640, 129, 128, symmetric, False, gen)
