@@ -262,9 +262,9 @@ def test_prefill_plan_blocks_of_128_rows_fill_the_sms():
     assert ws.partials.numel() >= 3 * 128 * 4608 and ws.counters.numel() >= 36
     down = gemm.plan_gemm_prefill(3584, 18944, 512, 128, 132)  # the 7B's down, K unsplit: it fits
     assert gemm.ws_shared_bytes(128, down.kc, 128, True) <= gemm.MAX_SHARED_BYTES
-    # the slots carry the scales: no table, so every group size fits at any K (g32 over K = 18944 too)
-    assert gemm.prefill_plan_if_fits(3584, 18944, 512, 32, 132) is not None
-    assert gemm.ws_shared_bytes(128, 148, 32, True) == gemm.ws_shared_bytes(128, 1, 128, False)
+    with pytest.raises(ValueError, match="shared memory"):  # g32 over K = 18944 unsplit: the table
+        gemm.plan_gemm_prefill(3584, 18944, 512, 32, 132)
+    assert gemm.prefill_plan_if_fits(3584, 18944, 512, 32, 132) is None  # the engine dequantises there
     split = gemm.plan_gemm_prefill(3584, 18944, 100, 32, 132)  # split along K up to 128 rows: it fits
     assert gemm.prefill_plan_if_fits(3584, 18944, 100, 32, 132) == split
     with pytest.raises(ValueError, match="M > 64"):

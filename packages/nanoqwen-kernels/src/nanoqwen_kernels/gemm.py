@@ -50,11 +50,8 @@ MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
 def ws_shared_bytes(rows: int, kc: int, group_size: int, asym: bool) -> int:
     """Dynamic shared memory of the wgmma kernel (nq_gemm_ws::WsRing): 128 bytes of mbarriers, the
     scale (and zero) table of 128 rows x kc tile-columns, up to 1023 bytes to the next 1024-byte
-    boundary, then NBUF slots of x (rows x 128 bf16) and 16 weight tiles (8 KB). At 128 rows (prefill)
-    the slots carry their tile-column's scales (2 KB more each) and there is no table."""
-    if rows >= 128:
-        return 128 + 1023 + 5 * (rows * 256 + 16 * 512 + 2048)
-    nbuf = 6 if rows >= 64 else 8
+    boundary, then NBUF slots of x (rows x 128 bf16) and 16 weight tiles (8 KB)."""
+    nbuf = 4 if rows >= 128 else 6 if rows >= 64 else 8
     table = 128 * kc * (128 // group_size) * (3 if asym else 2)
     return 128 + table + 1023 + nbuf * (rows * 256 + 16 * 512)
 

@@ -83,8 +83,7 @@ using nq_gemv::neg_zero_pair;
 // R = 128 (prefill: each dequantised tile reused over 128 tokens): one set of 8 consumer warps, whose
 // accumulator (64 fp32) and two stages of A (2 x 16) need more registers than 640 threads leave: 384 threads,
 // launched at 168 registers (3 warps on each SM sub-partition's 16K), the producer warpgroup going
-// down to 96 (its second warp holds two units' scales and zero points: 4 x 2 x 128 / G values) and the
-// consumers up to 200: 256 x (200 - 168) taken, 128 x (168 - 96) returned; neither spills.
+// down to 40 and the consumers up to 232: 256 x (232 - 168) taken, 128 x (168 - 40) returned.
 template <int R>
 struct WsWarps {
   static constexpr int KSETS = R <= 64 ? 2 : 1;
@@ -92,7 +91,7 @@ struct WsWarps {
   static constexpr int CONSUMER_WARPS = SET_WARPS * KSETS;
   static constexpr int CONSUMERS = CONSUMER_WARPS * 32;
   static constexpr int THREADS = CONSUMERS + 128;
-  static constexpr int PRODUCER_REGS = R <= 64 ? 24 : 96, CONSUMER_REGS = R <= 64 ? 112 : 200;
+  static constexpr int PRODUCER_REGS = R <= 64 ? 24 : 40, CONSUMER_REGS = R <= 64 ? 112 : 232;
   static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8 < 168 ? 65536 / THREADS / 8 * 8 : 168;
   static_assert(CONSUMERS * (CONSUMER_REGS - LAUNCH_REGS) <= 128 * (LAUNCH_REGS - PRODUCER_REGS),
                 "setmaxnreg: the consumers take more registers than the producer gives back");
@@ -111,22 +110,14 @@ constexpr int ROWS_PER_BLOCK = 128;
 // zero table (u8 [128, KGB], asymmetric only; KGB = kc * 128 / G), then, from the next 1024-byte
 // boundary (the swizzle atom), NBUF slots of SLOT bytes.
 template <int R>
-// R = 128 (prefill): the slot also carries its tile-column's scales (u16 [128 rows, 128 / G]) and zero
-// points (u8, the same shape), stored by the producer warpgroup's second warp: no table, so a stream-K
-// segment starts without loading one, and a fifth slot fits.
 struct WsRing {
   static constexpr int X = 0;
   static constexpr int XBOX = R * 128;  // one [R, 64] bf16 box
   static constexpr int W = 2 * XBOX;
-  static constexpr bool SCALES_IN_SLOT = R >= 128;
-  static constexpr int S = W + 16 * 512;     // scales (R = 128)
-  static constexpr int Z = S + 128 * 4 * 2;  // zero points (R = 128; room for G = 32)
-  static constexpr int SLOT = SCALES_IN_SLOT ? S + 2048 : S;  // a multiple of 1024
-  static constexpr int NBUF = R >= 128 ? 5 : R >= 64 ? 6 : 8;
+  static constexpr int SLOT = W + 16 * 512;  // a multiple of 1024
+  static constexpr int NBUF = R >= 128 ? 4 : R >= 64 ? 6 : 8;
   static constexpr int BARS = 128;
-  static NQ_DEVICE int table_bytes(int kgb, bool asym) {
-    return SCALES_IN_SLOT ? 0 : ROWS_PER_BLOCK * kgb * (asym ? 3 : 2);
-  }
+  static NQ_DEVICE int table_bytes(int kgb, bool asym) { return ROWS_PER_BLOCK * kgb * (asym ? 3 : 2); }
 };
 
 // By-value kernel parameter: a CUtensorMap (cuda_driver.tensor_map_2d).
@@ -370,8 +361,8 @@ struct WsPrefillConsumer : WsConsumerState<128> {
   using Stage = u32[STEPS][4];
 
   // Unit it of the block's sequence (its ring slot it % NBUF), k16 steps 4 h .. 4 h + 3 = words 2 h,
-  // 2 h + 1 of the lane's two tiles, X box h, and the slot's scales.
-  NQ_DEVICE void stage(int it, int h, Stage& a) {
+  // 2 h + 1 of the lane's two tiles, X box h; the table holds the segment's tile-columns from unit it0.
+  NQ_DEVICE void stage(int it, int h, int it0, Stage& a) {
     const int s = it % RG::NBUF;
     if (h == 0) mbar_wait(&full[s], (it / RG::NBUF) & 1);
     const u32 slot = ring + (u32)(s * RG::SLOT);
@@ -380,16 +371,11 @@ struct WsPrefillConsumer : WsConsumerState<128> {
       const int wd = 2 * h + wi;
       const u32 w0 = lds32(slot + RG::W + (2 * warp) * 512 + lane * 16 + 4 * wd);
       const u32 w1 = lds32(slot + RG::W + (2 * warp + 1) * 512 + lane * 16 + 4 * wd);
-      const int gi = 32 * wd / G;  // the slot's scales and zero points: [128 rows, GPT]
-      const u32 e0 = (u32)(lr0 * GPT + gi), e1 = (u32)(lr1 * GPT + gi);
-      const u16 s0 = (u16)lds16(slot + RG::S + 2 * e0), s1 = (u16)lds16(slot + RG::S + 2 * e1);
+      const int gg = (it - it0) * GPT + 32 * wd / G;
+      const u32 e0 = (u32)(lr0 * kgb + gg), e1 = (u32)(lr1 * kgb + gg);
+      const u16 s0 = (u16)lds16(stab + 2 * e0), s1 = (u16)lds16(stab + 2 * e1);
       u32 nz0, nz1;
-      if constexpr (ASYM) {
-        nz0 = neg_zero_pair(lds8(slot + RG::Z + e0));
-        nz1 = neg_zero_pair(lds8(slot + RG::Z + e1));
-      } else {
-        nz0 = nz1 = neg_zero_pair(8u);
-      }
+      zero_pairs(ASYM, e0, e1, nz0, nz1);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         a[2 * wi + j][0] = scale_bf16x2(dq(w0, 2 * j, nz0), s0, ST{});
@@ -435,8 +421,8 @@ struct WsPrefillConsumer : WsConsumerState<128> {
 #endif
     Stage a0, a1;
     for (int it = it0; it < it0 + n; ++it) {
-      stage(it, 0, a0);
-      stage(it, 1, a1);
+      stage(it, 0, it0, a0);
+      stage(it, 1, it0, a1);
     }
     nq_wgmma::wgmma_wait<0>();
 #pragma unroll
@@ -498,73 +484,28 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < NBUF; ++s) {
-      mbar_init(&full[s], RG::SCALES_IN_SLOT ? 2 : 1);  // the copies' thread (+ the scales' warp)
+      mbar_init(&full[s], 1);
       mbar_init(&empty[s], SET_WARPS);
     }
     mbar_fence_init();
   }
   __syncthreads();
 
-  const int n_units = STREAM_K ? u_end - u_begin : ntc;
-  // unit rel of this block: its tile-column, M block and row block
-  auto unit = [&](int rel, int& tc, int& mb, int& rb) {
-    tc = tc_begin + rel, mb = blockIdx.x, rb = blockIdx.y;
-    if constexpr (STREAM_K) {
-      const int u = u_begin + rel, tile = u / KT;
-      tc = u - tile * KT, mb = tile % m_blocks, rb = tile / m_blocks;
-    }
-  };
   if (warp >= CONSUMER_WARPS) {  // ---------------- producer ----------------
     setmaxnreg_dec<WW::PRODUCER_REGS>();
+    if (warp != CONSUMER_WARPS) return;
+    constexpr u32 bytes = 2 * RG::XBOX + 16 * 512;  // whole boxes: rows past M or N arrive as zeros
 #ifdef NQ_GEMM_WS_PROBE_NO_MAINLOOP  // timing probe (wrong outputs): no copies, no main loop
     if (ntc >= 0) return;
 #endif
-    if constexpr (RG::SCALES_IN_SLOT) {
-      if (warp == CONSUMER_WARPS + 1) {  // the slots' scales and zero points: lane L rows L + 32 i;
-        // the next unit's loads are in flight while this one waits for its slot
-        constexpr int PER = 4 * GPT;     // values per lane and unit
-        u16 sv[PER], sn[PER];
-        u8 zv[PER], zn[PER];
-        auto fetch = [&](int rel, u16 (&sd)[PER], u8 (&zd)[PER]) {
-          int tc, mb, rb;
-          unit(rel, tc, mb, rb);
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < GPT; ++j) {
-              const i64 e = (i64)min(rb * ROWS_PER_BLOCK + lane + 32 * i, N - 1) * KG + tc * GPT + j;
-              sd[i * GPT + j] = ldg_nc_u16(scales + e);
-              if constexpr (ASYM) zd[i * GPT + j] = (u8)ldg_nc_u8(zeros + e);
-            }
-        };
-        if (n_units > 0) fetch(0, sv, zv);
-        for (int rel = 0; rel < n_units; ++rel) {
-          if (rel + 1 < n_units) fetch(rel + 1, sn, zn);
-          const int s = rel % NBUF;
-          mbar_wait(&empty[s], ((rel / NBUF) & 1) ^ 1);
-          u16* st16 = reinterpret_cast<u16*>(smem_raw + (ring - base) + s * RG::SLOT + RG::S);
-          u8* zt8 = smem_raw + (ring - base) + s * RG::SLOT + RG::Z;
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < GPT; ++j) {
-              st16[(lane + 32 * i) * GPT + j] = sv[i * GPT + j];
-              if constexpr (ASYM) zt8[(lane + 32 * i) * GPT + j] = zv[i * GPT + j];
-            }
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&full[s]);
-#pragma unroll
-          for (int i = 0; i < PER; ++i) sv[i] = sn[i], zv[i] = zn[i];
-        }
-        return;
-      }
-    }
-    if (warp != CONSUMER_WARPS) return;
-    constexpr u32 bytes = 2 * RG::XBOX + 16 * 512;  // whole boxes: rows past M or N arrive as zeros
     if (lane == 0) {
+      const int n_units = STREAM_K ? u_end - u_begin : ntc;
       for (int rel = 0; rel < n_units; ++rel) {
-        int tc, mb, rb;
-        unit(rel, tc, mb, rb);
+        int tc = tc_begin + rel, mb = blockIdx.x, rb = blockIdx.y;
+        if constexpr (STREAM_K) {
+          const int u = u_begin + rel, tile = u / KT;
+          tc = u - tile * KT, mb = tile % m_blocks, rb = tile / m_blocks;
+        }
         const int s = rel % NBUF;
         mbar_wait(&empty[s], ((rel / NBUF) & 1) ^ 1);
         const u32 slot = ring + (u32)(s * RG::SLOT);
@@ -624,9 +565,12 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
     WsPrefillConsumer<G, ASYM, ST> c;
     c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
     for (int u = u_begin, seg = 0; u < u_end; u += seg) {  // one tile segment [u, u + seg) at a time
-      const int tile = u / KT;
+      const int tile = u / KT, tc0 = u - tile * KT;
       seg = min(u_end, (tile + 1) * KT) - u;
       const int mb = tile % m_blocks, row_base = (tile / m_blocks) * ROWS_PER_BLOCK, m0 = mb * R;
+      consumer_sync<CONSUMERS>();  // every warp is done with the previous segment's table
+      load_table(row_base, tc0, seg);
+      consumer_sync<CONSUMERS>();
 #ifndef NQ_GEMM_WS_PROBE_NO_MAINLOOP
       c.run(u - u_begin, seg);
 #endif
@@ -664,10 +608,8 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 
   const int m0 = blockIdx.x * R, rows_valid = min(R, M - m0);
   const int row_base = blockIdx.y * ROWS_PER_BLOCK;
-  if constexpr (!RG::SCALES_IN_SLOT) {
-    load_table(row_base, tc_begin, ntc);
-    consumer_sync<CONSUMERS>();
-  }
+  load_table(row_base, tc_begin, ntc);
+  consumer_sync<CONSUMERS>();
   int row0, row1;
   bool has0, has1;
   rows_of(row_base, row0, row1, has0, has1);
