@@ -62,7 +62,7 @@ def test_profile_of_eager_decode_steps(weights):
 def test_profile_of_batched_eager_decode_steps_runs_the_int4_gemm(weights, batch):
     """A batched profile times decode steps of `batch` rows, and its kernel list says which path ran:
     the INT4 GEMM for the layer linears (M > 8), on the kernel the planner picks for each shape (the
-    mma.sync family `gemm`, or `gemm_ws` where gemm.MEASURED_WGMMA has it), no decode GEMV; the engine
+    mma.sync family `gemm`, or `gemm_ws` where gemm.MEASURED_PLANS picks it), no decode GEMV; the engine
     is left idle."""
     from nanoqwen_kernels.gemm import KERNELS, plan_gemm
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from int4_testkit import random_int4, reference_out, run_gemm
 from nanoqwen_kernels import reference as R
-from nanoqwen_kernels.gemm import MEASURED_MULTI_BLOCK
+from nanoqwen_kernels.gemm import MEASURED_PLANS
 
 pytestmark = pytest.mark.gpu
 
@@ -51,35 +51,31 @@ def test_gemm_7b_asymmetric(name, n, k, m, gen, device):
     R.assert_close(run_gemm(x, w, None), reference_out(x, w, None), f"gemm asym {name} M={m}")
 
 
-MULTI_BLOCK_CASES = [
-    pytest.param(name, n, k, m, id=f"{name}-M{m}")
-    for name, n, k in SHAPES_7B
-    for max_m, ms in ((32, (17, 25, 32)), (64, (33, 47, 64)))
-    if (132, n, k, 128, max_m) in MEASURED_MULTI_BLOCK
-    for m in ms
+# every measured plan (the 7B / 1.5B / 0.5B linears at g128, 132 SMs), at its class's top M and below
+MEASURED_CASES = [
+    pytest.param(n, k, m, id=f"{n}x{k}-M{m}")
+    for (_sms, n, k, _g, max_m) in MEASURED_PLANS
+    for m in {16: (9, 16), 32: (25, 32), 64: (47, 64)}[max_m]
 ]
 
 
-@pytest.mark.parametrize("name,n,k,m", MULTI_BLOCK_CASES)
-@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-def test_gemm_measured_multi_block_plan(name, n, k, m, symmetric, gen, device):
-    """The 7B shapes of gemm.MEASURED_MULTI_BLOCK on a 132-SM GPU run its plan (asserted, not
-    assumed): two M blocks of 8 NT rows, the second partial below the class's top M, each with the
-    table's K splits. Where MEASURED_WGMMA takes the plain input to the wgmma kernel, the table's plan
-    is the SiLU-input one (the mma.sync kernel's), run here on a plain input."""
+@pytest.mark.parametrize("n,k,m", MEASURED_CASES)
+def test_gemm_measured_plan(n, k, m, gen, device):
+    """On a 132-SM GPU the planner runs gemm.MEASURED_PLANS' kernel, M-block rows and K splits
+    (asserted, not assumed), several M blocks where the plan's rows are fewer than M; asymmetric
+    weights, as the default recipe packs them."""
     from nanoqwen_kernels import gemm
 
     if torch.cuda.get_device_properties(device).multi_processor_count != 132:
-        pytest.skip("MEASURED_MULTI_BLOCK lists 132-SM plans (H100 SXM / H200); this GPU plans by the model")
-    shadowed = (132, n, k, 128, gemm.m_class(m)) in gemm.MEASURED_WGMMA
-    plan = gemm.plan_gemm(n, k, m, 128, device, silu_input=shadowed)
-    assert plan.kernel == "mma"
-    nt, splits = MEASURED_MULTI_BLOCK[(132, n, k, 128, gemm.m_class(m))]
-    assert (plan.n_tiles, plan.splits, plan.grid(m)[0]) == (nt, splits, 2)
-    w = random_int4(n, k, 128, symmetric, gen, device)
+        pytest.skip("MEASURED_PLANS lists 132-SM plans (H100 SXM / H200); this GPU plans by the model")
+    plan = gemm.plan_gemm(n, k, m, 128, device)
+    kernel, nt, splits = MEASURED_PLANS[(132, n, k, 128, gemm.m_class(m))]
+    assert (plan.kernel, plan.n_tiles, plan.splits) == (kernel, nt, splits)
+    assert plan.grid(m)[0] == -(-m // (8 * nt))
+    w = random_int4(n, k, 128, False, gen, device)
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
-    bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16) if name == "qkv" else None
-    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias), f"gemm multi-block {name} M={m}")
+    bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
+    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias), f"gemm planned [{n}, {k}] M={m}")
 
 
 @pytest.mark.parametrize("n,k", ODD_SHAPES)

@@ -52,7 +52,7 @@ def test_wgmma_7b_shapes(name, n, k, m, gen, device):
 @pytest.mark.parametrize("name,n,k", [s for s in SHAPES_7B if s[0] in ("gate_up", "down")])
 @pytest.mark.parametrize("m", [33, 64])
 def test_planner_runs_wgmma_where_measured(name, n, k, m, gen, device):
-    """The engine's plan for these shapes at M = 33..64 is the wgmma kernel (MEASURED_WGMMA): assert the
+    """The engine's plan for these shapes at M = 33..64 is the wgmma kernel (MEASURED_PLANS): assert the
     path, then the output."""
     from nanoqwen_kernels.gemm import plan_gemm
 

@@ -97,30 +97,22 @@ def test_gemm_plan_covers_k_and_fits(n, k, max_m, group_size):
     kt = k // 128
     assert plan.splits * plan.kc >= kt and (plan.splits - 1) * plan.kc < kt
     assert plan.blocks_n == -(-n // gemm.ROWS_PER_BLOCK)
-    multi = gemm.MEASURED_MULTI_BLOCK.get((132, n, k, group_size, max_m))
-    wgmma = gemm.MEASURED_WGMMA.get((132, n, k, group_size, max_m))
-    assert plan.kernel == ("wgmma" if wgmma is not None else "mma")
-    if wgmma is not None:  # measured: the wgmma kernel, one M block of max_m rows, the measured splits
-        assert (plan.rows_per_mblock, plan.splits, plan.threads) == (max_m, wgmma, 640)
+    measured = gemm.MEASURED_PLANS.get((132, n, k, group_size, max_m))
+    if measured is not None:  # measured: that kernel, M blocks of 8 NT rows, the measured splits
+        assert (plan.kernel, plan.n_tiles, plan.splits) == measured
+        assert plan.max_m == max_m and plan.m_blocks(max_m) == max_m // (8 * plan.n_tiles)
         assert plan.shared_bytes(False) <= gemm.MAX_SHARED_BYTES
+        assert plan.threads == (640 if plan.kernel == "wgmma" else 256)
         return
+    assert plan.kernel == "mma"
     if max_m is None:  # many M blocks: never split K (the M blocks give the CTAs; no [S, M, N] scratch)
         assert plan.splits == 1 and plan.n_tiles == 8 and plan.counters == 0
-    elif multi is not None:  # measured: M blocks of 8 NT rows with the measured K splits
-        assert plan.max_m == max_m and (plan.n_tiles, plan.splits) == multi
-        assert plan.m_blocks(max_m) == max_m // (8 * multi[0])
-    else:
+    else:  # the argmin of the documented cost model (ties: fewer splits), one M block of max_m rows
         assert plan.rows_per_mblock == max_m
-        # the split count is the measured one where gemm.MEASURED_SPLITS lists the shape, else the
-        # argmin of the documented cost model (ties: fewer splits)
-        measured = gemm.MEASURED_SPLITS.get((132, n, k, group_size, max_m))
         slots = 132 * gemm.blocks_per_sm(group_size, plan.n_tiles)
         kt = k // 128
         costs = {s: gemm.split_cost(plan.blocks_n, kt, s, slots, max_m) for s in range(1, min(kt, 64) + 1)}
-        if measured is not None:
-            assert plan.splits == measured
-        else:
-            assert gemm.split_cost(plan.blocks_n, kt, plan.splits, slots, max_m) == min(costs.values())
+        assert gemm.split_cost(plan.blocks_n, kt, plan.splits, slots, max_m) == min(costs.values())
     for silu in (False, True):
         assert plan.shared_bytes(silu) <= 227 * 1024 // gemm.blocks_per_sm(group_size, plan.n_tiles)
 
@@ -138,43 +130,39 @@ def test_gemm_wgmma_plans():
 
 
 def test_gemm_split_plans_of_the_7b_shapes():
-    """Wave quantization: down at M <= 64 (28 row blocks, 1 block per SM at NT = 8) splits into one
-    wave (<= 132 blocks), not into 5 x 28 = 140 (two waves); qkv at M = 16 fills its 264 slots. (The
-    mma.sync kernel's plans: the SiLU-input ones, where MEASURED_WGMMA has the plain input's.)"""
+    """Wave quantization in the model (the SiLU-input plans: MEASURED_PLANS has the plain input's):
+    down at M <= 64 (28 row blocks, 1 block per SM at NT = 8) splits into one wave (<= 132 blocks), not
+    into 5 x 28 = 140 (two waves); qkv at M = 16 fills its 264 slots."""
     down = gemm.plan_gemm_shape(3584, 18944, 128, 64, 132, True)
-    assert down.splits > 1 and down.blocks_n * down.splits <= 132
+    assert down.kernel == "mma" and down.splits > 1 and down.blocks_n * down.splits <= 132
     qkv = gemm.plan_gemm_shape(4608, 3584, 128, 16, 132, True)
     assert 132 < qkv.blocks_n * qkv.splits <= 264
     assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).splits == 1  # 296 row blocks: partials cost more
 
 
-def test_gemm_measured_splits_are_the_7b_g128_plans_on_132_sms():
-    for (sms, n, k, g, max_m), splits in gemm.MEASURED_SPLITS.items():
-        plan = gemm.plan_gemm_shape(n, k, g, max_m, sms, (sms, n, k, g, max_m) in gemm.MEASURED_WGMMA)
-        assert plan.splits == splits and plan.splits * plan.kc >= k // 128 > (plan.splits - 1) * plan.kc
-    # the same shapes at another SM count are the model's (an argmin, checked above at 132 SMs)
-    assert gemm.plan_gemm_shape(4608, 3584, 128, 16, 114).splits != 4
-
-
-def test_gemm_measured_multi_block_plans_on_132_sms_only():
-    """The 7B shapes of MEASURED_MULTI_BLOCK on 132 SMs: M blocks of 8 NT rows (two at the class's top
-    M), the measured K splits, one arrival counter per (M block, row block) tile when split; gate_up
-    at class 64 unsplit; 114 SMs keep the model's one M block of the class's rows."""
-    for (sms, n, k, g, max_m), (nt, splits) in gemm.MEASURED_MULTI_BLOCK.items():
-        # where the wgmma kernel is measured faster, the multi-block plan stays the SiLU-input one's
-        superseded = (sms, n, k, g, max_m) in gemm.MEASURED_WGMMA
-        plan = gemm.plan_gemm_shape(n, k, g, max_m, sms, superseded)
-        rows = 8 * nt
-        assert (plan.n_tiles, plan.splits, plan.max_m) == (nt, splits, max_m) and max_m == 2 * rows
-        assert plan.grid(max_m) == (2, plan.blocks_n, splits) == plan.grid(rows + 1)
-        assert plan.grid(rows) == (1, plan.blocks_n, splits)
-        assert plan.counters == (2 * plan.blocks_n if splits > 1 else 0)
-    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132, True).n_tiles == 4
-    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132, True).splits == 1
-    assert gemm.plan_gemm_shape(37888, 3584, 128, 64, 132).kernel == "wgmma"
-    assert gemm.plan_gemm_shape(3584, 18944, 128, 32, 132).n_tiles == 4  # down at class 32: one M block
+def test_gemm_measured_plans_cover_the_test_models_on_132_sms_only():
+    """MEASURED_PLANS has every M class of the 7B / 1.5B / 0.5B layer linears at g128 on 132 SMs; a
+    plan with fewer rows than its class runs several M blocks (two or four at the class's top M), one
+    arrival counter per (M block, row block) tile when split. Another SM count, another group size or
+    the SiLU input plans by the model."""
+    shapes = {(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (2048, 1536), (1536, 1536),
+              (17920, 1536), (1536, 8960), (1152, 896), (896, 896), (9728, 896), (896, 4864)}
+    assert set(gemm.MEASURED_PLANS) == {(132, n, k, 128, c) for n, k in shapes for c in (16, 32, 64)}
+    for (sms, n, k, g, max_m), (kernel, nt, splits) in gemm.MEASURED_PLANS.items():
+        plan = gemm.plan_gemm_shape(n, k, g, max_m, sms)
+        assert (plan.kernel, plan.n_tiles, plan.splits, plan.max_m) == (kernel, nt, splits, max_m)
+        blocks = max_m // (8 * nt)
+        assert plan.grid(max_m) == (blocks, plan.blocks_n, splits)
+        assert plan.counters == (blocks * plan.blocks_n if splits > 1 else 0)
+        assert plan.splits * plan.kc >= k // 128 > (plan.splits - 1) * plan.kc
+    several = gemm.plan_gemm_shape(4608, 3584, 128, 64, 132)  # 7B qkv at class 64: two 32-row M blocks
+    assert (several.kernel, several.n_tiles) == ("wgmma", 4)
+    assert several.grid(33) == (2, 36, 1) and several.grid(32) == (1, 36, 1)
     for n, k in [(37888, 3584), (3584, 18944), (4608, 3584)]:
+        assert gemm.plan_gemm_shape(n, k, 128, 64, 114).kernel == "mma"
         assert gemm.plan_gemm_shape(n, k, 128, 64, 114).n_tiles == 8
+        assert gemm.plan_gemm_shape(n, k, 64, 64, 132).kernel == "mma"
+        assert gemm.plan_gemm_shape(n, k, 128, 64, 132, True).kernel == "mma"
 
 
 def test_gemm_grid_walks_m_blocks_fastest():

@@ -3,19 +3,20 @@
 Same weights (`gemv.Int4Weight`, layout `int4-g{G}-tile8x128-v1`), same exact dequantisation and fp32
 accumulation as the decode GEMV (`gemv.gemv_int4`); each dequantised weight fragment is multiplied by
 the activation rows of a whole M block. Two kernels: the mma.sync one (csrc/gemm_int4.cuh, any M, also
-with a fused SiLU*mul input) and, for M <= 64 where measured faster (`MEASURED_WGMMA`), a
-warp-specialised one on Hopper's wgmma fed by TMA (csrc/gemm_int4_ws.cuh; `GemmPlan.kernel`). The wgmma
-kernel also runs M blocks of 128 rows for prefill (`plan_gemm_prefill`, NT = 16: each dequantised tile
-reused over 128 tokens; the weights scaled to bf16 before the MMA, as dequantise + cuBLAS multiplies
-them), split along K up to 128 rows and stream-K above where it pays (`prefill_stream_k_pays`).
+with a fused SiLU*mul input) and a warp-specialised one on Hopper's wgmma fed by TMA
+(csrc/gemm_int4_ws.cuh; `GemmPlan.kernel`), which the measured plans of M <= 64 mostly pick
+(`MEASURED_PLANS`). The wgmma kernel also runs M blocks of 128 rows for prefill (`plan_gemm_prefill`,
+NT = 16: each dequantised tile reused over 128 tokens; the weights scaled to bf16 before the MMA, as
+dequantise + cuBLAS multiplies them), split along K up to 128 rows and stream-K above where it pays
+(`prefill_stream_k_pays`).
 
     y[M, N] = x[M, K] @ W[N, K]^T + bias[N]          (bf16 in and out, fp32 accumulation)
 
-Plan, then run: `plan_gemm(N, K, M)` picks the kernel's M block (R = 16, 32 or 64 rows: n-tiles
-NT = R / 8) and, for M <= 64, the split-K factor; a pure function of the shape, the M class and the
-SM count (cached). M > 64 runs ceil(M / 64) M blocks of 64 rows and never splits K (the M blocks give
-enough CTAs). The shapes in `MEASURED_MULTI_BLOCK` run their M <= 64 class in M blocks of 32 rows
-instead (NT = 4: two blocks per SM), each split along K as measured. The split-K scratch is a
+Plan, then run: `plan_gemm(N, K, M)` picks, for M <= 64, the kernel, its M block (R = 16, 32 or 64
+rows: n-tiles NT = R / 8; fewer rows than the M class means several M blocks, the later ones finding the
+weights in L2) and the split-K factor: measured per shape (`MEASURED_PLANS`), else modelled; a pure
+function of the shape, the M class and the SM count (cached). M > 64 without the prefill plan runs
+ceil(M / 64) mma.sync M blocks of 64 rows and never splits K. The split-K scratch is a
 `gemv.GemvWorkspace`, allocated from the GEMM plans, each sized for its M class (`allocate_workspace`);
 the GEMV and the GEMM may share one per stream when it is sized for both. `gemm_int4` allocates nothing and
 never synchronises: graph-capturable.
@@ -206,38 +207,40 @@ def split_cost(blocks_n: int, kt: int, splits: int, slots: int, max_m: int) -> i
     return waves * (kc + (max_m // 8 if s > 1 else 0))
 
 
-# Split counts measured on the H200 (132 SMs) where they beat `split_cost`'s choice by more than 3%
-# (`bench_gemm.py --int4-only --ms 16,32,64 --splits S`, the Qwen2.5-Coder-7B layer linears at g128):
-# the model counts no fixed cost per split (the last block's fence, counter and serial reduction),
-# which these small-K shapes pay most. Key: (sm_count, n, k, group_size, max_m).
-MEASURED_SPLITS = {
-    (132, 4608, 3584, 128, 16): 4, (132, 3584, 3584, 128, 16): 4, (132, 37888, 3584, 128, 32): 1,
-}
-
-# Shapes whose M class runs faster as several M blocks of 8 NT rows, each split along K, than as one
-# M block of the class's rows (the second and later M blocks find the weights in L2; NT = 4 with g128
-# runs two blocks per SM where NT = 8 runs one). Measured on the H200, g128 asym (`bench_gemm.py
-# --multi-nt NT --splits S`, the least time over the class's M values kept): the sum of the four 7B
-# linears goes from 238 to 216 us at M = 64 and from 150 to 145 us at M = 32. Key as MEASURED_SPLITS;
-# value: (NT, K splits of each M block).
-MEASURED_MULTI_BLOCK = {
-    (132, 4608, 3584, 128, 64): (4, 3), (132, 3584, 3584, 128, 64): (4, 4),
-    (132, 37888, 3584, 128, 64): (4, 1), (132, 3584, 18944, 128, 64): (4, 4),
-    (132, 4608, 3584, 128, 32): (2, 3), (132, 3584, 3584, 128, 32): (2, 4),
-}
-
-
-# Shapes whose M class runs faster on the wgmma kernel (csrc/gemm_int4_ws.cuh), one M block of the class's
-# rows split this many ways along K. Measured on the H200 (gemm_ws_ab.py --ms 16,32,64 --splits 1,2,3,4,6,
-# g128 asym; the script deleted in a6a4922) and kept where it beats the mma.sync plan by more than 3%
-# (0.55-0.87x its time; o at classes 32 and 64 is level, so it keeps mma.sync). Key as MEASURED_SPLITS;
-# value: K splits.
-MEASURED_WGMMA = {
-    (132, 4608, 3584, 128, 16): 3, (132, 3584, 3584, 128, 16): 4, (132, 37888, 3584, 128, 16): 1,
-    (132, 3584, 18944, 128, 16): 4,
-    (132, 4608, 3584, 128, 32): 3, (132, 37888, 3584, 128, 32): 1, (132, 3584, 18944, 128, 32): 4,
-    (132, 4608, 3584, 128, 64): 1, (132, 37888, 3584, 128, 64): 1,
-    (132, 3584, 18944, 128, 64): 4,
+# The plan of each M class of the test models' linears (Qwen2.5-Coder 7B, 1.5B, 0.5B; plain input,
+# g128): the fastest of every kernel x M-block rows (8 NT) x K splits that fits, measured at the class's
+# top M on asymmetric weights (`python -m nanoqwen_bench.kernels.sweep_gemm_plans --model 7b,1.5b,0.5b`,
+# H100 80GB HBM3, 2026-12-07; bench/RESULTS.md). They hold for any 132-SM sm_90 GPU (H100 SXM, H200: the
+# same SMs, a faster HBM on the H200). Where the kernels differ by less than the run's noise the table
+# still names the faster one. Key: (sm_count, n, k, group_size, max_m); value: (kernel, n_tiles, splits).
+MEASURED_PLANS = {
+    # 7B: qkv, o, gate_up, down
+    (132, 4608, 3584, 128, 16): ("wgmma", 2, 3), (132, 4608, 3584, 128, 32): ("wgmma", 4, 3),
+    (132, 4608, 3584, 128, 64): ("wgmma", 4, 1),
+    (132, 3584, 3584, 128, 16): ("wgmma", 2, 4), (132, 3584, 3584, 128, 32): ("wgmma", 2, 2),
+    (132, 3584, 3584, 128, 64): ("wgmma", 2, 1),
+    (132, 37888, 3584, 128, 16): ("wgmma", 2, 1), (132, 37888, 3584, 128, 32): ("wgmma", 4, 1),
+    (132, 37888, 3584, 128, 64): ("wgmma", 8, 1),
+    (132, 3584, 18944, 128, 16): ("wgmma", 2, 4), (132, 3584, 18944, 128, 32): ("wgmma", 4, 4),
+    (132, 3584, 18944, 128, 64): ("wgmma", 8, 4),
+    # 1.5B
+    (132, 2048, 1536, 128, 16): ("mma", 2, 4), (132, 2048, 1536, 128, 32): ("mma", 2, 4),
+    (132, 2048, 1536, 128, 64): ("wgmma", 2, 1),
+    (132, 1536, 1536, 128, 16): ("mma", 2, 4), (132, 1536, 1536, 128, 32): ("mma", 2, 4),
+    (132, 1536, 1536, 128, 64): ("wgmma", 2, 1),
+    (132, 17920, 1536, 128, 16): ("mma", 2, 1), (132, 17920, 1536, 128, 32): ("wgmma", 4, 1),
+    (132, 17920, 1536, 128, 64): ("wgmma", 8, 1),
+    (132, 1536, 8960, 128, 16): ("wgmma", 2, 8), (132, 1536, 8960, 128, 32): ("wgmma", 2, 4),
+    (132, 1536, 8960, 128, 64): ("wgmma", 4, 4),
+    # 0.5B
+    (132, 1152, 896, 128, 16): ("wgmma", 2, 1), (132, 1152, 896, 128, 32): ("wgmma", 2, 1),
+    (132, 1152, 896, 128, 64): ("wgmma", 2, 1),
+    (132, 896, 896, 128, 16): ("wgmma", 2, 1), (132, 896, 896, 128, 32): ("wgmma", 2, 1),
+    (132, 896, 896, 128, 64): ("wgmma", 2, 1),
+    (132, 9728, 896, 128, 16): ("wgmma", 2, 1), (132, 9728, 896, 128, 32): ("wgmma", 4, 1),
+    (132, 9728, 896, 128, 64): ("wgmma", 8, 1),
+    (132, 896, 4864, 128, 16): ("wgmma", 2, 8), (132, 896, 4864, 128, 32): ("wgmma", 2, 8),
+    (132, 896, 4864, 128, 64): ("wgmma", 2, 4),
 }  # fmt: skip
 
 
@@ -245,30 +248,23 @@ MEASURED_WGMMA = {
 def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count: int,
                     silu_input: bool = False) -> GemmPlan:
     """The plan of an M class (`max_m` 16, 32, 64, or None for M > 64: unsplit 64-row M blocks). A
-    shape in MEASURED_WGMMA gets the wgmma kernel with that many K splits (not for a SiLU*mul input,
-    which only the mma.sync kernel takes). A shape in
-    MEASURED_MULTI_BLOCK gets, for its M class, M blocks of that NT with that many K splits.
-    Otherwise one M block of `max_m` rows, split along K by the measured split count where
-    MEASURED_SPLITS has one, else by the split count with the least `split_cost` on `sm_count` x
-    `blocks_per_sm` resident blocks (ties: fewer splits)."""
+    plain-input shape in MEASURED_PLANS gets its measured kernel, M-block rows and K splits. Otherwise
+    (other shapes and group sizes, another SM count, the SiLU*mul input, which only the mma.sync kernel
+    takes) one mma.sync M block of `max_m` rows, split along K by the split count with the least
+    `split_cost` on `sm_count` x `blocks_per_sm` resident blocks (ties: fewer splits)."""
     if max_m not in (16, 32, 64, None):
         raise ValueError(f"max_m must be 16, 32, 64 or None, got {max_m}")
     kt = k // 128
     if max_m is None:
         return GemmPlan.of(n, k, group_size, 8, None)
-    wgmma_splits = None if silu_input else MEASURED_WGMMA.get((sm_count, n, k, group_size, max_m))
-    if wgmma_splits is not None:
-        return GemmPlan.of(n, k, group_size, max_m // 8, max_m, wgmma_splits, kernel="wgmma")
-    multi = MEASURED_MULTI_BLOCK.get((sm_count, n, k, group_size, max_m))
-    if multi is not None:  # M blocks of 8 NT rows, as many as M needs, each split `splits` ways
-        multi_nt, splits = multi
-        return GemmPlan.of(n, k, group_size, multi_nt, max_m, splits)
+    measured = None if silu_input else MEASURED_PLANS.get((sm_count, n, k, group_size, max_m))
+    if measured is not None:
+        kernel, n_tiles, splits = measured
+        return GemmPlan.of(n, k, group_size, n_tiles, max_m, splits, kernel=kernel)
     nt = max_m // 8
     blocks_n = -(-n // ROWS_PER_BLOCK)
     slots = sm_count * blocks_per_sm(group_size, nt)
-    best = MEASURED_SPLITS.get((sm_count, n, k, group_size, max_m))
-    if best is None:
-        best = min(range(1, min(kt, 64) + 1), key=lambda s: (split_cost(blocks_n, kt, s, slots, max_m), s))
+    best = min(range(1, min(kt, 64) + 1), key=lambda s: (split_cost(blocks_n, kt, s, slots, max_m), s))
     return GemmPlan.of(n, k, group_size, nt, max_m, best)
 
 
