@@ -180,3 +180,33 @@ def test_bench_only_refuses_an_empty_name(only, tiny_path, tmp_path):
     r = CliRunner().invoke(app, ["bench", "--model", str(tiny_path), "--out", str(tmp_path),
                                  "--only", only])
     assert r.exit_code == 2 and "--only: an empty section name" in r.output, r.output
+
+
+def test_bench_geometry_reaches_run_bench(tmp_path, monkeypatch):
+    """--geometry 1.5b: run_bench builds the synthetic weights of Qwen2.5-Coder-1.5B's geometry."""
+    from nanoqwen_model import QWEN25_CODER_15B
+
+    seen = {}
+
+    def fake_run_bench(**kw):
+        seen.update(kw)
+        (kw["out_dir"] / "bench.md").write_text("# report\n")
+        return {"read_bandwidth_GBps": 3000.0}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    out = tmp_path / "report"
+    out.mkdir()
+    r = CliRunner().invoke(app, ["bench", "--geometry", "1.5b", "--out", str(out), "--only", "batch64"])
+    assert r.exit_code == 0, r.output
+    assert seen["geometry"] == QWEN25_CODER_15B and seen["model"] is None
+    assert seen["only"] == frozenset({"batch64"})
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--geometry", "3b"], "--geometry must be one of 7b, 1.5b, 0.5b, got '3b'"),
+    (["--geometry", "0.5b", "--model", "m.nanoqwen"], "--geometry picks synthetic weights"),
+])
+def test_bench_geometry_refuses_bad_values(args, message, tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--out", str(tmp_path), *args])
+    assert r.exit_code == 2 and message in r.output, r.output

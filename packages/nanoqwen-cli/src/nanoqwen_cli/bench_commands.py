@@ -2,6 +2,7 @@
 GPU memory, bytes per token against the read bandwidth measured in the same run, time per op).
 
     nanoqwen-cli bench                         synthetic Qwen2.5-Coder-7B geometry built on the GPU
+    nanoqwen-cli bench --geometry 1.5b         the same for the 1.5B (or 0.5b) geometry
     nanoqwen-cli bench --model m.nanoqwen      a given container
     nanoqwen-cli bench --out bench/out/engine  where bench.json, bench.md and the plots go
     nanoqwen-cli bench --model m.nanoqwen --workload code-edit --workload free-form [--speculate ngram:K]
@@ -39,6 +40,8 @@ WORKLOAD_NAMES = ("code-edit", "free-form", "autocomplete")
 def bench(
     model: Annotated[Path | None, typer.Option(help="a .nanoqwen container (default: synthetic 7B weights "
                                                     "built on the GPU)")] = None,
+    geometry: Annotated[str, typer.Option(
+        help="without --model: the synthetic weights' geometry, 7b | 1.5b | 0.5b (Qwen2.5-Coder)")] = "7b",
     out: Annotated[Path, typer.Option(help="output folder for bench.json, bench.md, plots")] = Path(
         "bench/out/engine"),
     kv_memory: Annotated[str, typer.Option(help="KV pool size, e.g. 24GiB")] = "24GiB",
@@ -93,6 +96,12 @@ def bench(
     """
     if profile_steps < 1:
         raise UsageError(f"--profile-steps must be >= 1, got {profile_steps}")
+    from nanoqwen_model import QWEN25_CODER_GEOMETRIES
+
+    if geometry not in QWEN25_CODER_GEOMETRIES:
+        raise UsageError(f"--geometry must be one of {', '.join(QWEN25_CODER_GEOMETRIES)}, got {geometry!r}")
+    if model is not None and geometry != "7b":
+        raise UsageError("--geometry picks synthetic weights; --model's container has its own geometry")
     sections = None
     if only is not None:
         sections = frozenset(name.strip() for name in only.split(","))
@@ -128,7 +137,8 @@ def bench(
     from nanoqwen_bench.engine.bench import run_bench
 
     rep = run_bench(model=str(model) if model else None, out_dir=out, kv_memory=kv_bytes,
-                    quick=quick, log=lambda s: typer.echo(s, err=True), load_test_dir=load_test,
+                    geometry=QWEN25_CODER_GEOMETRIES[geometry], quick=quick,
+                    log=lambda s: typer.echo(s, err=True), load_test_dir=load_test,
                     profile_steps=profile_steps, features=not features_off, only=sections)
     typer.echo((out / "bench.md").read_text())
     bw = ", ".join(f"{name} {rep[key]:.0f} GB/s" for name, key in

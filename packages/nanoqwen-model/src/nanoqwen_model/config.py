@@ -28,7 +28,7 @@ from typing import Any
 
 __all__ = [
     "ConfigError", "UnsupportedModelError", "Qwen2Config", "HF_DEFAULTS", "GGUF_DEFAULTS",
-    "QWEN25_CODER_7B", "QWEN25_CODER_05B",
+    "QWEN25_CODER_7B", "QWEN25_CODER_15B", "QWEN25_CODER_05B", "QWEN25_CODER_GEOMETRIES",
 ]
 
 
@@ -296,14 +296,22 @@ def _f32_to_decimal(x: float) -> float:
     return float(f"{float(x):.7g}")
 
 
-# Qwen2.5-Coder-7B and 0.5B (../shared/TEST-MODELS.md): the synthetic engine models and the benchmark.
+# Qwen2.5-Coder-7B, 1.5B and 0.5B (../shared/TEST-MODELS.md): the synthetic engine models and the
+# benchmarks' geometries.
 QWEN25_CODER_7B = Qwen2Config(
     hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
     intermediate_size=18944, vocab_size=152064, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
     max_position_embeddings=32768, tie_word_embeddings=False, eos_token_id=(151645, 151643),
+    bos_token_id=None, pad_token_id=151643)
+QWEN25_CODER_15B = Qwen2Config(
+    hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+    intermediate_size=8960, vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    max_position_embeddings=32768, tie_word_embeddings=True, eos_token_id=(151645, 151643),
     bos_token_id=None, pad_token_id=151643)
 QWEN25_CODER_05B = Qwen2Config(
     hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
     intermediate_size=4864, vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
     max_position_embeddings=32768, tie_word_embeddings=True, eos_token_id=(151645, 151643),
     bos_token_id=None, pad_token_id=151643)
+# by the names the benchmarks take (`nanoqwen-cli bench --geometry`, the kernel benches' --model)
+QWEN25_CODER_GEOMETRIES = {"7b": QWEN25_CODER_7B, "1.5b": QWEN25_CODER_15B, "0.5b": QWEN25_CODER_05B}

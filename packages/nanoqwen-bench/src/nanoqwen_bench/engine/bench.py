@@ -50,7 +50,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from nanoqwen_model import QWEN25_CODER_7B, Qwen2Config
+from nanoqwen_model import QWEN25_CODER_7B, QWEN25_CODER_GEOMETRIES, Qwen2Config
 from nanoqwen_runtime.engine.config import EngineConfig
 from nanoqwen_runtime.engine.engine import Engine, FinishEvent, TokenEvent
 from nanoqwen_runtime.engine.scheduler import Request
@@ -477,8 +477,10 @@ def run_bench(*, model: str | None, out_dir: Path, log: Log = print, quick: bool
     else:
         weights = random_weights(geometry, device, seed=0, symmetric=False)
         torch.cuda.synchronize()
-        raw["meta"]["model"] = ("synthetic Qwen2.5-Coder-7B geometry (random INT4 g128 asym weights: the "
-                                "default recipe's layout; bf16 lm_head)")
+        name = next((k.upper() for k, g in QWEN25_CODER_GEOMETRIES.items() if g == geometry), "custom")
+        head = "the tied bf16 embedding as lm_head" if geometry.tie_word_embeddings else "bf16 lm_head"
+        raw["meta"]["model"] = (f"synthetic Qwen2.5-Coder-{name} geometry (random INT4 g128 asym weights: "
+                                f"the default recipe's layout; {head})")
         engine = Engine(geometry, weights, cfg)
     raw["engine_start_s"] = time.perf_counter() - t0
     raw["num_kv_blocks"] = engine.num_blocks

@@ -36,16 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from nanoqwen_model import QWEN25_CODER_05B, QWEN25_CODER_7B, Qwen2Config
+from nanoqwen_model import QWEN25_CODER_GEOMETRIES, Qwen2Config
 
 from .. import gpu
 
-QWEN25_CODER_15B = Qwen2Config(
-    hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
-    intermediate_size=8960, vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-    max_position_embeddings=32768, tie_word_embeddings=True, eos_token_id=(151645, 151643),
-    bos_token_id=None, pad_token_id=151643)  # fmt: skip
-MODELS = {"7b": QWEN25_CODER_7B, "1.5b": QWEN25_CODER_15B, "0.5b": QWEN25_CODER_05B}
+MODELS = QWEN25_CODER_GEOMETRIES
 GROUP = 128
 PREFETCH_BYTES = (1 << 20, 4 << 20, 16 << 20)  # of each next phase, spread over the CTAs
 
