@@ -79,6 +79,13 @@ PY
       packages/nanoqwen-kernels/tests/test_gemm_wgmma.py packages/nanoqwen-kernels/tests/test_gemm.py 2>&1 | tail -6
     PYTHONPATH=$SRC:/tmp/site timeout 330 python3 -m nanoqwen_bench.kernels.bench_gemm --ms 16,32,64,128,256,512 \
       --out $OUT/gemm 2>&1 | tail -12 ;;
+  gemm-plans)  # every M <= 64 GEMM plan of the 7B / 1.5B / 0.5B linears timed: gemm.MEASURED_PLANS' source
+    PYTHONPATH=$SRC timeout 400 python3 -m nanoqwen_bench.kernels.sweep_gemm_plans --model 7b,1.5b,0.5b \
+      --out $OUT/gemm-plans 2>&1 | tail -40 ;;
+  batched)  # batched decode (16 / 32 / 64) of the three synthetic geometries, "$2" e.g. "7b 1.5b"
+    for g in ${2:-7b 1.5b 0.5b}; do PYTHONPATH=$SRC:/tmp/site timeout 150 python3 -m nanoqwen_cli.main bench \
+      --geometry $g --quick --kv-memory 8GiB --only decode_ctx128,batch16,batch32,batch64 --out $OUT/batched-$g \
+      2>&1 | grep "^batch\|read bandwidth"; done ;;
   attention)  # paged attention against its ceilings, with forced splits (the warm autocomplete prefill's too)
     PYTHONPATH=$SRC timeout 400 python3 -m nanoqwen_bench.kernels.bench_attention --ablate \
       --out $OUT/attention.json 2>&1 | tail -40 ;;
