@@ -210,9 +210,10 @@ def split_cost(blocks_n: int, kt: int, splits: int, slots: int, max_m: int) -> i
 # The plan of each M class of the test models' linears (Qwen2.5-Coder 7B, 1.5B, 0.5B; plain input,
 # g128): the fastest of every kernel x M-block rows (8 NT) x K splits that fits, measured at the class's
 # top M on asymmetric weights (`python -m nanoqwen_bench.kernels.sweep_gemm_plans --model 7b,1.5b,0.5b`,
-# H100 80GB HBM3, 2026-12-07; bench/RESULTS.md). They hold for any 132-SM sm_90 GPU (H100 SXM, H200: the
-# same SMs, a faster HBM on the H200). Where the kernels differ by less than the run's noise the table
-# still names the faster one. Key: (sm_count, n, k, group_size, max_m); value: (kernel, n_tiles, splits).
+# H100 80GB HBM3, 2026-12-07; bench/RESULTS.md). Keyed by SM count, they also serve the H200 (132 SMs,
+# faster HBM), where they were not re-measured. Where plans differ by less than the run's noise the
+# table still names the faster one. Key: (sm_count, n, k, group_size, max_m); value: (kernel, n_tiles,
+# splits).
 MEASURED_PLANS = {
     # 7B: qkv, o, gate_up, down
     (132, 4608, 3584, 128, 16): ("wgmma", 2, 3), (132, 4608, 3584, 128, 32): ("wgmma", 4, 3),
