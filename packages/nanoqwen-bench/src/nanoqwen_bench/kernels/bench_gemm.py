@@ -62,7 +62,7 @@ from nanoqwen_kernels import reference as R
 
 from ..gpu import read_bandwidth, time_graph
 from .baselines import gemlite_copies, gemlite_mm, gemlite_plan, tinygemm_copies, tinygemm_mm
-from .bench_kernels import random_weight
+from .bench_kernels import L2_ROTATE_BYTES, rotated_weights
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
 # the layer linears of the real test models (`--model`), for plans measured beyond the 7B
@@ -74,7 +74,6 @@ MODEL_SHAPES = {
 MS = (16, 32, 64, 128, 512, 2048)
 QUANTIZED_PATHS = ("int4_gemm", "int4_gemm_wgmma128", "dequant_gemm")
 PATHS = (*QUANTIZED_PATHS, "cublas_bf16", "tinygemm", "gemlite")
-L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 
 
 
@@ -90,9 +89,8 @@ def check_output(out, x, w, bf16_weight=False) -> None:
 def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=False, splits=None, asym=False,
                 check=True, multi_nt=None, gemlite_autotune=False):
     families = families or {}
-    w0 = random_weight(n, k, gen, symmetric=not asym)
-    copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
-    weights = [w0] + [random_weight(n, k, gen, symmetric=not asym) for _ in range(copies - 1)]
+    weights = rotated_weights(n, k, gen, symmetric=not asym)
+    w0, copies = weights[0], len(weights)
     dense_copies = max(2, math.ceil(L2_ROTATE_BYTES / (2 * n * k)))
     dense = [torch.randn(n, k, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(dense_copies)]
     scratch = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")

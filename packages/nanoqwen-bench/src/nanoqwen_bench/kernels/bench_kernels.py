@@ -53,7 +53,7 @@ GOALS = {"qkv": 0.70, "o": 0.70, "gate_up": 0.85, "down": 0.85, "lm_head": 0.85}
 def goal(shape: str) -> float:
     """The read-bandwidth goal of a GEMV shape ("qkv" or "1.5b qkv": by the linear's name)."""
     return GOALS[shape.split()[-1]]
-L2_ROTATE_BYTES = 256 << 20
+L2_ROTATE_BYTES = 256 << 20  # > 4x the H200's 60 MB L2: weight copies rotated through, so timings read HBM
 # compile-option builds of the "gemv" family, timed with --all-variants (default build: 4 blocks per SM
 # at g128; the deeper-stage builds gemv_u2/u4 measured slower and went with the one-column pipeline)
 BUILD_VARIANTS = {
@@ -94,6 +94,14 @@ def random_weight(n, k, gen, symmetric=True, group_size=128):
                            group_size)  # fmt: skip
 
 
+def rotated_weights(n, k, gen, symmetric=True) -> list[gemv.Int4Weight]:
+    """Random [N, K] INT4 g128 weights, at least two and together more than L2_ROTATE_BYTES: a timed
+    launch on copy i % len(copies) reads its weights from HBM, not from the L2."""
+    first = random_weight(n, k, gen, symmetric)
+    copies = max(2, math.ceil(L2_ROTATE_BYTES / first.nbytes()))
+    return [first] + [random_weight(n, k, gen, symmetric) for _ in range(copies - 1)]
+
+
 @dataclasses.dataclass
 class Row:
     kernel: str
@@ -127,9 +135,8 @@ def bench_gemv(copy_bw, gen, quick, rows, read_bw, all_variants=False, shapes=SH
             SPECS[fam] = build.KernelSpec(fam, ("gemv.cu",), opts)
     ms = (1, 8) if quick else (1, 2, 4, 8)
     for name, n, k in shapes:
-        w0 = random_weight(n, k, gen)
-        copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
-        weights = [w0] + [random_weight(n, k, gen) for _ in range(copies - 1)]
+        weights = rotated_weights(n, k, gen)
+        w0, copies = weights[0], len(weights)
         for m in ms:
             x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -25,8 +24,8 @@ import torch
 from nanoqwen_kernels import gemm
 
 from ..gpu import time_graph
-from .bench_gemm import L2_ROTATE_BYTES, MODEL_SHAPES, check_output
-from .bench_kernels import random_weight
+from .bench_gemm import MODEL_SHAPES, check_output
+from .bench_kernels import rotated_weights
 
 CLASSES = (16, 32, 64)
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 18)
@@ -47,9 +46,8 @@ def candidate_plans(n: int, k: int, max_m: int) -> list[gemm.GemmPlan]:
 
 
 def sweep_shape(model, name, n, k, gen, sms) -> list[dict]:
-    w0 = random_weight(n, k, gen, symmetric=False)
-    copies = max(2, math.ceil(L2_ROTATE_BYTES / w0.nbytes()))
-    weights = [w0] + [random_weight(n, k, gen, symmetric=False) for _ in range(copies - 1)]
+    weights = rotated_weights(n, k, gen, symmetric=False)
+    w0, copies = weights[0], len(weights)
     rows = []
     for m in CLASSES:
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
