@@ -30,10 +30,8 @@ int4_gemm_wgmma128 and dequant_gemm (summed over the four shapes) is printed per
 ops_kernels.INT4_GEMM_MAX_ROWS / INT4_PREFILL_GEMM_MAX_ROWS should say. Writes
 bench_gemm.json and bench_gemm.md under --out. Experiments: `--define NAME[=VALUE]` (repeatable) times
 builds of both GEMM families (mma.sync "gemm", wgmma "gemm_ws") with those -D options as int4_gemm and
-int4_gemm_wgmma128; `--splits S` replaces the planner's K
-split count of every M <= 64 plan by about S (`GemmPlan.with_splits`); `--multi-nt NT` runs every M > 8
-NT as M blocks of 8 NT rows (unsplit, or with `--splits S` each M <= 64 block split about S ways along
-K); `--asym` times asymmetric weights; every timed build's output is first checked against the fp32
+int4_gemm_wgmma128 (every other M <= 64 plan is timed by sweep_gemm_plans); `--asym` times asymmetric
+weights; every timed build's output is first checked against the fp32
 reference (except the probes'); `--int4-only` skips the other paths; `--ms 16,32` picks the M values;
 `--model 1.5b|0.5b` the real test models' shapes instead of the 7B's. Timing probes (wrong outputs,
 tests never build them), each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments from registers, no
@@ -86,8 +84,8 @@ def check_output(out, x, w, bf16_weight=False) -> None:
         dense = dense.to(torch.bfloat16)
     R.assert_close(out, R.linear(x, dense, None), what="bench_gemm output")
 
-def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=False, splits=None, asym=False,
-                check=True, multi_nt=None, gemlite_autotune=False):
+def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=False, asym=False, check=True,
+                gemlite_autotune=False):
     families = families or {}
     weights = rotated_weights(n, k, gen, symmetric=not asym)
     w0, copies = weights[0], len(weights)
@@ -102,12 +100,6 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=Fal
             prefill_plans[m] = gemm.plan_gemm_prefill(n, k, m, 128, sms)
         except ValueError as e:  # shared memory: noted, not timed
             print(f"{name}: int4_gemm_wgmma128 not timed at M {m}: {e}", flush=True)
-    if multi_nt:  # blocks of 8 NT rows, several per M; M <= 64 split about --splits ways (M > 64 never)
-        multi_splits = {m: splits if splits and m <= gemm.MBLOCK else 1 for m in ms}
-        plans = {m: gemm.GemmPlan.of(n, k, 128, multi_nt, gemm.m_class(m), multi_splits[m])
-                 if m > 8 * multi_nt else p for m, p in plans.items()}  # fmt: skip
-    elif splits:
-        plans = {m: p.with_splits(splits) if p.max_m is not None else p for m, p in plans.items()}
     ws = gemm.allocate_workspace(gemm.plans_for_shapes([(n, k)], 128, sms) + list(plans.values())
                                  + list(prefill_plans.values()),
                                  torch.device("cuda"))
@@ -209,10 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", help="comma-separated M values instead (e.g. 16,32,64)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
                     help="build the GEMM with -DNAME[=VALUE] (repeatable) and time that build")
-    ap.add_argument("--splits", type=int, help="about this many K splits in every M <= 64 plan")
     ap.add_argument("--int4-only", action="store_true", help="time only int4_gemm")
-    ap.add_argument("--multi-nt", type=int, choices=(2, 4, 8),
-                    help="every M > 8 NT: unsplit M blocks of 8 NT rows (the M > 64 class's plan at NT)")
     ap.add_argument("--asym", action="store_true",
                     help="asymmetric weights (zero points), the default recipe's")
     ap.add_argument("--model", choices=sorted(MODEL_SHAPES), default="7b", help="whose layer shapes (7b)")
@@ -237,13 +226,12 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (16, 64, 512) if args.quick else MS
     for name, n, k in MODEL_SHAPES[args.model]:
-        bench_shape(name, n, k, ms, gen, read_bw, rows, families, args.int4_only, args.splits, args.asym,
-                    multi_nt=args.multi_nt, check=not any("_PROBE_" in d for d in args.define),
+        bench_shape(name, n, k, ms, gen, read_bw, rows, families, args.int4_only, args.asym,
+                    check=not any("_PROBE_" in d for d in args.define),
                     gemlite_autotune=args.gemlite_autotune)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
     rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "defines": args.define, "splits": args.splits, "model": args.model, "asym": args.asym,
-           "multi_nt": args.multi_nt,
+           "defines": args.define, "model": args.model, "asym": args.asym,
            "device": torch.cuda.get_device_name(0), "command": " ".join(sys.argv),
            "read_bandwidth_GBps": read_bw / 1e9, "read_bandwidth": rb, "rows": rows,
            "crossover": crossover(rows)}  # fmt: skip
