@@ -298,6 +298,7 @@ def prefill_plan_if_fits(n: int, k: int, m: int, group_size: int, sm_count: int)
     return plan if shared <= MAX_SHARED_BYTES else None
 
 
+@functools.cache  # a pure function of its integers; the engine asks once per linear and row count
 def _prefill_plan_and_shared(n: int, k: int, m: int, group_size: int, sm_count: int) -> tuple[GemmPlan, int]:
     if m <= MBLOCK:
         raise ValueError(f"plan_gemm_prefill serves M > {MBLOCK}, got M = {m}")

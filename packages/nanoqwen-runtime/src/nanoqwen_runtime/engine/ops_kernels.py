@@ -63,8 +63,8 @@ from .residual import NormedInput, ResidualUpdate
 from .weights import DenseLinear, Int4Linear, Int8Linear, Linear
 
 # Steps of more than 8 rows (module docstring). The crossovers bench_gemm measured on the four 7B
-# linears of a layer (H100, 2026-12-07; bench/RESULTS.md): at M = 64 the mma.sync GEMM 133 us,
-# dequantize + cuBLAS 403 us; at M = 128 / 256 / 512 the wgmma prefill plan 172 / 233 / 398 us,
+# linears of a layer (H100, 2026-12-07; bench/RESULTS.md): at M = 64 the INT4 GEMM (the measured plans)
+# 128 us, dequantize + cuBLAS 411 us; at M = 128 / 256 / 512 the wgmma prefill plan 172 / 233 / 398 us,
 # dequantize + cuBLAS 410 / 434 / 544 us; at M = 768 / 1,024 / 2,048 the wgmma plan (stream-K) 670 /
 # 878 / 2,025 us, dequantize + cuBLAS 680 / 841 / 1,549 us.
 INT4_GEMM_MAX_ROWS = 64
@@ -106,8 +106,6 @@ class KernelOps:
         self._norm_stats = torch.empty(kgemv.MAX_M * kgemv.norm_stats_shape(1, H)[1], dtype=torch.float32,
                                        device=device)
         self._scratch: torch.Tensor | None = None
-        # the wgmma prefill plans by (N, K, group size, M <= 128), None where one does not fit
-        self._prefill_plans: dict[tuple[int, int, int, bool], kgemm.GemmPlan | None] = {}
         self._layer_int4: list[Int4Linear] = []  # the layer linears on INT4 (check_weights)
         self._scratch_numel = max(n * k for n, k in shapes if (n, k) != (geom.vocab_size, H))
         self._kw: dict[int, kgemv.Int4Weight | kgemv.Int8Weight] = {}  # id(Linear) -> kernel view
@@ -328,11 +326,8 @@ class KernelOps:
     def _prefill_plan(self, w: kgemv.Int4Weight, m: int) -> kgemm.GemmPlan | None:
         """The wgmma kernel's prefill plan for an M > 64 product, or None where its scale table and
         ring do not fit in shared memory (small groups over a long K, unsplit above 128 rows). Per M:
-        above 128 rows the plan's launch (a block per tile, or stream-K) depends on it."""
-        key = (w.n, w.k, w.group_size, m)
-        if key not in self._prefill_plans:
-            self._prefill_plans[key] = kgemm.prefill_plan_if_fits(w.n, w.k, m, w.group_size, self._sms)
-        return self._prefill_plans[key]
+        above 128 rows the plan's launch (a block per tile, or stream-K) depends on it; gemm caches it."""
+        return kgemm.prefill_plan_if_fits(w.n, w.k, m, w.group_size, self._sms)
 
     def linear_residual(self, x: torch.Tensor, lin: Linear, out: torch.Tensor, residual: torch.Tensor,
                         merge: kgemv.AttentionMerge | None = None) -> ResidualUpdate:
