@@ -49,11 +49,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 def reference_out(x, w, bias, silu=False, bf16_weight=False):
     """fp32 x @ W^T (+ bias) of the dequantised weight; bf16_weight: of the weight rounded to bf16 first
     (round((q - z) s): what the prefill plan's kernel and dequantise + cuBLAS multiply)."""
-    dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
-    if bf16_weight:
-        dense = dense.to(torch.bfloat16)
     xin = R.silu_mul(x).to(torch.bfloat16) if silu else x
-    return R.linear(xin, dense, bias)
+    return R.int4_linear(xin, w, bias, bf16_weight=bf16_weight)
 
 
 def run_gemm(x, w, bias, plan=None, silu=False):

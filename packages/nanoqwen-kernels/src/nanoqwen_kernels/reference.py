@@ -13,7 +13,8 @@ tested against the same definitions the reference runtime and the quantizer comp
     paged attention                 nanoqwen_model.forward.causal_attention (reference_attention.py)
 
 What is left here is kernel-specific glue: `linear` upcasting the weight so the product is fp32
-whatever the operand dtypes (the kernels accumulate in fp32), SiLU*mul on a fused gate_up row, the
+whatever the operand dtypes (the kernels accumulate in fp32), `int4_linear` on a dequantised INT4
+weight (optionally rounded to bf16, as the prefill GEMM multiplies it), SiLU*mul on a fused gate_up row, the
 fused residual add that rounds the new residual to bf16 as the kernel stores it, the bias rounded to
 bf16 before RoPE as the GEMV output is, the paged K/V write, and the tolerances: `TOLERANCES` with
 `assert_close` (elementwise, per output dtype) and `ATTENTION_ROW` with `assert_rows_close` (per
@@ -169,6 +170,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     in the weight's dtype), i.e. the exact products of what the kernel reads, accumulated in fp32 as
     the kernels accumulate (TF32 off, torch's default)."""
     return forward.linear(x, w.float(), bias)
+
+
+def int4_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, bf16_weight: bool = False
+                ) -> torch.Tensor:
+    """`linear` of x with an INT4 weight `w` (gemv.Int4Weight: qweight, scales, zeros, group_size),
+    dequantised by the model's codec to (q - z) * s; bf16_weight: that weight rounded to bf16 first,
+    round((q - z) s), which the wgmma GEMM's prefill plan multiplies (as dequantise + cuBLAS does)."""
+    dense = dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
+    return linear(x, dense.to(torch.bfloat16) if bf16_weight else dense, bias)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

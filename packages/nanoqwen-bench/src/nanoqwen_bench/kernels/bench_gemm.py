@@ -79,10 +79,7 @@ def check_output(out, x, w, bf16_weight=False) -> None:
     """out (bf16 [M, N]) against the kernel tests' oracle: the fp32 product of x with the dequantized
     weight (nanoqwen_kernels.reference; bf16_weight: rounded to bf16 first, as the prefill plan
     multiplies it), within the bf16 tolerance of reference.TOLERANCES."""
-    dense = R.dequantize_int4(w.qweight, w.scales, w.zeros, w.group_size)
-    if bf16_weight:
-        dense = dense.to(torch.bfloat16)
-    R.assert_close(out, R.linear(x, dense, None), what="bench_gemm output")
+    R.assert_close(out, R.int4_linear(x, w, bf16_weight=bf16_weight), what="bench_gemm output")
 
 def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=False, asym=False, check=True,
                 gemlite_autotune=False):
