@@ -132,3 +132,29 @@ def test_step_phases_reads_every_phase_once_across_the_whole_chip(mode, gen, dev
     assert bar.tolist() == [0, barriers] and int(errors.item()) == 0
     gpu.step_phases(data, bounds, sink, bar, blocks=blocks, mode=mode)
     assert int(sink.item()) == 0 and bar.tolist() == [0, 2 * barriers]
+
+
+@pytest.mark.parametrize("groups", [1, 12, "sms"])
+def test_step_phases_dataflow_reads_every_phase_once_across_the_whole_chip(groups, gen, device):
+    """The dataflow ceiling's kernel at one CTA per SM with its 12-slot ring: the XOR of all phases,
+    every counter at its group's size, no part consumed before its group finished the previous phase;
+    then launched again on zeroed counters."""
+    from nanoqwen_bench import gpu
+
+    vecs = [5, 0, 1000, 3, 70_001, 130, 4096 * 33 + 7, 1_200_003]
+    n = len(vecs)
+    bounds = torch.tensor([0, *np.cumsum(vecs)], dtype=torch.int64, device=device)
+    data = words(int(bounds[-1]) * 4, gen, device)
+    blocks = torch.cuda.get_device_properties(device).multi_processor_count
+    groups = blocks if groups == "sms" else groups
+    sink, errors, progress = (torch.zeros(k, dtype=torch.int32, device=device) for k in (1, 1, blocks))
+    counters = torch.zeros(n * groups, dtype=torch.int32, device=device)
+    gpu.step_phases_dataflow(data, bounds, sink, counters, blocks=blocks, groups=groups, progress=progress,
+                             check_errors=errors)
+    want = np.bitwise_xor.reduce(data.cpu().numpy().view(np.uint32)).view(np.int32)
+    sizes = np.bincount(np.arange(blocks) * groups // blocks, minlength=groups).tolist()
+    assert int(sink.item()) == int(want) and int(errors.item()) == 0
+    assert counters.view(n, groups).tolist() == [sizes] * n and progress.tolist() == [n] * blocks
+    counters.zero_()
+    gpu.step_phases_dataflow(data, bounds, sink, counters, blocks=blocks, groups=groups)
+    assert int(sink.item()) == 0

@@ -82,3 +82,44 @@ def test_bad_arguments_are_refused(monkeypatch):
                       ({"check_flags": torch.zeros(2, dtype=torch.int32)}, "go together")]:
         with pytest.raises((ValueError, TypeError), match=match):
             call(**kw)
+
+
+def group_sizes(groups, blocks):
+    """CTAs per group: CTA c is in group c * groups // blocks (bench.cu's step_phases_dataflow)."""
+    return np.bincount([c * groups // blocks for c in range(blocks)], minlength=groups).tolist()
+
+
+@pytest.mark.parametrize("groups,slots", [(1, 2), (2, 3), (BLOCKS, 1), (3, 12)])
+def test_dataflow_reads_every_phase_once_and_waits_for_its_groups(groups, slots, emulated, request):
+    """step_phases_dataflow: the sink is the XOR of every phase's words (each piece through the ring
+    once, whatever its depth); every counter ends at its group's size (each CTA counted each phase
+    once); no CTA consumed a part before every CTA of the part's group had finished the previous phase
+    (the progress check). A second launch on zeroed counters reads it all again."""
+    data, bounds = phases(request)
+    n = len(PHASE_VECS)
+    sink, counters = torch.zeros(1, dtype=torch.int32), torch.zeros(n * groups, dtype=torch.int32)
+    progress, errors = torch.zeros(BLOCKS, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    gpu.step_phases_dataflow(data, bounds, sink, counters, blocks=BLOCKS, groups=groups, slots=slots,
+                             progress=progress, check_errors=errors)
+    assert int(sink) == xor_of(data, bounds, 0, n)
+    assert counters.view(n, groups).tolist() == [group_sizes(groups, BLOCKS)] * n
+    assert int(errors) == 0 and progress.tolist() == [n] * BLOCKS
+    counters.zero_()
+    gpu.step_phases_dataflow(data, bounds, sink, counters, blocks=BLOCKS, groups=groups, slots=slots)
+    assert int(sink) == 0  # read twice: the XOR cancels
+
+
+def test_dataflow_bad_arguments_are_refused(monkeypatch):
+    data, bounds = torch.zeros(64, dtype=torch.int32), torch.tensor([0, 4, 16], dtype=torch.int64)
+    sink, counters = torch.zeros(1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+
+    def call(**kw):
+        args = {"counters": counters, "blocks": 2, "groups": 2} | kw
+        gpu.step_phases_dataflow(data, bounds, sink, args.pop("counters"), **args)
+
+    monkeypatch.setattr(gpu, "require_sm90", lambda device: 0)
+    for kw, match in [({"groups": 3}, "groups 3"), ({"groups": 0}, "groups 0"), ({"slots": 13}, "slots 13"),
+                      ({"counters": torch.zeros(3, dtype=torch.int32)}, "counters"),
+                      ({"progress": torch.zeros(2, dtype=torch.int32)}, "go together")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            call(**kw)

@@ -6,6 +6,7 @@ ceiling and a GPU-side wait, and the CUDA-graph / CUDA-event timing the benchmar
     spin(50_000_000)                                   # the current stream waits 50 ms on the GPU
     l2_prefetch(weights_bytes, evict_last=True)        # the L2 starts fetching a buffer; no wait
     step_phases(data, bounds, sink, bar, blocks=g, mode=PHASES_BARRIER)  # resident CTAs read phases
+    step_phases_dataflow(data, bounds, sink, counters, blocks=sms, groups=32)  # ... waiting per slice
     t = time_graph(lambda i: op(bufs[i % 2]), reps=20)  # s per call, from one CUDA graph of 20 calls
     g = capture_graph(lambda i: op(bufs[i % 2]), 20)   # that graph itself, warmed and replayed 3 times
     t = median_replay_seconds(graph, replays=50)       # s per replay of an existing graph
@@ -99,6 +100,47 @@ def step_phases(data: torch.Tensor, bounds: torch.Tensor, sink: torch.Tensor, ba
     args = (ptr(data), np.uint64(bounds.data_ptr() + 8 * start), np.int32(stop - start), np.int32(mode),
             np.uint64(prefetch_bytes // 16), ptr(sink), ptr(bar), ptr(check_flags), ptr(check_errors))
     launch(FAMILY, step_phases_kernel(mode), index, (blocks, 1, 1), (STEP_PHASES_THREADS, 1, 1), args)
+
+
+DATAFLOW_THREADS = 512  # bench.cu DF_THREADS: a producer warp and 15 consumer warps
+DATAFLOW_MAX_SLOTS = 12  # DF_MAX_SLOTS
+DATAFLOW_SLOT_BYTES = 16 << 10  # DF_SLOT_VEC x 16
+
+
+def step_phases_dataflow(data: torch.Tensor, bounds: torch.Tensor, sink: torch.Tensor, counters: torch.Tensor,
+                         *, blocks: int, groups: int, slots: int = DATAFLOW_MAX_SLOTS,
+                         progress: torch.Tensor | None = None,
+                         check_errors: torch.Tensor | None = None) -> None:
+    """One launch of bench.cu's `step_phases_dataflow_u32x4`: `blocks` CTAs read the phases of `data`
+    (as `step_phases`) through a ring of `slots` 16 KB shared-memory slots filled by bulk copies that
+    run ahead across phase ends; each CTA's part g of phase p > 0 waits until the `groups` groups'
+    group g has finished phase p - 1 (bench.cu says how). sink (int32 [1]) ^= the XOR of every word
+    read. counters: int32 [P * groups], zero before the launch (each ends at its group's size).
+    progress / check_errors (int32 [blocks] zeroed, int32 [1]): check_errors counts the CTAs a wait let
+    through before their group had finished. Every CTA must be resident at once (one per SM holds the
+    12-slot ring): `groups` <= `blocks` <= the SMs x CTAs per SM."""
+    index = require_sm90(data.device)
+    if not data.is_contiguous() or data.data_ptr() % 16:
+        raise ValueError("data: must be contiguous and 16-byte aligned")
+    n_phases = bounds.numel() - 1
+    if n_phases < 1:
+        raise ValueError("bounds: at least one phase is needed")
+    check(bounds, "bounds", torch.int64, (n_phases + 1,), data.device, align=8)
+    check(sink, "sink", torch.int32, (1,), data.device, align=4)
+    if not 1 <= groups <= blocks:
+        raise ValueError(f"groups {groups}: 1 to blocks ({blocks}) groups of CTAs are needed")
+    if not 1 <= slots <= DATAFLOW_MAX_SLOTS:
+        raise ValueError(f"slots {slots}: 1 to {DATAFLOW_MAX_SLOTS}")
+    check(counters, "counters", torch.int32, (n_phases * groups,), data.device, align=4)
+    if (progress is None) != (check_errors is None):
+        raise ValueError("progress and check_errors go together")
+    if progress is not None:
+        check(progress, "progress", torch.int32, (blocks,), data.device, align=4)
+        check(check_errors, "check_errors", torch.int32, (1,), data.device, align=4)
+    args = (ptr(data), ptr(bounds), np.int32(n_phases), np.uint32(groups), np.int32(slots), ptr(counters),
+            ptr(sink), ptr(progress), ptr(check_errors))
+    launch(FAMILY, "step_phases_dataflow_u32x4", index, (blocks, 1, 1), (DATAFLOW_THREADS, 1, 1), args,
+           shared_mem=slots * DATAFLOW_SLOT_BYTES)
 
 
 def resident_blocks(kernel: str, threads: int, device: torch.device) -> int:

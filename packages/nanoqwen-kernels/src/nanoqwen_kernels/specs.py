@@ -84,7 +84,8 @@ SPECS: dict[str, KernelSpec] = {
     "bench": KernelSpec(
         name="bench",
         sources=("bench.cu",),
-        hot_kernels=("read_xor_u32x4", "spin_ns", "step_phases_u32x4", "step_phases_preload_u32x4"),
+        hot_kernels=("read_xor_u32x4", "spin_ns", "step_phases_u32x4", "step_phases_preload_u32x4",
+                     "step_phases_dataflow_u32x4"),
     ),
     "attention": KernelSpec(
         name="attention",

@@ -17,7 +17,13 @@ bias; a bf16 lm_head) and the bf16 KV. One buffer holds them back to back, and b
 - `persistent + preload`: the same barrier, each thread first loading its first 4 vectors of the next
   phase into registers, as a persistent kernel's producer warps fill their shared-memory ring ahead of
   the op; the registers held cost occupancy (bench.cu's own entry, fewer CTAs per SM);
-- `back to back`: one launch, no barrier: the partition's own streaming ceiling.
+- `back to back`: one launch, no barrier: the partition's own streaming ceiling;
+- `dataflow, G groups`: one launch of one CTA per SM (bench.cu's `step_phases_dataflow_u32x4`): a
+  producer warp streams the CTA's slices, phase after phase, into a 12-slot (192 KB) shared-memory ring
+  with bulk copies, never waiting for another CTA; the consumers wait, before each part of a phase, only
+  for the group of CTAs that wrote the part's input slice (G groups; G = 1: the whole previous op, as at
+  a barrier, with the ring running ahead across it): the design that starts an op on the input slices
+  that are ready and loads its weights during the previous op (Hazy Research's megakernel).
 Every variant's XOR of what it read is checked against read_xor's over the same bytes before it is
 timed, and the barrier's flag check runs once per kind of barrier (no CTA let through early). Each time
 is the median of graph replays, reported against the roofline: the step's bytes over the read bandwidth
@@ -43,6 +49,7 @@ from .. import gpu
 MODELS = QWEN25_CODER_GEOMETRIES
 GROUP = 128
 PREFETCH_BYTES = (1 << 20, 4 << 20, 16 << 20)  # of each next phase, spread over the CTAs
+DATAFLOW_GROUPS = (1, 12, None)  # None: one group per CTA
 
 
 def int4_bytes(n: int, k: int) -> int:
@@ -121,6 +128,22 @@ def measure_model(name: str, g: Qwen2Config, context: int, read_bps: float, devi
         t = gpu.median_replay_seconds(graph, replays)
         rows.append(Variant(label, t, total / read_bps / t))
         del graph
+    counters = {}
+    for groups in (g or sms for g in DATAFLOW_GROUPS):
+        counters[groups] = torch.zeros(n * groups, dtype=torch.int32, device=device)
+        _check_dataflow(name, n, groups, data, bounds, sink, counters[groups], sms, want)
+
+        def dataflow(i, groups=groups):
+            counters[groups].zero_()
+            gpu.step_phases_dataflow(data, bounds, sink, counters[groups], blocks=sms, groups=groups)
+
+        sink.zero_()
+        graph = gpu.capture_graph(dataflow, 1)
+        label = f"dataflow, {groups} groups, 1 CTA per SM"
+        _check_xor(label, sink, want, 1 + 3)
+        t = gpu.median_replay_seconds(graph, replays)
+        rows.append(Variant(label, t, total / read_bps / t))
+        del graph
     sink.zero_()
     graph = gpu.capture_graph(
         lambda i: gpu.step_phases(data, bounds, sink, bar, blocks=blocks, mode=gpu.PHASES_BARRIER,
@@ -156,6 +179,26 @@ def _check_barrier(name: str, mode: int, n: int, run, blocks: int, sink: torch.T
         raise RuntimeError(f"{name}, mode {mode}: step_phases read XOR {int(sink.item()):#x} (read_xor "
                            f"{int(want.item()):#x}), {int(errors.item())} early CTAs, {int(bar[1].item())} "
                            f"barriers for {n} phases")
+
+
+def _check_dataflow(name: str, n: int, groups: int, data, bounds, sink, counters, blocks: int,
+                    want: torch.Tensor) -> None:
+    """One checked dataflow launch: it reads every byte once, counts every CTA's every phase, and no
+    wait let a CTA through before its group had finished the previous phase."""
+    device = sink.device
+    progress = torch.zeros(blocks, dtype=torch.int32, device=device)
+    errors = torch.zeros(1, dtype=torch.int32, device=device)
+    sink.zero_()
+    counters.zero_()
+    gpu.step_phases_dataflow(data, bounds, sink, counters, blocks=blocks, groups=groups, progress=progress,
+                             check_errors=errors)
+    torch.cuda.synchronize()
+    sizes = torch.bincount(torch.arange(blocks) * groups // blocks, minlength=groups).tolist()
+    if (int(errors.item()) or int(sink.item()) != int(want.item())
+            or counters.view(n, groups).tolist() != [sizes] * n):
+        raise RuntimeError(f"{name}, dataflow {groups} groups: read XOR {int(sink.item()):#x} (read_xor "
+                           f"{int(want.item()):#x}), {int(errors.item())} early CTAs, counters "
+                           f"{counters.view(n, groups)[:2].tolist()}... (group sizes {sizes})")
 
 
 def _check_xor(label: str, sink: torch.Tensor, want: torch.Tensor, calls: int) -> None:

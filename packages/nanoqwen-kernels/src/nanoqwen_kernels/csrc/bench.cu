@@ -17,6 +17,11 @@
 //                    activation, so a persistent kernel can fetch them early). Measured against
 //                    read_xor's bandwidth and against one launch per phase (nanoqwen_bench.kernels.
 //                    persistent_ceiling).
+//   step_phases_dataflow_u32x4  the same step's phases read by a producer / consumer pipeline that waits
+//                    for no whole op: each CTA's bulk-copy ring runs ahead across phase ends, and its
+//                    consumers wait only for the slices of the previous phase that each part of theirs
+//                    depends on (arrival counters per group of CTAs), as a persistent decode kernel whose
+//                    ops start on the input slices that are ready would.
 //   spin_ns          one thread waits `ns` nanoseconds of %globaltimer: it holds a stream busy while
 //                    the host queues work behind it, so that queued kernels then run back to back
 //                    at the GPU's pace (the engine benchmark's per-op timing of eager steps).
@@ -33,6 +38,7 @@
 // against numpy). Bytes read: 16 * n_vec; bytes written: 4 per warp (nothing, at several GiB).
 
 #include "common.cuh"
+#include "mbarrier.cuh"
 
 #ifdef NQ_HOST_EMU
 #include <chrono>
@@ -266,4 +272,142 @@ extern "C" __global__ void __launch_bounds__(512) step_phases_preload_u32x4(
     const uint4* __restrict__ data, const u64* __restrict__ bounds, int n_phases, int mode, u64 prefetch_vec,
     u32* sink, u32* bar, u32* check, u32* check_errors) {
   step_phases<4>(data, bounds, n_phases, mode, prefetch_vec, sink, bar, check, check_errors);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// step_phases_dataflow_u32x4: the ceiling of a decode kernel that waits for no whole op.
+//
+// The phases and each CTA's contiguous slice of a phase are step_phases_u32x4's. Warp 0 is a producer:
+// its lane 0 walks the CTA's slices phase after phase and copies them, in pieces of up to DF_SLOT_VEC
+// vectors, into a ring of `slots` shared-memory slots with bulk copies (cp.async.bulk) that complete on
+// the slot's `full` mbarrier; it waits only for a free slot, never for another CTA, so the next op's
+// weights stream in while this op still waits or works. The other 15 warps consume: they XOR each
+// slot's words into the sink and free the slot.
+//
+// Dependencies. The CTAs form `groups` groups (CTA c is in group c * groups / G): a phase's group g is
+// the slice of the next op's input that those CTAs write (a GEMV CTA owns contiguous output rows, and
+// the next GEMV's K walks them in order). Each CTA's slice of a phase is cut into `groups` parts, part g
+// being the weights that multiply input slice g; the consumers take the parts in the order g0, g0 + 1,
+// ... (g0: the CTA's own group, whose input it has just written) and, in phase p > 0, wait before part
+// g until counters[(p - 1) * groups + g] holds the group's size: every CTA of group g has finished
+// phase p - 1. After its last part of phase p a CTA adds 1 to counters[p * groups + its group]. Every
+// part is waited for, empty or not (every CTA of a GEMV needs all of its input). groups = 1: each op
+// waits for the whole previous op, as at a grid barrier, but the ring still runs ahead across it.
+// counters: [n_phases * groups] u32, zero before the launch. progress / check_errors: null, or [G] u32
+// zeroed and one u32: a CTA stores p + 1 into progress[b] before it counts phase p, and after each wait
+// the waiting CTA counts into check_errors every CTA of the group still below p (a wait that let it
+// through early). Every CTA must be resident at once. Dynamic shared memory: slots * DF_SLOT_VEC * 16.
+// ---------------------------------------------------------------------------------------------------
+
+constexpr int DF_THREADS = 512;
+constexpr int DF_CONSUMER_WARPS = DF_THREADS / 32 - 1;
+constexpr int DF_MAX_SLOTS = 12;
+constexpr u32 DF_SLOT_VEC = 1024;  // 16 KB per slot
+constexpr int DF_CONSUMER_BARRIER = 1;
+
+NQ_DEVICE void df_consumer_sync() {
+#ifdef NQ_HOST_EMU
+  nq_emu::named_barrier(DF_CONSUMER_BARRIER, 32 * DF_CONSUMER_WARPS);
+#else
+  asm volatile("bar.sync %0, %1;" ::"n"(DF_CONSUMER_BARRIER), "n"(32 * DF_CONSUMER_WARPS) : "memory");
+#endif
+}
+
+// CTAs of group g out of `groups` over G CTAs: those c with c * groups / G == g.
+NQ_DEVICE u32 df_group_begin(u32 g, u32 groups, u32 G) { return (u32)(((u64)g * G + groups - 1) / groups); }
+
+// Calls part(p, g) at the start of every part and piece(v, n) for each of its pieces (n vectors from
+// vector v), in the order both roles walk: phases in order, parts from the CTA's own group on.
+template <typename Part, typename Piece>
+NQ_DEVICE void df_walk(const u64* __restrict__ bounds, int n_phases, u32 groups, Part part, Piece piece) {
+  const u32 G = gridDim.x, b = blockIdx.x, g0 = (u32)((u64)b * groups / G);
+  for (int p = 0; p < n_phases; ++p) {
+    u64 begin, end;
+    phase_slice(bounds[p], bounds[p + 1] - bounds[p], b, G, begin, end);
+    const u64 per = (end - begin + groups - 1) / groups;
+    for (u32 i = 0; i < groups; ++i) {
+      const u32 g = (g0 + i) % groups;
+      part(p, g);
+      const u64 pb = min_u64(begin + (u64)g * per, end), pe = min_u64(pb + per, end);
+      for (u64 v = pb; v < pe; v += DF_SLOT_VEC) piece(v, (u32)min_u64(DF_SLOT_VEC, pe - v));
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(DF_THREADS, 1) step_phases_dataflow_u32x4(
+    const uint4* __restrict__ data, const u64* __restrict__ bounds, int n_phases, u32 groups, int slots,
+    u32* counters, u32* sink, u32* progress, u32* check_errors) {
+  NQ_DYNAMIC_SMEM(ring_bytes, 128);
+  uint4* ring = reinterpret_cast<uint4*>(ring_bytes);
+  __shared__ __align__(8) unsigned long long full[DF_MAX_SLOTS], empty[DF_MAX_SLOTS];
+  const u32 G = gridDim.x, b = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < slots; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], DF_CONSUMER_WARPS);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // roles split below
+  if (warp == 0) {
+    if (lane != 0) return;
+    u64 it = 0;
+    df_walk(bounds, n_phases, groups, [](int, u32) {}, [&](u64 v, u32 n) {
+      const int slot = (int)(it % slots);
+      if (it >= (u64)slots) mbar_wait(&empty[slot], (u32)((it / slots - 1) & 1));
+      mbar_arrive_expect_tx(&full[slot], n * 16);
+      bulk_copy_g2s(mbar_smem_addr(ring + (u64)slot * DF_SLOT_VEC), data + v, n * 16, &full[slot]);
+      ++it;
+    });
+    return;
+  }
+  const u32 ctid = threadIdx.x - 32;
+  const u32 g_mine = (u32)((u64)b * groups / G);
+  u64 it = 0;
+  u32 acc = 0;
+  int phase_done = -1;
+  df_walk(bounds, n_phases, groups,
+          [&](int p, u32 g) {
+            if (p != phase_done + 1) {  // the first part of phase p: phase p - 1 is finished here
+              df_consumer_sync();
+              if (ctid == 0) {
+                if (progress != nullptr) st_release_gpu_u32(progress + b, (u32)p);
+                __threadfence();
+                atom_add_acq_rel_gpu_u32(counters + (u64)(p - 1) * groups + g_mine, 1u);
+              }
+              phase_done = p - 1;
+            }
+            if (p == 0) return;
+            const u32 c0 = df_group_begin(g, groups, G), c1 = df_group_begin(g + 1, groups, G);
+            if (ctid == 0) {
+              const u32* counter = counters + (u64)(p - 1) * groups + g;
+              while (ld_acquire_gpu_u32(counter) < c1 - c0) __nanosleep(32);
+              if (progress != nullptr) {
+                u32 early = 0;
+                for (u32 c = c0; c < c1; ++c) early += ld_acquire_gpu_u32(progress + c) < (u32)p;
+                if (early) atomicAdd(check_errors, early);
+              }
+            }
+            df_consumer_sync();
+          },
+          [&](u64, u32 n) {
+            const int slot = (int)(it % slots);
+            mbar_wait(&full[slot], (u32)((it / slots) & 1));
+            const uint4* s = ring + (u64)slot * DF_SLOT_VEC;
+            for (u32 v = ctid; v < n; v += 32 * DF_CONSUMER_WARPS) acc ^= xor4(s[v]);
+            __syncwarp();
+            if (lane == 0) {
+              fence_proxy_async_shared();  // the slot's reads before the producer's next copy into it
+              mbar_arrive(&empty[slot]);
+            }
+            ++it;
+          });
+  df_consumer_sync();  // the last phase: counted too, so that the counters end at the group sizes
+  if (ctid == 0 && n_phases > 0) {
+    if (progress != nullptr) st_release_gpu_u32(progress + b, (u32)n_phases);
+    __threadfence();
+    atom_add_acq_rel_gpu_u32(counters + (u64)(n_phases - 1) * groups + g_mine, 1u);
+  }
+  publish_xor(sink, acc);
 }
