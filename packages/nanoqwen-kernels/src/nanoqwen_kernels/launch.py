@@ -75,6 +75,17 @@ def get_function(family: str, kernel: str, device_index: int):
     return fn
 
 
+def module_global(family: str, name: str, device_index: int):
+    """A `cupy.cuda.MemoryPointer` to the `__device__` variable `name` of op family `family` on the
+    device (timing probes read their records back through it); the family's module loads first."""
+    if (family, device_index) not in _modules:
+        raise KeyError(f"kernel family {family!r} is not loaded on device {device_index}: launch it first")
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return _modules[(family, device_index)].get_global(name)
+
+
 def current_stream(device_index: int):
     """The current torch stream on `device_index`, as a (cached) `cupy.cuda.ExternalStream`."""
     ptr = torch.cuda.current_stream(device_index).cuda_stream

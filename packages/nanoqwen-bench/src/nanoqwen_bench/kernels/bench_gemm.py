@@ -39,7 +39,9 @@ ldmatrix), `NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_W
 registers, no global loads), `NQ_GEMM_PROBE_NO_X` (no activation copies; the chunk waits and barriers
 stay), `NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers); of the wgmma kernel
 `NQ_GEMM_WS_PROBE_NO_MMA`, `NQ_GEMM_WS_PROBE_COPY_ONLY`, `NQ_GEMM_WS_PROBE_NO_MAINLOOP`
-(csrc/gemm_int4_ws.cuh says what each leaves out). Runs in well under a minute on
+(csrc/gemm_int4_ws.cuh says what each leaves out), and `NQ_GEMM_WS_PROBE_CLOCKS`, which keeps the
+outputs and prints, per M <= 64 wgmma launch, where its blocks' time goes (`ws_clock_phases`). Runs in
+well under a minute on
 the H200 once the kernels are compiled (first use: NVRTC).
 """
 
@@ -81,8 +83,38 @@ def check_output(out, x, w, bf16_weight=False) -> None:
     multiplies it), within the bf16 tolerance of reference.TOLERANCES."""
     R.assert_close(out, R.int4_linear(x, w, bf16_weight=bf16_weight), what="bench_gemm output")
 
+# nq_gemm_ws::WsClock: the clocks probe's slots per block
+CLOCK_SLOTS = ("gt_entry", "entry", "init", "table", "first_full", "run", "reduce", "end", "gt_end", "smid",
+               "producer_start", "producer_end", "set1_run", "ntc")
+
+
+def ws_clock_phases(family: str, blocks: int) -> dict:
+    """The clocks probe's record of the last launch of `family` (a build with NQ_GEMM_WS_PROBE_CLOCKS) of
+    `blocks` blocks: the kernel's span and its blocks' start spread (%globaltimer, us), and the median
+    block's phases in us (its clock64 deltas at the clock rate the blocks' own spans give): barrier init,
+    scale table, wait for the first ring slot, main loop, set 1's lag, the sets' sum, store (finish_tile),
+    the whole block; and the producer's last copy issued, from the block's entry."""
+    import cupy
+    import numpy as np
+    from nanoqwen_kernels import launch
+
+    ptr = launch.module_global(family, "nq_gemm_ws_clocks", torch.cuda.current_device())
+    rec = cupy.ndarray((1024, 16), cupy.uint64, memptr=ptr)[: min(blocks, 1024)].get().astype(np.int64)
+    c = {name: rec[:, i] for i, name in enumerate(CLOCK_SLOTS)}
+    ghz = (c["end"] - c["entry"]).sum() / max(1, (c["gt_end"] - c["gt_entry"]).sum())  # cycles per ns
+    us = lambda a, b: float(np.median(c[b] - c[a])) / ghz / 1e3  # noqa: E731
+    return {"span_us": float(c["gt_end"].max() - c["gt_entry"].min()) / 1e3,
+            "start_spread_us": float(c["gt_entry"].max() - c["gt_entry"].min()) / 1e3,
+            "clock_ghz": float(ghz), "blocks": int(len(rec)), "sms": int(len(set(c["smid"].tolist()))),
+            "init": us("entry", "init"), "table": us("init", "table"),
+            "first_slot": us("table", "first_full"), "loop": us("first_full", "run"),
+            "set1_lag": us("run", "set1_run"), "sum_sets": us("run", "reduce"),
+            "store": us("reduce", "end"), "block": us("entry", "end"),
+            "producer_last_copy": us("entry", "producer_end")}  # fmt: skip
+
+
 def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=False, asym=False, check=True,
-                gemlite_autotune=False):
+                gemlite_autotune=False, clocks=False):
     families = families or {}
     weights = rotated_weights(n, k, gen, symmetric=not asym)
     w0, copies = weights[0], len(weights)
@@ -147,6 +179,11 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=Fal
             if path == "int4_gemm":
                 row["plan"] = (f"{plan.kernel} NT={plan.n_tiles} S={plan.splits} kc={plan.kc} "
                                f"grid={plan.grid(m)}")
+                if clocks and plan.kernel == "wgmma" and m <= gemm.MBLOCK:
+                    row["clocks"] = ws_clock_phases(families["wgmma"], math.prod(plan.grid(m)))
+                    print(f"{name:8s} M={m:5d} clocks " + " ".join(
+                        f"{key} {v:.2f}" if isinstance(v, float) else f"{key} {v}"
+                        for key, v in row["clocks"].items()), flush=True)
             elif path == "int4_gemm_wgmma128":
                 p = prefill_plans[m]
                 row["plan"] = f"wgmma NT=16 S={p.splits} grid={p.grid(m)}"
@@ -224,8 +261,9 @@ def main(argv=None) -> int:
     ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (16, 64, 512) if args.quick else MS
     for name, n, k in MODEL_SHAPES[args.model]:
         bench_shape(name, n, k, ms, gen, read_bw, rows, families, args.int4_only, args.asym,
-                    check=not any("_PROBE_" in d for d in args.define),
-                    gemlite_autotune=args.gemlite_autotune)
+                    check=not any("_PROBE_" in d and "_CLOCKS" not in d for d in args.define),
+                    gemlite_autotune=args.gemlite_autotune,
+                    clocks="NQ_GEMM_WS_PROBE_CLOCKS" in args.define)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
     rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "defines": args.define, "model": args.model, "asym": args.asym,

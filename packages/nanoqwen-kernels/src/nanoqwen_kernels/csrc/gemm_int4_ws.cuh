@@ -51,7 +51,8 @@
 // Timing probes (wrong outputs; tests never build them), each a -D option: NQ_GEMM_WS_PROBE_NO_MMA (the
 // consumers' steps without the wgmmas), NQ_GEMM_WS_PROBE_COPY_ONLY (the ring's copies and barriers
 // only), NQ_GEMM_WS_PROBE_NO_MAINLOOP (no copies and no consumer steps: the per-block prologue -- barrier
-// init, setmaxnreg, the scale / zero table -- and epilogue alone).
+// init, setmaxnreg, the scale / zero table -- and epilogue alone). NQ_GEMM_WS_PROBE_CLOCKS keeps the
+// outputs and records when each block passes each phase (R <= 64 launches; the WsClock slots below).
 //
 // Split-K: as gemm_int4.cuh (fp32 partials [S, M, N], an arrival counter per (M block, row block),
 // the last block sums in split order); set 0 synchronises with named barrier 1 (256 threads), all the
@@ -119,6 +120,43 @@ struct WsRing {
   static constexpr int BARS = 128;
   static NQ_DEVICE int table_bytes(int kgb, bool asym) { return ROWS_PER_BLOCK * kgb * (asym ? 3 : 2); }
 };
+
+#ifdef NQ_GEMM_WS_PROBE_CLOCKS
+// The clocks probe: per block (linear index < 1024) 16 u64 of the last launch, read back by bench_gemm
+// (module global nq_gemm_ws_clocks): %globaltimer (ns) at entry and exit, the SM's clock64 at each phase.
+enum WsClock {
+  CK_GT_ENTRY, CK_ENTRY, CK_INIT, CK_TABLE, CK_FIRST_FULL, CK_RUN, CK_REDUCE, CK_END, CK_GT_END, CK_SMID,
+  CK_PRODUCER_START, CK_PRODUCER_END, CK_SET1_RUN, CK_NTC, CK_SLOTS = 16
+};
+__device__ unsigned long long nq_gemm_ws_clocks[1024 * CK_SLOTS];
+NQ_DEVICE void ws_clock(int slot, u64 v) {
+  const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (b < 1024) nq_gemm_ws_clocks[b * CK_SLOTS + slot] = v;
+}
+NQ_DEVICE u64 ws_clock64() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+  return t;
+}
+NQ_DEVICE u64 ws_globaltimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+NQ_DEVICE u64 ws_smid() {
+  unsigned v;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
+  return v;
+}
+#define NQ_WS_CLOCK(cond, slot, value) \
+  do {                                \
+    if (cond) ws_clock(slot, value);  \
+  } while (0)
+#else
+#define NQ_WS_CLOCK(cond, slot, value) \
+  do {                                \
+  } while (0)
+#endif
 
 // By-value kernel parameter: a CUtensorMap (cuda_driver.tensor_map_2d).
 struct alignas(64) TmaMap {
@@ -325,6 +363,10 @@ struct WsConsumer : WsConsumerState<8 * NT> {
     }
     if (ntc >= 0) return;  // always: the code below stays compiled
 #endif
+#ifdef NQ_GEMM_WS_PROBE_CLOCKS
+    if (first < ntc) mbar_wait(&full[first % RG::NBUF], 0);  // the set's first slot (waited again below)
+    NQ_WS_CLOCK(threadIdx.x == 0, CK_FIRST_FULL, ws_clock64());
+#endif
     const int ngroups = (ntc - first + stride - 1) / stride * GPT;
     int li = 0;
     for (; li + P <= ngroups; li += P) step<P>(li);
@@ -482,6 +524,8 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   const u32 stab = base + RG::BARS, ztab = stab + ROWS_PER_BLOCK * kgb * 2;
   const u32 ring = (stab + (u32)RG::table_bytes(kgb, ASYM) + 1023u) & ~1023u;
 
+  NQ_WS_CLOCK(threadIdx.x == 0 && !STREAM_K, CK_GT_ENTRY, ws_globaltimer());
+  NQ_WS_CLOCK(threadIdx.x == 0 && !STREAM_K, CK_ENTRY, ws_clock64());
   if (threadIdx.x == 0) {
     for (int s = 0; s < NBUF; ++s) {
       mbar_init(&full[s], 1);
@@ -490,6 +534,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
     mbar_fence_init();
   }
   __syncthreads();
+  NQ_WS_CLOCK(threadIdx.x == 0 && !STREAM_K, CK_INIT, ws_clock64());
 
   if (warp >= CONSUMER_WARPS) {  // ---------------- producer ----------------
     setmaxnreg_dec<WW::PRODUCER_REGS>();
@@ -498,6 +543,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 #ifdef NQ_GEMM_WS_PROBE_NO_MAINLOOP  // timing probe (wrong outputs): no copies, no main loop
     if (ntc >= 0) return;
 #endif
+    NQ_WS_CLOCK(lane == 0 && !STREAM_K, CK_PRODUCER_START, ws_clock64());
     if (lane == 0) {
       const int n_units = STREAM_K ? u_end - u_begin : ntc;
       for (int rel = 0; rel < n_units; ++rel) {
@@ -515,6 +561,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
         tma_load_2d(slot + RG::X + RG::XBOX, xmap, tc * 128 + 64, mb * R, &full[s]);
       }
     }
+    NQ_WS_CLOCK(lane == 0 && !STREAM_K, CK_PRODUCER_END, ws_clock64());
     return;
   }
 
@@ -610,6 +657,9 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   const int row_base = blockIdx.y * ROWS_PER_BLOCK;
   load_table(row_base, tc_begin, ntc);
   consumer_sync<CONSUMERS>();
+  NQ_WS_CLOCK(threadIdx.x == 0, CK_TABLE, ws_clock64());
+  NQ_WS_CLOCK(threadIdx.x == 0, CK_NTC, (u64)ntc);
+  NQ_WS_CLOCK(threadIdx.x == 0, CK_SMID, ws_smid());
   int row0, row1;
   bool has0, has1;
   rows_of(row_base, row0, row1, has0, has1);
@@ -623,6 +673,8 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
     c.run(ntc, kset, KSETS);
   }
 #endif
+  NQ_WS_CLOCK(threadIdx.x == 0, CK_RUN, ws_clock64());
+  NQ_WS_CLOCK(threadIdx.x == SET_WARPS * 32, CK_SET1_RUN, ws_clock64());
   static_assert(KSETS == 1 || KSETS == 2, "the sets' sums are added pairwise");
   if constexpr (KSETS == 2) {  // set 1's sums into set 0's, through the ring (drained: every slot's
     constexpr int NA = R / 2;  // copies were waited for)
@@ -637,8 +689,11 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 #pragma unroll
     for (int i = 0; i < NA; ++i) c.acc[i] += red[(wq * NA + i) * 32 + lane];
   }
+  NQ_WS_CLOCK(threadIdx.x == 0, CK_REDUCE, ws_clock64());
   nq_gemm::finish_tile<NT, true>(c.acc, bias, out, ws, counters, M, N, gridDim.z, split, m0, rows_valid, row_base,
                                  row0, row1, has0, has1, t);
+  NQ_WS_CLOCK(threadIdx.x == 0, CK_END, ws_clock64());
+  NQ_WS_CLOCK(threadIdx.x == 0, CK_GT_END, ws_globaltimer());
 }
 
 }  // namespace nq_gemm_ws
