@@ -82,13 +82,14 @@ PY
   gemm-plans)  # every M <= 64 GEMM plan of the 7B / 1.5B / 0.5B linears timed: gemm.MEASURED_PLANS' source
     PYTHONPATH=$SRC timeout 400 python3 -m nanoqwen_bench.kernels.sweep_gemm_plans --model 7b,1.5b,0.5b \
       --out $OUT/gemm-plans 2>&1 | tail -40 ;;
-  gemm-probes)  # the wgmma GEMM at M = 16..64 with its blocks' phase clocks, without its main loop
-    # (prologue, table, epilogue alone) and without its copies, beside the full kernel: where a block's
-    # fixed time goes (two families compile per build)
-    for d in NQ_GEMM_WS_PROBE_CLOCKS NQ_GEMM_WS_PROBE_NO_MAINLOOP NQ_GEMM_WS_PROBE_COPY_ONLY full; do echo "== $d"
-      PYTHONPATH=$SRC timeout 170 python3 -m nanoqwen_bench.kernels.bench_gemm --ms 16,32,64 --int4-only \
-        $([ $d = full ] || echo --define $d) --out $OUT/probe-$d 2>&1 | grep "int4_gemm \|clocks\|^M=\|Error" \
-        | tail -26; done ;;
+  gemm-probes)  # the wgmma GEMM at M = 16..64: the full kernel with and without programmatic launch,
+    # its blocks' phase clocks, and without its main loop (prologue, table, epilogue alone) and without
+    # its copies: where a block's fixed time goes (two families compile per probe build)
+    for d in full NQ_GEMM_WS_PROBE_CLOCKS full-nopdl NQ_GEMM_WS_PROBE_NO_MAINLOOP NQ_GEMM_WS_PROBE_COPY_ONLY; do
+      echo "== $d"
+      NANOQWEN_PDL=$([ $d = full-nopdl ] && echo 0 || echo 1) PYTHONPATH=$SRC timeout 150 python3 -m \
+        nanoqwen_bench.kernels.bench_gemm --ms 16,32,64 --int4-only $(case $d in full*) ;; *) echo --define $d;; esac) \
+        --out $OUT/probe-$d 2>&1 | grep "int4_gemm \|clocks\|^M=\|Error" | tail -26; done ;;
   batched)  # batched decode (16 / 32 / 64) of the three synthetic geometries, "$2" e.g. "7b 1.5b"
     for g in ${2:-7b 1.5b 0.5b}; do PYTHONPATH=$SRC:/tmp/site timeout 150 python3 -m nanoqwen_cli.main bench \
       --geometry $g --quick --kv-memory 8GiB --only decode_ctx128,batch16,batch32,batch64 --out $OUT/batched-$g \

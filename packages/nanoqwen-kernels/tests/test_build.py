@@ -8,6 +8,7 @@ report parser and the cache key, so a silently broken parser cannot pass the spi
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from nanoqwen_kernels import build
@@ -71,3 +72,21 @@ def test_family_compiles_without_local_memory(family, tmp_path):
     assert not missing, f"hot kernels not found in ptxas report: {missing}; report has {sorted(report)}"
     bad = {k: report[k] for k in spec.hot_kernels if report[k].uses_local_memory}
     assert not bad, f"hot kernels use local memory (stack frame / spills): {bad}"
+    if spec.programmatic:  # launched with programmatic dependent launch: every kernel must wait
+        entries = ptx_entries(build.ptx_of(spec, tmp_path))
+        assert set(report) <= set(entries), "every kernel in ptxas's report has a PTX entry"
+        no_wait = [name for name, body in entries.items()
+                   if "griddepcontrol.wait" not in body or "griddepcontrol.launch_dependents" not in body]
+        assert not no_wait, f"{family}: kernels without pdl_wait or launch_dependents: {no_wait}"
+
+
+def ptx_entries(ptx: str) -> dict[str, str]:
+    """Each `.entry` of a PTX module: its name -> its text up to the next entry."""
+    parts = re.split(r"^\.visible \.entry (\w+)\(", ptx, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_ptx_entries_splits_at_each_entry():
+    ptx = ".version 8.0\n.visible .entry a(\n x;\n griddepcontrol.wait;\n}\n.visible .entry b(\n y;\n}\n"
+    e = ptx_entries(ptx)
+    assert set(e) == {"a", "b"} and "griddepcontrol.wait" in e["a"] and "griddepcontrol" not in e["b"]

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from nanoqwen_kernels import cuda_driver, launch
+from nanoqwen_kernels.specs import SPECS
 
 
 def _cuda_include() -> Path | None:
@@ -41,6 +42,7 @@ int main(void) {
   printf("hStream %zu\n", offsetof(CUlaunchConfig, hStream));
   printf("attrs %zu\n", offsetof(CUlaunchConfig, attrs));
   printf("numAttrs %zu\n", offsetof(CUlaunchConfig, numAttrs));
+  printf("programmatic %d\n", (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
   return 0;
 }
 """
@@ -62,12 +64,15 @@ def test_launch_structs_match_cuda_h(tmp_path):
     assert ctypes.sizeof(C) == c["config_size"]
     for field in ("sharedMemBytes", "hStream", "attrs", "numAttrs"):
         assert getattr(C, field).offset == c[field], field
+    assert cuda_driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == c["programmatic"]
 
 
-def test_launch_takes_the_driver_path_only_for_a_tensor_map(monkeypatch):
-    """launch.launch: a by-value CUtensorMap argument (np.void) -> cuda_driver.launch_ex on the current
-    torch stream; otherwise the plain CuPy launch. (CuPy, the module and the stream are stand-ins: no
-    GPU here.)"""
+@pytest.mark.parametrize("programmatic", [False, True])
+def test_launch_takes_the_driver_path_for_a_tensor_map_or_a_programmatic_family(monkeypatch, programmatic):
+    """launch.launch: a by-value CUtensorMap argument (np.void), or a family specs.py marks programmatic
+    while launch.PROGRAMMATIC is on -> cuda_driver.launch_ex on the current torch stream (with the
+    attribute for the latter); otherwise the plain CuPy launch. (CuPy, the module and the stream are
+    stand-ins: no GPU here.)"""
     calls = []
 
     class Kernel:
@@ -84,16 +89,47 @@ def test_launch_takes_the_driver_path_only_for_a_tensor_map(monkeypatch):
     monkeypatch.setattr(launch, "current_stream", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: types.SimpleNamespace(cuda_stream=77))
 
-    def launch_ex(function_ptr, grid, block, args, shared_mem, stream_ptr):
-        calls.append(("driver", function_ptr, shared_mem, stream_ptr))
+    def launch_ex(function_ptr, grid, block, args, shared_mem, stream_ptr, programmatic):
+        calls.append(("driver", function_ptr, shared_mem, stream_ptr, programmatic))
 
     monkeypatch.setattr(cuda_driver, "launch_ex", launch_ex)
+    monkeypatch.setattr(launch, "PROGRAMMATIC", programmatic)
+    assert SPECS["gemv"].programmatic and SPECS["gemm_ws"].programmatic and not SPECS["bench"].programmatic
     args = (np.int32(1),)
     launch.launch("gemv", "k", 0, (2, 1, 1), (32, 1, 1), args)
-    launch.launch("gemv", "k", 0, (2, 1, 1), (32, 1, 1), args, 64)
+    launch.launch("bench", "k", 0, (2, 1, 1), (32, 1, 1), args, 64)
     launch.launch("gemm_ws", "k", 0, (2, 1, 1), (32, 1, 1), args + (np.void(bytes(128)),), 64)
-    assert calls == [("plain", (2, 1, 1), (32, 1, 1), 0), ("plain", (2, 1, 1), (32, 1, 1), 64),
-                     ("driver", 1234, 64, 77)]  # fmt: skip
+    gemv = ("driver", 1234, 0, 77, True) if programmatic else ("plain", (2, 1, 1), (32, 1, 1), 0)
+    assert calls == [gemv, ("plain", (2, 1, 1), (32, 1, 1), 64), ("driver", 1234, 64, 77, programmatic)]
+
+
+@pytest.mark.parametrize("programmatic", [False, True])
+def test_launch_ex_passes_each_parameter_and_the_attribute(monkeypatch, programmatic):
+    """cuda_driver.launch_ex: what cuLaunchKernelEx receives (a stand-in driver reads it during the call):
+    the grid, block, shared memory and stream; one pointer per parameter to that parameter's bytes; with
+    programmatic, one attribute: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6), value 1."""
+    seen = {}
+
+    class Lib:
+        def cuLaunchKernelEx(self, cfg_ref, function_ptr, params, extra):  # noqa: N802 (the driver's name)
+            cfg = ctypes.cast(cfg_ref, ctypes.POINTER(cuda_driver.CUlaunchConfig)).contents
+            seen["dims"] = (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.sharedMemBytes,
+                            cfg.hStream)
+            seen["attrs"] = [(cfg.attrs[i].id, int.from_bytes(ctypes.string_at(
+                ctypes.addressof(cfg.attrs[i]) + cuda_driver.CUlaunchAttribute.value.offset, 4), "little"))
+                for i in range(cfg.numAttrs)]  # fmt: skip
+            seen["params"] = [ctypes.string_at(params[i], size) for i, size in enumerate((8, 4, 2, 128))]
+            seen["function"] = function_ptr
+            return 0
+
+    monkeypatch.setattr(cuda_driver, "_libcuda", lambda: Lib())
+    tmap = np.void(bytes(range(128)))
+    args = (np.uint64(0x1122334455667788), np.int32(-5), np.float16(1.5), tmap)
+    cuda_driver.launch_ex(99, (3, 2), (64,), args, 1024, 555, programmatic)
+    assert seen["function"] == 99 and seen["dims"] == (3, 2, 1, 64, 1024, 555)
+    assert seen["params"] == [a.tobytes() for a in args]
+    assert seen["attrs"] == ([(cuda_driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)]
+                             if programmatic else [])
 
 
 def test_launch_ex_refuses_python_ints():

@@ -49,12 +49,16 @@ class KernelSpec:
     sources: `.cu` files under `csrc/` (one entry file per family is the rule; several are allowed).
     options: extra compiler options understood by both NVRTC and nvcc (`-D...`, `--use_fast_math`).
     hot_kernels: extern "C" kernel names that must have a zero stack frame and no spills.
+    programmatic: every kernel of the family calls pdl_wait (common.cuh) before it touches memory that
+        an earlier kernel may write, so `launch.launch` may start it while the kernel before it runs
+        (programmatic dependent launch).
     """
 
     name: str
     sources: tuple[str, ...]
     options: tuple[str, ...] = ()
     hot_kernels: tuple[str, ...] = ()
+    programmatic: bool = False
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -246,8 +250,14 @@ def nvdisasm_path() -> str | None:
     return next((str(c) for c in cands if c.is_file()), None)
 
 
+def ptx_of(spec: KernelSpec, out_dir: Path) -> str:
+    """The PTX that `compile_nvcc(spec, out_dir)` kept."""
+    return (out_dir / f"nq_unit_{spec.name}.ptx").read_text()
+
+
 def compile_nvcc(spec: KernelSpec, out_dir: Path) -> tuple[Path, dict[str, KernelResources]]:
-    """Compile the spec's unit to `out_dir/{name}.cubin` with nvcc; return it and ptxas's report."""
+    """Compile the spec's unit to `out_dir/{name}.cubin` with nvcc; return it and ptxas's report. The
+    unit's PTX stays beside it (`ptx_of(spec, out_dir)`)."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise KernelBuildError("nvcc not found on PATH")
@@ -255,7 +265,8 @@ def compile_nvcc(spec: KernelSpec, out_dir: Path) -> tuple[Path, dict[str, Kerne
     unit = out_dir / f"nq_unit_{spec.name}.cu"
     unit.write_text(translation_unit(spec))
     cubin = out_dir / f"{spec.name}.cubin"
-    cmd = [nvcc, *nvcc_options(spec), "-cubin", "-Xptxas", "-v", "-o", str(cubin), str(unit)]
+    cmd = [nvcc, *nvcc_options(spec), "-cubin", "-Xptxas", "-v", "--keep", "--keep-dir", str(out_dir),
+           "-o", str(cubin), str(unit)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:

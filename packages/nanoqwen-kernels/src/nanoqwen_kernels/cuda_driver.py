@@ -2,7 +2,8 @@
 `cuTensorMapEncodeTiled`.
 
 `cuLaunchKernelEx` launches the kernels that take a CUtensorMap by value (the wgmma GEMM, family
-"gemm_ws"), which CuPy's launch cannot pass. The structures mirror cuda.h (CUDA 12.0 and later;
+"gemm_ws"), which CuPy's launch cannot pass, and every launch with the programmatic-dependent-launch
+attribute. The structures mirror cuda.h (CUDA 12.0 and later;
 `tests/test_launch_cpu.py` compiles a C program against the local cuda.h and compares sizes and
 offsets).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 
 import numpy as np
 
@@ -60,19 +62,35 @@ def _error_text(lib: ctypes.CDLL, code: int) -> str:
     return f"{(name.value or b'?').decode()} ({code}): {(text.value or b'?').decode()}"
 
 
-def launch_ex(function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
-    """cuLaunchKernelEx of the CUfunction `function_ptr` on `stream_ptr`, no launch attributes.
-    `args`: numpy scalars in the kernel's parameter order (their dtype gives each parameter's size; a
-    128-byte `np.void` is a CUtensorMap passed by value). Raises CudaDriverError when the driver refuses
-    the launch."""
+# cuda.h CUlaunchAttributeID: the launch may start before the previous kernel on the stream completes
+# (programmatic dependent launch; value: an int, 1 = allowed)
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_PROGRAMMATIC_ATTRS = (CUlaunchAttribute * 1)()
+_PROGRAMMATIC_ATTRS[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+# CUlaunchAttributeValue.programmaticStreamSerializationAllowed = 1
+_PROGRAMMATIC_ATTRS[0].value = (1).to_bytes(4, "little")
+
+
+def launch_ex(function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int,
+              programmatic: bool = False) -> None:
+    """cuLaunchKernelEx of the CUfunction `function_ptr` on `stream_ptr`. `args`: numpy scalars in the
+    kernel's parameter order (their dtype gives each parameter's size; a 128-byte `np.void` is a
+    CUtensorMap passed by value). programmatic: with the programmatic stream serialization attribute
+    (the kernel must wait for its inputs itself: common.cuh's pdl_wait). Raises CudaDriverError when the
+    driver refuses the launch."""
     if not all(isinstance(a, np.generic) for a in args):
         raise TypeError("launch_ex: every argument must be a numpy scalar (its dtype gives the size)")
     lib = _libcuda()
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by, bz = (tuple(block) + (1, 1))[:3]
-    cfg = CUlaunchConfig(gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, None, 0)
-    holders = [np.asarray(a) for a in args]  # 0-d arrays own the parameter bytes during the call
-    params = (ctypes.c_void_p * max(1, len(holders)))(*[h.ctypes.data for h in holders])
+    attrs = _PROGRAMMATIC_ATTRS if programmatic else None
+    cfg = CUlaunchConfig(gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, attrs, 1 if programmatic else 0)
+    # the parameters' bytes back to back in one buffer (the driver copies each from its pointer)
+    blob = b"".join([a.tobytes() for a in args])
+    holder = ctypes.create_string_buffer(blob, max(1, len(blob)))
+    base = ctypes.addressof(holder)
+    offsets = itertools.accumulate([a.nbytes for a in args], initial=0)
+    params = (ctypes.c_void_p * max(1, len(args)))(*[base + o for o in offsets][: len(args)])
     code = lib.cuLaunchKernelEx(ctypes.byref(cfg), function_ptr, params, None)
     if code != 0:
         raise CudaDriverError(f"cuLaunchKernelEx (grid {grid}, block {block}, {shared_mem} B shared): "

@@ -6,7 +6,12 @@ current torch stream as a CuPy `ExternalStream` and launches on it. Nothing here
 memory or synchronises the host, so launches can be captured in a CUDA graph once each family has
 been loaded (call `warm_up()` before capture: loading a module is not capturable).
 
-A kernel that takes a CUtensorMap by value (an `np.void` argument) is launched through
+A kernel of a `programmatic` family (specs.py) is launched with programmatic dependent launch: it may
+start while the kernel before it on the stream still runs, and waits for its inputs itself
+(common.cuh's pdl_wait), so its launch, block start and first weight loads overlap the previous
+kernel's tail. Inside a captured CUDA graph this becomes a programmatic edge. `NANOQWEN_PDL=0` in the
+environment launches them plainly (an A/B switch for benchmarks; the outputs are the same).
+Those launches, and a kernel that takes a CUtensorMap by value (an `np.void` argument), go through
 `cuLaunchKernelEx` (cuda_driver.py); every other one through CuPy.
 
 Only sm_90 (Hopper) is supported: `require_sm90` raises `UnsupportedDeviceError` on anything else;
@@ -15,6 +20,7 @@ there is no slower fallback path.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -33,6 +39,8 @@ _modules: dict[tuple[str, int], object] = {}
 _functions: dict[tuple[str, str, int], object] = {}
 _streams: dict[tuple[int, int], object] = {}
 _checked_devices: set[int] = set()
+# programmatic dependent launch for the families that allow it (module docstring)
+PROGRAMMATIC = os.environ.get("NANOQWEN_PDL", "1") != "0"
 
 
 def require_sm90(device: torch.device) -> int:
@@ -110,10 +118,11 @@ def launch(family: str, kernel: str, device_index: int, grid, block, args, share
         fn.max_dynamic_shared_size_bytes = shared_mem
     import cupy
 
+    programmatic = PROGRAMMATIC and SPECS[family].programmatic
     with cupy.cuda.Device(device_index):
-        if any(isinstance(a, np.void) for a in args):  # a CUtensorMap by value
+        if programmatic or any(isinstance(a, np.void) for a in args):  # a CUtensorMap by value
             stream = torch.cuda.current_stream(device_index).cuda_stream
-            cuda_driver.launch_ex(fn.kernel.ptr, grid, block, args, shared_mem, stream)
+            cuda_driver.launch_ex(fn.kernel.ptr, grid, block, args, shared_mem, stream, programmatic)
             return
         with current_stream(device_index):
             fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)

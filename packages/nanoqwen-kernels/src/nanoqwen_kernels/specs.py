@@ -14,6 +14,7 @@ from .build import KernelSpec
 SPECS: dict[str, KernelSpec] = {
     "layer_ops": KernelSpec(
         name="layer_ops",
+        programmatic=True,
         sources=("layer_ops.cu",),
         hot_kernels=(
             "rms_norm_bf16",
@@ -25,6 +26,7 @@ SPECS: dict[str, KernelSpec] = {
     ),
     "gemv": KernelSpec(
         name="gemv",
+        programmatic=True,
         sources=("gemv.cu",),
         hot_kernels=tuple(
             f"gemv_int4_g{g}_{kind}{scales}{suffix}"
@@ -50,6 +52,7 @@ SPECS: dict[str, KernelSpec] = {
     # containers are g128).
     "gemm": KernelSpec(
         name="gemm",
+        programmatic=True,
         sources=("gemm.cu",),
         hot_kernels=tuple(
             f"gemm_int4_g{g}_{kind}{scale}{suffix}_n{nt}"
@@ -65,6 +68,7 @@ SPECS: dict[str, KernelSpec] = {
     # prefill M blocks of 128 rows at NT = 16, split-K up to 128 rows, stream-K above (_sk)
     "gemm_ws": KernelSpec(
         name="gemm_ws",
+        programmatic=True,
         sources=("gemm_ws.cu",),
         hot_kernels=tuple(
             f"gemm_ws_int4_g{g}_{kind}{scale}_{nt}"
@@ -76,6 +80,7 @@ SPECS: dict[str, KernelSpec] = {
     ),
     "sampling": KernelSpec(
         name="sampling",
+        programmatic=True,
         sources=("sampling.cu",),
         hot_kernels=("sample_tokens_bf16",),
     ),
@@ -89,6 +94,7 @@ SPECS: dict[str, KernelSpec] = {
     ),
     "attention": KernelSpec(
         name="attention",
+        programmatic=True,
         sources=("paged_attention.cu",),
         hot_kernels=(
             "paged_attention_decode_hd128",

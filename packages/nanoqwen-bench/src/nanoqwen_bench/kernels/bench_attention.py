@@ -17,13 +17,14 @@ times larger than the 60 MB L2; time is the median over replays divided by the c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
 import statistics
 
 import torch
-from nanoqwen_kernels import attention, build, launch, specs
+from nanoqwen_kernels import attention, launch, specs
 from nanoqwen_kernels.attention import AttentionGeometry, plan_decode, plan_prefill
 
 from ..gpu import event_seconds
@@ -103,7 +104,7 @@ def with_variant(options: tuple[str, ...], fn):
     """Run fn() with the attention family rebuilt with extra compiler options."""
     name = "attention_ablate_" + str(abs(hash(options)) % 10**8)
     base = specs.SPECS["attention"]
-    specs.SPECS[name] = build.KernelSpec(name=name, sources=base.sources, options=base.options + options)
+    specs.SPECS[name] = dataclasses.replace(base, name=name, options=base.options + options)
     saved, attention.FAMILY = attention.FAMILY, name
     try:
         return fn()

@@ -27,6 +27,30 @@ typedef u32 bf16x2_t;
 #define NQ_DYNAMIC_SMEM(name, align) extern __shared__ __align__(align) unsigned char name[]
 #endif
 
+// Programmatic dependent launch (sm_90). launch.py launches the kernels of the families that
+// specs.py marks `programmatic` with programmatic stream serialization: such a kernel may start while
+// the kernel before it on the stream still runs. Each of their kernels calls pdl_launch_dependents() as
+// it starts (the kernel after it may start now) and pdl_wait() (every earlier kernel on the stream has
+// completed and its writes are visible) before it reads or writes any memory but the weights, scales,
+// zero points and biases, which no kernel writes. Launched without the attribute, both are no-ops.
+// The pair lets the next kernel's launch, block start and first weight loads overlap this kernel's tail.
+NQ_DEVICE void pdl_launch_dependents() {
+#ifndef NQ_HOST_EMU
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+NQ_DEVICE void pdl_wait() {
+#ifndef NQ_HOST_EMU
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Both at a kernel's start: the kernels that read nothing before their inputs.
+NQ_DEVICE void pdl_entry() {
+  pdl_launch_dependents();
+  pdl_wait();
+}
+
 NQ_DEVICE float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
 NQ_DEVICE float bf16x2_lo(bf16x2_t v) { return __uint_as_float(v << 16); }
 NQ_DEVICE float bf16x2_hi(bf16x2_t v) { return __uint_as_float(v & 0xffff0000u); }

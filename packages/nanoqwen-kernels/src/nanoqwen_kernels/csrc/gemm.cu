@@ -29,6 +29,7 @@ using namespace nq_gemm;
            const u16* __restrict__ scales, const u8* __restrict__ zeros,                              \
            const bf16_t* __restrict__ bias, bf16_t* __restrict__ out, float* __restrict__ ws,         \
            int* __restrict__ counters, int M, int N, int K, int kc) {                                 \
+    pdl_entry();                                                                                      \
     gemm_int4<G, ASYM, XMODE, NT, ST>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, kc);   \
   }
 

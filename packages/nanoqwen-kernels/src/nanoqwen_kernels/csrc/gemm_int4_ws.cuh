@@ -526,6 +526,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 
   NQ_WS_CLOCK(threadIdx.x == 0 && !STREAM_K, CK_GT_ENTRY, ws_globaltimer());
   NQ_WS_CLOCK(threadIdx.x == 0 && !STREAM_K, CK_ENTRY, ws_clock64());
+  pdl_launch_dependents();
   if (threadIdx.x == 0) {
     for (int s = 0; s < NBUF; ++s) {
       mbar_init(&full[s], 1);
@@ -546,12 +547,34 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
     NQ_WS_CLOCK(lane == 0 && !STREAM_K, CK_PRODUCER_START, ws_clock64());
     if (lane == 0) {
       const int n_units = STREAM_K ? u_end - u_begin : ntc;
-      for (int rel = 0; rel < n_units; ++rel) {
-        int tc = tc_begin + rel, mb = blockIdx.x, rb = blockIdx.y;
+      // unit rel's tile-column, M block and row block
+      auto unit = [&](int rel, int& tc, int& mb, int& rb) {
+        tc = tc_begin + rel, mb = blockIdx.x, rb = blockIdx.y;
         if constexpr (STREAM_K) {
           const int u = u_begin + rel, tile = u / KT;
           tc = u - tile * KT, mb = tile % m_blocks, rb = tile / m_blocks;
         }
+      };
+      // The first NBUF slots' weights go out before pdl_wait (weights only: the previous kernel may
+      // still run), their x after it.
+      const int ahead = min(n_units, NBUF);
+      for (int rel = 0; rel < ahead; ++rel) {
+        int tc, mb, rb;
+        unit(rel, tc, mb, rb);
+        mbar_arrive_expect_tx(&full[rel], bytes);
+        tma_load_2d(ring + (u32)(rel * RG::SLOT) + RG::W, wmap, tc * 64, rb * (ROWS_PER_BLOCK / 8), &full[rel]);
+      }
+      pdl_wait();
+      for (int rel = 0; rel < ahead; ++rel) {
+        int tc, mb, rb;
+        unit(rel, tc, mb, rb);
+        const u32 slot = ring + (u32)(rel * RG::SLOT);
+        tma_load_2d(slot + RG::X, xmap, tc * 128, mb * R, &full[rel]);
+        tma_load_2d(slot + RG::X + RG::XBOX, xmap, tc * 128 + 64, mb * R, &full[rel]);
+      }
+      for (int rel = ahead; rel < n_units; ++rel) {
+        int tc, mb, rb;
+        unit(rel, tc, mb, rb);
         const int s = rel % NBUF;
         mbar_wait(&empty[s], ((rel / NBUF) & 1) ^ 1);
         const u32 slot = ring + (u32)(s * RG::SLOT);
@@ -609,6 +632,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   };
 
   if constexpr (STREAM_K) {
+    pdl_wait();  // before any store (the scale tables come later, per segment)
     WsPrefillConsumer<G, ASYM, ST> c;
     c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
     for (int u = u_begin, seg = 0; u < u_end; u += seg) {  // one tile segment [u, u + seg) at a time
@@ -655,7 +679,8 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 
   const int m0 = blockIdx.x * R, rows_valid = min(R, M - m0);
   const int row_base = blockIdx.y * ROWS_PER_BLOCK;
-  load_table(row_base, tc_begin, ntc);
+  load_table(row_base, tc_begin, ntc);  // scales and zero points: before pdl_wait
+  pdl_wait();                            // before any store
   consumer_sync<CONSUMERS>();
   NQ_WS_CLOCK(threadIdx.x == 0, CK_TABLE, ws_clock64());
   NQ_WS_CLOCK(threadIdx.x == 0, CK_NTC, (u64)ntc);

@@ -242,6 +242,7 @@ NQ_GEMV_MERGE_ENTRIES(32, asym, true, _f16s, ScaleF16)
   extern "C" __global__ void __launch_bounds__(256)                                                   \
       NAME(const uint4* __restrict__ qweight, const u16* __restrict__ scales,                        \
            const u8* __restrict__ zeros, bf16_t* __restrict__ out, int N, int K) {                    \
+    pdl_entry();                                                                                      \
     dequant_int4<G, ASYM, ST>(qweight, scales, zeros, out, N, K);                                     \
   }
 
@@ -270,6 +271,7 @@ NQ_DEQUANT_ENTRY(dequant_int4_g32_asym_f16s, 32, true, ScaleF16)
   extern "C" __global__ void __launch_bounds__(nq_gemv8::THREADS, NQ_GEMV8_MIN_BLOCKS)                \
       NAME(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,                          \
            const bf16_t* __restrict__ scales, bf16_t* __restrict__ out, int M, int N, int K) {        \
+    pdl_entry();                                                                                      \
     nq_gemv8::gemv_int8<G>(x, qweight, scales, out, M, N, K);                                         \
   }
 

@@ -8,6 +8,7 @@ using namespace nq;
 extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16(const bf16_t* __restrict__ x,
                                                                 const bf16_t* __restrict__ w,
                                                                 bf16_t* __restrict__ out, int H, float eps) {
+  pdl_entry();
   rms_norm_row(x, nullptr, w, out, H, eps);
 }
 
@@ -17,12 +18,14 @@ extern "C" __global__ void __launch_bounds__(256) fused_add_rms_norm_bf16(const 
                                                                           const bf16_t* __restrict__ w,
                                                                           bf16_t* __restrict__ out, int H,
                                                                           float eps) {
+  pdl_entry();
   rms_norm_row(x, residual, w, out, H, eps);
 }
 
 // grid-stride over T * I / 8 vectors. gate_up: [T, 2I] (gate then up); out: [T, I]; I % 8 == 0.
 extern "C" __global__ void __launch_bounds__(256) silu_mul_bf16(const bf16_t* __restrict__ gate_up,
                                                                 bf16_t* __restrict__ out, int T, int I) {
+  pdl_entry();
   const i64 nvec_row = I / 8, total = (i64)T * nvec_row;
   for (i64 v = blockIdx.x * (i64)blockDim.x + threadIdx.x; v < total; v += (i64)gridDim.x * blockDim.x) {
     const i64 t = v / nvec_row, c = v - t * nvec_row;
@@ -43,6 +46,7 @@ extern "C" __global__ void __launch_bounds__(128) embedding_gather_bf16(const in
                                                                         const bf16_t* __restrict__ table,
                                                                         bf16_t* __restrict__ out, int H,
                                                                         int V) {
+  pdl_entry();
   const int t = blockIdx.x;
   const int id = ids[t];
   uint4* o = reinterpret_cast<uint4*>(out + (i64)t * H);
@@ -62,6 +66,7 @@ extern "C" __global__ void __launch_bounds__(256) qkv_rope_kv_write_bf16(
     const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ bias, const int* __restrict__ positions,
     const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq, bf16_t* __restrict__ q_out,
     bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache, int Hq, int Hkv, int D, int block_size) {
+  pdl_entry();
   const int t = blockIdx.x;
   const int width = (Hq + 2 * Hkv) * D;
   const bf16_t* row = qkv + (i64)t * width;

@@ -52,6 +52,7 @@
 
 #define NQ_ATTN_ENTRY(NAME, HD, NSTAGES, ROW_WARPS, KV_WARPS)                                          \
   extern "C" __global__ void __launch_bounds__(nq_attn::THREADS, 2) NAME(NQ_ATTN_PARAMS) {            \
+    pdl_entry();                                                                                       \
     NQ_ATTN_FILL(p);                                                                                   \
     nq_attn::paged_attention<HD, NSTAGES, ROW_WARPS, KV_WARPS>(p);                                     \
   }
@@ -59,6 +60,7 @@
 #define NQ_ATTN_COMBINE(NAME, HD)                                                                      \
   extern "C" __global__ void __launch_bounds__(nq_attn::COMBINE_THREADS)                              \
       NAME(NQ_ATTN_PARAMS, int total_q) {                                                              \
+    pdl_entry();                                                                                       \
     NQ_ATTN_FILL(p);                                                                                   \
     nq_attn::combine_splits<HD>(p, total_q);                                                           \
   }

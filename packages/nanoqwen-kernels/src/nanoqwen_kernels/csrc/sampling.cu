@@ -14,6 +14,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_tokens_bf16(
     const int* __restrict__ top_k, const float* __restrict__ top_p, const long long* __restrict__ seeds,
     long long* __restrict__ offsets, int* __restrict__ out, unsigned long long* __restrict__ partials,
     int* __restrict__ counters) {
+  pdl_entry();
   const int b = blockIdx.x, C = gridDim.y, c = blockIdx.y;
   const bf16_t* row = logits + (i64)b * ld;
   __shared__ Smem sm;
