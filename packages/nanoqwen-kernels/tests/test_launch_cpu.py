@@ -67,12 +67,14 @@ def test_launch_structs_match_cuda_h(tmp_path):
     assert cuda_driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == c["programmatic"]
 
 
-@pytest.mark.parametrize("programmatic", [False, True])
-def test_launch_takes_the_driver_path_for_a_tensor_map_or_a_programmatic_family(monkeypatch, programmatic):
+@pytest.mark.parametrize(("enabled", "capturing"), [(False, True), (True, False), (True, True)])
+def test_launch_takes_the_driver_path_for_a_tensor_map_or_a_programmatic_family(monkeypatch, enabled,
+                                                                                capturing):
     """launch.launch: a by-value CUtensorMap argument (np.void), or a family specs.py marks programmatic
-    while launch.PROGRAMMATIC is on -> cuda_driver.launch_ex on the current torch stream (with the
-    attribute for the latter); otherwise the plain CuPy launch. (CuPy, the module and the stream are
-    stand-ins: no GPU here.)"""
+    while launch.PROGRAMMATIC is on and a graph is being captured -> cuda_driver.launch_ex on the current
+    torch stream (with the attribute for the latter); otherwise the plain CuPy launch. (CuPy, the module,
+    the stream and the capture state are stand-ins: no GPU here.)"""
+    programmatic = enabled and capturing
     calls = []
 
     class Kernel:
@@ -93,7 +95,8 @@ def test_launch_takes_the_driver_path_for_a_tensor_map_or_a_programmatic_family(
         calls.append(("driver", function_ptr, shared_mem, stream_ptr, programmatic))
 
     monkeypatch.setattr(cuda_driver, "launch_ex", launch_ex)
-    monkeypatch.setattr(launch, "PROGRAMMATIC", programmatic)
+    monkeypatch.setattr(launch, "PROGRAMMATIC", enabled)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     assert SPECS["gemv"].programmatic and SPECS["gemm_ws"].programmatic and not SPECS["bench"].programmatic
     args = (np.int32(1),)
     launch.launch("gemv", "k", 0, (2, 1, 1), (32, 1, 1), args)
