@@ -85,7 +85,7 @@ PY
   gemm-probes)  # the wgmma GEMM at M = 16..64: the full kernel with and without programmatic launch,
     # its blocks' phase clocks, and without its main loop (prologue, table, epilogue alone) and without
     # its copies: where a block's fixed time goes (two families compile per probe build)
-    for d in full NQ_GEMM_WS_PROBE_CLOCKS full-nopdl NQ_GEMM_WS_PROBE_NO_MAINLOOP NQ_GEMM_WS_PROBE_COPY_ONLY; do
+    for d in ${2:-full NQ_GEMM_WS_PROBE_CLOCKS full-nopdl NQ_GEMM_WS_PROBE_NO_MAINLOOP NQ_GEMM_WS_PROBE_COPY_ONLY}; do
       echo "== $d"
       NANOQWEN_PDL=$([ $d = full-nopdl ] && echo 0 || echo 1) PYTHONPATH=$SRC timeout 150 python3 -m \
         nanoqwen_bench.kernels.bench_gemm --ms 16,32,64 --int4-only $(case $d in full*) ;; *) echo --define $d;; esac) \
