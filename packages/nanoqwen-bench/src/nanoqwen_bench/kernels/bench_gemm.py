@@ -115,7 +115,7 @@ def ws_clock_phases(family: str, blocks: int) -> dict:
 
 
 def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=False, asym=False, check=True,
-                gemlite_autotune=False, clocks=False):
+                gemlite_autotune=False, clocks=False, scaled_a=False):
     families = families or {}
     weights = rotated_weights(n, k, gen, symmetric=not asym)
     w0, copies = weights[0], len(weights)
@@ -167,7 +167,7 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=Fal
         if check:  # a timing probe's outputs are wrong by design
             gemm.gemm_int4(x, w0, out, None, ws, plan, family=families.get(plan.kernel))
             torch.cuda.synchronize()
-            check_output(out, x, w0)
+            check_output(out, x, w0, bf16_weight=scaled_a and plan.kernel == "wgmma")
             if "int4_gemm_wgmma128" in paths:
                 out.fill_(float("nan"))
                 gemm.gemm_int4(x, w0, out, None, ws, prefill_plans[m], family=families.get("wgmma"))
@@ -263,7 +263,8 @@ def main(argv=None) -> int:
         bench_shape(name, n, k, ms, gen, read_bw, rows, families, args.int4_only, args.asym,
                     check=not any("_PROBE_" in d and "_CLOCKS" not in d for d in args.define),
                     gemlite_autotune=args.gemlite_autotune,
-                    clocks="NQ_GEMM_WS_PROBE_CLOCKS" in args.define)
+                    clocks="NQ_GEMM_WS_PROBE_CLOCKS" in args.define,
+                    scaled_a="NQ_GEMM_WS_SCALED" in args.define)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
     rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "defines": args.define, "model": args.model, "asym": args.asym,

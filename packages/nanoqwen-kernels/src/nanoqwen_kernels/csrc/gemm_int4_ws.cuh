@@ -4,7 +4,7 @@
 // (q - z) products are summed unscaled in fp32, then added to an accumulator times the fp32 scale, as in
 // gemm_int4.cuh; the two consumer sets (below) keep one accumulator each, over the even and the odd
 // tile-columns, added at the end: the order of a 2-way K split, within the same tolerance. At R = 128
-// (WsPrefillConsumer) the weights are scaled before the MMA, rounded to bf16: the dense weight of the
+// (WsScaledConsumer) the weights are scaled before the MMA, rounded to bf16: the dense weight of the
 // dequantise + cuBLAS path, its tolerance.
 //
 // Why: the mma.sync GEMM is latency-bound at M = 64 -- one block of 8 warps per SM, ~380 instructions
@@ -43,7 +43,7 @@
 //     with wait_group 1, 140 with wait_group 0); the two sets
 //     (four warpgroups) overlap one another's dequantisation and tensor work instead. At the end set 1
 //     adds its sums into set 0's through the drained ring, and set 0 stores.
-//   Consumers at R = 128 (WsPrefillConsumer, one set): the same A rows, scaled to bf16 before the MMA,
+//   Consumers at R = 128 (WsScaledConsumer, one set): the same A rows, scaled to bf16 before the MMA,
 //     so that all wgmmas accumulate into acc; two half tile-column stages of A registers in flight
 //     (wait_group 1), no wait per group: 1.17-1.30x the per-group fragments on the four 7B linears at
 //     M = 128..512 (H100, bench/RESULTS.md).
@@ -128,7 +128,9 @@ enum WsClock {
   CK_GT_ENTRY, CK_ENTRY, CK_INIT, CK_TABLE, CK_FIRST_FULL, CK_RUN, CK_REDUCE, CK_END, CK_GT_END, CK_SMID,
   CK_PRODUCER_START, CK_PRODUCER_END, CK_SET1_RUN, CK_NTC, CK_SLOTS = 16
 };
+extern "C" {  // an unmangled name, for cuModuleGetGlobal
 __device__ unsigned long long nq_gemm_ws_clocks[1024 * CK_SLOTS];
+}
 NQ_DEVICE void ws_clock(int slot, u64 v) {
   const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   if (b < 1024) nq_gemm_ws_clocks[b * CK_SLOTS + slot] = v;
@@ -389,22 +391,25 @@ NQ_DEVICE u32 scale_bf16x2(u32 v, u16 sbits, nq_gemv::ScaleBF16) {
 }
 #endif
 
-// The R = 128 (prefill) consumer warps. Each weight is dequantised and scaled to bf16 as the A operand
-// -- round((q - z) s), the dense weight that the dequantise + cuBLAS path multiplies, rounded the same
-// way -- so every wgmma accumulates into the one fp32 accumulator and nothing waits per quantization
-// group. A stage is half a tile-column (4 k16 steps, one X box); its A registers are double-buffered
-// (two stages in flight, the loop unrolled by two so each buffer keeps its registers) and
-// wait_group 1 after a stage's commit retires the stage before, whose buffer the next stage rewrites and
-// whose slot is released after its second half.
-template <int G, bool ASYM, typename ST>
-struct WsPrefillConsumer : WsConsumerState<128> {
-  static constexpr int R = 128, GPT = 128 / G, STEPS = 4;  // k16 steps per stage
+// The scaled-A consumer warps (R = 128, prefill; R <= 64 too with NQ_GEMM_WS_SCALED). Each weight is
+// dequantised and scaled to bf16 as the A operand -- round((q - z) s), the dense weight that the
+// dequantise + cuBLAS path multiplies, rounded the same way -- so every wgmma accumulates into the one
+// fp32 accumulator and nothing waits per quantization group. A stage is half a tile-column (4 k16 steps,
+// one X box); its A registers are double-buffered (two stages in flight, the loop unrolled by two so
+// each buffer keeps its registers) and wait_group 1 after a stage's commit retires the stage before,
+// whose buffer the next stage rewrites and whose slot is released after its second half.
+template <int G, bool ASYM, typename ST, int R = 128>
+struct WsScaledConsumer : WsConsumerState<R> {
+  static constexpr int GPT = 128 / G, STEPS = 4;  // k16 steps per stage
   using RG = WsRing<R>;
+  using S = WsConsumerState<R>;
+  using S::acc, S::ring, S::stab, S::full, S::empty, S::kgb, S::lane, S::warp, S::lr0, S::lr1, S::zero_pairs;
   using Stage = u32[STEPS][4];
 
   // Unit it of the block's sequence (its ring slot it % NBUF), k16 steps 4 h .. 4 h + 3 = words 2 h,
-  // 2 h + 1 of the lane's two tiles, X box h; the table holds the segment's tile-columns from unit it0.
-  NQ_DEVICE void stage(int it, int h, int it0, Stage& a) {
+  // 2 h + 1 of the lane's two tiles, X box h; col: its column in the scale table. release: the unit
+  // whose slot this stage frees once its wait retires the stage before (that unit's last), or -1.
+  NQ_DEVICE void stage(int it, int h, int col, int release, Stage& a) {
     const int s = it % RG::NBUF;
     if (h == 0) mbar_wait(&full[s], (it / RG::NBUF) & 1);
     const u32 slot = ring + (u32)(s * RG::SLOT);
@@ -413,7 +418,7 @@ struct WsPrefillConsumer : WsConsumerState<128> {
       const int wd = 2 * h + wi;
       const u32 w0 = lds32(slot + RG::W + (2 * warp) * 512 + lane * 16 + 4 * wd);
       const u32 w1 = lds32(slot + RG::W + (2 * warp + 1) * 512 + lane * 16 + 4 * wd);
-      const int gg = (it - it0) * GPT + 32 * wd / G;
+      const int gg = col * GPT + 32 * wd / G;
       const u32 e0 = (u32)(lr0 * kgb + gg), e1 = (u32)(lr1 * kgb + gg);
       const u16 s0 = (u16)lds16(stab + 2 * e0), s1 = (u16)lds16(stab + 2 * e1);
       u32 nz0, nz1;
@@ -431,7 +436,7 @@ struct WsPrefillConsumer : WsConsumerState<128> {
 #ifdef NQ_GEMM_WS_PROBE_NO_MMA  // timing probe (wrong outputs): everything but the tensor-core work
 #pragma unroll
     for (int k = 0; k < STEPS; ++k)
-      acc[k] += __uint_as_float(a[k][0] ^ a[k][1] ^ a[k][2] ^ a[k][3] ^ (x_box + 32 * k));
+      acc[k % (R / 2)] += __uint_as_float(a[k][0] ^ a[k][1] ^ a[k][2] ^ a[k][3] ^ (x_box + 32 * k));
 #else
     nq_wgmma::wgmma_fence();
 #pragma unroll
@@ -441,20 +446,22 @@ struct WsPrefillConsumer : WsConsumerState<128> {
       nq_wgmma::Wgmma<R>::mma(acc, a[k], desc, 1);
     }
     nq_wgmma::wgmma_commit();
-    nq_wgmma::wgmma_wait<1>();  // the stage before retired: its A buffer and (h == 0) its unit free
+    nq_wgmma::wgmma_wait<1>();  // the stage before retired: its A buffer and (release) its unit free
 #endif
-    if (h == 0 && it > 0) {
+    if (release >= 0) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[(it - 1) % RG::NBUF]);
+      if (lane == 0) mbar_arrive(&empty[release % RG::NBUF]);
     }
   }
 
-  // Units it0 .. it0 + n - 1 into a zeroed acc; all their wgmmas complete on return.
-  NQ_DEVICE void run(int it0, int n) {
+  // n units it0, it0 + stride, ... (scale-table columns col0, col0 + stride, ...) into a zeroed acc; all
+  // their wgmmas complete on return. The slot of the unit before it0 (stride 1: the previous tile
+  // segment's last) is released by the first stage.
+  NQ_DEVICE void run(int it0, int n, int stride = 1, int col0 = 0) {
 #pragma unroll
     for (int i = 0; i < R / 2; ++i) acc[i] = 0.f;
 #ifdef NQ_GEMM_WS_PROBE_COPY_ONLY  // timing probe (wrong outputs): the ring's copies and barriers only
-    for (int it = it0; it < it0 + n; ++it) {
+    for (int i = 0, it = it0; i < n; ++i, it += stride) {
       mbar_wait(&full[it % RG::NBUF], (it / RG::NBUF) & 1);
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[it % RG::NBUF]);
@@ -462,9 +469,10 @@ struct WsPrefillConsumer : WsConsumerState<128> {
     if (n >= 0) return;  // always: the code below stays compiled
 #endif
     Stage a0, a1;
-    for (int it = it0; it < it0 + n; ++it) {
-      stage(it, 0, it0, a0);
-      stage(it, 1, it0, a1);
+    for (int i = 0, it = it0; i < n; ++i, it += stride) {
+      const int release = i > 0 ? it - stride : (stride == 1 && it0 > 0 ? it0 - 1 : -1);
+      stage(it, 0, col0 + i * stride, release, a0);
+      stage(it, 1, col0 + i * stride, -1, a1);
     }
     nq_wgmma::wgmma_wait<0>();
 #pragma unroll
@@ -633,7 +641,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 
   if constexpr (STREAM_K) {
     pdl_wait();  // before any store (the scale tables come later, per segment)
-    WsPrefillConsumer<G, ASYM, ST> c;
+    WsScaledConsumer<G, ASYM, ST> c;
     c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
     for (int u = u_begin, seg = 0; u < u_end; u += seg) {  // one tile segment [u, u + seg) at a time
       const int tile = u / KT, tc0 = u - tile * KT;
@@ -689,11 +697,16 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   bool has0, has1;
   rows_of(row_base, row0, row1, has0, has1);
 
-  typename Pick<R == 128, WsPrefillConsumer<G, ASYM, ST>, WsConsumer<G, ASYM, NT, ST, GROUPS_PER_STEP>>::type c;
+#ifdef NQ_GEMM_WS_SCALED
+  constexpr bool SCALED = true;
+#else
+  constexpr bool SCALED = R == 128;
+#endif
+  typename Pick<SCALED, WsScaledConsumer<G, ASYM, ST, R>, WsConsumer<G, ASYM, NT, ST, GROUPS_PER_STEP>>::type c;
   c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
 #ifndef NQ_GEMM_WS_PROBE_NO_MAINLOOP
-  if constexpr (R == 128) {
-    c.run(0, ntc);
+  if constexpr (SCALED) {
+    c.run(kset, (ntc - kset + KSETS - 1) / KSETS, KSETS, kset);  // this set's units kset, kset + KSETS, ...
   } else {
     c.run(ntc, kset, KSETS);
   }
