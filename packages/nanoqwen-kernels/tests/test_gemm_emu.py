@@ -117,6 +117,27 @@ def test_wgmma_fp16_scales(group_size, symmetric, gen, emulated):
                    f"wgmma f16s g{group_size}")
 
 
+@pytest.mark.parametrize("n,k,group_size", [(200, 640, 32), (136, 1152, 128)])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("m,splits", [(13, 1), (40, 2), (64, 3)])
+def test_wgmma_scaled_consumer_experiment(n, k, group_size, symmetric, m, splits, gen, emulated, monkeypatch):
+    """The experiment -DNQ_GEMM_WS_SCALED (device_steps.sh gemm-scaled): the M <= 64 blocks run the
+    prefill plan's scaled-A consumer, each consumer set walking every other tile-column, so they multiply
+    the bf16-rounded weight: its reference and tolerance. Its outputs differ from the default build's
+    (per-group fp32 fragments), so the build with the define is what ran."""
+    from nanoqwen_kernels.specs import SPECS
+
+    w, x, bias = _inputs(n, k, m, group_size, symmetric, False, gen)
+    plan = wgmma_plan(n, k, m, group_size, splits)
+    default = run_gemm(x, w, bias, plan)
+    scaled_spec = dataclasses.replace(SPECS["gemm_ws"], options=("-DNQ_GEMM_WS_SCALED",))
+    monkeypatch.setitem(SPECS, "gemm_ws", scaled_spec)
+    scaled = run_gemm(x, w, bias, plan)
+    assert not torch.equal(scaled, default)
+    R.assert_close(scaled, reference_out(x, w, bias, bf16_weight=True),
+                   f"scaled wgmma [{n}, {k}] g{group_size} M={m} S={plan.splits}")
+
+
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_wgmma_prefill_stream_k_shares_tiles(symmetric, gen, emulated):
     """The prefill plan's stream-K launch (above 128 rows, where `prefill_stream_k_pays`; forced here):
