@@ -124,7 +124,8 @@ def launch(family: str, kernel: str, device_index: int, grid, block, args, share
     programmatic = (PROGRAMMATIC and SPECS[family].programmatic
                     and torch.cuda.is_current_stream_capturing())
     with cupy.cuda.Device(device_index):
-        if programmatic or any(isinstance(a, np.void) for a in args):  # a CUtensorMap by value
+        # the driver path: the programmatic attribute, or a CUtensorMap by value
+        if programmatic or any(isinstance(a, np.void) for a in args):
             stream = torch.cuda.current_stream(device_index).cuda_stream
             cuda_driver.launch_ex(fn.kernel.ptr, grid, block, args, shared_mem, stream, programmatic)
             return

@@ -84,9 +84,11 @@ def check_output(out, x, w, bf16_weight=False) -> None:
     multiplies it), within the bf16 tolerance of reference.TOLERANCES."""
     R.assert_close(out, R.int4_linear(x, w, bf16_weight=bf16_weight), what="bench_gemm output")
 
-# nq_gemm_ws::WsClock: the clocks probe's slots per block
+
+# nq_gemm_ws::WsClock: the clocks probe's named slots, of CLOCK_RECORD u64 per block, CLOCK_BLOCKS blocks
 CLOCK_SLOTS = ("gt_entry", "entry", "init", "table", "first_full", "run", "reduce", "end", "gt_end", "smid",
-               "producer_start", "producer_end", "set1_run", "ntc")
+               "producer_end", "set1_run")
+CLOCK_RECORD, CLOCK_BLOCKS = 16, 1024
 
 
 def ws_clock_phases(family: str, blocks: int) -> dict:
@@ -100,7 +102,8 @@ def ws_clock_phases(family: str, blocks: int) -> dict:
     from nanoqwen_kernels import launch
 
     ptr = launch.module_global(family, "nq_gemm_ws_clocks", torch.cuda.current_device())
-    rec = cupy.ndarray((1024, 16), cupy.uint64, memptr=ptr)[: min(blocks, 1024)].get().astype(np.int64)
+    rec = cupy.ndarray((CLOCK_BLOCKS, CLOCK_RECORD), cupy.uint64, memptr=ptr)[: min(blocks, CLOCK_BLOCKS)]
+    rec = rec.get().astype(np.int64)
     c = {name: rec[:, i] for i, name in enumerate(CLOCK_SLOTS)}
     ghz = (c["end"] - c["entry"]).sum() / max(1, (c["gt_end"] - c["gt_entry"]).sum())  # cycles per ns
     us = lambda a, b: float(np.median(c[b] - c[a])) / ghz / 1e3  # noqa: E731

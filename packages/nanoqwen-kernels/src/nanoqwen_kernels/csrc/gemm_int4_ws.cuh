@@ -126,7 +126,7 @@ struct WsRing {
 // (module global nq_gemm_ws_clocks): %globaltimer (ns) at entry and exit, the SM's clock64 at each phase.
 enum WsClock {
   CK_GT_ENTRY, CK_ENTRY, CK_INIT, CK_TABLE, CK_FIRST_FULL, CK_RUN, CK_REDUCE, CK_END, CK_GT_END, CK_SMID,
-  CK_PRODUCER_START, CK_PRODUCER_END, CK_SET1_RUN, CK_NTC, CK_SLOTS = 16
+  CK_PRODUCER_END, CK_SET1_RUN, CK_SLOTS = 16
 };
 extern "C" {  // an unmangled name, for cuModuleGetGlobal
 __device__ unsigned long long nq_gemm_ws_clocks[1024 * CK_SLOTS];
@@ -552,7 +552,6 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 #ifdef NQ_GEMM_WS_PROBE_NO_MAINLOOP  // timing probe (wrong outputs): no copies, no main loop
     if (ntc >= 0) return;
 #endif
-    NQ_WS_CLOCK(lane == 0 && !STREAM_K, CK_PRODUCER_START, ws_clock64());
     if (lane == 0) {
       const int n_units = STREAM_K ? u_end - u_begin : ntc;
       // unit rel's tile-column, M block and row block
@@ -563,33 +562,29 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
           tc = u - tile * KT, mb = tile % m_blocks, rb = tile / m_blocks;
         }
       };
+      // unit rel's weights into its slot (16 row-tiles x 512 B), after the slot's last reader freed it
+      auto load_weights = [&](int rel, int tc, int rb) {
+        const int s = rel % NBUF;
+        mbar_wait(&empty[s], ((rel / NBUF) & 1) ^ 1);  // the first NBUF: a fresh barrier, no wait
+        mbar_arrive_expect_tx(&full[s], bytes);
+        tma_load_2d(ring + (u32)(s * RG::SLOT) + RG::W, wmap, tc * 64, rb * (ROWS_PER_BLOCK / 8), &full[s]);
+      };
       // The first NBUF slots' weights go out before pdl_wait (weights only: the previous kernel may
-      // still run), their x after it.
+      // still run), every x after it.
       const int ahead = min(n_units, NBUF);
       for (int rel = 0; rel < ahead; ++rel) {
         int tc, mb, rb;
         unit(rel, tc, mb, rb);
-        mbar_arrive_expect_tx(&full[rel], bytes);
-        tma_load_2d(ring + (u32)(rel * RG::SLOT) + RG::W, wmap, tc * 64, rb * (ROWS_PER_BLOCK / 8), &full[rel]);
+        load_weights(rel, tc, rb);
       }
       pdl_wait();
-      for (int rel = 0; rel < ahead; ++rel) {
+      for (int rel = 0; rel < n_units; ++rel) {
         int tc, mb, rb;
         unit(rel, tc, mb, rb);
-        const u32 slot = ring + (u32)(rel * RG::SLOT);
-        tma_load_2d(slot + RG::X, xmap, tc * 128, mb * R, &full[rel]);
-        tma_load_2d(slot + RG::X + RG::XBOX, xmap, tc * 128 + 64, mb * R, &full[rel]);
-      }
-      for (int rel = ahead; rel < n_units; ++rel) {
-        int tc, mb, rb;
-        unit(rel, tc, mb, rb);
-        const int s = rel % NBUF;
-        mbar_wait(&empty[s], ((rel / NBUF) & 1) ^ 1);
-        const u32 slot = ring + (u32)(s * RG::SLOT);
-        mbar_arrive_expect_tx(&full[s], bytes);
-        tma_load_2d(slot + RG::W, wmap, tc * 64, rb * (ROWS_PER_BLOCK / 8), &full[s]);  // 16 row-tiles x 512 B
-        tma_load_2d(slot + RG::X, xmap, tc * 128, mb * R, &full[s]);
-        tma_load_2d(slot + RG::X + RG::XBOX, xmap, tc * 128 + 64, mb * R, &full[s]);
+        if (rel >= ahead) load_weights(rel, tc, rb);
+        const u32 slot = ring + (u32)((rel % NBUF) * RG::SLOT);
+        tma_load_2d(slot + RG::X, xmap, tc * 128, mb * R, &full[rel % NBUF]);
+        tma_load_2d(slot + RG::X + RG::XBOX, xmap, tc * 128 + 64, mb * R, &full[rel % NBUF]);
       }
     }
     NQ_WS_CLOCK(lane == 0 && !STREAM_K, CK_PRODUCER_END, ws_clock64());
@@ -691,7 +686,6 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   pdl_wait();                            // before any store
   consumer_sync<CONSUMERS>();
   NQ_WS_CLOCK(threadIdx.x == 0, CK_TABLE, ws_clock64());
-  NQ_WS_CLOCK(threadIdx.x == 0, CK_NTC, (u64)ntc);
   NQ_WS_CLOCK(threadIdx.x == 0, CK_SMID, ws_smid());
   int row0, row1;
   bool has0, has1;
