@@ -90,11 +90,6 @@ PY
       NANOQWEN_PDL=$([ $d = full-nopdl ] && echo 0 || echo 1) PYTHONPATH=$SRC timeout 150 python3 -m \
         nanoqwen_bench.kernels.bench_gemm --ms 16,32,64 --int4-only $(case $d in full*) ;; *) echo --define $d;; esac) \
         --out $OUT/probe-$d 2>&1 | grep "int4_gemm \|clocks\|^M=\|Error" | tail -26; done ;;
-  gemm-scaled)  # the scaled-A consumer at M <= 64 (-DNQ_GEMM_WS_SCALED: one accumulator, bf16-rounded
-    # scaled weights, wait_group 1) against the per-group fragments, alternated, 7B shapes at M = 16..64
-    for d in full NQ_GEMM_WS_SCALED full NQ_GEMM_WS_SCALED; do echo "== $d"
-      PYTHONPATH=$SRC timeout 120 python3 -m nanoqwen_bench.kernels.bench_gemm --ms 16,32,64 --int4-only \
-        $([ $d = full ] || echo --define $d) --out $OUT/scaled-$d 2>&1 | grep "int4_gemm \|^M=\|Error" | tail -15; done ;;
   batched)  # batched decode (16 / 32 / 64) of the three synthetic geometries, "$2" e.g. "7b 1.5b"
     for g in ${2:-7b 1.5b 0.5b}; do PYTHONPATH=$SRC:/tmp/site timeout 150 python3 -m nanoqwen_cli.main bench \
       --geometry $g --quick --kv-memory 8GiB --only decode_ctx128,batch16,batch32,batch64 --out $OUT/batched-$g \

@@ -80,8 +80,8 @@ PATHS = (*QUANTIZED_PATHS, "cublas_bf16", "tinygemm", "gemlite")
 
 def check_output(out, x, w, bf16_weight=False) -> None:
     """out (bf16 [M, N]) against the kernel tests' oracle: the fp32 product of x with the dequantized
-    weight (nanoqwen_kernels.reference; bf16_weight: rounded to bf16 first, as the prefill plan
-    multiplies it), within the bf16 tolerance of reference.TOLERANCES."""
+    weight (nanoqwen_kernels.reference; bf16_weight: rounded to bf16 first, as the plans that
+    `rounds_weights` multiply it), within the bf16 tolerance of reference.TOLERANCES."""
     R.assert_close(out, R.int4_linear(x, w, bf16_weight=bf16_weight), what="bench_gemm output")
 
 
@@ -118,7 +118,7 @@ def ws_clock_phases(family: str, blocks: int) -> dict:
 
 
 def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=False, asym=False, check=True,
-                gemlite_autotune=False, clocks=False, scaled_a=False):
+                gemlite_autotune=False, clocks=False):
     families = families or {}
     weights = rotated_weights(n, k, gen, symmetric=not asym)
     w0, copies = weights[0], len(weights)
@@ -170,7 +170,7 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=Fal
         if check:  # a timing probe's outputs are wrong by design
             gemm.gemm_int4(x, w0, out, None, ws, plan, family=families.get(plan.kernel))
             torch.cuda.synchronize()
-            check_output(out, x, w0, bf16_weight=scaled_a and plan.kernel == "wgmma")
+            check_output(out, x, w0, bf16_weight=plan.rounds_weights)
             if "int4_gemm_wgmma128" in paths:
                 out.fill_(float("nan"))
                 gemm.gemm_int4(x, w0, out, None, ws, prefill_plans[m], family=families.get("wgmma"))
@@ -181,7 +181,8 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=Fal
             row = {"shape": name, "n": n, "k": k, "m": m, "path": path, "us": t * 1e6,
                    "tflops": 2 * m * n * k / t / 1e12, "bytes": nbytes, "frac_read_bw": nbytes / t / read_bw}
             if path == "int4_gemm":
-                row["plan"] = (f"{plan.kernel} NT={plan.n_tiles} S={plan.splits} kc={plan.kc} "
+                row["plan"] = (f"{plan.kernel} NT={plan.n_tiles} "
+                               f"{'stream-K' if plan.stream_k_blocks else f'S={plan.splits}'} kc={plan.kc} "
                                f"grid={plan.grid(m)}")
                 if clocks and plan.kernel == "wgmma" and m <= gemm.MBLOCK:
                     row["clocks"] = ws_clock_phases(families["wgmma"], math.prod(plan.grid(m)))
@@ -266,8 +267,7 @@ def main(argv=None) -> int:
         bench_shape(name, n, k, ms, gen, read_bw, rows, families, args.int4_only, args.asym,
                     check=not any("_PROBE_" in d and "_CLOCKS" not in d for d in args.define),
                     gemlite_autotune=args.gemlite_autotune,
-                    clocks="NQ_GEMM_WS_PROBE_CLOCKS" in args.define,
-                    scaled_a="NQ_GEMM_WS_SCALED" in args.define)
+                    clocks="NQ_GEMM_WS_PROBE_CLOCKS" in args.define)
         torch.cuda.empty_cache()  # the shape's weight copies are gone with bench_shape's frame
     rep = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "defines": args.define, "model": args.model, "asym": args.asym,
