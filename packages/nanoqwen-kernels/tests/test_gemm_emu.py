@@ -13,8 +13,7 @@ weight rounded to bf16 first, test_gemm_wgmma.py says why).
 
 Covered: each M class (16 / 32 / 64 rows in one block) and M > 64 (several unsplit 64-row blocks), a
 forced K split, several M blocks each split along K, the fused SiLU*mul input; the wgmma kernel at
-every NT (the wgmma's N = 16, 32, 64, and 128 for prefill) with and without K splits, and its stream-K
-launches (two workers per block at NT <= 8, one at NT = 16).
+every NT (the wgmma's N = 16, 32, 64, and 128 for prefill) with and without K splits.
 The plans are made for `emulated(sms=4)`.
 """
 
@@ -118,28 +117,6 @@ def test_wgmma_fp16_scales(group_size, symmetric, gen, emulated):
                    f"wgmma f16s g{group_size}")
 
 
-@pytest.mark.parametrize("n,k,m,n_tiles,max_m,blocks,sets", [
-    (200, 640, 13, 2, 16, 3, (2, 2, 2, 2, 2, 0)),  # 10 units: worker 2 spans both tiles, 5 has none
-    (24, 1408, 64, 8, 64, 3, (2, 2, 2, 2, 2, 1)),  # 11 units: one tile over 6 workers, the last set short
-    (136, 1152, 40, 4, 64, 4, (5, 5, 5, 5, 5, 5, 5, 1)),  # 2 M blocks x 2 row blocks x 9 = 36 units
-])  # fmt: skip
-@pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-def test_wgmma_stream_k_workers_share_tiles(n, k, m, n_tiles, max_m, blocks, sets, group_size, symmetric, gen,
-                                            emulated):
-    """The stream-K launch at NT <= 8 (`with_stream_k`, 4 blocks here): each block's two consumer sets are
-    two workers fed by one producer through one ring (their units interleaved), each with its own scale
-    table, partials and counter; a tile's workers leave partials and the last to arrive sums them. It
-    multiplies the bf16-rounded weight (the scaled-A consumer): that reference and the same tolerance."""
-    plan = gemm.GemmPlan.of(n, k, group_size, n_tiles, max_m, kernel="wgmma").with_stream_k(4)
-    upw = plan.units_per_worker(m)
-    assert plan.rounds_weights and plan.grid(m) == (blocks, 1, 1)
-    assert tuple(max(0, min(plan.units(m), (w + 1) * upw) - w * upw) for w in range(2 * blocks)) == sets
-    w, x, bias = _inputs(n, k, m, group_size, symmetric, False, gen)
-    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias, bf16_weight=True),
-                   f"wgmma stream-K [{n}, {k}] g{group_size} M={m} NT={n_tiles}")
-
-
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
 def test_wgmma_prefill_stream_k_shares_tiles(symmetric, gen, emulated):
     """The prefill plan's stream-K launch (above 128 rows, where `prefill_stream_k_pays`; forced here):
@@ -147,7 +124,7 @@ def test_wgmma_prefill_stream_k_shares_tiles(symmetric, gen, emulated):
     blocks 1, 2 and 3, and block 1 leaves a partial of each tile (both of its slots); the last to arrive
     sums three partials in block order."""
     plan = dataclasses.replace(gemm.plan_gemm_prefill(24, 640, 129, 128, 4), stream_k_blocks=4)
-    assert plan.grid(129) == (4, 1, 1) and plan.units_per_worker(129) == 3
+    assert plan.grid(129) == (4, 1, 1) and plan.units_per_block(129) == 3
     w, x, bias = _inputs(24, 640, 129, 128, symmetric, False, gen)
     R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias, bf16_weight=True),
                    "wgmma prefill stream-K")

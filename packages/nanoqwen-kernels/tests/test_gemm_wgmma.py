@@ -1,8 +1,8 @@
 """GPU: the wgmma INT4 GEMM (csrc/gemm_int4_ws.cuh, plan.kernel "wgmma": M <= 64, and the prefill plan's
 M blocks of 128 rows) against the fp32 reference on fresh random weights: the 7B shapes at M = 9..64 and
 65..512, odd shapes (N % 128 != 0, K / 128 odd) at every group size, symmetric and asymmetric, bf16 and
-fp16 scales, several K splits, the stream-K launches, graph replay. Outputs are NaN-poisoned with a
-poisoned guard after row M - 1 (int4_testkit.run_gemm).
+fp16 scales, several K splits, graph replay. Outputs are NaN-poisoned with a poisoned guard after
+row M - 1 (int4_testkit.run_gemm).
 
 Tolerance: reference.TOLERANCES[bfloat16], as test_gemm.py's, for the same reason: each output element
 is the sum of exact fp32 products of the exact bf16 (q - z) weights and bf16 activations, one fresh fp32
@@ -13,8 +13,7 @@ bf16 (the rtol's). What differs from the mma.sync kernel is only who moves the d
 does, so its reference is the fp32 product with that bf16 weight (reference_out(bf16_weight=True)), and
 the same tolerance holds for the same reasons: exact fp32 products, fp32 sums, one rounding. Against the
 unrounded weight its error would grow by the weights' rounding (up to 2^-9 of each product, random in
-sign: ~2^-9 of the output's norm, beyond the atol on outputs that cancel). The stream-K launches at
-M <= 64 run the prefill plan's consumer (`GemmPlan.rounds_weights`): its reference and tolerance.
+sign: ~2^-9 of the output's norm, beyond the atol on outputs that cancel).
 """
 
 from __future__ import annotations
@@ -61,43 +60,7 @@ def test_planner_runs_wgmma_where_measured(name, n, k, m, gen, device):
     assert plan.kernel == "wgmma"
     w = random_int4(n, k, 128, False, gen, device)
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
-    R.assert_close(run_gemm(x, w, None, plan), reference_out(x, w, None, bf16_weight=plan.rounds_weights),
-                   f"planned wgmma {name} M={m}")
-
-
-def stream_k_plan(n, k, m, group_size, device):
-    from nanoqwen_kernels.gemm import GemmPlan, m_class
-
-    mc = m_class(m)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return GemmPlan.of(n, k, group_size, mc // 8, mc, kernel="wgmma").with_stream_k(sms)
-
-
-@pytest.mark.parametrize("m", [9, 16, 17, 33, 64])
-@pytest.mark.parametrize("name,n,k", SHAPES_7B)
-def test_wgmma_stream_k_7b_shapes(name, n, k, m, gen, device):
-    """Stream-K at M <= 64: two workers per block, one block per SM, tiles shared by workers."""
-    plan = stream_k_plan(n, k, m, 128, device)
-    assert plan.rounds_weights and plan.units_per_worker(m) % (k // 128)  # workers share tiles
-    w = random_int4(n, k, 128, False, gen, device)
-    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
-    bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16) if name == "qkv" else None
-    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias, bf16_weight=True),
-                   f"wgmma stream-K {name} M={m}")
-
-
-@pytest.mark.parametrize("n,k", ODD_SHAPES)
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("m", [13, 40, 64])
-def test_wgmma_stream_k_odd_shapes(n, k, group_size, symmetric, m, gen, device):
-    """Stream-K on few units (more workers than units: blocks left out, short last sets)."""
-    plan = stream_k_plan(n, k, m, group_size, device)
-    w = random_int4(n, k, group_size, symmetric, gen, device)
-    x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
-    bias = torch.randn(n, generator=gen, device=device).to(torch.bfloat16)
-    R.assert_close(run_gemm(x, w, bias, plan), reference_out(x, w, bias, bf16_weight=True),
-                   f"wgmma stream-K [{n}, {k}] g{group_size} M={m}")
+    R.assert_close(run_gemm(x, w, None, plan), reference_out(x, w, None), f"planned wgmma {name} M={m}")
 
 
 @pytest.mark.parametrize("n,k", ODD_SHAPES)
@@ -175,15 +138,14 @@ def test_wgmma_prefill_plan_odd_shapes(n, k, group_size, symmetric, m, gen, devi
         R.assert_close(run_gemm(x, w, bias, stream_k), want, f"wgmma prefill stream-K [{n}, {k}] M={m}")
 
 
-@pytest.mark.parametrize("launch", ["split_k", "stream_k"])
-def test_wgmma_graph_replay(launch, gen, device):
+def test_wgmma_graph_replay(gen, device):
     """Captured once, replayed on new inputs written into the captured x: the tensor map captured with the
-    launch names x's buffer, so the replay reads the new values; the counters reset every replay."""
+    launch names x's buffer, so the replay reads the new values; split-K counters reset every replay."""
     from nanoqwen_kernels.gemm import allocate_workspace, gemm_int4
 
     n, k, m = 3584, 18944, 57
     w = random_int4(n, k, 128, False, gen, device)
-    plan = wgmma_plan(n, k, m, 128, 4) if launch == "split_k" else stream_k_plan(n, k, m, 128, device)
+    plan = wgmma_plan(n, k, m, 128, 4)
     ws = allocate_workspace([plan], device)
     x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
@@ -197,7 +159,7 @@ def test_wgmma_graph_replay(launch, gen, device):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        R.assert_close(out, reference_out(x, w, None, bf16_weight=plan.rounds_weights), "wgmma graph replay")
+        R.assert_close(out, reference_out(x, w, None), "wgmma graph replay")
         assert int(ws.counters.abs().sum()) == 0
 
 

@@ -227,32 +227,6 @@ def test_gemm_plan_refuses_inconsistent_shapes():
         gemm.n_tiles_for(0)
 
 
-def test_stream_k_plans_of_the_m_classes_have_two_workers_per_block():
-    """`with_stream_k` at NT <= 8: each of a block's two consumer sets is a worker with its own share of
-    the units, its own two partial tiles (8 NT x 128 floats) and counter, and its own scale table of at
-    most its units' tile-columns at the class's top M."""
-    gate_up = gemm.GemmPlan.of(37888, 3584, 128, 8, 64, kernel="wgmma").with_stream_k(132)
-    assert (gate_up.splits, gate_up.stream_k_workers, gate_up.units(64)) == (1, 264, 296 * 28)
-    assert gate_up.units_per_worker(64) == 32 and gate_up.grid(64) == (130, 1, 1)  # 8288 / 64 per block
-    assert gate_up.counters == 264 and gate_up.workspace_floats(64) == 2 * 264 * 64 * 128
-    assert gate_up.shared_bytes(False) == gemm.ws_shared_bytes(64, 28, 128, True, tables=2)  # 32 > K / 128
-    down = gemm.GemmPlan.of(3584, 18944, 128, 8, 64, kernel="wgmma").with_stream_k(132)
-    assert down.units_per_worker(64) == 16  # 28 x 148 units: a table of 16 tile-columns, not 148
-    assert down.shared_bytes(False) == gemm.ws_shared_bytes(64, 16, 128, True, tables=2)
-    assert down.shared_bytes(False, asym=False) < down.shared_bytes(False) <= gemm.MAX_SHARED_BYTES
-    qkv16 = gemm.GemmPlan.of(4608, 3584, 128, 2, 16, kernel="wgmma").with_stream_k(132)
-    assert qkv16.units_per_worker(16) == 4 and qkv16.grid(16) == (126, 1, 1)  # 1008 units
-    assert qkv16.units_per_worker(9) == 4  # one M block at any M of the class
-    two_mblocks = gemm.GemmPlan.of(4608, 3584, 128, 4, 64, kernel="wgmma").with_stream_k(132)
-    assert two_mblocks.units(64) == 2 * 36 * 28 and two_mblocks.units(20) == 36 * 28
-    with pytest.raises(ValueError, match="stream-K"):
-        dataclasses.replace(gemm.GemmPlan.of(4608, 3584, 128, 2, 16, 3, kernel="wgmma"), stream_k_blocks=132)
-    with pytest.raises(ValueError, match="stream-K"):
-        gemm.GemmPlan.of(4608, 3584, 128, 2, 16, kernel="mma").with_stream_k(132)
-    # MEASURED_PLANS names a stream-K plan by the split count STREAM_K
-    assert gemm.STREAM_K == 0
-
-
 def test_prefill_plan_blocks_of_128_rows_fill_the_sms():
     """plan_gemm_prefill: the wgmma kernel at NT = 16 (384 threads). Up to 128 rows, one M block split
     along K until row blocks x splits about fill the SMs; above, M blocks of 128 rows, K unsplit."""
@@ -262,8 +236,7 @@ def test_prefill_plan_blocks_of_128_rows_fill_the_sms():
     big = gemm.plan_gemm_prefill(37888, 3584, 512, 128, 132)  # 4 x 296 tiles: 8.97 full waves
     assert (big.max_m, big.splits, big.stream_k_blocks, big.grid(512)) == (None, 1, 0, (4, 296, 1))
     qkv = gemm.plan_gemm_prefill(4608, 3584, 512, 128, 132)  # 144 tiles: a second wave of 12 -> stream-K
-    # 4032 units, 31 per block: 131 blocks have units
-    assert (qkv.stream_k_blocks, qkv.grid(512), qkv.units_per_worker(512)) == (132, (131, 1, 1), 31)
+    assert (qkv.stream_k_blocks, qkv.grid(512), qkv.units_per_block(512)) == (132, (132, 1, 1), 31)
     assert qkv.units(512) == 4 * 36 * 28 and qkv.counters == 132
     assert qkv.workspace_floats(4096) == 2 * 132 * 128 * 128  # two partial tiles per block, any M
     assert not gemm.plan_gemm_prefill(4608, 3584, 256, 128, 132).stream_k_blocks  # 72 tiles x 28: no gain

@@ -48,14 +48,13 @@ XPAD = 8  # nq_gemm::XPAD
 MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
 
 
-def ws_shared_bytes(rows: int, kc: int, group_size: int, asym: bool, tables: int = 1) -> int:
-    """Dynamic shared memory of the wgmma kernel (nq_gemm_ws::WsRing): 128 bytes of mbarriers, `tables`
-    scale (and zero) tables of 128 rows x kc tile-columns (stream-K: one per consumer set), up to 1023
-    bytes to the next 1024-byte boundary, then NBUF slots of x (rows x 128 bf16) and 16 weight tiles
-    (8 KB)."""
+def ws_shared_bytes(rows: int, kc: int, group_size: int, asym: bool) -> int:
+    """Dynamic shared memory of the wgmma kernel (nq_gemm_ws::WsRing): 128 bytes of mbarriers, the
+    scale (and zero) table of 128 rows x kc tile-columns, up to 1023 bytes to the next 1024-byte
+    boundary, then NBUF slots of x (rows x 128 bf16) and 16 weight tiles (8 KB)."""
     nbuf = 4 if rows >= 128 else 6 if rows >= 64 else 8
     table = 128 * kc * (128 // group_size) * (3 if asym else 2)
-    return 128 + tables * table + 1023 + nbuf * (rows * 256 + 16 * 512)
+    return 128 + table + 1023 + nbuf * (rows * 256 + 16 * 512)
 
 
 def blocks_per_sm(group_size: int, n_tiles: int) -> int:
@@ -86,9 +85,8 @@ class GemmPlan:
     kc: int
     max_m: int | None
     kernel: str = "mma"  # "mma": gemm_int4.cuh (mma.sync); "wgmma": gemm_int4_ws.cuh
-    # the wgmma kernel, unsplit: up to this many blocks, each one or two workers (`stream_k_workers`),
-    # share the (M block, row block, tile-column) units evenly (stream-K, gemm_int4_ws.cuh); 0: one
-    # block per tile (and K split)
+    # the prefill plan above 128 rows: this many blocks share the (M block, row block, tile-column) units
+    # evenly (stream-K, gemm_int4_ws.cuh); 0: one block per tile (and K split)
     stream_k_blocks: int = 0
 
     def __post_init__(self) -> None:
@@ -114,10 +112,9 @@ class GemmPlan:
         if self.splits > 1 and self.max_m is None:
             raise ValueError("GemmPlan: split-K needs a bounded M class (max_m 16, 32, 64 or 128): its "
                              "[S, M, N] scratch is sized for max_m rows")
-        if self.stream_k_blocks and not (self.kernel == "wgmma" and self.splits == 1
-                                         and (self.max_m is None) == prefill):
-            raise ValueError("GemmPlan: stream-K is the wgmma kernel's, unsplit: an M class at NT <= 8, "
-                             "or the prefill plan above 128 rows (NT 16, any M)")
+        if self.stream_k_blocks and not (prefill and self.max_m is None and self.splits == 1):
+            raise ValueError("GemmPlan: stream-K is the prefill plan's above 128 rows (NT 16, any M, "
+                             "unsplit)")
 
     @classmethod
     def of(cls, n: int, k: int, group_size: int, n_tiles: int, max_m: int | None,
@@ -137,16 +134,12 @@ class GemmPlan:
     def m_blocks(self, m: int) -> int:
         return -(-m // self.rows_per_mblock)
 
-    def shared_bytes(self, silu: bool, asym: bool = True) -> int:
+    def shared_bytes(self, silu: bool) -> int:
         """Dynamic shared memory. mma: two activation chunk buffers (plain input), or one + the raw gate
-        and up rows of the next chunk (silu input). wgmma: the mbarriers, the scale (`asym`: and zero
-        point) tables and the slot ring (nq_gemm_ws::WsRing); a stream-K table holds the tile-columns of
-        one segment: at most a worker's units at the class's top M, or K / 128."""
-        if self.kernel == "wgmma":
-            if not self.stream_k_blocks:
-                return ws_shared_bytes(self.rows_per_mblock, self.kc, self.group_size, asym)
-            cols = self.kc if self.max_m is None else min(self.kc, self.units_per_worker(self.max_m))
-            return ws_shared_bytes(self.rows_per_mblock, cols, self.group_size, asym, self.sets_per_block)
+        and up rows of the next chunk (silu input). wgmma: the mbarriers and the slot ring
+        (nq_gemm_ws::WsRing)."""
+        if self.kernel == "wgmma":  # the table's zero points counted: the launcher has the exact figure
+            return ws_shared_bytes(self.rows_per_mblock, self.kc, self.group_size, True)
         return (3 if silu else 2) * self.rows_per_mblock * (CHUNK_COLS + XPAD) * 2
 
     @property
@@ -160,52 +153,31 @@ class GemmPlan:
         return self.splits > 1 or self.stream_k_blocks > 0
 
     def workspace_floats(self, m: int) -> int:
-        """Split-K: fp32 partials [S, M, N]. Stream-K: two partial tiles (8 NT x 128) per worker, any M."""
+        """Split-K: fp32 partials [S, M, N]. Stream-K: two 128 x 128 partial tiles per block, any M."""
         if self.stream_k_blocks:
-            return 2 * self.stream_k_workers * self.rows_per_mblock * ROWS_PER_BLOCK
+            return 2 * self.stream_k_blocks * WS_PREFILL_ROWS * ROWS_PER_BLOCK
         return self.splits * m * self.n if self.splits > 1 else 0
 
     @property
     def counters(self) -> int:
         """Arrival counters the launch uses: split-K one per (M block, row block) tile, stream-K one per
-        worker."""
+        block."""
         if self.stream_k_blocks:
-            return self.stream_k_workers
+            return self.stream_k_blocks
         return self.m_blocks(self.max_m) * self.blocks_n if self.splits > 1 else 0
-
-    @property
-    def rounds_weights(self) -> bool:
-        """Whether the kernel multiplies each weight scaled and rounded to bf16 first, round((q - z) s),
-        as dequantise + cuBLAS does (the wgmma kernel's scaled-A consumer: the prefill plan and every
-        stream-K launch), rather than summing each group's (q - z) products before scaling."""
-        return self.kernel == "wgmma" and (self.n_tiles == WS_PREFILL_NT or self.stream_k_blocks > 0)
-
-    @property
-    def sets_per_block(self) -> int:
-        """Consumer sets per block of the wgmma kernel (nq_gemm_ws::WsWarps::KSETS): 2 at NT <= 8."""
-        return 1 if self.n_tiles == WS_PREFILL_NT else 2
-
-    @property
-    def stream_k_workers(self) -> int:
-        """Stream-K: the most workers a launch has, each consumer set one."""
-        return self.stream_k_blocks * self.sets_per_block
 
     def units(self, m: int) -> int:
         """(M block, row block, tile-column) units of an M-row product."""
         return self.m_blocks(m) * self.blocks_n * (self.k // 128)
 
-    def units_per_worker(self, m: int) -> int:
-        """Stream-K: each worker's share of `units(m)` (the last ones' may be smaller or none)."""
-        return -(-self.units(m) // self.stream_k_workers)
+    def units_per_block(self, m: int) -> int:
+        """Stream-K: each block's share of `units(m)` (the last block's may be smaller)."""
+        return -(-self.units(m) // self.grid(m)[0])
 
     def grid(self, m: int) -> tuple[int, int, int]:
-        if self.stream_k_blocks:  # the blocks whose workers have units
-            return (-(-self.units(m) // (self.units_per_worker(m) * self.sets_per_block)), 1, 1)
+        if self.stream_k_blocks:
+            return (min(self.stream_k_blocks, self.units(m)), 1, 1)
         return (self.m_blocks(m), self.blocks_n, self.splits)
-
-    def with_stream_k(self, blocks: int) -> GemmPlan:
-        """This plan unsplit, its units shared by up to `blocks` blocks (stream-K; one per SM)."""
-        return dataclasses.replace(self.with_splits(1), stream_k_blocks=blocks)
 
     def with_splits(self, splits: int) -> GemmPlan:
         """This plan split about `splits` ways along K instead (benchmarks, tests): kc = ceil(K/128 /
@@ -238,11 +210,12 @@ def split_cost(blocks_n: int, kt: int, splits: int, slots: int, max_m: int) -> i
 # The plan of each M class of the test models' linears (Qwen2.5-Coder 7B, 1.5B, 0.5B; plain input,
 # g128): the fastest of every kernel x M-block rows (8 NT) x K splits that fits, measured at the class's
 # top M on asymmetric weights (`python -m nanoqwen_bench.kernels.sweep_gemm_plans --model 7b,1.5b,0.5b`,
-# H100 80GB HBM3, 2026-12-07; bench/RESULTS.md). Keyed by SM count, they also serve the H200 (132 SMs,
+# H100 80GB HBM3, 2026-12-07; bench/RESULTS.md; swept again with programmatic launch, which moved the
+# 1.5B's qkv and o at M <= 32 and its gate_up at 16 from mma.sync to wgmma: 1.07-1.45x per launch, engine
+# 1.09x / 1.07x at batch 16 / 32). Keyed by SM count, they also serve the H200 (132 SMs,
 # faster HBM), where they were not re-measured. Where plans differ by less than the run's noise the
 # table still names the faster one. Key: (sm_count, n, k, group_size, max_m); value: (kernel, n_tiles,
 # splits).
-STREAM_K = 0  # MEASURED_PLANS' split count of a stream-K plan (one block per SM)
 MEASURED_PLANS = {
     # 7B: qkv, o, gate_up, down
     (132, 4608, 3584, 128, 16): ("wgmma", 2, 3), (132, 4608, 3584, 128, 32): ("wgmma", 4, 3),
@@ -254,11 +227,11 @@ MEASURED_PLANS = {
     (132, 3584, 18944, 128, 16): ("wgmma", 2, 4), (132, 3584, 18944, 128, 32): ("wgmma", 4, 4),
     (132, 3584, 18944, 128, 64): ("wgmma", 8, 4),
     # 1.5B
-    (132, 2048, 1536, 128, 16): ("mma", 2, 4), (132, 2048, 1536, 128, 32): ("mma", 2, 4),
+    (132, 2048, 1536, 128, 16): ("wgmma", 2, 4), (132, 2048, 1536, 128, 32): ("wgmma", 2, 3),
     (132, 2048, 1536, 128, 64): ("wgmma", 2, 1),
-    (132, 1536, 1536, 128, 16): ("mma", 2, 4), (132, 1536, 1536, 128, 32): ("mma", 2, 4),
+    (132, 1536, 1536, 128, 16): ("wgmma", 2, 4), (132, 1536, 1536, 128, 32): ("wgmma", 2, 4),
     (132, 1536, 1536, 128, 64): ("wgmma", 2, 1),
-    (132, 17920, 1536, 128, 16): ("mma", 2, 1), (132, 17920, 1536, 128, 32): ("wgmma", 4, 1),
+    (132, 17920, 1536, 128, 16): ("wgmma", 2, 1), (132, 17920, 1536, 128, 32): ("wgmma", 4, 1),
     (132, 17920, 1536, 128, 64): ("wgmma", 8, 1),
     (132, 1536, 8960, 128, 16): ("wgmma", 2, 8), (132, 1536, 8960, 128, 32): ("wgmma", 2, 4),
     (132, 1536, 8960, 128, 64): ("wgmma", 4, 4),
@@ -290,8 +263,7 @@ def plan_gemm_shape(n: int, k: int, group_size: int, max_m: int | None, sm_count
     measured = None if silu_input else MEASURED_PLANS.get((sm_count, n, k, group_size, max_m))
     if measured is not None:
         kernel, n_tiles, splits = measured
-        plan = GemmPlan.of(n, k, group_size, n_tiles, max_m, max(1, splits), kernel=kernel)
-        return plan.with_stream_k(sm_count) if splits == STREAM_K else plan
+        return GemmPlan.of(n, k, group_size, n_tiles, max_m, splits, kernel=kernel)
     nt = max_m // 8
     blocks_n = -(-n // ROWS_PER_BLOCK)
     slots = sm_count * blocks_per_sm(group_size, nt)
@@ -442,14 +414,15 @@ def gemm_int4(
         ws_ptr, cnt_ptr = ptr(workspace.partials), ptr(workspace.counters)
     name = kernel_name(weight.kernel_suffix(), silu_mul_input, plan.n_tiles, plan.kernel,
                        plan.stream_k_blocks > 0)
-    kc = plan.units_per_worker(m) if plan.stream_k_blocks else plan.kc  # stream-K: units per worker
+    kc = plan.units_per_block(m) if plan.stream_k_blocks else plan.kc  # stream-K: units per block
     args = (
         ptr(x), ptr(weight.qweight), ptr(weight.scales), ptr(weight.zeros), ptr(bias), ptr(out),
         ws_ptr, cnt_ptr, i32(m), i32(n), i32(k), i32(kc),
     )  # fmt: skip
     shared = plan.shared_bytes(silu_mul_input)
     if plan.kernel == "wgmma":  # tensor maps of x and of the weights (by value, the last arguments)
-        shared = plan.shared_bytes(False, asym=weight.zeros is not None)
+        if weight.zeros is None:  # plan.shared_bytes counts a zero-point table; symmetric weights have none
+            shared = ws_shared_bytes(plan.rows_per_mblock, plan.kc, plan.group_size, False)
         if shared > MAX_SHARED_BYTES:
             raise ValueError(f"wgmma GEMM plan needs {shared} B of shared memory (> {MAX_SHARED_BYTES}): "
                              "split K more")

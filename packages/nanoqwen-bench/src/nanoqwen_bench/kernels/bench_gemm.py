@@ -80,8 +80,8 @@ PATHS = (*QUANTIZED_PATHS, "cublas_bf16", "tinygemm", "gemlite")
 
 def check_output(out, x, w, bf16_weight=False) -> None:
     """out (bf16 [M, N]) against the kernel tests' oracle: the fp32 product of x with the dequantized
-    weight (nanoqwen_kernels.reference; bf16_weight: rounded to bf16 first, as the plans that
-    `rounds_weights` multiply it), within the bf16 tolerance of reference.TOLERANCES."""
+    weight (nanoqwen_kernels.reference; bf16_weight: rounded to bf16 first, as the prefill plan
+    multiplies it), within the bf16 tolerance of reference.TOLERANCES."""
     R.assert_close(out, R.int4_linear(x, w, bf16_weight=bf16_weight), what="bench_gemm output")
 
 
@@ -170,7 +170,7 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=Fal
         if check:  # a timing probe's outputs are wrong by design
             gemm.gemm_int4(x, w0, out, None, ws, plan, family=families.get(plan.kernel))
             torch.cuda.synchronize()
-            check_output(out, x, w0, bf16_weight=plan.rounds_weights)
+            check_output(out, x, w0)
             if "int4_gemm_wgmma128" in paths:
                 out.fill_(float("nan"))
                 gemm.gemm_int4(x, w0, out, None, ws, prefill_plans[m], family=families.get("wgmma"))
@@ -181,8 +181,7 @@ def bench_shape(name, n, k, ms, gen, read_bw, rows, families=None, int4_only=Fal
             row = {"shape": name, "n": n, "k": k, "m": m, "path": path, "us": t * 1e6,
                    "tflops": 2 * m * n * k / t / 1e12, "bytes": nbytes, "frac_read_bw": nbytes / t / read_bw}
             if path == "int4_gemm":
-                row["plan"] = (f"{plan.kernel} NT={plan.n_tiles} "
-                               f"{'stream-K' if plan.stream_k_blocks else f'S={plan.splits}'} kc={plan.kc} "
+                row["plan"] = (f"{plan.kernel} NT={plan.n_tiles} S={plan.splits} kc={plan.kc} "
                                f"grid={plan.grid(m)}")
                 if clocks and plan.kernel == "wgmma" and m <= gemm.MBLOCK:
                     row["clocks"] = ws_clock_phases(families["wgmma"], math.prod(plan.grid(m)))

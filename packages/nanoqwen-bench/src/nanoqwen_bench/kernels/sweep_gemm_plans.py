@@ -6,8 +6,7 @@
 For each layer linear of the chosen models (bench_gemm.MODEL_SHAPES; INT4 g128, asymmetric weights as the
 default recipe packs them) and each M class 16 / 32 / 64, at the class's top M: every plan that fits,
 kernel ("mma": mma.sync, "wgmma": TMA + wgmma) x M-block rows 8 NT <= the class (fewer rows run several
-M blocks) x K splits S in 1, 2, 3, 4, 6, 8, 12, 18 (as `GemmPlan.with_splits` rounds them), and the
-wgmma kernel's stream-K launch at each NT (one block per SM; "S=0", `gemm.STREAM_K`). Each plan's
+M blocks) x K splits S in 1, 2, 3, 4, 6, 8, 12, 18 (as `GemmPlan.with_splits` rounds them). Each plan's
 output is first checked against the fp32 reference; then timed as bench_gemm times (weights rotated
 through more than 4x the L2, CUDA graph, median of 15 replays). Prints, per shape and class, the
 planner's plan and the fastest, with their times, and writes sweep_gemm_plans.json (every timing) and
@@ -32,12 +31,7 @@ CLASSES = (16, 32, 64)
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 18)
 
 
-def plan_key(p: gemm.GemmPlan) -> tuple[str, int, int]:
-    """A plan as `gemm.MEASURED_PLANS` names it: (kernel, n_tiles, splits, or STREAM_K)."""
-    return p.kernel, p.n_tiles, gemm.STREAM_K if p.stream_k_blocks else p.splits
-
-
-def candidate_plans(n: int, k: int, max_m: int, sms: int = 132) -> list[gemm.GemmPlan]:
+def candidate_plans(n: int, k: int, max_m: int) -> list[gemm.GemmPlan]:
     """Every distinct plan of the class that fits in shared memory (plain input, g128)."""
     plans = {}
     for kernel in ("mma", "wgmma"):
@@ -47,11 +41,7 @@ def candidate_plans(n: int, k: int, max_m: int, sms: int = 132) -> list[gemm.Gem
             for s in SPLITS:
                 p = gemm.GemmPlan.of(n, k, 128, nt, max_m, s, kernel=kernel)
                 if p.shared_bytes(False) <= gemm.MAX_SHARED_BYTES:
-                    plans[plan_key(p)] = p
-            if kernel == "wgmma":
-                p = gemm.GemmPlan.of(n, k, 128, nt, max_m, kernel=kernel).with_stream_k(sms)
-                if p.shared_bytes(False) <= gemm.MAX_SHARED_BYTES:
-                    plans[plan_key(p)] = p
+                    plans[(kernel, nt, p.splits)] = p
     return list(plans.values())
 
 
@@ -63,22 +53,22 @@ def sweep_shape(model, name, n, k, gen, sms) -> list[dict]:
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         pick = gemm.plan_gemm_shape(n, k, 128, m, sms)
-        pick_key = plan_key(pick)
-        for p in candidate_plans(n, k, m, sms):
+        pick_key = (pick.kernel, pick.n_tiles, pick.splits)
+        for p in candidate_plans(n, k, m):
             ws = gemm.allocate_workspace([p], torch.device("cuda"))
             out.fill_(float("nan"))
             gemm.gemm_int4(x, w0, out, None, ws, p)
             torch.cuda.synchronize()
-            check_output(out, x, w0, bf16_weight=p.rounds_weights)
+            check_output(out, x, w0)
             t = time_graph(lambda i: gemm.gemm_int4(x, weights[i % copies], out, None, ws, p), copies)  # noqa: B023
             rows.append({"model": model, "shape": name, "n": n, "k": k, "m": m, "kernel": p.kernel,
-                         "n_tiles": p.n_tiles, "splits": plan_key(p)[2], "us": t * 1e6,
-                         "planned": plan_key(p) == pick_key})
+                         "n_tiles": p.n_tiles, "splits": p.splits, "us": t * 1e6,
+                         "planned": (p.kernel, p.n_tiles, p.splits) == pick_key})
         here = [r for r in rows if r["m"] == m]
         best = min(here, key=lambda r: r["us"])
         planned = [r for r in here if r["planned"]]
         pt = f"{planned[0]['us']:6.1f} us" if planned else "not among the candidates"
-        print(f"{model:4s} {name:8s} M={m:2d}  planned {pick.kernel} NT={pick.n_tiles} S={pick_key[2]}: "
+        print(f"{model:4s} {name:8s} M={m:2d}  planned {pick.kernel} NT={pick.n_tiles} S={pick.splits}: "
               f"{pt}; fastest {best['kernel']} NT={best['n_tiles']} S={best['splits']}: {best['us']:6.1f} us",
               flush=True)
     return rows

@@ -4,7 +4,7 @@
 // (q - z) products are summed unscaled in fp32, then added to an accumulator times the fp32 scale, as in
 // gemm_int4.cuh; the two consumer sets (below) keep one accumulator each, over the even and the odd
 // tile-columns, added at the end: the order of a 2-way K split, within the same tolerance. At R = 128
-// (WsScaledConsumer) the weights are scaled before the MMA, rounded to bf16: the dense weight of the
+// (WsPrefillConsumer) the weights are scaled before the MMA, rounded to bf16: the dense weight of the
 // dequantise + cuBLAS path, its tolerance.
 //
 // Why: the mma.sync GEMM is latency-bound at M = 64 -- one block of 8 warps per SM, ~380 instructions
@@ -43,7 +43,7 @@
 //     with wait_group 1, 140 with wait_group 0); the two sets
 //     (four warpgroups) overlap one another's dequantisation and tensor work instead. At the end set 1
 //     adds its sums into set 0's through the drained ring, and set 0 stores.
-//   Consumers at R = 128 (WsScaledConsumer, one set): the same A rows, scaled to bf16 before the MMA,
+//   Consumers at R = 128 (WsPrefillConsumer, one set): the same A rows, scaled to bf16 before the MMA,
 //     so that all wgmmas accumulate into acc; two half tile-column stages of A registers in flight
 //     (wait_group 1), no wait per group: 1.17-1.30x the per-group fragments on the four 7B linears at
 //     M = 128..512 (H100, bench/RESULTS.md).
@@ -391,25 +391,22 @@ NQ_DEVICE u32 scale_bf16x2(u32 v, u16 sbits, nq_gemv::ScaleBF16) {
 }
 #endif
 
-// The scaled-A consumer warps (R = 128, prefill; R <= 64 too with NQ_GEMM_WS_SCALED). Each weight is
-// dequantised and scaled to bf16 as the A operand -- round((q - z) s), the dense weight that the
-// dequantise + cuBLAS path multiplies, rounded the same way -- so every wgmma accumulates into the one
-// fp32 accumulator and nothing waits per quantization group. A stage is half a tile-column (4 k16 steps,
-// one X box); its A registers are double-buffered (two stages in flight, the loop unrolled by two so
-// each buffer keeps its registers) and wait_group 1 after a stage's commit retires the stage before,
-// whose buffer the next stage rewrites and whose slot is released after its second half.
-template <int G, bool ASYM, typename ST, int R = 128>
-struct WsScaledConsumer : WsConsumerState<R> {
-  static constexpr int GPT = 128 / G, STEPS = 4;  // k16 steps per stage
+// The R = 128 (prefill) consumer warps. Each weight is dequantised and scaled to bf16 as the A operand
+// -- round((q - z) s), the dense weight that the dequantise + cuBLAS path multiplies, rounded the same
+// way -- so every wgmma accumulates into the one fp32 accumulator and nothing waits per quantization
+// group. A stage is half a tile-column (4 k16 steps, one X box); its A registers are double-buffered
+// (two stages in flight, the loop unrolled by two so each buffer keeps its registers) and
+// wait_group 1 after a stage's commit retires the stage before, whose buffer the next stage rewrites and
+// whose slot is released after its second half.
+template <int G, bool ASYM, typename ST>
+struct WsPrefillConsumer : WsConsumerState<128> {
+  static constexpr int R = 128, GPT = 128 / G, STEPS = 4;  // k16 steps per stage
   using RG = WsRing<R>;
-  using S = WsConsumerState<R>;
-  using S::acc, S::ring, S::stab, S::full, S::empty, S::kgb, S::lane, S::warp, S::lr0, S::lr1, S::zero_pairs;
   using Stage = u32[STEPS][4];
 
   // Unit it of the block's sequence (its ring slot it % NBUF), k16 steps 4 h .. 4 h + 3 = words 2 h,
-  // 2 h + 1 of the lane's two tiles, X box h; col: its column in the scale table. release: the unit
-  // whose slot this stage frees once its wait retires the stage before (that unit's last), or -1.
-  NQ_DEVICE void stage(int it, int h, int col, int release, Stage& a) {
+  // 2 h + 1 of the lane's two tiles, X box h; the table holds the segment's tile-columns from unit it0.
+  NQ_DEVICE void stage(int it, int h, int it0, Stage& a) {
     const int s = it % RG::NBUF;
     if (h == 0) mbar_wait(&full[s], (it / RG::NBUF) & 1);
     const u32 slot = ring + (u32)(s * RG::SLOT);
@@ -418,7 +415,7 @@ struct WsScaledConsumer : WsConsumerState<R> {
       const int wd = 2 * h + wi;
       const u32 w0 = lds32(slot + RG::W + (2 * warp) * 512 + lane * 16 + 4 * wd);
       const u32 w1 = lds32(slot + RG::W + (2 * warp + 1) * 512 + lane * 16 + 4 * wd);
-      const int gg = col * GPT + 32 * wd / G;
+      const int gg = (it - it0) * GPT + 32 * wd / G;
       const u32 e0 = (u32)(lr0 * kgb + gg), e1 = (u32)(lr1 * kgb + gg);
       const u16 s0 = (u16)lds16(stab + 2 * e0), s1 = (u16)lds16(stab + 2 * e1);
       u32 nz0, nz1;
@@ -436,7 +433,7 @@ struct WsScaledConsumer : WsConsumerState<R> {
 #ifdef NQ_GEMM_WS_PROBE_NO_MMA  // timing probe (wrong outputs): everything but the tensor-core work
 #pragma unroll
     for (int k = 0; k < STEPS; ++k)
-      acc[k % (R / 2)] += __uint_as_float(a[k][0] ^ a[k][1] ^ a[k][2] ^ a[k][3] ^ (x_box + 32 * k));
+      acc[k] += __uint_as_float(a[k][0] ^ a[k][1] ^ a[k][2] ^ a[k][3] ^ (x_box + 32 * k));
 #else
     nq_wgmma::wgmma_fence();
 #pragma unroll
@@ -446,24 +443,20 @@ struct WsScaledConsumer : WsConsumerState<R> {
       nq_wgmma::Wgmma<R>::mma(acc, a[k], desc, 1);
     }
     nq_wgmma::wgmma_commit();
-    nq_wgmma::wgmma_wait<1>();  // the stage before retired: its A buffer and (release) its unit free
+    nq_wgmma::wgmma_wait<1>();  // the stage before retired: its A buffer and (h == 0) its unit free
 #endif
-    if (release >= 0) {
+    if (h == 0 && it > 0) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[release % RG::NBUF]);
+      if (lane == 0) mbar_arrive(&empty[(it - 1) % RG::NBUF]);
     }
   }
 
-  // The n units of a tile segment into a zeroed acc: unit i at ring position pos(i) and in scale-table
-  // column i (the segment's tile-columns are consecutive). Unit i - 1's slot is released by unit i's first
-  // stage, the last unit's once all the wgmmas completed, on return.
-  template <typename Pos>
-  NQ_DEVICE void run(int n, Pos pos) {
+  // Units it0 .. it0 + n - 1 into a zeroed acc; all their wgmmas complete on return.
+  NQ_DEVICE void run(int it0, int n) {
 #pragma unroll
     for (int i = 0; i < R / 2; ++i) acc[i] = 0.f;
 #ifdef NQ_GEMM_WS_PROBE_COPY_ONLY  // timing probe (wrong outputs): the ring's copies and barriers only
-    for (int i = 0; i < n; ++i) {
-      const int it = pos(i);
+    for (int it = it0; it < it0 + n; ++it) {
       mbar_wait(&full[it % RG::NBUF], (it / RG::NBUF) & 1);
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[it % RG::NBUF]);
@@ -471,23 +464,18 @@ struct WsScaledConsumer : WsConsumerState<R> {
     if (n >= 0) return;  // always: the code below stays compiled
 #endif
     Stage a0, a1;
-    for (int i = 0; i < n; ++i) {
-      const int it = pos(i);
-      stage(it, 0, i, i > 0 ? pos(i - 1) : -1, a0);
-      stage(it, 1, i, -1, a1);
+    for (int it = it0; it < it0 + n; ++it) {
+      stage(it, 0, it0, a0);
+      stage(it, 1, it0, a1);
     }
     nq_wgmma::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < R / 2; ++i) nq_wgmma::fence_operand(acc[i]);
-    if (n > 0) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[pos(n - 1) % RG::NBUF]);
-    }
   }
 };
 
 template <bool B, typename T, typename F>
-struct Pick {  // std::conditional (NVRTC has no standard library)
+struct Pick {
   using type = T;
 };
 template <typename T, typename F>
@@ -495,31 +483,17 @@ struct Pick<false, T, F> {
   using type = F;
 };
 
-// Stream-K (gemm_ws_int4_*_sk): the launch's (M block, row block) tiles of KT tile-columns each, tile =
-// row block * M blocks + M block, are one sequence of units (tile, tile-column), shared evenly by the
-// launch's workers -- each consumer set is one: worker w = KSETS b + set of block b takes units
-// [w upc, (w + 1) upc) (upc: the kc argument), so every SM has the same work at any M. The block's
-// producer streams its workers' units through the one ring, interleaved (set 0's first, set 1's
-// first, set 0's second, ...; the rest of set 0's where set 1 has fewer: `ws_sk_position`); each set
-// takes its units a tile segment at a time: the segment's scale table (the set's own), the wgmma
-// stages, then the segment's end. A whole tile is stored as it is. A tile shared by workers leaves one
-// fp32 partial per worker in ws: worker c's slot 2c + (0 if the segment starts at c's first unit, else
-// 1), R / 2 floats x 256 threads, each thread's accumulator as it holds it; the tile's first worker's
-// counter counts the arrivals (counters[c]: a worker is the first of at most one shared tile, its last
-// segment), and the last to arrive sums the partials in worker order, adds the bias, stores, and resets
-// the counter. The sets synchronise on their own named barriers (3 + set), never with each other.
+// Stream-K (the prefill plan above 128 rows: gemm_ws_int4_*_n16_sk): the launch's (M block, row
+// block) tiles of KT tile-columns each, tile = row block * M blocks + M block, are one sequence of
+// units (tile, tile-column); block b takes units [b upc, (b + 1) upc) (upc: the kc argument), so every
+// SM has the same work at any M. Its producer streams them through the ring without a break; its
+// consumers take them a tile segment at a time: the segment's scale table, the wgmma stages, then the
+// segment's end. A whole tile is stored as it is. A tile shared by blocks leaves one fp32 partial per
+// block in ws: block c's slot 2c + (0 if the segment starts at c's first unit, else 1), 64 floats x
+// 256 threads, each thread's accumulator as it holds it; the tile's first block's counter counts the
+// arrivals (counters[c]: a block is the first of at most one shared tile, its last segment), and the
+// last to arrive sums the partials in block order, adds the bias, stores, and resets the counter.
 NQ_DEVICE int stream_k_slot(int c, int seg_first_unit, int upc) { return 2 * c + (seg_first_unit != c * upc); }
-// The ring position of a set's i-th unit, set 1 having n1 units (n1 <= set 0's).
-NQ_DEVICE int ws_sk_position(int set, int i, int n1) { return i < n1 ? 2 * i + set : n1 + i; }
-// One consumer set's barrier (stream-K; named barriers 3 and 4, SET_WARPS x 32 threads).
-template <int THREADS>
-NQ_DEVICE void set_sync(int set) {
-#ifdef NQ_HOST_EMU
-  nq_emu::named_barrier(3 + set, THREADS);
-#else
-  asm volatile("bar.sync %0, %1;" ::"r"(3 + set), "n"(THREADS) : "memory");
-#endif
-}
 
 template <int G, bool ASYM, int NT, typename ST, bool STREAM_K>
 NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restrict__ qweight,
@@ -534,7 +508,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   constexpr int KSETS = WW::KSETS, SET_WARPS = WW::SET_WARPS, CONSUMER_WARPS = WW::CONSUMER_WARPS;
   constexpr int CONSUMERS = WW::CONSUMERS;
   constexpr int NBUF = RG::NBUF;
-  constexpr int SET_THREADS = SET_WARPS * 32;
+  static_assert(!STREAM_K || R == 128, "stream-K: the prefill plan's 128-row M blocks only");
   NQ_DYNAMIC_SMEM(smem_raw, 128);
   unsigned long long* full = reinterpret_cast<unsigned long long*>(smem_raw);
   unsigned long long* empty = full + NBUF;
@@ -542,19 +516,15 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   const int KT = K / 128, NTL = N / 8, KG = K / G;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // Split-K: this block's tile (blockIdx.x, blockIdx.y) over tile-columns [tc_begin, tc_begin + ntc).
-  // Stream-K: worker w's units [w upc, w upc + n_w) of the launch's sequence of `units`.
+  // Stream-K: units [u_begin, u_end) of the launch's sequence.
   const int m_blocks = (M + R - 1) / R;
-  const int units = m_blocks * ((N + 127) / 128) * KT, upc = kc;
-  auto worker_units = [&](int w) { return max(0, min(units, (w + 1) * upc) - w * upc); };
-  const int n1 = STREAM_K && KSETS == 2 ? worker_units(2 * blockIdx.x + 1) : 0;  // set 1's units
+  const int upc = kc, u_begin = blockIdx.x * upc, u_end = min(m_blocks * ((N + 127) / 128) * KT, u_begin + upc);
   const int split = blockIdx.z;
   const int tc_begin = split * kc, ntc = min(KT, tc_begin + kc) - tc_begin;
   const int kgb = (STREAM_K ? min(kc, KT) : kc) * GPT;  // table row length
-  // one scale / zero table per block, or per consumer set (stream-K: each set's own segments)
-  constexpr int TABLES = STREAM_K ? KSETS : 1;
   const u32 base = smem_addr(smem_raw);
   const u32 stab = base + RG::BARS, ztab = stab + ROWS_PER_BLOCK * kgb * 2;
-  const u32 ring = (stab + (u32)(TABLES * RG::table_bytes(kgb, ASYM)) + 1023u) & ~1023u;
+  const u32 ring = (stab + (u32)RG::table_bytes(kgb, ASYM) + 1023u) & ~1023u;
 
   NQ_WS_CLOCK(threadIdx.x == 0 && !STREAM_K, CK_GT_ENTRY, ws_globaltimer());
   NQ_WS_CLOCK(threadIdx.x == 0 && !STREAM_K, CK_ENTRY, ws_clock64());
@@ -577,14 +547,12 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
     if (ntc >= 0) return;
 #endif
     if (lane == 0) {
-      const int n_units = STREAM_K ? worker_units(KSETS * blockIdx.x) + n1 : ntc;
-      // unit rel's tile-column, M block and row block (stream-K: the rel-th of the sets' interleaved
-      // sequence, ws_sk_position's inverse)
+      const int n_units = STREAM_K ? u_end - u_begin : ntc;
+      // unit rel's tile-column, M block and row block
       auto unit = [&](int rel, int& tc, int& mb, int& rb) {
         tc = tc_begin + rel, mb = blockIdx.x, rb = blockIdx.y;
         if constexpr (STREAM_K) {
-          const int set = rel < 2 * n1 ? rel & 1 : 0, i = rel < 2 * n1 ? rel >> 1 : rel - n1;
-          const int u = (KSETS * blockIdx.x + set) * upc + i, tile = u / KT;
+          const int u = u_begin + rel, tile = u / KT;
           tc = u - tile * KT, mb = tile % m_blocks, rb = tile / m_blocks;
         }
       };
@@ -623,19 +591,17 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   // tile-columns [tc_first, + n), TB entries per thread in flight: the loads of a batch are all issued
   // before its stores (one volatile store per load made it one HBM round trip per entry: ~14 us per
   // block on the 7B qkv, measured).
-  // (tid: the thread's index among the `threads` that load it; table: the scale table's address, the
-  // zero table following it)
-  auto load_table = [&](int row_base, int tc_first, int n, int tid, int threads, u32 table) {
+  auto load_table = [&](int row_base, int tc_first, int n) {
     constexpr int TB = 8;
     const int per_row = n * GPT, total = ROWS_PER_BLOCK * per_row;
-    u16* st16 = reinterpret_cast<u16*>(smem_raw + (table - base));
-    u8* zt8 = smem_raw + (table + ROWS_PER_BLOCK * kgb * 2 - base);
-    for (int i0 = tid; i0 < total; i0 += threads * TB) {
+    u16* st16 = reinterpret_cast<u16*>(smem_raw + (stab - base));
+    u8* zt8 = smem_raw + (ztab - base);
+    for (int i0 = threadIdx.x; i0 < total; i0 += CONSUMERS * TB) {
       u16 sv[TB];
       u8 zv[TB];
 #pragma unroll
       for (int b = 0; b < TB; ++b) {
-        const int i = min(i0 + b * threads, total - 1);
+        const int i = min(i0 + b * CONSUMERS, total - 1);
         const int r = i / per_row, j = i - r * per_row;
         const i64 e = (i64)min(row_base + r, N - 1) * KG + tc_first * GPT + j;
         sv[b] = ldg_nc_u16(scales + e);
@@ -643,7 +609,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
       }
 #pragma unroll
       for (int b = 0; b < TB; ++b) {
-        const int i = i0 + b * threads;
+        const int i = i0 + b * CONSUMERS;
         if (i < total) {
           const int r = i / per_row, j = i - r * per_row;
           st16[r * kgb + j] = sv[b];
@@ -664,47 +630,43 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 
   if constexpr (STREAM_K) {
     pdl_wait();  // before any store (the scale tables come later, per segment)
-    const int tid = threadIdx.x - kset * SET_THREADS, w = KSETS * blockIdx.x + kset;
-    const u32 table = stab + (u32)(kset * RG::table_bytes(kgb, ASYM));
-    WsScaledConsumer<G, ASYM, ST, R> c;
-    c.init(ring, table, table + ROWS_PER_BLOCK * kgb * 2, full, empty, kgb, lane, wq, lr0, lr1);
-    __shared__ int is_last[KSETS];
-    const int w_begin = w * upc, w_end = w_begin + worker_units(w);
-    for (int u = w_begin, seg = 0; u < w_end; u += seg) {  // one tile segment [u, u + seg) at a time
+    WsPrefillConsumer<G, ASYM, ST> c;
+    c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
+    for (int u = u_begin, seg = 0; u < u_end; u += seg) {  // one tile segment [u, u + seg) at a time
       const int tile = u / KT, tc0 = u - tile * KT;
-      seg = min(w_end, (tile + 1) * KT) - u;
+      seg = min(u_end, (tile + 1) * KT) - u;
       const int mb = tile % m_blocks, row_base = (tile / m_blocks) * ROWS_PER_BLOCK, m0 = mb * R;
-      set_sync<SET_THREADS>(kset);  // every warp of the set is done with the previous segment's table
-      load_table(row_base, tc0, seg, tid, SET_THREADS, table);
-      set_sync<SET_THREADS>(kset);
+      consumer_sync<CONSUMERS>();  // every warp is done with the previous segment's table
+      load_table(row_base, tc0, seg);
+      consumer_sync<CONSUMERS>();
 #ifndef NQ_GEMM_WS_PROBE_NO_MAINLOOP
-      const int i0 = u - w_begin;
-      c.run(seg, [&](int i) { return ws_sk_position(kset, i0 + i, n1); });
+      c.run(u - u_begin, seg);
 #endif
       int row0, row1;
       bool has0, has1;
       rows_of(row_base, row0, row1, has0, has1);
       const int rows_valid = min(R, M - m0);
-      if (seg < KT) {  // a tile shared by workers: the partial, then the last to arrive finishes it
+      if (seg < KT) {  // a tile shared by blocks: the partial, then the last to arrive finishes it
         const int c0 = tile * KT / upc, c1 = ((tile + 1) * KT - 1) / upc;
-        float* mine = ws + (i64)stream_k_slot(w, u, upc) * (R / 2) * SET_THREADS;
+        float* mine = ws + (i64)stream_k_slot(blockIdx.x, u, upc) * (R / 2) * CONSUMERS;
 #pragma unroll
-        for (int i = 0; i < R / 2; ++i) mine[i * SET_THREADS + tid] = c.acc[i];
+        for (int i = 0; i < R / 2; ++i) mine[i * CONSUMERS + threadIdx.x] = c.acc[i];
         __threadfence();
-        set_sync<SET_THREADS>(kset);
-        if (tid == 0) is_last[kset] = atomicAdd(counters + c0, 1) == c1 - c0;
-        set_sync<SET_THREADS>(kset);
-        if (!is_last[kset]) continue;
+        consumer_sync<CONSUMERS>();
+        __shared__ int is_last;
+        if (threadIdx.x == 0) is_last = atomicAdd(counters + c0, 1) == c1 - c0;
+        consumer_sync<CONSUMERS>();
+        if (!is_last) continue;
         __threadfence();
-        for (int cw = c0; cw <= c1; ++cw) {  // ((p_c0 + p_c0+1) + ...): worker order
-          const float* p = ws + (i64)stream_k_slot(cw, cw == c0 ? tile * KT : cw * upc, upc) * (R / 2) * SET_THREADS;
+        for (int cb = c0; cb <= c1; ++cb) {  // ((p_c0 + p_c0+1) + ...): block order
+          const float* p = ws + (i64)stream_k_slot(cb, cb == c0 ? tile * KT : cb * upc, upc) * (R / 2) * CONSUMERS;
 #pragma unroll
           for (int i = 0; i < R / 2; ++i) {
-            const float v = ld_cg_f32(p + i * SET_THREADS + tid);
-            c.acc[i] = cw == c0 ? v : c.acc[i] + v;
+            const float v = ld_cg_f32(p + i * CONSUMERS + threadIdx.x);
+            c.acc[i] = cb == c0 ? v : c.acc[i] + v;
           }
         }
-        if (tid == 0) counters[c0] = 0;  // every partial arrived: ready for the next launch
+        if (threadIdx.x == 0) counters[c0] = 0;  // every partial arrived: ready for the next launch
       }
       nq_gemm::finish_tile<NT, true>(c.acc, bias, out, nullptr, nullptr, M, N, 1, 0, m0, rows_valid, row_base,
                                      row0, row1, has0, has1, t);
@@ -714,7 +676,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
 
   const int m0 = blockIdx.x * R, rows_valid = min(R, M - m0);
   const int row_base = blockIdx.y * ROWS_PER_BLOCK;
-  load_table(row_base, tc_begin, ntc, threadIdx.x, CONSUMERS, stab);  // scales and zero points: before pdl_wait
+  load_table(row_base, tc_begin, ntc);  // scales and zero points: before pdl_wait
   pdl_wait();                            // before any store
   consumer_sync<CONSUMERS>();
   NQ_WS_CLOCK(threadIdx.x == 0, CK_TABLE, ws_clock64());
@@ -723,12 +685,11 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   bool has0, has1;
   rows_of(row_base, row0, row1, has0, has1);
 
-  constexpr bool SCALED = R == 128;  // the prefill plan's consumer, else per-group fragments
-  typename Pick<SCALED, WsScaledConsumer<G, ASYM, ST, R>, WsConsumer<G, ASYM, NT, ST, GROUPS_PER_STEP>>::type c;
+  typename Pick<R == 128, WsPrefillConsumer<G, ASYM, ST>, WsConsumer<G, ASYM, NT, ST, GROUPS_PER_STEP>>::type c;
   c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
 #ifndef NQ_GEMM_WS_PROBE_NO_MAINLOOP
-  if constexpr (SCALED) {
-    c.run(ntc, [](int i) { return i; });
+  if constexpr (R == 128) {
+    c.run(0, ntc);
   } else {
     c.run(ntc, kset, KSETS);
   }

@@ -4,9 +4,8 @@
 //   gemm_ws_int4_g{32,64,128}_{sym,asym}[_f16s]_n{2,4,8,16}
 //       NT = 2, 4, 8, 16 n-tiles of 8 activation rows per M block (the wgmma's N = 16, 32, 64, 128);
 //       `_f16s`: fp16 scales (layout int4-g{G}-tile8x128-f16s-v1), else bf16 (as the GEMV's names).
-//   gemm_ws_int4_g{32,64,128}_{sym,asym}[_f16s]_n{2,4,8,16}_sk
-//       the stream-K launches (gemm_int4_ws.cuh): grid (blocks, 1, 1), kc = units per worker (a consumer
-//       set: two per block at NT <= 8, one at NT = 16).
+//   gemm_ws_int4_g{32,64,128}_{sym,asym}[_f16s]_n16_sk
+//       the prefill plan's stream-K launch (gemm_int4_ws.cuh): grid (blocks, 1, 1), kc = units per block.
 //
 // Launch (nanoqwen_kernels/gemm.py): grid (ceil(M / (8 NT)), ceil(N / 128), S), WsWarps<8 NT>::THREADS
 // threads (NT <= 8: 640, 16 consumer warps in two sets + a producer warpgroup; NT = 16: 288, 8 consumer
@@ -27,14 +26,11 @@ using namespace nq_gemm_ws;
     gemm_int4_ws<G, ASYM, NT, ST, STREAM_K>(x, qweight, scales, zeros, bias, out, ws, counters, M, N, K, kc, &xmap, &wmap); \
   }
 
-#define NQ_GEMM_WS_NT(NAME, G, ASYM, ST)                \
-  NQ_GEMM_WS_ENTRY(NAME##_n2, G, ASYM, 2, ST, false)    \
-  NQ_GEMM_WS_ENTRY(NAME##_n4, G, ASYM, 4, ST, false)    \
-  NQ_GEMM_WS_ENTRY(NAME##_n8, G, ASYM, 8, ST, false)    \
-  NQ_GEMM_WS_ENTRY(NAME##_n16, G, ASYM, 16, ST, false)  \
-  NQ_GEMM_WS_ENTRY(NAME##_n2_sk, G, ASYM, 2, ST, true)  \
-  NQ_GEMM_WS_ENTRY(NAME##_n4_sk, G, ASYM, 4, ST, true)  \
-  NQ_GEMM_WS_ENTRY(NAME##_n8_sk, G, ASYM, 8, ST, true)  \
+#define NQ_GEMM_WS_NT(NAME, G, ASYM, ST)               \
+  NQ_GEMM_WS_ENTRY(NAME##_n2, G, ASYM, 2, ST, false)  \
+  NQ_GEMM_WS_ENTRY(NAME##_n4, G, ASYM, 4, ST, false)  \
+  NQ_GEMM_WS_ENTRY(NAME##_n8, G, ASYM, 8, ST, false)  \
+  NQ_GEMM_WS_ENTRY(NAME##_n16, G, ASYM, 16, ST, false) \
   NQ_GEMM_WS_ENTRY(NAME##_n16_sk, G, ASYM, 16, ST, true)
 
 #define NQ_GEMM_WS_G(G)                                                  \
