@@ -38,7 +38,8 @@ tests never build them), each `--define`: `NQ_GEMM_PROBE_NO_LDSM` (B fragments f
 ldmatrix), `NQ_GEMM_PROBE_NO_MMA` (an FADD per mma instead), `NQ_GEMM_PROBE_NO_WLOAD` (weights made in
 registers, no global loads), `NQ_GEMM_PROBE_NO_X` (no activation copies; the chunk waits and barriers
 stay), `NQ_GEMM_PROBE_NO_XBAR` (neither copies nor waits nor barriers); of the wgmma kernel
-`NQ_GEMM_WS_PROBE_NO_MMA`, `NQ_GEMM_WS_PROBE_COPY_ONLY`, `NQ_GEMM_WS_PROBE_NO_MAINLOOP`
+`NQ_GEMM_WS_PROBE_NO_MMA`, `NQ_GEMM_WS_PROBE_COPY_ONLY`, `NQ_GEMM_WS_PROBE_X_ONCE`,
+`NQ_GEMM_WS_PROBE_NO_MAINLOOP`
 (csrc/gemm_int4_ws.cuh says what each leaves out), and `NQ_GEMM_WS_PROBE_CLOCKS`, which keeps the
 outputs and prints, per M <= 64 wgmma launch, where its blocks' time goes (`ws_clock_phases`). Runs in
 well under a minute on

@@ -50,8 +50,10 @@
 //
 // Timing probes (wrong outputs; tests never build them), each a -D option: NQ_GEMM_WS_PROBE_NO_MMA (the
 // consumers' steps without the wgmmas), NQ_GEMM_WS_PROBE_COPY_ONLY (the ring's copies and barriers
-// only), NQ_GEMM_WS_PROBE_NO_MAINLOOP (no copies and no consumer steps: the per-block prologue -- barrier
-// init, setmaxnreg, the scale / zero table -- and epilogue alone). NQ_GEMM_WS_PROBE_CLOCKS keeps the
+// only), NQ_GEMM_WS_PROBE_X_ONCE (x copied into each slot at its first fill only: the activations' L2
+// reads gone, the ceiling of sharing them between blocks), NQ_GEMM_WS_PROBE_NO_MAINLOOP (no copies and
+// no consumer steps: the per-block prologue -- barrier init, setmaxnreg, the scale / zero table -- and
+// epilogue alone). NQ_GEMM_WS_PROBE_CLOCKS keeps the
 // outputs and records when each block passes each phase (R <= 64 launches; the WsClock slots below).
 //
 // Split-K: as gemm_int4.cuh (fp32 partials [S, M, N], an arrival counter per (M block, row block),
@@ -543,6 +545,11 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
     setmaxnreg_dec<WW::PRODUCER_REGS>();
     if (warp != CONSUMER_WARPS) return;
     constexpr u32 bytes = 2 * RG::XBOX + 16 * 512;  // whole boxes: rows past M or N arrive as zeros
+#ifdef NQ_GEMM_WS_PROBE_X_ONCE  // timing probe (wrong outputs): each slot's x copied at its first fill only
+    auto copies_x = [](int rel) { return rel < NBUF; };
+#else
+    auto copies_x = [](int) { return true; };
+#endif
 #ifdef NQ_GEMM_WS_PROBE_NO_MAINLOOP  // timing probe (wrong outputs): no copies, no main loop
     if (ntc >= 0) return;
 #endif
@@ -560,7 +567,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
       auto load_weights = [&](int rel, int tc, int rb) {
         const int s = rel % NBUF;
         mbar_wait(&empty[s], ((rel / NBUF) & 1) ^ 1);  // the first NBUF: a fresh barrier, no wait
-        mbar_arrive_expect_tx(&full[s], bytes);
+        mbar_arrive_expect_tx(&full[s], copies_x(rel) ? bytes : 16 * 512);
         tma_load_2d(ring + (u32)(s * RG::SLOT) + RG::W, wmap, tc * 64, rb * (ROWS_PER_BLOCK / 8), &full[s]);
       };
       // The first NBUF slots' weights go out before pdl_wait (weights only: the previous kernel may
@@ -576,6 +583,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
         int tc, mb, rb;
         unit(rel, tc, mb, rb);
         if (rel >= ahead) load_weights(rel, tc, rb);
+        if (!copies_x(rel)) continue;
         const u32 slot = ring + (u32)((rel % NBUF) * RG::SLOT);
         tma_load_2d(slot + RG::X, xmap, tc * 128, mb * R, &full[rel % NBUF]);
         tma_load_2d(slot + RG::X + RG::XBOX, xmap, tc * 128 + 64, mb * R, &full[rel % NBUF]);
