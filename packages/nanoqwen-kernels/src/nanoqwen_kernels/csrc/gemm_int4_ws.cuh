@@ -312,12 +312,12 @@ struct WsConsumer : WsConsumerState<8 * NT> {
         a[p][2 * wi + 1][3] = dq(w1[wi], 3, nz1);
       }
       constexpr u32 desc_hi = (1024 >> 4) | (1u << 30);
-      const u32 x_addr = slot + RG::X;
+      // the slot's x in 16-byte units (shared addresses stay below 2^18: no carry out of 14 bits)
+      const u32 desc_lo = (((slot + RG::X) >> 4) & 0x3FFFu) | (1u << 16);
 #pragma unroll
       for (int k = 0; k < KS; ++k) {
         const int j = gi * KS + k;
-        const u32 start = x_addr + (u32)((j >> 2) * RG::XBOX + (j & 3) * 32);
-        desc[p][k] = ((u64)desc_hi << 32) | ((start >> 4) & 0x3FFFu) | (1u << 16);
+        desc[p][k] = ((u64)desc_hi << 32) | (desc_lo + (u32)(((j >> 2) * RG::XBOX + (j & 3) * 32) >> 4));
       }
     }
 #ifdef NQ_GEMM_WS_PROBE_NO_MMA  // timing probe (wrong outputs): everything but the tensor-core work
@@ -432,6 +432,7 @@ struct WsPrefillConsumer : WsConsumerState<128> {
     }
     constexpr u32 desc_hi = (1024 >> 4) | (1u << 30);
     const u32 x_box = slot + RG::X + (u32)(h * RG::XBOX);
+    const u32 desc_lo = ((x_box >> 4) & 0x3FFFu) | (1u << 16);  // in 16-byte units (see WsConsumer)
 #ifdef NQ_GEMM_WS_PROBE_NO_MMA  // timing probe (wrong outputs): everything but the tensor-core work
 #pragma unroll
     for (int k = 0; k < STEPS; ++k)
@@ -439,9 +440,8 @@ struct WsPrefillConsumer : WsConsumerState<128> {
 #else
     nq_wgmma::wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < STEPS; ++k) {
-      const u32 start = x_box + (u32)(k * 32);
-      const u64 desc = ((u64)desc_hi << 32) | ((start >> 4) & 0x3FFFu) | (1u << 16);
+    for (int k = 0; k < STEPS; ++k) {  // k16 step k: 32 bytes (2 descriptor units) further along the box
+      const u64 desc = ((u64)desc_hi << 32) | (desc_lo + (u32)(2 * k));
       nq_wgmma::Wgmma<R>::mma(acc, a[k], desc, 1);
     }
     nq_wgmma::wgmma_commit();
