@@ -53,8 +53,8 @@
 // only), NQ_GEMM_WS_PROBE_X_ONCE (x copied into each slot at its first fill only: the activations' L2
 // reads gone, the ceiling of sharing them between blocks), NQ_GEMM_WS_PROBE_NO_MAINLOOP (no copies and
 // no consumer steps: the per-block prologue -- barrier init, setmaxnreg, the scale / zero table -- and
-// epilogue alone). NQ_GEMM_WS_PROBE_CLOCKS keeps the
-// outputs and records when each block passes each phase (R <= 64 launches; the WsClock slots below).
+// epilogue alone). NQ_GEMM_WS_PROBE_CLOCKS keeps the outputs and records when each block passes each
+// phase (R <= 64 launches; the WsClock slots below).
 //
 // Split-K: as gemm_int4.cuh (fp32 partials [S, M, N], an arrival counter per (M block, row block),
 // the last block sums in split order); set 0 synchronises with named barrier 1 (256 threads), all the
