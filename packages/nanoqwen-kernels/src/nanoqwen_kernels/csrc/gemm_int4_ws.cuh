@@ -311,13 +311,11 @@ struct WsConsumer : WsConsumerState<8 * NT> {
         a[p][2 * wi + 1][2] = dq(w0[wi], 3, nz0);
         a[p][2 * wi + 1][3] = dq(w1[wi], 3, nz1);
       }
-      constexpr u32 desc_hi = (1024 >> 4) | (1u << 30);
-      // the slot's x in 16-byte units (shared addresses stay below 2^18: no carry out of 14 bits)
-      const u32 desc_lo = (((slot + RG::X) >> 4) & 0x3FFFu) | (1u << 16);
+      const u32 desc_lo = nq_wgmma::sw128_desc_lo(slot + RG::X);
 #pragma unroll
       for (int k = 0; k < KS; ++k) {
         const int j = gi * KS + k;
-        desc[p][k] = ((u64)desc_hi << 32) | (desc_lo + (u32)(((j >> 2) * RG::XBOX + (j & 3) * 32) >> 4));
+        desc[p][k] = nq_wgmma::sw128_desc(desc_lo, (u32)((j >> 2) * RG::XBOX + (j & 3) * 32));
       }
     }
 #ifdef NQ_GEMM_WS_PROBE_NO_MMA  // timing probe (wrong outputs): everything but the tensor-core work
@@ -430,9 +428,8 @@ struct WsPrefillConsumer : WsConsumerState<128> {
         a[2 * wi + j][3] = scale_bf16x2(dq(w1, 2 * j + 1, nz1), s1, ST{});
       }
     }
-    constexpr u32 desc_hi = (1024 >> 4) | (1u << 30);
     const u32 x_box = slot + RG::X + (u32)(h * RG::XBOX);
-    const u32 desc_lo = ((x_box >> 4) & 0x3FFFu) | (1u << 16);  // in 16-byte units (see WsConsumer)
+    const u32 desc_lo = nq_wgmma::sw128_desc_lo(x_box);
 #ifdef NQ_GEMM_WS_PROBE_NO_MMA  // timing probe (wrong outputs): everything but the tensor-core work
 #pragma unroll
     for (int k = 0; k < STEPS; ++k)
@@ -440,10 +437,7 @@ struct WsPrefillConsumer : WsConsumerState<128> {
 #else
     nq_wgmma::wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < STEPS; ++k) {  // k16 step k: 32 bytes (2 descriptor units) further along the box
-      const u64 desc = ((u64)desc_hi << 32) | (desc_lo + (u32)(2 * k));
-      nq_wgmma::Wgmma<R>::mma(acc, a[k], desc, 1);
-    }
+    for (int k = 0; k < STEPS; ++k) nq_wgmma::Wgmma<R>::mma(acc, a[k], nq_wgmma::sw128_desc(desc_lo, 32 * k), 1);
     nq_wgmma::wgmma_commit();
     nq_wgmma::wgmma_wait<1>();  // the stage before retired: its A buffer and (h == 0) its unit free
 #endif

@@ -10,10 +10,10 @@
 //      (row g + 8, the same columns).
 // So a warp's dequantised INT4 tile pair (gemv_int4.cuh) is its A operand unchanged.
 //
-// B in shared memory, "K-major" (each of the R columns of B is 16 contiguous k values); the caller
-// builds the descriptor (PTX ISA, "Matrix Descriptor Format"): the start address, the leading and stride
-// byte offsets (LBO, SBO), each >> 4, and the swizzle mode (bits 62-63: 0 none, 1 128-byte). Without
-// swizzle: core matrices of 8 columns (rows of x) x 8 k, 128 contiguous bytes; LBO steps
+// B in shared memory, "K-major" (each of the R columns of B is 16 contiguous k values), named by a
+// descriptor (PTX ISA, "Matrix Descriptor Format"; sw128_desc below for the 128-byte swizzle): the
+// start address, the leading and stride byte offsets (LBO, SBO), each >> 4, and the swizzle mode (bits
+// 62-63: 0 none, 1 128-byte). Without swizzle: core matrices of 8 columns (rows of x) x 8 k, 128 contiguous bytes; LBO steps
 // to the next 8 k, SBO to the next 8 columns. With the 128-byte swizzle (gemm_int4_ws.cuh, as a TMA
 // box writes it): each column's 64 k values are one 128-byte row, 16-byte chunk c at c ^ (row % 8),
 // 8-row atoms 1024 bytes apart (SBO 1024, LBO unused); a k16 step starts 32 bytes further.
@@ -28,6 +28,15 @@
 #include "common.cuh"
 
 namespace nq_wgmma {
+
+// The descriptor of a K-major B with the 128-byte swizzle (header: SBO 1024, LBO 1), as two parts so a
+// loop adds byte offsets to one base: sw128_desc_lo(addr) once, then sw128_desc(lo, offset), offset a
+// multiple of 16 (a k16 step: 32). Shared addresses stay below 2^18, so the start field never carries.
+NQ_DEVICE u32 sw128_desc_lo(u32 addr) { return ((addr >> 4) & 0x3FFFu) | (1u << 16); }
+NQ_DEVICE u64 sw128_desc(u32 lo, u32 offset) {
+  constexpr u32 hi = (1024 >> 4) | (1u << 30);
+  return ((u64)hi << 32) | (lo + (offset >> 4));
+}
 
 #ifdef NQ_HOST_EMU
 // The emulator computes each wgmma when it is issued (emu/simt.h): the ordering calls have nothing to do.
