@@ -94,6 +94,24 @@ PY
     for g in ${2:-7b 1.5b 0.5b}; do PYTHONPATH=$SRC:/tmp/site timeout 150 python3 -m nanoqwen_cli.main bench \
       --geometry $g --quick --kv-memory 8GiB --only decode_ctx128,batch16,batch32,batch64 --out $OUT/batched-$g \
       2>&1 | grep "^batch\|read bandwidth"; done ;;
+  prefill-profile)  # a prefill step's wall time against its GPU-busy time (eager launches), synthetic 7B
+    PYTHONPATH=$SRC timeout 300 python3 -m nanoqwen_bench.engine.bench_prefill --tokens ${2:-512,4096} \
+      --out $OUT/prefill 2>&1 | tail -32 ;;
+  dense-ab)  # engine with / without EngineConfig.dense_weight_cache, synthetic 7B, alternated twice: the
+    # decode batches and prefill (the measurement that decides whether the dense cache can go)
+    for d in 0 1 1 0; do echo "== dense_weight_cache=$d"
+      DENSE=$d PYTHONPATH=$SRC timeout 130 python3 - --geometry 7b --quick --kv-memory 8GiB \
+        --only batch16,batch32,batch64,prefill512,prefill4096 --out $OUT/dense$d-$RANDOM <<'PY' 2>&1 \
+        | grep -i "^batch\|prefill\|Error"
+import os, sys
+from nanoqwen_bench.engine import bench
+from nanoqwen_cli.main import main
+if os.environ["DENSE"] == "1":
+    base = bench.EngineConfig
+    bench.EngineConfig = lambda *a, **kw: base(*a, **{"dense_weight_cache": True, **kw})
+main(["bench"] + sys.argv[1:])
+PY
+    done ;;
   attention)  # paged attention against its ceilings, with forced splits (the warm autocomplete prefill's too)
     PYTHONPATH=$SRC timeout 400 python3 -m nanoqwen_bench.kernels.bench_attention --ablate \
       --out $OUT/attention.json 2>&1 | tail -40 ;;

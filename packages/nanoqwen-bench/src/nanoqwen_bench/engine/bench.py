@@ -93,6 +93,17 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, min(vocab, 150000), (n,), generator=g).tolist()
 
 
+def engine_of(model: str | None, cfg: EngineConfig) -> tuple[Engine, str]:
+    """The engine of a .nanoqwen container, or (None) of the synthetic Qwen2.5-Coder-7B geometry (random
+    INT4 g128 asymmetric weights, as `run_bench`), and how a result names it."""
+    if model:
+        return Engine.from_file(model, cfg), model
+    from nanoqwen_runtime.engine.synthetic import random_weights
+
+    weights = random_weights(QWEN25_CODER_7B, torch.device("cuda"), seed=0, symmetric=False)
+    return Engine(QWEN25_CODER_7B, weights, cfg), "synthetic Qwen2.5-Coder-7B geometry"
+
+
 def _run(engine: Engine, requests: list[Request]) -> tuple[dict[str, FinishEvent], list[tuple]]:
     """Run to completion with a step log: (kind, rows, seconds) per step."""
     log = []

@@ -35,7 +35,7 @@ from nanoqwen_runtime.engine.scheduler import Request
 from nanoqwen_runtime.logprobs import MAX_TOP_LOGPROBS, row_logprobs
 from nanoqwen_runtime.sampling import SamplingParams
 
-from .bench import _decode_rate, _prompt, _run, replay_time
+from .bench import _decode_rate, _prompt, _run, engine_of, replay_time
 
 __all__ = ["logprobs_cost", "main"]
 
@@ -95,16 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = EngineConfig(kv_memory_bytes=8 << 30, max_model_len=4096, max_batch=max(BATCHES),
                        prefix_caching=False, speculation=None)
-    if args.model:
-        engine = Engine.from_file(args.model, cfg)
-        model = args.model
-    else:
-        from nanoqwen_model import QWEN25_CODER_7B
-        from nanoqwen_runtime.engine.synthetic import random_weights
-
-        engine = Engine(QWEN25_CODER_7B, random_weights(QWEN25_CODER_7B, torch.device("cuda"), seed=0,
-                                                        symmetric=False), cfg)
-        model = "synthetic Qwen2.5-Coder-7B geometry"
+    engine, model = engine_of(args.model, cfg)
     rows = logprobs_cost(engine, reps=args.reps, new=args.new)
     out = {"device": torch.cuda.get_device_name(), "model": model, "top_logprobs": MAX_TOP_LOGPROBS,
            "context": 128, "new_tokens": args.new, "reps": args.reps, "rows": rows}
