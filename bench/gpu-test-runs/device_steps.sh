@@ -94,6 +94,23 @@ PY
     for g in ${2:-7b 1.5b 0.5b}; do PYTHONPATH=$SRC:/tmp/site timeout 150 python3 -m nanoqwen_cli.main bench \
       --geometry $g --quick --kv-memory 8GiB --only decode_ctx128,batch16,batch32,batch64 --out $OUT/batched-$g \
       2>&1 | grep "^batch\|read bandwidth"; done ;;
+  gemm-define)  # gemm-define NAME=VALUE [GEOMETRY]: the wgmma GEMM built with -DNAME=VALUE against the tree's
+    # build, alternated twice: bench_gemm at M = 16..64 (7B shapes), then the engine's batches 16 / 32 / 64
+    # (e.g. NQ_GEMM_WS_BATCH_R16=2)
+    for side in tree "$2" tree "$2"; do echo "== $side"
+      PYTHONPATH=$SRC timeout 100 python3 -m nanoqwen_bench.kernels.bench_gemm --ms 16,32,64 --int4-only \
+        $([ $side = tree ] || echo --define $side) --out $OUT/gemm-$RANDOM 2>&1 | grep "int4_gemm \|^M=\|Error"
+      DEFINE=$side PYTHONPATH=$SRC timeout 150 python3 - --geometry ${3:-7b} --quick --kv-memory 8GiB \
+        --only batch16,batch32,batch64 --out $OUT/engine-$RANDOM <<'PY' 2>&1 | grep "^batch\|Error"
+import dataclasses, os, sys
+from nanoqwen_kernels import specs
+from nanoqwen_cli.main import main
+if os.environ["DEFINE"] != "tree":
+    s = specs.SPECS["gemm_ws"]
+    specs.SPECS["gemm_ws"] = dataclasses.replace(s, options=s.options + ("-D" + os.environ["DEFINE"],))
+main(["bench"] + sys.argv[1:])
+PY
+    done ;;
   prefill-profile)  # a prefill step's wall time against its GPU-busy time (eager launches), synthetic 7B
     PYTHONPATH=$SRC timeout 300 python3 -m nanoqwen_bench.engine.bench_prefill --tokens ${2:-512,4096} \
       --out $OUT/prefill 2>&1 | tail -32 ;;

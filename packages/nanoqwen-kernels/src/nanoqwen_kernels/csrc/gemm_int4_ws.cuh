@@ -99,14 +99,19 @@ struct WsWarps {
   static_assert(CONSUMERS * (CONSUMER_REGS - LAUNCH_REGS) <= 128 * (LAUNCH_REGS - PRODUCER_REGS),
                 "setmaxnreg: the consumers take more registers than the producer gives back");
 };
-// Quantization groups per consumer step: one (with two consumer sets, ptxas fits 2 in the registers only
-// with spills).
-// NQ_GEMM_WS_BATCH overrides it (experiments).
-#ifdef NQ_GEMM_WS_BATCH
-constexpr int GROUPS_PER_STEP = NQ_GEMM_WS_BATCH;
+// Quantization groups per consumer step: one. With two consumer sets ptxas fits two in the launch's 96
+// registers at R = 16 only (R = 32 spills 8 bytes, R = 64 88). Experiments: NQ_GEMM_WS_BATCH sets it for
+// every R, NQ_GEMM_WS_BATCH_R16 for R = 16 alone (the unspilled case; not yet timed with two sets).
+template <int R>
+struct GroupsPerStep {
+#if defined(NQ_GEMM_WS_BATCH)
+  static constexpr int value = NQ_GEMM_WS_BATCH;
+#elif defined(NQ_GEMM_WS_BATCH_R16)
+  static constexpr int value = R == 16 ? NQ_GEMM_WS_BATCH_R16 : 1;
 #else
-constexpr int GROUPS_PER_STEP = 1;
+  static constexpr int value = 1;
 #endif
+};
 constexpr int ROWS_PER_BLOCK = 128;
 
 // Shared memory: the 2 NBUF mbarriers (full, then empty), the scale table (u16 [128, KGB]) and the
@@ -687,7 +692,7 @@ NQ_DEVICE void gemm_int4_ws(const bf16_t* __restrict__ x, const uint4* __restric
   bool has0, has1;
   rows_of(row_base, row0, row1, has0, has1);
 
-  typename Pick<R == 128, WsPrefillConsumer<G, ASYM, ST>, WsConsumer<G, ASYM, NT, ST, GROUPS_PER_STEP>>::type c;
+  typename Pick<R == 128, WsPrefillConsumer<G, ASYM, ST>, WsConsumer<G, ASYM, NT, ST, GroupsPerStep<R>::value>>::type c;
   c.init(ring, stab, ztab, full, empty, kgb, lane, wq, lr0, lr1);
 #ifndef NQ_GEMM_WS_PROBE_NO_MAINLOOP
   if constexpr (R == 128) {
