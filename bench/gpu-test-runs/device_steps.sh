@@ -94,6 +94,14 @@ PY
     for g in ${2:-7b 1.5b 0.5b}; do PYTHONPATH=$SRC:/tmp/site timeout 150 python3 -m nanoqwen_cli.main bench \
       --geometry $g --quick --kv-memory 8GiB --only decode_ctx128,batch16,batch32,batch64 --out $OUT/batched-$g \
       2>&1 | grep "^batch\|read bandwidth"; done ;;
+  gemm-base)  # gemm-base DIR [MS]: bench_gemm of the tree's kernels against an earlier commit's, alternated
+    # twice; DIR (carried) holds that commit's packages/nanoqwen-kernels/src, made on this side by
+    # `git archive REV packages/nanoqwen-kernels/src | tar -x -C DIR`
+    BASE=$(echo "$SRC" | sed "s#$PWD/packages/nanoqwen-kernels/src#$PWD/$2/packages/nanoqwen-kernels/src#")
+    for side in tree base tree base; do echo "== $side"
+      PYTHONPATH=$([ $side = tree ] && echo "$SRC" || echo "$BASE") timeout 110 python3 -m \
+        nanoqwen_bench.kernels.bench_gemm --ms ${3:-16,32,64,512} --int4-only --out $OUT/gemm-$side-$RANDOM \
+        2>&1 | grep "int4_gemm \|^M=\|Error"; done ;;
   gemm-define)  # gemm-define NAME=VALUE [GEOMETRY]: the wgmma GEMM built with -DNAME=VALUE against the tree's
     # build, alternated twice: bench_gemm at M = 16..64 (7B shapes), then the engine's batches 16 / 32 / 64
     # (e.g. NQ_GEMM_WS_BATCH_R16=2)
