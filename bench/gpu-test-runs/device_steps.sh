@@ -102,12 +102,12 @@ PY
       PYTHONPATH=$([ $side = tree ] && echo "$SRC" || echo "$BASE") timeout 110 python3 -m \
         nanoqwen_bench.kernels.bench_gemm --ms ${3:-16,32,64,512} --int4-only --out $OUT/gemm-$side-$RANDOM \
         2>&1 | grep "int4_gemm \|^M=\|Error"; done ;;
-  gemm-define)  # gemm-define NAME=VALUE [GEOMETRY]: the wgmma GEMM built with -DNAME=VALUE against the tree's
-    # build, alternated twice: bench_gemm at M = 16..64 (7B shapes), then the engine's batches 16 / 32 / 64
-    # (e.g. NQ_GEMM_WS_BATCH_R16=2)
+  gemm-define)  # gemm-define NAME[=VALUE][,NAME2...] [GEOMETRY]: the wgmma GEMM built with those -D options
+    # against the tree's build, alternated twice: bench_gemm at M = 16..64 (7B shapes), then the engine's
+    # batches 16 / 32 / 64 (e.g. NQ_GEMM_WS_BATCH_R16=2 or NQ_GEMM_WS_BATCH_R16=2,NQ_GEMM_WS_INTERLEAVE)
     for side in tree "$2" tree "$2"; do echo "== $side"
       PYTHONPATH=$SRC timeout 100 python3 -m nanoqwen_bench.kernels.bench_gemm --ms 16,32,64 --int4-only \
-        $([ $side = tree ] || echo --define $side) --out $OUT/gemm-$RANDOM 2>&1 | grep "int4_gemm \|^M=\|Error"
+        $([ $side = tree ] || echo "$side" | tr , '\n' | sed 's/^/--define /') --out $OUT/gemm-$RANDOM 2>&1 | grep "int4_gemm \|^M=\|Error"
       DEFINE=$side PYTHONPATH=$SRC timeout 150 python3 - --geometry ${3:-7b} --quick --kv-memory 8GiB \
         --only batch16,batch32,batch64 --out $OUT/engine-$RANDOM <<'PY' 2>&1 | grep "^batch\|Error"
 import dataclasses, os, sys
@@ -115,7 +115,8 @@ from nanoqwen_kernels import specs
 from nanoqwen_cli.main import main
 if os.environ["DEFINE"] != "tree":
     s = specs.SPECS["gemm_ws"]
-    specs.SPECS["gemm_ws"] = dataclasses.replace(s, options=s.options + ("-D" + os.environ["DEFINE"],))
+    extra = tuple("-D" + d for d in os.environ["DEFINE"].split(","))
+    specs.SPECS["gemm_ws"] = dataclasses.replace(s, options=s.options + extra)
 main(["bench"] + sys.argv[1:])
 PY
     done ;;

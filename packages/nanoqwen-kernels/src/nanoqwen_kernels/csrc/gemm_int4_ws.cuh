@@ -101,7 +101,9 @@ struct WsWarps {
 };
 // Quantization groups per consumer step: one. With two consumer sets ptxas fits two in the launch's 96
 // registers at R = 16 only (R = 32 spills 8 bytes, R = 64 88). Experiments: NQ_GEMM_WS_BATCH sets it for
-// every R, NQ_GEMM_WS_BATCH_R16 for R = 16 alone (the unspilled case; not yet timed with two sets).
+// every R, NQ_GEMM_WS_BATCH_R16 for R = 16 alone (the unspilled case; not yet timed with two sets);
+// NQ_GEMM_WS_INTERLEAVE issues each group's wgmmas before the next group of the step is dequantised
+// (no C7511 / C7512 serialisation at R = 16, SASS checked).
 template <int R>
 struct GroupsPerStep {
 #if defined(NQ_GEMM_WS_BATCH)
@@ -322,6 +324,12 @@ struct WsConsumer : WsConsumerState<8 * NT> {
         const int j = gi * KS + k;
         desc[p][k] = nq_wgmma::sw128_desc(desc_lo, (u32)((j >> 2) * RG::XBOX + (j & 3) * 32));
       }
+#if defined(NQ_GEMM_WS_INTERLEAVE) && !defined(NQ_GEMM_WS_PROBE_NO_MMA)
+      // experiment: issue this group's wgmmas before dequantising the next group of the step
+      nq_wgmma::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < KS; ++k) nq_wgmma::Wgmma<R>::mma(f[p], a[p][k], desc[p][k], k);
+#endif
     }
 #ifdef NQ_GEMM_WS_PROBE_NO_MMA  // timing probe (wrong outputs): everything but the tensor-core work
 #pragma unroll
@@ -330,11 +338,13 @@ struct WsConsumer : WsConsumerState<8 * NT> {
       for (int k = 0; k < KS; ++k)
         f[p][k % (R / 2)] += __uint_as_float(a[p][k][0] ^ a[p][k][1] ^ a[p][k][2] ^ a[p][k][3] ^ (u32)desc[p][k]);
 #else
+#ifndef NQ_GEMM_WS_INTERLEAVE
     nq_wgmma::wgmma_fence();
 #pragma unroll
     for (int p = 0; p < Q; ++p)
 #pragma unroll
       for (int k = 0; k < KS; ++k) nq_wgmma::Wgmma<R>::mma(f[p], a[p][k], desc[p][k], k);
+#endif
     nq_wgmma::wgmma_commit();
     nq_wgmma::wgmma_wait<0>();
 #endif
