@@ -10,6 +10,8 @@ prefix-cache hit, as `nanoqwen-cli bench`'s prefill rows), then one more step un
   ran anything); `span_ms`: first kernel start to last kernel end;
 - `idle_ms` = wall - busy: the time the step's GPU work waited on the host (launches, planning, the
   uploads and the read-back), the part a graph or a cheaper launch path could remove;
+- `enqueue_ms`: the host's time inside `ModelRunner.queue_forward` (every launch of the forward queued,
+  median of the timed steps): near the wall time, the step is host-bound;
 - `launches` and the kernels that took the most time (name, calls, total ms).
 
 Writes DIR/prefill_breakdown.json. No model given: the synthetic Qwen2.5-Coder-7B geometry (random INT4
@@ -22,6 +24,7 @@ import argparse
 import collections
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -52,20 +55,36 @@ def busy_union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def _prefill_step_s(engine: Engine, n: int, seed: int, rid: str) -> float:
+def _prefill_step_s(engine: Engine, n: int, seed: int, rid: str) -> tuple[float, float]:
+    """(wall time of the prefill steps, host time spent queueing their forwards) of one n-token request."""
     prompt = _prompt(n, engine.geom.vocab_size, seed)
     req = Request(prompt, SamplingParams(max_tokens=1), rid, ignore_eos=True)
-    _, log = _run(engine, [req])
-    return sum(dt for kind, _, dt in log if kind == "prefill")
+    runner, queued = engine.runner, []
+    queue_forward = runner.queue_forward
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return queue_forward(*args, **kwargs)
+        finally:
+            queued.append(time.perf_counter() - t0)
+
+    runner.queue_forward = timed
+    try:
+        _, log = _run(engine, [req])
+    finally:
+        del runner.queue_forward  # the class's method again
+    return sum(dt for kind, _, dt in log if kind == "prefill"), sum(queued)
 
 
 def prefill_breakdown(engine: Engine, n: int, *, reps: int = 3, seed: int = 7) -> dict:
     """One prompt length's breakdown (module docstring); the engine must be idle, its KV pool room for n."""
     _prefill_step_s(engine, n, seed - 1, f"warm{n}")  # first use of this length's plans
-    walls = [_prefill_step_s(engine, n, seed + 1000 * r, f"p{n}-{r}") for r in range(reps)]
+    timed = [_prefill_step_s(engine, n, seed + 1000 * r, f"p{n}-{r}") for r in range(reps)]
+    walls = [w for w, _ in timed]
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        profiled_wall = _prefill_step_s(engine, n, seed + 1000 * reps, f"prof{n}")
+        profiled_wall, _ = _prefill_step_s(engine, n, seed + 1000 * reps, f"prof{n}")
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:
@@ -82,6 +101,7 @@ def prefill_breakdown(engine: Engine, n: int, *, reps: int = 3, seed: int = 7) -
             "kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3, "busy_ms": busy_ms,
             "span_ms": (max(s[1] for s in spans) - min(s[0] for s in spans)) / 1e3,
             "idle_ms": wall_ms - busy_ms, "prefill_tok_s": n / (wall_ms / 1e3),
+            "enqueue_ms": 1e3 * statistics.median(q for _, q in timed),
             "top_kernels": [{"name": k, "calls": len(v), "total_ms": sum(v) / 1e3} for k, v in top]}
 
 
@@ -106,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"prefill {r['tokens']}: step {r['wall_ms']:.2f} ms ({r['prefill_tok_s']:.0f} tok/s); GPU busy "
               f"{r['busy_ms']:.2f} ms ({r['launches']} kernels, {r['kernel_ms']:.2f} ms summed), idle "
-              f"{r['idle_ms']:.2f} ms")
+              f"{r['idle_ms']:.2f} ms; host queueing the forward {r['enqueue_ms']:.2f} ms")
         for k in r["top_kernels"]:
             print(f"    {k['total_ms']:8.3f} ms  {k['calls']:4d} x  {k['name'][:90]}")
 
