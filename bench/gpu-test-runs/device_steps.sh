@@ -101,15 +101,16 @@ PY
     for side in tree base tree base; do echo "== $side"
       PYTHONPATH=$([ $side = tree ] && echo "$SRC" || echo "$BASE") timeout 110 python3 -m \
         nanoqwen_bench.kernels.bench_gemm --ms ${3:-16,32,64,512} --int4-only --out $OUT/gemm-$side-$RANDOM \
-        2>&1 | grep "int4_gemm \|^M=\|Error"; done ;;
+        2>&1 | grep "int4_gemm \|^M=\|Error" || true; done ;;
   gemm-define)  # gemm-define NAME[=VALUE][,NAME2...] [GEOMETRY]: the wgmma GEMM built with those -D options
     # against the tree's build, alternated twice: bench_gemm at M = 16..64 (7B shapes), then the engine's
     # batches 16 / 32 / 64 (e.g. NQ_GEMM_WS_BATCH_R16=2 or NQ_GEMM_WS_BATCH_R16=2,NQ_GEMM_WS_INTERLEAVE)
     for side in tree "$2" tree "$2"; do echo "== $side"
       PYTHONPATH=$SRC timeout 100 python3 -m nanoqwen_bench.kernels.bench_gemm --ms 16,32,64 --int4-only \
-        $([ $side = tree ] || echo "$side" | tr , '\n' | sed 's/^/--define /') --out $OUT/gemm-$RANDOM 2>&1 | grep "int4_gemm \|^M=\|Error"
+        $([ $side = tree ] || echo "$side" | tr , '\n' | sed 's/^/--define /') --out $OUT/gemm-$RANDOM 2>&1 \
+        | grep "int4_gemm \|^M=\|Error" || true
       DEFINE=$side PYTHONPATH=$SRC timeout 150 python3 - --geometry ${3:-7b} --quick --kv-memory 8GiB \
-        --only batch16,batch32,batch64 --out $OUT/engine-$RANDOM <<'PY' 2>&1 | grep "^batch\|Error"
+        --only batch16,batch32,batch64 --out $OUT/engine-$RANDOM <<'PY' 2>&1 | grep "^batch\|Error" || true
 import dataclasses, os, sys
 from nanoqwen_kernels import specs
 from nanoqwen_cli.main import main
@@ -128,7 +129,7 @@ PY
     for d in 0 1 1 0; do echo "== dense_weight_cache=$d"
       DENSE=$d PYTHONPATH=$SRC timeout 130 python3 - --geometry 7b --quick --kv-memory 8GiB \
         --only batch16,batch32,batch64,prefill512,prefill4096 --out $OUT/dense$d-$RANDOM <<'PY' 2>&1 \
-        | grep -i "^batch\|prefill\|Error"
+        | grep -i "^batch\|prefill\|Error" || true
 import os, sys
 from nanoqwen_bench.engine import bench
 from nanoqwen_cli.main import main
