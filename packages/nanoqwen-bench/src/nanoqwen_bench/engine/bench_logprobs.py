@@ -35,6 +35,7 @@ from nanoqwen_runtime.engine.scheduler import Request
 from nanoqwen_runtime.logprobs import MAX_TOP_LOGPROBS, row_logprobs
 from nanoqwen_runtime.sampling import SamplingParams
 
+from ..files import write_atomic
 from .bench import _decode_rate, _prompt, _run, engine_of, replay_time
 
 __all__ = ["logprobs_cost", "main"]
@@ -100,9 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {"device": torch.cuda.get_device_name(), "model": model, "top_logprobs": MAX_TOP_LOGPROBS,
            "context": 128, "new_tokens": args.new, "reps": args.reps, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / "logprobs_cost.json.tmp"
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    tmp.replace(args.out / "logprobs_cost.json")
+    write_atomic(args.out / "logprobs_cost.json", json.dumps(out, indent=2) + "\n")
     for r in rows:
         print(f"batch {r['batch']}: step {r['step_ms_off']:.3f} ms -> {r['step_ms_on']:.3f} ms with "
               f"logprobs (+{r['step_cost_ms']:.3f} ms; the op alone {r['op_ms']:.3f} ms GPU; graph "

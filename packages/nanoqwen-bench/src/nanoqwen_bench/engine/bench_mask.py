@@ -31,6 +31,7 @@ import torch
 from nanoqwen_model import Qwen2Config
 from nanoqwen_runtime.token_mask import apply_token_bitmask_, bit_values, bitmask_words
 
+from ..files import write_atomic
 from .bench import AB_REPS, _ab_engine, _prompt, _run, ab_decode, tokenizer_from
 
 __all__ = ["token_mask_op_us", "token_mask_ab", "constrained_neighbours", "MASK_BATCHES", "main"]
@@ -155,9 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every section: a later failure keeps what was measured
-        tmp = args.out / "mask_cost.json.tmp"
-        tmp.write_text(json.dumps(out, indent=2, default=str) + "\n")
-        tmp.replace(args.out / "mask_cost.json")
+        write_atomic(args.out / "mask_cost.json", json.dumps(out, indent=2, default=str) + "\n")
 
     out = {"device": torch.cuda.get_device_name(), "model": "synthetic Qwen2.5-Coder-7B geometry",
            "op_us": token_mask_op_us(geom)}

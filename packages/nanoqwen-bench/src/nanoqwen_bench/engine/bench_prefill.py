@@ -33,6 +33,7 @@ from nanoqwen_runtime.engine.engine import Engine
 from nanoqwen_runtime.engine.scheduler import Request
 from nanoqwen_runtime.sampling import SamplingParams
 
+from ..files import write_atomic
 from .bench import _prompt, _run, engine_of
 
 __all__ = ["busy_union", "prefill_breakdown", "main"]
@@ -120,9 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {"device": torch.cuda.get_device_name(), "model": model, "prefill_chunk": cfg.prefill_chunk,
            "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / "prefill_breakdown.json.tmp"
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    tmp.replace(args.out / "prefill_breakdown.json")
+    write_atomic(args.out / "prefill_breakdown.json", json.dumps(out, indent=2) + "\n")
     for r in rows:
         print(f"prefill {r['tokens']}: step {r['wall_ms']:.2f} ms ({r['prefill_tok_s']:.0f} tok/s); GPU busy "
               f"{r['busy_ms']:.2f} ms ({r['launches']} kernels, {r['kernel_ms']:.2f} ms summed), idle "

@@ -121,6 +121,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import write_atomic
+
 INSTRUCTION = ("Complete the following Python function. Answer with the whole function in one ```python "
                "code block.\n\n```python\n{prompt}\n```")
 PYTHON_TAGS = ("python", "py", "python3", "")
@@ -177,13 +179,6 @@ def _jsonl(text: str, where: str) -> list[dict]:
                 raise HarnessError(f"{where}:{n}: a row must be a JSON object")
             rows.append(row)
     return rows
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and os.replace."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def parse_models(specs: list[str]) -> dict[str, Path]:

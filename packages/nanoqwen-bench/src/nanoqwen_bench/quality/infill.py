@@ -43,6 +43,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..files import write_atomic
 from . import humaneval  # problems, the program runner
 
 WAYS = ("fim", "chat")
@@ -110,12 +111,12 @@ def generate(name: str, path: Path, way: str, tasks: list[dict], out: Path, devi
     rows = [{"task_id": t["task_id"], "kind": t["kind"], "way": way, "completion": r.text,
              "finish_reason": r.finish_reason, "generated_tokens": r.generated_tokens,
              "prompt_tokens": r.prompt_tokens} for t, r in zip(tasks, results, strict=True)]
-    humaneval.write_atomic(dest, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    write_atomic(dest, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     meta = {"container": str(path.resolve()), "device": device, "backend": pipe.backend.name, "way": way,
             "variant": pipe.variant, "max_tokens": max_tokens, "tasks": len(tasks), "load_s": round(load_s,
                                                                                                     2),
             "generate_s": round(wall, 2), "generated_tokens": sum(r["generated_tokens"] for r in rows)}
-    humaneval.write_atomic(out / f"{name}.{way}.generate.json", json.dumps(meta, indent=1) + "\n")
+    write_atomic(out / f"{name}.{way}.generate.json", json.dumps(meta, indent=1) + "\n")
     print(f"[{name}/{way}] {meta['generated_tokens']} tokens in {wall:.1f} s (load {load_s:.1f} s)",
           flush=True)
     del pipe
@@ -220,17 +221,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise humaneval.HarnessError(f"{dest} holds other tasks than this run's (--limit?); "
                                              "delete it")
             scored[(name, way)] = score(rows, task_map, by_id, a.timeout, a.jobs)
-            humaneval.write_atomic(a.out / f"{name}.{way}.results.jsonl",
+            write_atomic(a.out / f"{name}.{way}.results.jsonl",
                                    "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in scored[(name,
                                                                                                      way)]))
     table = summarize(scored)
     settings = {"device": a.device, "max_tokens": a.max_tokens, "tasks": len(tasks), "of": len(all_tasks),
                 "greedy": True}
-    humaneval.write_atomic(a.out / "infill.json", json.dumps({"settings": settings, "selfcheck": [ok,
+    write_atomic(a.out / "infill.json", json.dumps({"settings": settings, "selfcheck": [ok,
                                                                                                   len(tasks)],
                                                              "table": table}, indent=1) + "\n")
     md = markdown(table, (ok, len(tasks)), settings)
-    humaneval.write_atomic(a.out / "infill.md", md)
+    write_atomic(a.out / "infill.md", md)
     print(md)
     return 0
 
